@@ -1,0 +1,73 @@
+"""Redis key and channel names: the one place they are spelled.
+
+Every key of a pool shares the hash tag ``{pool}`` so that one pool's keys live in one Redis Cluster slot and can
+be read in one pipeline or transaction.
+"""
+
+from __future__ import annotations
+
+from loraplane.api import validation as v
+
+PREFIX = "loraplane"
+
+
+def _pool(pool: str) -> str:
+    if not v.matches(v.DNS1123_SUBDOMAIN, pool):
+        raise ValueError(f"pool name {pool!r} is not a DNS-1123 subdomain")
+    return f"{PREFIX}:{{{pool}}}"
+
+
+def _pod(pod: str) -> str:
+    if not v.matches(v.DNS1123_SUBDOMAIN, pod):
+        raise ValueError(f"pod name {pod!r} is not a DNS-1123 subdomain")
+    return pod
+
+
+def target_state(pool: str, pod: str) -> str:
+    """The pod's ``TargetState`` (written by the controller)."""
+    return f"{_pool(pool)}:target:{_pod(pod)}"
+
+
+def target_state_pattern(pool: str) -> str:
+    """A SCAN pattern matching every pod's target state key in the pool."""
+    return f"{_pool(pool)}:target:*"
+
+
+def residency_report(pool: str, pod: str) -> str:
+    """The pod's ``ResidencyReport`` (written by its sidecar, with a TTL)."""
+    return f"{_pool(pool)}:residency:{_pod(pod)}"
+
+
+def residency_index(pool: str) -> str:
+    """A set of the pod names that have reported (members may have expired reports)."""
+    return f"{_pool(pool)}:residency-pods"
+
+
+def route_table(pool: str) -> str:
+    """The pool's ``RouteTable`` (written by the controller)."""
+    return f"{_pool(pool)}:routes"
+
+
+def request_rates(pool: str) -> str:
+    """The picker's ``RequestRates`` for the pool."""
+    return f"{_pool(pool)}:rates"
+
+
+def picker_counters(pool: str, replica: str) -> str:
+    """One picker replica's ``PickerCounters``."""
+    return f"{_pool(pool)}:counters:{_pod(replica)}"
+
+
+def target_changed_channel(pool: str) -> str:
+    """Pub/sub channel: the message is the pod name whose target state changed."""
+    return f"{_pool(pool)}:target-changed"
+
+
+def residency_changed_channel(pool: str) -> str:
+    """Pub/sub channel: the message is the pod name whose residency report changed."""
+    return f"{_pool(pool)}:residency-changed"
+
+
+def routes_changed_channel(pool: str) -> str:
+    """Pub/sub channel: the message is the new route table generation."""
+    return f"{_pool(pool)}:routes-changed"

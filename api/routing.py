@@ -1,0 +1,97 @@
+"""What the controller tells the picker (``RouteTable``) and what the picker tells the controller (rates, counters)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from loraplane.api.adapterrevision import DnsLabel
+from loraplane.api.base import ApiModel
+from loraplane.api.runtime import SCHEMA_VERSION
+
+
+class RevisionRole(StrEnum):
+    """Why a revision is in a route: it is the stable one, or a canary taking a share."""
+
+    STABLE = "stable"
+    CANARY = "canary"
+
+
+class WeightedRevision(ApiModel):
+    """One revision a logical name routes to, with its share of the traffic in percent."""
+
+    revision: DnsLabel
+    served_name: str
+    digest: str = Field(description="artifact digest; a pod is warm for it only when it reports the same")
+    weight: int = Field(ge=0, le=100)
+    role: RevisionRole = RevisionRole.STABLE
+
+
+class RouteEntry(ApiModel):
+    """How one logical model name is served."""
+
+    tenant: str = "default"
+    priority: int = 0
+    revisions: list[WeightedRevision] = Field(min_length=1, max_length=8)
+
+    @field_validator("revisions")
+    @classmethod
+    def _weights_sum_to_100(cls, revisions: list[WeightedRevision]) -> list[WeightedRevision]:
+        total = sum(r.weight for r in revisions)
+        if total != 100:
+            raise ValueError(f"revision weights must sum to 100, got {total}")
+        names = [r.served_name for r in revisions]
+        if len(set(names)) != len(names):
+            raise ValueError("a route lists a revision twice")
+        return revisions
+
+
+class RouteTable(ApiModel):
+    """Logical model name -> weighted revisions. Only names in this table are routable."""
+
+    schema_version: int = SCHEMA_VERSION
+    pool: str
+    generation: int = Field(ge=0)
+    base_model: str | None = Field(default=None, description="the base model name, routable without an adapter")
+    models: dict[str, RouteEntry] = Field(default_factory=dict)
+    updated_at: float
+
+
+RateWindow = Literal["5m", "1h", "24h"]
+
+
+class RequestRates(ApiModel):
+    """Per-served-revision request rates (requests/s) over rolling windows, published by the picker."""
+
+    schema_version: int = SCHEMA_VERSION
+    pool: str
+    published_at: float
+    windows: dict[RateWindow, dict[str, float]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _non_negative(self) -> RequestRates:
+        for window, rates in self.windows.items():
+            if any(r < 0 for r in rates.values()):
+                raise ValueError(f"negative rate in window {window}")
+        return self
+
+
+class RevisionCounters(ApiModel):
+    """Cumulative per-revision outcome counters the picker publishes for canary analysis."""
+
+    requests: int = Field(default=0, ge=0)
+    errors: int = Field(default=0, ge=0)
+    ttft_seconds_sum: float = Field(default=0.0, ge=0)
+    ttft_count: int = Field(default=0, ge=0)
+
+
+class PickerCounters(ApiModel):
+    """All revisions' counters from one picker replica."""
+
+    schema_version: int = SCHEMA_VERSION
+    pool: str
+    replica: str
+    published_at: float
+    revisions: dict[str, RevisionCounters] = Field(default_factory=dict)

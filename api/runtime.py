@@ -1,0 +1,140 @@
+"""What the controller asks of each pod (``TargetState``) and what each pod's sidecar reports (``ResidencyReport``)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import Field, field_validator
+
+from loraplane.api.adapterrevision import Artifact, Digest, LoraSpec
+from loraplane.api.base import ApiModel
+
+#: Bumped on any incompatible change of the payloads in this module; readers refuse other versions.
+SCHEMA_VERSION = 1
+
+
+class Tier(StrEnum):
+    """Where an adapter's weights are: GPU slot (L0), host memory (L1), local disk (L2) or nowhere (L3)."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    DISK = "disk"
+    ABSENT = "absent"
+
+    @property
+    def level(self) -> int:
+        """0 for GPU ... 3 for absent: lower is warmer."""
+        return _LEVELS[self]
+
+    def warmer_than(self, other: Tier) -> bool:
+        """True when this tier serves faster than ``other``."""
+        return self.level < other.level
+
+
+_LEVELS = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.ABSENT: 3}
+
+TargetTier = Annotated[Tier, Field(description="gpu, cpu or disk; adapters not listed should be absent")]
+
+
+class AdapterTarget(ApiModel):
+    """One served revision a pod should hold, and everything the sidecar needs to fetch and check it."""
+
+    served_name: str = Field(min_length=3, max_length=128)
+    adapter: str
+    revision: str
+    tier: TargetTier
+    pinned: bool = False
+    artifact: Artifact
+    lora: LoraSpec
+    base_model_digest: Digest
+    cache_key: str
+    tenant: str = "default"
+    priority: int = 0
+
+    @field_validator("tier")
+    @classmethod
+    def _not_absent(cls, tier: Tier) -> Tier:
+        if tier is Tier.ABSENT:
+            raise ValueError("a target tier is gpu, cpu or disk; leave the adapter out to make it absent")
+        return tier
+
+
+class TargetState(ApiModel):
+    """The controller's wish for one pod. Written only by the controller; ``generation`` increases on change."""
+
+    schema_version: int = SCHEMA_VERSION
+    pool: str
+    pod: str
+    generation: int = Field(ge=0)
+    adapters: list[AdapterTarget] = Field(default_factory=list)
+    updated_at: float = Field(description="unix seconds when the controller wrote it")
+
+    @field_validator("adapters")
+    @classmethod
+    def _unique(cls, adapters: list[AdapterTarget]) -> list[AdapterTarget]:
+        names = [a.served_name for a in adapters]
+        if len(names) != len(set(names)):
+            raise ValueError("target state lists a served name twice")
+        return adapters
+
+    def by_name(self) -> dict[str, AdapterTarget]:
+        """The targets keyed by served name."""
+        return {a.served_name: a for a in self.adapters}
+
+
+class AdapterResidency(ApiModel):
+    """One served revision as the runtime holds it."""
+
+    served_name: str
+    tier: Tier
+    digest: str | None = Field(default=None, description="sha256 of the artifact the runtime loaded")
+    bytes: int = Field(default=0, ge=0, description="adapter weight bytes at its tier")
+    pinned: bool = False
+    in_flight: int = Field(default=0, ge=0)
+    hits: int = Field(default=0, ge=0)
+    loads: int = Field(default=0, ge=0)
+    evictions: int = Field(default=0, ge=0)
+    last_access: float | None = Field(default=None, description="unix seconds of the last request")
+    error: str | None = Field(default=None, description="why the adapter is not at its target tier")
+
+
+class PodLoad(ApiModel):
+    """Load of one model server, scraped from its metrics (GIE model-server protocol names)."""
+
+    queue_depth: int = Field(default=0, ge=0)
+    running: int = Field(default=0, ge=0)
+    active_tokens: int = Field(default=0, ge=0)
+    kv_utilization: float = Field(default=0.0, ge=0, le=1)
+    max_gpu_slots: int = Field(default=1, ge=0)
+    max_cpu_slots: int = Field(default=1, ge=0)
+    recent_evictions: int = Field(default=0, ge=0, description="evictions in the last minute")
+
+
+class ResidencyReport(ApiModel):
+    """A pod's heartbeat: what is warm where, and how loaded it is. Written only by that pod's sidecar."""
+
+    schema_version: int = SCHEMA_VERSION
+    pool: str
+    pod: str
+    address: str = Field(description="ip:port of the model server, as the picker routes to it")
+    ready: bool = True
+    runtime: str = Field(default="engine", description="engine | vllm | vllm-ascend")
+    residency_inferred: bool = Field(
+        default=False, description="True when the runtime cannot report tiers (vLLM) and the sidecar infers them"
+    )
+    base_model_digest: str | None = None
+    max_lora_rank: int | None = None
+    target_generation: int | None = Field(default=None, description="the TargetState generation last applied")
+    heartbeat_at: float = Field(description="unix seconds")
+    ttl_seconds: float = Field(default=5.0, gt=0)
+    adapters: list[AdapterResidency] = Field(default_factory=list)
+    load: PodLoad = Field(default_factory=PodLoad)
+
+    def is_stale(self, now: float) -> bool:
+        """True when the report is older than its TTL: treat the pod as unknown, not as truth."""
+        return now - self.heartbeat_at > self.ttl_seconds
+
+    def by_name(self) -> dict[str, AdapterResidency]:
+        """The adapters keyed by served name."""
+        return {a.served_name: a for a in self.adapters}

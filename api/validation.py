@@ -1,0 +1,67 @@
+"""Validation rules shared by the api models and the generated CRD schema.
+
+Every rule is written once here as a regular expression or a constant, so the pydantic models and the
+CustomResourceDefinition reject exactly the same input. The regular expressions use only the syntax that
+Go's RE2 (the API server), Python's ``re`` and JSON Schema validators all share: no look-around.
+"""
+
+from __future__ import annotations
+
+import re
+
+#: Ranks vLLM accepts for ``max_lora_rank`` and therefore for an adapter.
+ALLOWED_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+#: Artifact URI schemes the sidecar knows how to fetch.
+ALLOWED_URI_SCHEMES: tuple[str, ...] = ("oci", "https", "s3", "file")
+
+#: A DNS-1123 label: what Kubernetes accepts for most names.
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS1123_LABEL_MAX = 63
+
+#: A DNS-1123 subdomain (object names, pool names).
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS1123_SUBDOMAIN_MAX = 253
+
+#: ``sha256:`` and 64 lowercase hex digits.
+DIGEST = r"^sha256:[a-f0-9]{64}$"
+
+#: A module name as PEFT writes it: dotted identifiers (``q_proj``, ``model.layers.0.mlp.up_proj``).
+MODULE_NAME = r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$"
+
+#: A base model name such as ``meta-llama/Llama-3.1-8B-Instruct``: no ``..``, no control characters.
+MODEL_NAME = r"^[A-Za-z0-9_-]+([./][A-Za-z0-9_-]+)*$"
+
+# One path segment that is not ``.`` or ``..`` and holds no ``/``, space, control character or backslash.
+_SEG_CHAR = r"[^/\\\x00-\x20\x7f]"
+_SEG_NODOT = r"[^/.\\\x00-\x20\x7f]"
+_SEGMENT = rf"(?:{_SEG_NODOT}{_SEG_CHAR}*|\.{_SEG_NODOT}{_SEG_CHAR}*|\.\.{_SEG_CHAR}+)"
+
+#: An artifact URI: an allowed scheme, then ``/``-separated segments none of which is ``.`` or ``..``.
+ARTIFACT_URI = rf"^(?:oci|https|s3|file)://(?:/)?{_SEGMENT}(?:/{_SEGMENT})*/?$"
+
+_compiled: dict[str, re.Pattern[str]] = {}
+
+
+def matches(pattern: str, value: str) -> bool:
+    """True when ``value`` matches one of the patterns above (compiled once)."""
+    rx = _compiled.get(pattern)
+    if rx is None:
+        rx = _compiled[pattern] = re.compile(pattern)
+    return rx.fullmatch(value) is not None
+
+
+def explain_uri(uri: str) -> str | None:
+    """Why an artifact URI is refused, in words a user understands; None when it is fine."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return f"artifact uri {uri!r} has no scheme; use one of {', '.join(s + '://' for s in ALLOWED_URI_SCHEMES)}"
+    if scheme not in ALLOWED_URI_SCHEMES:
+        return f"artifact uri scheme {scheme!r} is not allowed; use one of {', '.join(ALLOWED_URI_SCHEMES)}"
+    if any(seg in (".", "..") for seg in rest.split("/")):
+        return f"artifact uri {uri!r} contains a '.' or '..' path segment"
+    if any(ord(c) < 0x21 or ord(c) == 0x7F or c == "\\" for c in uri):
+        return f"artifact uri {uri!r} contains a space, backslash or control character"
+    if not matches(ARTIFACT_URI, uri):
+        return f"artifact uri {uri!r} is not a valid <scheme>://<path> URI"
+    return None

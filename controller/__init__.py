@@ -1,0 +1,1 @@
+"""The AdapterRevision controller: validation, placement, rollout, rollback and eviction."""

@@ -1,0 +1,1 @@
+"""The reference runtime: a small vLLM-API-compatible multi-LoRA server built on ``loraplane.kernels``."""

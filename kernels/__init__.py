@@ -1,0 +1,1 @@
+"""Multi-LoRA ops (shrink/expand, SGMV/BGMV, fused delta), host-side batch planning and backends."""

@@ -1,0 +1,1 @@
+"""A discrete-event simulator of one InferencePool and a capacity planner."""
