@@ -7,6 +7,7 @@ warm it should be kept and how it is rolled out. The CRD in ``crds/`` is generat
 
 from __future__ import annotations
 
+import itertools
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
@@ -175,7 +176,7 @@ class Rollout(ApiModel):
     @classmethod
     def _increasing(cls, steps: list[TrafficStep]) -> list[TrafficStep]:
         weights = [s.weight for s in steps]
-        if any(b <= a for a, b in zip(weights, weights[1:], strict=False)):
+        if any(b <= a for a, b in itertools.pairwise(weights)):
             raise ValueError(f"rollout step weights must strictly increase, got {weights}")
         return steps
 
@@ -257,8 +258,8 @@ class AdapterRevision(ApiModel):
     group: ClassVar[str] = GROUP
     version: ClassVar[str] = VERSION
 
-    api_version: Literal["loraplane.io/v1alpha1"] = API_VERSION
-    kind: Literal["AdapterRevision"] = KIND
+    api_version: Literal["loraplane.io/v1alpha1"] = "loraplane.io/v1alpha1"
+    kind: Literal["AdapterRevision"] = "AdapterRevision"
     metadata: ObjectMeta
     spec: AdapterRevisionSpec
     status: AdapterRevisionStatus = Field(default_factory=AdapterRevisionStatus)
