@@ -17,9 +17,12 @@ if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: apt-get install ${missing[*]}"
   apt-get update -qq
   # Install without starting services: the tests start their own servers on free loopback ports.
-  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  made_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1
+  fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  rm -f /usr/sbin/policy-rc.d
+  [ "$made_policy" -eq 1 ] && rm -f /usr/sbin/policy-rc.d
 fi
 
 PY=${PYTHON:-python3}
