@@ -22,7 +22,7 @@ if [ "${#missing[@]}" -gt 0 ]; then
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made_policy=1
   fi
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  [ "$made_policy" -eq 1 ] && rm -f /usr/sbin/policy-rc.d
+  if [ "$made_policy" -eq 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
 fi
 
 PY=${PYTHON:-python3}
