@@ -4,6 +4,12 @@ Import from here; never redefine these models elsewhere. ``crds/`` is generated 
 """
 
 from loraplane.api import keys, validation
+from loraplane.api.adapterfiles import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILES,
+    ADAPTER_WEIGHTS_FILE,
+    adapter_digest,
+)
 from loraplane.api.adapterrevision import (
     API_VERSION,
     GROUP,
@@ -30,6 +36,7 @@ from loraplane.api.adapterrevision import (
     WarmPolicy,
 )
 from loraplane.api.base import ApiModel
+from loraplane.api.headers import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
 from loraplane.api.identity import RUNTIME_COMPAT_VERSION, cache_key, parse_served_name, served_name
 from loraplane.api.routing import (
     PickerCounters,
@@ -51,12 +58,17 @@ from loraplane.api.runtime import (
 )
 
 __all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_DIGEST_HEADER",
+    "ADAPTER_FILES",
+    "ADAPTER_WEIGHTS_FILE",
     "API_VERSION",
     "GROUP",
     "KIND",
     "PLURAL",
     "RUNTIME_COMPAT_VERSION",
     "SCHEMA_VERSION",
+    "SERVED_ADAPTER_HEADER",
     "VERSION",
     "AdapterResidency",
     "AdapterRevision",
@@ -90,6 +102,7 @@ __all__ = [
     "TrafficStep",
     "WarmPolicy",
     "WeightedRevision",
+    "adapter_digest",
     "cache_key",
     "keys",
     "parse_served_name",
