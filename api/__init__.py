@@ -48,6 +48,8 @@ from loraplane.api.routing import (
     WeightedRevision,
 )
 from loraplane.api.runtime import (
+    ERROR_DIGEST_MISMATCH,
+    ERROR_INCOMPATIBLE,
     SCHEMA_VERSION,
     AdapterResidency,
     AdapterTarget,
@@ -63,6 +65,8 @@ __all__ = [
     "ADAPTER_FILES",
     "ADAPTER_WEIGHTS_FILE",
     "API_VERSION",
+    "ERROR_DIGEST_MISMATCH",
+    "ERROR_INCOMPATIBLE",
     "GROUP",
     "KIND",
     "PLURAL",

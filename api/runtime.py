@@ -83,6 +83,12 @@ class TargetState(ApiModel):
         return {a.served_name: a for a in self.adapters}
 
 
+#: ``AdapterResidency.error_reason`` values that end a rollout: the artifact's bytes do not hash to the declared digest.
+ERROR_DIGEST_MISMATCH = "DigestMismatch"
+#: ... or the adapter does not fit the runtime (base model digest, rank, target modules, dtype).
+ERROR_INCOMPATIBLE = "Incompatible"
+
+
 class AdapterResidency(ApiModel):
     """One served revision as the runtime holds it."""
 
@@ -97,6 +103,12 @@ class AdapterResidency(ApiModel):
     evictions: int = Field(default=0, ge=0)
     last_access: float | None = Field(default=None, description="unix seconds of the last request")
     error: str | None = Field(default=None, description="why the adapter is not at its target tier")
+    error_reason: str | None = Field(
+        default=None,
+        pattern=r"^[A-Z][A-Za-z0-9]*$",
+        description="the same as one CamelCase word the controller acts on: DigestMismatch and Incompatible are "
+        "final for this revision (it fails its rollout); anything else (FetchFailed, LoadFailed ...) is retried",
+    )
 
 
 class PodLoad(ApiModel):
@@ -108,6 +120,8 @@ class PodLoad(ApiModel):
     kv_utilization: float = Field(default=0.0, ge=0, le=1)
     max_gpu_slots: int = Field(default=1, ge=0)
     max_cpu_slots: int = Field(default=1, ge=0)
+    max_gpu_bytes: int | None = Field(default=None, ge=0, description="adapter bytes the GPU slots hold; None: slots only")
+    max_cpu_bytes: int | None = Field(default=None, ge=0, description="adapter bytes the host cache holds; None: slots only")
     recent_evictions: int = Field(default=0, ge=0, description="evictions in the last minute")
 
 

@@ -54,10 +54,12 @@ def _all_models() -> list[api.ApiModel]:
             heartbeat_at=1700000001.25,
             adapters=[
                 AdapterResidency(served_name="claims@v1", tier=Tier.GPU, digest=DIGEST_A, bytes=4096, pinned=True,
-                                 in_flight=2, hits=10, loads=1, evictions=0, last_access=1700000000.0)
+                                 in_flight=2, hits=10, loads=1, evictions=0, last_access=1700000000.0),
+                AdapterResidency(served_name="claims@v2", tier=Tier.DISK, error="sha256 mismatch",
+                                 error_reason=api.ERROR_DIGEST_MISMATCH),
             ],
             load=PodLoad(queue_depth=3, running=4, active_tokens=900, kv_utilization=0.4, max_gpu_slots=4,
-                         max_cpu_slots=16, recent_evictions=1),
+                         max_cpu_slots=16, max_gpu_bytes=1 << 30, max_cpu_bytes=8 << 30, recent_evictions=1),
         ),
         RouteTable(
             pool="pool-a",
@@ -210,3 +212,8 @@ def test_tier_order() -> None:
 def test_priority_classes() -> None:
     assert api.PriorityClass.GOLD.priority > api.PriorityClass.STANDARD.priority > api.PriorityClass.SHEDDABLE.priority
     assert api.PriorityClass.SHEDDABLE.priority < 0
+
+
+def test_error_reason_is_one_camel_case_word() -> None:
+    with pytest.raises(ValidationError):
+        AdapterResidency(served_name="claims@v2", tier=Tier.DISK, error_reason="digest mismatch")
