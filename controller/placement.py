@@ -1,0 +1,472 @@
+"""Placement: which served revisions each pod of a pool should hold, and at which tier.
+
+A pure function of the pool's capacity, the adapters' demands and the previous placement (see
+``docs/controller.md`` "Placement"). The controller calls it on every reconcile and the simulator reuses it; it
+does no I/O and reads no clock.
+
+The plan, in order:
+
+1. rollout requirements (``AdapterDemand.required``: canary pods, retiring revisions) are placed first;
+2. GPU replicas by marginal value: an adapter's k-th replica is worth ``score / k`` where the score is its steady
+   request rate (bursts excluded) times a priority weight; pinned adapters come first. Existing replicas are kept
+   while their value, raised by ``stickiness``, still earns them a slot, so a small change in rates moves few
+   adapters. Capacity is counted in slots and bytes; ``burst_slots_per_pod`` GPU slots per pod are kept free for
+   bursts;
+3. one-off bursts (5 min rate far above the 1 h / 24 h rates) get a replica in the reserved burst slots only, so
+   they never evict a hot adapter;
+4. adapters without a GPU replica but with traffic or a ``cpu`` / ``gpu-preferred`` warm policy get a CPU replica;
+5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
+
+Tenant budgets cap the bytes a tenant holds at the GPU and CPU tiers across the pool.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from loraplane.api import WarmPolicy
+from loraplane.api.runtime import Tier
+
+
+@dataclass(frozen=True)
+class PodCapacity:
+    """What one pod can hold (from its sidecar's report): slots, and optionally bytes, per tier."""
+
+    name: str
+    gpu_slots: int
+    cpu_slots: int
+    gpu_bytes: int | None = None
+    cpu_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Rates:
+    """An adapter's request rates (requests/s) over the picker's 5 min, 1 h and 24 h windows."""
+
+    m5: float = 0.0
+    h1: float = 0.0
+    h24: float = 0.0
+
+    def scaled(self, factor: float) -> Rates:
+        """The same rates times ``factor`` (a canary's share of its adapter's traffic)."""
+        return Rates(self.m5 * factor, self.h1 * factor, self.h24 * factor)
+
+
+@dataclass(frozen=True)
+class AdapterDemand:
+    """One served revision the pool should hold, and how much it is asked for."""
+
+    served_name: str
+    bytes: int
+    rates: Rates = Rates()
+    tenant: str = "default"
+    priority: int = 0
+    warm_policy: WarmPolicy = WarmPolicy.GPU_PREFERRED
+    pinned: bool = False
+    #: pods that must hold it at (at least) the given tier whatever the rates say (set by the rollout)
+    required: Mapping[str, Tier] = field(default_factory=dict)
+    #: pods it may be placed on (compatible base model, rank); None: every pod
+    eligible: frozenset[str] | None = None
+    #: pods that must hold it at some tier, disk included
+    min_replicas: int = 1
+
+
+@dataclass(frozen=True)
+class TenantBudget:
+    """The most adapter bytes one tenant may hold across the pool, per tier (None: no limit)."""
+
+    gpu_bytes: int | None = None
+    cpu_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Tunables of the placement (defaults in ``docs/controller.md``)."""
+
+    #: requests/s one pod serves for one adapter before the adapter gets another GPU replica
+    replica_rate: float = 4.0
+    #: an existing replica keeps its slot unless a newcomer is worth this much more (0.25 = 25 %)
+    stickiness: float = 0.25
+    #: a 5 min rate above ``burst_ratio`` x max(1 h, 24 h) is a burst, not steady demand
+    burst_ratio: float = 4.0
+    #: below this 5 min rate (requests/s) nothing counts as a burst
+    burst_min_rate: float = 0.05
+    #: GPU slots per pod kept free of hot adapters for bursts (only on pods with more slots than this)
+    burst_slots_per_pod: int = 1
+    #: score multiplier for priority > 0 (gold) and < 0 (sheddable)
+    gold_weight: float = 4.0
+    sheddable_weight: float = 0.5
+
+
+@dataclass
+class Placement:
+    """The plan: pod -> served name -> tier. ``notes`` says why a demand got less than it asked for."""
+
+    pods: dict[str, dict[str, Tier]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def tiers_of(self, served_name: str) -> dict[str, Tier]:
+        """Pod -> tier for one served name."""
+        return {pod: held[served_name] for pod, held in self.pods.items() if served_name in held}
+
+    def replicas(self, tier: Tier) -> dict[str, set[str]]:
+        """Served name -> pods holding it at exactly ``tier``."""
+        out: dict[str, set[str]] = {}
+        for pod, held in self.pods.items():
+            for name, t in held.items():
+                if t is tier:
+                    out.setdefault(name, set()).add(pod)
+        return out
+
+
+def is_burst(rates: Rates, config: PlacementConfig) -> bool:
+    """True when the 5 min rate is a one-off spike far above the adapter's steady rate."""
+    steady = max(rates.h1, rates.h24)
+    return rates.m5 >= config.burst_min_rate and rates.m5 > config.burst_ratio * steady
+
+
+def steady_rate(rates: Rates, config: PlacementConfig) -> float:
+    """The rate placement plans GPU replicas for: bursts excluded, otherwise the highest window."""
+    if is_burst(rates, config):
+        return max(rates.h1, rates.h24)
+    return max(rates.m5, rates.h1, rates.h24)
+
+
+def replicas_needed(rate: float, config: PlacementConfig) -> int:
+    """GPU replicas an adapter's steady rate asks for (0 for no traffic)."""
+    return math.ceil(rate / config.replica_rate - 1e-9) if rate > 0 else 0
+
+
+class _Pool:
+    """Mutable bookkeeping of one planning run: free capacity, load and assignments."""
+
+    def __init__(self, pods: Iterable[PodCapacity], config: PlacementConfig) -> None:
+        self.caps = {p.name: p for p in pods}
+        self.reserved = {
+            p.name: config.burst_slots_per_pod if p.gpu_slots > config.burst_slots_per_pod else 0
+            for p in self.caps.values()
+        }
+        self.held: dict[str, dict[str, Tier]] = {name: {} for name in self.caps}
+        self.slots_used = {tier: dict.fromkeys(self.caps, 0) for tier in (Tier.GPU, Tier.CPU)}
+        self.bytes_used = {tier: dict.fromkeys(self.caps, 0) for tier in (Tier.GPU, Tier.CPU)}
+
+    def slot_limit(self, pod: str, tier: Tier) -> int:
+        cap = self.caps[pod]
+        return cap.gpu_slots if tier is Tier.GPU else cap.cpu_slots
+
+    def byte_limit(self, pod: str, tier: Tier) -> int | None:
+        cap = self.caps[pod]
+        return cap.gpu_bytes if tier is Tier.GPU else cap.cpu_bytes
+
+    def fits(self, pod: str, tier: Tier, size: int, *, reserve: int = 0) -> bool:
+        """True when ``pod`` has a free ``tier`` slot (beyond ``reserve`` kept ones) and the bytes for ``size``."""
+        if tier is Tier.DISK:
+            return True
+        if self.slots_used[tier][pod] + 1 > self.slot_limit(pod, tier) - reserve:
+            return False
+        limit = self.byte_limit(pod, tier)
+        return limit is None or self.bytes_used[tier][pod] + size <= limit
+
+    def put(self, pod: str, name: str, tier: Tier, size: int) -> None:
+        self.remove(pod, name, size)
+        self.held[pod][name] = tier
+        if tier is not Tier.DISK:
+            self.slots_used[tier][pod] += 1
+            self.bytes_used[tier][pod] += size
+
+    def remove(self, pod: str, name: str, size: int) -> None:
+        tier = self.held[pod].pop(name, None)
+        if tier is not None and tier is not Tier.DISK:
+            self.slots_used[tier][pod] -= 1
+            self.bytes_used[tier][pod] -= size
+
+
+@dataclass
+class _Entry:
+    demand: AdapterDemand
+    score: float
+    need: int
+    burst: bool
+    gpu: set[str] = field(default_factory=set)
+    forced_gpu: set[str] = field(default_factory=set)
+
+    @property
+    def share(self) -> float:
+        """Load one replica carries."""
+        return self.score / max(1, len(self.gpu))
+
+    def marginal(self, k: int) -> float:
+        """Value of holding ``k`` GPU replicas' k-th replica."""
+        return self.score / k
+
+
+class _Planner:
+    def __init__(
+        self,
+        pods: Iterable[PodCapacity],
+        demands: Iterable[AdapterDemand],
+        previous: Placement | None,
+        budgets: Mapping[str, TenantBudget],
+        config: PlacementConfig,
+    ) -> None:
+        self.config = config
+        self.pool = _Pool(pods, config)
+        self.budgets = budgets
+        self.tenant_bytes: dict[Tier, dict[str, int]] = {Tier.GPU: {}, Tier.CPU: {}}
+        self.previous = {pod: held for pod, held in (previous.pods if previous else {}).items() if pod in self.pool.caps}
+        self.notes: dict[str, str] = {}
+        #: pod -> steady request rate its GPU replicas carry (an adapter's score split over its replicas)
+        self.load = dict.fromkeys(self.pool.caps, 0.0)
+        self.entries: dict[str, _Entry] = {}
+        for d in demands:
+            weight = config.gold_weight if d.priority > 0 else config.sheddable_weight if d.priority < 0 else 1.0
+            rate = steady_rate(d.rates, config)
+            need = replicas_needed(rate, config)
+            if need == 0 and (d.pinned or d.warm_policy is WarmPolicy.GPU_PREFERRED):
+                need = 1
+            if d.pinned:
+                need = max(need, 1)
+            # a tiny positive score for idle floors keeps them behind every adapter with traffic
+            score = rate * weight if rate > 0 else 1e-9 * weight
+            self.entries[d.served_name] = _Entry(d, score, need, is_burst(d.rates, config))
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def eligible(self, e: _Entry) -> list[str]:
+        allowed = e.demand.eligible
+        return [p for p in self.pool.caps if allowed is None or p in allowed]
+
+    def previously(self, name: str, tiers: tuple[Tier, ...]) -> list[str]:
+        return sorted(p for p, held in self.previous.items() if held.get(name) in tiers)
+
+    def budget_allows(self, e: _Entry, tier: Tier) -> bool:
+        budget = self.budgets.get(e.demand.tenant)
+        limit = None if budget is None else budget.gpu_bytes if tier is Tier.GPU else budget.cpu_bytes
+        used = self.tenant_bytes[tier].get(e.demand.tenant, 0)
+        return limit is None or used + e.demand.bytes <= limit
+
+    def charge(self, e: _Entry, tier: Tier, sign: int) -> None:
+        if tier in (Tier.GPU, Tier.CPU):
+            bucket = self.tenant_bytes[tier]
+            bucket[e.demand.tenant] = bucket.get(e.demand.tenant, 0) + sign * e.demand.bytes
+
+    def add_gpu(self, e: _Entry, pod: str) -> None:
+        self.unload_share(e)
+        self.pool.put(pod, e.demand.served_name, Tier.GPU, e.demand.bytes)
+        e.gpu.add(pod)
+        self.charge(e, Tier.GPU, +1)
+        self.load_share(e)
+
+    def drop_gpu(self, e: _Entry, pod: str) -> None:
+        self.unload_share(e)
+        self.pool.remove(pod, e.demand.served_name, e.demand.bytes)
+        e.gpu.discard(pod)
+        self.charge(e, Tier.GPU, -1)
+        self.load_share(e)
+
+    def unload_share(self, e: _Entry) -> None:
+        for pod in e.gpu:
+            self.load[pod] -= e.share
+
+    def load_share(self, e: _Entry) -> None:
+        for pod in e.gpu:
+            self.load[pod] += e.share
+
+    # -- steps ---------------------------------------------------------------------------------------------------
+    def place_required(self) -> None:
+        for e in self.entries.values():
+            for pod, tier in sorted(e.demand.required.items()):
+                if pod not in self.pool.caps or tier is Tier.ABSENT:
+                    continue
+                if tier is Tier.GPU:
+                    if not self.pool.fits(pod, Tier.GPU, e.demand.bytes):
+                        self.evict_for(e, pod, ignore_value=True)
+                    if self.pool.fits(pod, Tier.GPU, e.demand.bytes):
+                        self.add_gpu(e, pod)
+                        e.forced_gpu.add(pod)
+                    else:
+                        self.notes[e.demand.served_name] = f"pod {pod} has no GPU room for a required replica"
+                elif self.pool.fits(pod, tier, e.demand.bytes):
+                    self.pool.put(pod, e.demand.served_name, tier, e.demand.bytes)
+                    self.charge(e, tier, +1)
+                else:
+                    self.pool.put(pod, e.demand.served_name, Tier.DISK, e.demand.bytes)
+                    self.notes[e.demand.served_name] = f"pod {pod} has no {tier.value} room for a required replica"
+
+    def hot_order(self) -> list[_Entry]:
+        return sorted(
+            self.entries.values(),
+            key=lambda e: (not e.demand.pinned, -e.score, e.demand.served_name),
+        )
+
+    def keep_previous_gpu(self) -> None:
+        """Keep existing GPU replicas that their (sticky) value still justifies, best first."""
+        sticky = 1.0 + self.config.stickiness
+        for e in self.hot_order():
+            keep_limit = max(e.need, replicas_needed(e.score * sticky, self.config) if e.need else 0)
+            for pod in self.previously(e.demand.served_name, (Tier.GPU,)):
+                if len(e.gpu) >= keep_limit:
+                    break
+                if pod in e.gpu or not self.is_eligible(e, pod):
+                    continue
+                if self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
+                    if self.budget_allows(e, Tier.GPU):
+                        self.add_gpu(e, pod)
+
+    def is_eligible(self, e: _Entry, pod: str) -> bool:
+        return e.demand.eligible is None or pod in e.demand.eligible
+
+    def add_gpu_replicas(self) -> None:
+        """Grant further replicas by marginal value, evicting weaker replicas when the pool is full."""
+        heap: list[tuple[float, str]] = []
+        for e in self.entries.values():
+            if len(e.gpu) < e.need:
+                priority = float("inf") if e.demand.pinned else e.marginal(len(e.gpu) + 1)
+                heapq.heappush(heap, (-priority, e.demand.served_name))
+        while heap:
+            _, name = heapq.heappop(heap)
+            e = self.entries[name]
+            if not self.budget_allows(e, Tier.GPU):
+                self.notes[name] = f"tenant {e.demand.tenant} GPU budget exhausted"
+                continue
+            pod = self.least_loaded(e) or self.evict_for(e, None, ignore_value=e.demand.pinned)
+            if pod is None:
+                if not e.gpu:
+                    self.notes[name] = "no GPU slot free for it"
+                continue
+            self.add_gpu(e, pod)
+            if len(e.gpu) < e.need:
+                heapq.heappush(heap, (-e.marginal(len(e.gpu) + 1), name))
+
+    def least_loaded(self, e: _Entry) -> str | None:
+        load = self.load
+        best: tuple[float, int, str] | None = None
+        for pod in self.eligible(e):
+            if pod in e.gpu or e.demand.served_name in self.pool.held[pod]:
+                continue
+            if not self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
+                continue
+            key = (load[pod], self.pool.slots_used[Tier.GPU][pod], pod)
+            if best is None or key < best:
+                best = key
+        return None if best is None else best[2]
+
+    def evict_for(self, e: _Entry, only_pod: str | None, *, ignore_value: bool) -> str | None:
+        """Free a GPU slot for ``e`` by dropping the least valuable replica worth less than ``e``'s next one."""
+        sticky = 1.0 + self.config.stickiness
+        wanted = e.marginal(len(e.gpu) + 1)
+        best: tuple[bool, float, str, str] | None = None
+        pods = [only_pod] if only_pod else [p for p in self.eligible(e) if p not in e.gpu]
+        for pod in pods:
+            for name, tier in self.pool.held[pod].items():
+                if tier is not Tier.GPU:
+                    continue
+                victim = self.entries[name]
+                if victim.demand.pinned or pod in victim.forced_gpu or victim is e:
+                    continue
+                value = victim.marginal(len(victim.gpu)) * sticky
+                if not ignore_value and value >= wanted:
+                    continue
+                key = (len(victim.gpu) == 1, value, pod, name)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            return None
+        _, _, pod, name = best
+        self.drop_gpu(self.entries[name], pod)
+        reserve = 0 if only_pod else self.pool.reserved[pod]
+        return pod if self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=reserve) else None
+
+    def place_bursts(self) -> None:
+        """Give each burst one GPU replica in a reserved burst slot (prefer where it was), never evicting."""
+        bursts = sorted((e for e in self.entries.values() if e.burst and not e.gpu), key=lambda e: -e.demand.rates.m5)
+        for e in bursts:
+            if not self.budget_allows(e, Tier.GPU):
+                continue
+            previous = set(self.previously(e.demand.served_name, (Tier.GPU,)))
+            candidates = [p for p in self.eligible(e) if self.pool.fits(p, Tier.GPU, e.demand.bytes)]
+            if not candidates:
+                self.notes[e.demand.served_name] = "burst: no burst slot free"
+                continue
+            pod = min(candidates, key=lambda p: (p not in previous, self.load[p], p))
+            self.add_gpu(e, pod)
+
+    def place_cpu(self) -> None:
+        """One CPU replica for each adapter that has traffic or a warm policy but no GPU replica."""
+        wanting = [
+            e
+            for e in self.entries.values()
+            if not e.gpu
+            and (e.score > 1e-6 or e.demand.warm_policy is not WarmPolicy.ON_DEMAND or e.demand.pinned)
+            and not any(t is Tier.CPU for t in self.tiers(e).values())
+        ]
+        wanting.sort(key=lambda e: (-e.score, e.demand.served_name))
+        for e in wanting:
+            if not self.budget_allows(e, Tier.CPU):
+                self.notes.setdefault(e.demand.served_name, f"tenant {e.demand.tenant} CPU budget exhausted")
+                continue
+            previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU)))
+            candidates = [p for p in self.eligible(e) if self.pool.fits(p, Tier.CPU, e.demand.bytes)]
+            if not candidates:
+                continue
+            pod = min(candidates, key=lambda p: (p not in previous, self.pool.slots_used[Tier.CPU][p], p))
+            self.pool.put(pod, e.demand.served_name, Tier.CPU, e.demand.bytes)
+            self.charge(e, Tier.CPU, +1)
+
+    def tiers(self, e: _Entry) -> dict[str, Tier]:
+        name = e.demand.served_name
+        return {pod: held[name] for pod, held in self.pool.held.items() if name in held}
+
+    def place_disk(self) -> None:
+        """Every demand on at least ``min_replicas`` pods: fill up with the disk tier."""
+        counts = {pod: len(held) for pod, held in self.pool.held.items()}
+        for e in sorted(self.entries.values(), key=lambda e: e.demand.served_name):
+            placed = self.tiers(e)
+            missing = e.demand.min_replicas - len(placed)
+            if missing <= 0:
+                continue
+            previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)))
+            candidates = sorted(
+                (p for p in self.eligible(e) if p not in placed),
+                key=lambda p: (p not in previous, counts[p], p),
+            )
+            for pod in candidates[:missing]:
+                self.pool.put(pod, e.demand.served_name, Tier.DISK, e.demand.bytes)
+                counts[pod] += 1
+            if not candidates and not placed:
+                self.notes.setdefault(e.demand.served_name, "no eligible pod")
+
+    def run(self) -> Placement:
+        self.place_required()
+        self.keep_previous_gpu()
+        self.add_gpu_replicas()
+        self.place_bursts()
+        self.place_cpu()
+        self.place_disk()
+        pods = {pod: dict(sorted(held.items())) for pod, held in sorted(self.pool.held.items())}
+        return Placement(pods=pods, notes=self.notes)
+
+
+def place(
+    pods: Iterable[PodCapacity],
+    demands: Iterable[AdapterDemand],
+    previous: Placement | None = None,
+    budgets: Mapping[str, TenantBudget] | None = None,
+    config: PlacementConfig | None = None,
+) -> Placement:
+    """Plan which served revisions each pod holds at which tier (pure; see the module docstring)."""
+    return _Planner(pods, demands, previous, budgets or {}, config or PlacementConfig()).run()
+
+
+def gpu_loads(previous: Placement, new: Placement) -> int:
+    """How many (pod, served name) GPU replicas ``new`` adds that ``previous`` did not have: the churn."""
+    before = previous.replicas(Tier.GPU)
+    return sum(len(pods - before.get(name, set())) for name, pods in new.replicas(Tier.GPU).items())
+
+
+def minimum_gpu_loads(previous: Placement, ideal: Placement) -> int:
+    """The fewest GPU loads any placement with ``ideal``'s replica count per adapter needs, starting from ``previous``."""
+    before = previous.replicas(Tier.GPU)
+    return sum(max(0, len(pods) - len(before.get(name, set()))) for name, pods in ideal.replicas(Tier.GPU).items())

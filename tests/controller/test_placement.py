@@ -1,0 +1,239 @@
+"""The placement function: capacity in slots and bytes, spreading, churn, bursts, budgets, pins, priority."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loraplane.api import WarmPolicy
+from loraplane.api.runtime import Tier
+from loraplane.controller.placement import (
+    AdapterDemand,
+    Placement,
+    PlacementConfig,
+    PodCapacity,
+    Rates,
+    TenantBudget,
+    gpu_loads,
+    is_burst,
+    minimum_gpu_loads,
+    place,
+)
+
+MB = 1 << 20
+
+
+def _pods(n: int, gpu: int = 4, cpu: int = 8, gpu_bytes: int | None = None) -> list[PodCapacity]:
+    return [PodCapacity(f"pod-{i}", gpu_slots=gpu, cpu_slots=cpu, gpu_bytes=gpu_bytes) for i in range(n)]
+
+
+def _demand(name: str, rate: float = 0.0, **kw: object) -> AdapterDemand:
+    kw.setdefault("bytes", 10 * MB)
+    return AdapterDemand(served_name=name, rates=Rates(rate, rate, rate), **kw)  # type: ignore[arg-type]
+
+
+def _assert_capacity(pods: list[PodCapacity], demands: list[AdapterDemand], plan: Placement) -> None:
+    sizes = {d.served_name: d.bytes for d in demands}
+    for cap in pods:
+        held = plan.pods[cap.name]
+        for tier, slots, limit in ((Tier.GPU, cap.gpu_slots, cap.gpu_bytes), (Tier.CPU, cap.cpu_slots, cap.cpu_bytes)):
+            names = [n for n, t in held.items() if t is tier]
+            assert len(names) <= slots, (cap.name, tier, names)
+            if limit is not None:
+                assert sum(sizes[n] for n in names) <= limit
+
+
+def _zipf_demands(n: int, seed: int, top_rate: float = 40.0) -> list[AdapterDemand]:
+    rng = random.Random(seed)
+    sizes = [4 * MB, 8 * MB, 16 * MB, 32 * MB]
+    return [
+        _demand(f"a{i:04d}@v1", top_rate / (i + 1) ** 1.1, bytes=rng.choice(sizes), tenant=f"t{i % 7}")
+        for i in range(n)
+    ]
+
+
+def _perturb(demands: list[AdapterDemand], seed: int, change: float = 0.10) -> list[AdapterDemand]:
+    rng = random.Random(seed)
+    out = []
+    for d in demands:
+        f = 1 + rng.uniform(-change, change)
+        out.append(AdapterDemand(served_name=d.served_name, bytes=d.bytes, rates=d.rates.scaled(f), tenant=d.tenant))
+    return out
+
+
+def test_every_demand_is_placed_within_capacity() -> None:
+    pods = _pods(5, gpu=3, cpu=4)
+    demands = _zipf_demands(60, seed=1)
+    plan = place(pods, demands)
+    _assert_capacity(pods, demands, plan)
+    for d in demands:
+        assert plan.tiers_of(d.served_name), d.served_name
+
+
+def test_hot_adapter_is_spread_over_enough_pods_for_its_rate() -> None:
+    plan = place(_pods(6), [_demand("hot@v1", 10.0), _demand("cold@v1", 0.1)], config=PlacementConfig(replica_rate=4))
+    assert len(plan.replicas(Tier.GPU)["hot@v1"]) == 3  # ceil(10 / 4)
+    assert len(plan.replicas(Tier.GPU)["cold@v1"]) == 1
+
+
+def test_hot_adapters_land_on_different_pods() -> None:
+    plan = place(_pods(3), [_demand("a@v1", 3.0), _demand("b@v1", 3.0), _demand("c@v1", 3.0)])
+    gpu = plan.replicas(Tier.GPU)
+    assert {next(iter(gpu[n])) for n in ("a@v1", "b@v1", "c@v1")} == {"pod-0", "pod-1", "pod-2"}
+
+
+def test_bytes_limit_the_gpu_tier() -> None:
+    pods = _pods(1, gpu=4, gpu_bytes=50 * MB)
+    demands = [_demand(f"big{i}@v1", 5.0 - i, bytes=30 * MB) for i in range(3)]
+    plan = place(pods, demands, config=PlacementConfig(burst_slots_per_pod=0))
+    assert plan.replicas(Tier.GPU) == {"big0@v1": {"pod-0"}}  # a second 30 MB adapter would exceed 50 MB
+    assert plan.pods["pod-0"]["big1@v1"] is Tier.CPU
+
+
+def test_more_demand_than_slots_keeps_the_best_on_gpu_and_the_rest_on_cpu() -> None:
+    pods = _pods(2, gpu=2, cpu=10)
+    demands = [_demand(f"a{i}@v1", 1.0 + i) for i in range(6)]
+    plan = place(pods, demands, config=PlacementConfig(burst_slots_per_pod=0))
+    assert set(plan.replicas(Tier.GPU)) == {"a5@v1", "a4@v1", "a3@v1", "a2@v1"}
+    assert set(plan.replicas(Tier.CPU)) == {"a1@v1", "a0@v1"}
+
+
+def test_pinned_adapter_keeps_a_gpu_slot_without_traffic() -> None:
+    pods = _pods(1, gpu=2)
+    demands = [_demand("pinned@v1", 0.0, pinned=True), _demand("hot@v1", 9.0), _demand("warm@v1", 8.0)]
+    plan = place(pods, demands, config=PlacementConfig(burst_slots_per_pod=0))
+    assert plan.pods["pod-0"]["pinned@v1"] is Tier.GPU
+    assert plan.pods["pod-0"]["hot@v1"] is Tier.GPU
+    assert plan.pods["pod-0"]["warm@v1"] is Tier.CPU
+
+
+def test_gold_priority_wins_a_contested_slot() -> None:
+    pods = _pods(1, gpu=1)
+    demands = [_demand("std@v1", 2.0), _demand("gold@v1", 1.0, priority=10)]
+    plan = place(pods, demands, config=PlacementConfig(burst_slots_per_pod=0))
+    assert plan.pods["pod-0"] == {"gold@v1": Tier.GPU, "std@v1": Tier.CPU}
+
+
+def test_tenant_budget_caps_gpu_bytes_and_says_why() -> None:
+    pods = _pods(4, gpu=4)
+    demands = [_demand(f"t{i}@v1", 5.0, tenant="greedy") for i in range(4)] + [_demand("other@v1", 1.0)]
+    plan = place(pods, demands, budgets={"greedy": TenantBudget(gpu_bytes=25 * MB)})
+    greedy_gpu = [n for n, pods_ in plan.replicas(Tier.GPU).items() for _ in pods_ if n.startswith("t")]
+    assert len(greedy_gpu) == 2  # 2 x 10 MB fit in 25 MB, a third would not
+    assert any("budget" in why for why in plan.notes.values())
+    assert "other@v1" in plan.replicas(Tier.GPU)
+
+
+def test_warm_policies_set_the_idle_floor() -> None:
+    demands = [
+        _demand("gpu@v1", warm_policy=WarmPolicy.GPU_PREFERRED),
+        _demand("cpu@v1", warm_policy=WarmPolicy.CPU),
+        _demand("lazy@v1", warm_policy=WarmPolicy.ON_DEMAND),
+    ]
+    plan = place(_pods(1), demands)
+    assert plan.pods["pod-0"] == {"gpu@v1": Tier.GPU, "cpu@v1": Tier.CPU, "lazy@v1": Tier.DISK}
+
+
+def test_required_placements_override_rates_and_eligibility_is_respected() -> None:
+    pods = _pods(3, gpu=1)
+    demands = [
+        _demand("hot@v1", 3.0, eligible=frozenset({"pod-0"})),
+        _demand("canary@v2", 0.0, required={"pod-0": Tier.GPU}, warm_policy=WarmPolicy.ON_DEMAND),
+        _demand("old@v1", 0.0, required={"pod-1": Tier.CPU, "pod-2": Tier.CPU}, warm_policy=WarmPolicy.ON_DEMAND),
+    ]
+    plan = place(pods, demands, config=PlacementConfig(burst_slots_per_pod=0))
+    assert plan.pods["pod-0"]["canary@v2"] is Tier.GPU
+    assert plan.tiers_of("old@v1") == {"pod-1": Tier.CPU, "pod-2": Tier.CPU}
+    assert set(plan.tiers_of("hot@v1")) == {"pod-0"}  # only eligible there; its GPU slot went to the canary
+    assert plan.tiers_of("hot@v1")["pod-0"] is Tier.CPU
+
+
+def test_burst_is_detected_from_the_windows() -> None:
+    config = PlacementConfig()
+    assert is_burst(Rates(m5=5.0, h1=0.1, h24=0.01), config)
+    assert not is_burst(Rates(m5=5.0, h1=4.0, h24=3.0), config)
+    assert not is_burst(Rates(m5=0.01), config)  # too little to matter
+
+
+def test_one_off_burst_takes_a_burst_slot_and_evicts_no_hot_adapter() -> None:
+    pods = _pods(4, gpu=3)
+    hot = [_demand(f"hot{i}@v1", 6.0 - i * 0.5) for i in range(8)]
+    before = place(pods, hot)
+    burst = AdapterDemand("batch@v1", bytes=10 * MB, rates=Rates(m5=20.0, h1=0.2, h24=0.05), tenant="batch")
+    after = place(pods, [*hot, burst], previous=before)
+    hot_gpu_before = {n: p for n, p in before.replicas(Tier.GPU).items()}
+    hot_gpu_after = {n: p for n, p in after.replicas(Tier.GPU).items() if n != "batch@v1"}
+    assert hot_gpu_after == hot_gpu_before
+    assert len(after.replicas(Tier.GPU)["batch@v1"]) == 1
+    assert gpu_loads(before, after) == 1
+
+
+def test_burst_never_evicts_when_no_slot_is_free() -> None:
+    pods = _pods(2, gpu=2)
+    hot = [_demand(f"hot{i}@v1", 3.0) for i in range(4)]
+    before = place(pods, hot, config=PlacementConfig(burst_slots_per_pod=0))
+    burst = AdapterDemand("batch@v1", bytes=10 * MB, rates=Rates(m5=50.0))
+    after = place(pods, [*hot, burst], previous=before, config=PlacementConfig(burst_slots_per_pod=0))
+    assert "batch@v1" not in after.replicas(Tier.GPU)
+    assert after.replicas(Tier.GPU) == before.replicas(Tier.GPU)
+    assert after.tiers_of("batch@v1")
+
+
+def test_unchanged_inputs_give_the_same_plan_and_no_churn() -> None:
+    pods, demands = _pods(10, gpu=4), _zipf_demands(200, seed=3)
+    first = place(pods, demands)
+    second = place(pods, demands, previous=first)
+    assert second.pods == first.pods
+    assert gpu_loads(first, second) == 0
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_ten_percent_rate_change_moves_few_adapters(seed: int) -> None:
+    pods, demands = _pods(20, gpu=6, cpu=16), _zipf_demands(400, seed=seed, top_rate=60.0)
+    before = place(pods, demands)
+    changed = _perturb(demands, seed)
+    after = place(pods, changed, previous=before)
+    moved = gpu_loads(before, after)
+    minimum = minimum_gpu_loads(before, place(pods, changed))
+    assert moved <= max(2 * minimum, 2), (moved, minimum)
+    # from scratch, the same new rates would reshuffle far more
+    assert gpu_loads(before, place(pods, changed)) >= moved
+
+
+def test_lost_pod_replicas_are_replaced_elsewhere() -> None:
+    pods = _pods(4, gpu=4)
+    demands = [_demand("hot@v1", 7.0), *(_demand(f"x{i}@v1", 1.0) for i in range(5))]
+    before = place(pods, demands)
+    survivors = [p for p in pods if p.name != next(iter(sorted(before.replicas(Tier.GPU)["hot@v1"])))]
+    after = place(survivors, demands, previous=before)
+    assert len(after.replicas(Tier.GPU)["hot@v1"]) == 2
+    assert set(after.pods) == {p.name for p in survivors}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n_pods=st.integers(1, 6),
+    gpu=st.integers(0, 4),
+    cpu=st.integers(0, 4),
+    rates=st.lists(st.floats(0, 30, allow_nan=False), min_size=1, max_size=25),
+    pinned=st.sets(st.integers(0, 24), max_size=3),
+    gpu_mb=st.one_of(st.none(), st.integers(0, 80)),
+)
+def test_invariants_hold_for_any_input(
+    n_pods: int, gpu: int, cpu: int, rates: list[float], pinned: set[int], gpu_mb: int | None
+) -> None:
+    pods = _pods(n_pods, gpu=gpu, cpu=cpu, gpu_bytes=None if gpu_mb is None else gpu_mb * MB)
+    demands = [
+        _demand(f"a{i}@v1", r, pinned=i in pinned, bytes=(4 + i % 3 * 8) * MB, min_replicas=1 + i % 2)
+        for i, r in enumerate(rates)
+    ]
+    plan = place(pods, demands)
+    _assert_capacity(pods, demands, plan)
+    for d in demands:
+        assert len(plan.tiers_of(d.served_name)) >= min(d.min_replicas, n_pods)
+    again = place(pods, demands, previous=plan)
+    _assert_capacity(pods, demands, again)
+    assert gpu_loads(plan, again) == 0
