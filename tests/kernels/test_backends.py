@@ -1,0 +1,143 @@
+"""One suite, every backend: the op contract against a per-row reference built from the raw adapter tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplane.kernels import BatchPlanner, LoraSlots, apply_lora, expand, lora_delta, shrink
+
+from .backends import BACKENDS, backend_instance
+
+D_IN = 40
+SLICES = (16, 24)  # two packed output slices, the second not a multiple of 16
+RANKS = {0: 8, 1: 4, 2: 16, 3: 12}  # mixed ranks; slot 4 stays empty
+NUM_SLOTS = 5
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
+
+#: name -> per-token slots: decode-like, prefill-like (long segments), unsorted (gather path), all -1.
+BATCHES = {
+    "decode_contiguous": [0, 0, 1, -1, 2, 3, 3],
+    "decode_unsorted": [3, -1, 0, 2, 0, 1, 3, -1, 2],
+    "prefill": [2] * 11 + [-1] * 3 + [0] * 10,
+    "prefill_unsorted": [1, 2] * 6 + [-1] + [0] * 9,
+    "empty_slot": [4, 0, 4],
+    "no_lora": [-1, -1, -1],
+}
+
+
+def _adapters(seed: int = 0) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor], float]]:
+    generator = torch.Generator().manual_seed(seed)
+    adapters = {}
+    for slot, rank in RANKS.items():
+        a = [torch.randn(rank, D_IN, generator=generator) / D_IN**0.5 for _ in SLICES]
+        b = [torch.randn(width, rank, generator=generator) for width in SLICES]
+        adapters[slot] = (a, b, 0.5 + slot)
+    return adapters
+
+
+def _slots(dtype: torch.dtype, adapters) -> LoraSlots:
+    slots = LoraSlots(NUM_SLOTS, max_rank=16, d_in=D_IN, out_slices=SLICES, dtype=dtype)
+    for slot, (a, b, scale) in adapters.items():
+        slots.load(slot, [t.to(dtype) for t in a], [t.to(dtype) for t in b], scale)
+    return slots
+
+
+def _reference(x: torch.Tensor, token_slots: list[int], adapters, dtype: torch.dtype) -> torch.Tensor:
+    """Row by row in float64 from the raw tensors (rounded to the slot dtype as the store holds them)."""
+    out = torch.zeros(len(token_slots), sum(SLICES), dtype=torch.float64)
+    for row, slot in enumerate(token_slots):
+        if slot not in adapters:
+            continue
+        a_list, b_list, scale = adapters[slot]
+        pieces = []
+        for a, b in zip(a_list, b_list, strict=True):
+            a64 = a.to(dtype).double()
+            b64 = (b.double() * scale).to(dtype).double()
+            pieces.append((x[row].double() @ a64.t()) @ b64.t())
+        out[row] = torch.cat(pieces)
+    return out
+
+
+def _inputs(num_tokens: int, dtype: torch.dtype, seed: int = 2) -> torch.Tensor:
+    return torch.randn(num_tokens, D_IN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_apply_matches_reference_and_leaves_other_rows_alone(backend: str, dtype: torch.dtype, batch: str) -> None:
+    impl = backend_instance(backend)
+    adapters = _adapters()
+    slots = _slots(dtype, adapters)
+    token_slots = BATCHES[batch]
+    plan = BatchPlanner(max_tokens=64, num_slots=NUM_SLOTS).plan(token_slots)
+    x = _inputs(len(token_slots), dtype)
+    y0 = torch.randn(len(token_slots), sum(SLICES), generator=torch.Generator().manual_seed(3)).to(dtype)
+    y = y0.clone()
+    apply_lora(y, x, slots, plan, backend=impl)
+    expected = _reference(x, token_slots, adapters, dtype)
+    torch.testing.assert_close((y.double() - y0.double()), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+    untouched = [row for row, slot in enumerate(token_slots) if slot not in adapters]
+    assert torch.equal(y[untouched], y0[untouched])
+    delta = lora_delta(x, slots, plan, backend=impl)
+    torch.testing.assert_close(delta.double(), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_shrink_then_expand_equals_fused(backend: str, dtype: torch.dtype) -> None:
+    impl = backend_instance(backend)
+    adapters = _adapters()
+    slots = _slots(dtype, adapters)
+    token_slots = BATCHES["decode_unsorted"]
+    plan = BatchPlanner(max_tokens=64, num_slots=NUM_SLOTS).plan(token_slots)
+    x = _inputs(len(token_slots), dtype)
+    t = shrink(x, slots, plan, backend=impl)
+    assert t.dtype == torch.float32 and t.shape == (len(token_slots), 2 * slots.rank_pad)
+    assert not t[[1, 7]].any()
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            a = adapters[slot][0][1].to(dtype).float()
+            torch.testing.assert_close(t[row, 16 : 16 + a.shape[0]], x[row].float() @ a.t(), atol=1e-2, rtol=1e-2)
+    y = torch.zeros(len(token_slots), sum(SLICES), dtype=dtype)
+    expand(y, t, slots, plan, backend=impl)
+    torch.testing.assert_close(y, lora_delta(x, slots, plan, backend=impl), atol=TOLERANCE[dtype], rtol=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_bleeding_between_slots(backend: str) -> None:
+    """Poisoning one slot (NaN weights) changes only its own rows; permuting rows permutes outputs."""
+    impl = backend_instance(backend)
+    adapters = _adapters()
+    slots = _slots(torch.float32, adapters)
+    token_slots = BATCHES["decode_unsorted"]
+    planner = BatchPlanner(max_tokens=64, num_slots=NUM_SLOTS)
+    x = _inputs(len(token_slots), torch.float32)
+    before = lora_delta(x, slots, planner.plan(token_slots), backend=impl)
+    a, b, _ = adapters[2]
+    slots.load(2, [torch.full_like(t, float("nan")) for t in a], b, 1.0)
+    after = lora_delta(x, slots, planner.plan(token_slots), backend=impl)
+    poisoned = [row for row, slot in enumerate(token_slots) if slot == 2]
+    clean = [row for row, slot in enumerate(token_slots) if slot != 2]
+    assert after[poisoned].isnan().all()
+    assert torch.equal(after[clean], before[clean])
+    slots.load(2, *adapters[2])
+    permutation = torch.randperm(len(token_slots), generator=torch.Generator().manual_seed(5)).tolist()
+    permuted = lora_delta(x[permutation], slots, planner.plan([token_slots[i] for i in permutation]), backend=impl)
+    torch.testing.assert_close(permuted, before[permutation], atol=1e-6, rtol=1e-6)
+
+
+def test_bad_shapes_and_dtypes_are_rejected() -> None:
+    slots = LoraSlots(2, 8, D_IN, (16,))
+    plan = BatchPlanner(8, 2).plan([0, 1])
+    with pytest.raises(ValueError, match="x must be"):
+        apply_lora(torch.zeros(2, 16), torch.zeros(3, D_IN), slots, plan)
+    with pytest.raises(ValueError, match=r"must be torch\.float32"):
+        apply_lora(torch.zeros(2, 16, dtype=torch.float16), torch.zeros(2, D_IN, dtype=torch.float16), slots, plan)
+    with pytest.raises(ValueError, match="rank 16 exceeds"):
+        slots.load(0, [torch.zeros(16, D_IN)], [torch.zeros(16, 16)], 1.0)
+    with pytest.raises(ValueError, match="B must be"):
+        slots.load(0, [torch.zeros(4, D_IN)], [torch.zeros(15, 4)], 1.0)
+    with pytest.raises(ValueError, match="unknown kernels backend"):
+        apply_lora(torch.zeros(2, 16), torch.zeros(2, D_IN), slots, plan, backend="cuda-magic")
