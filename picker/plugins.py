@@ -1,0 +1,227 @@
+"""Scheduling plugins: filters and scorers as small pure functions of (request, pool snapshot, cycle).
+
+A filter returns the subset of ``cycle.candidates`` it keeps; a scorer returns one score in [0, 1] per candidate
+(aligned with ``cycle.candidates``). Both see only in-memory data, so the simulator runs exactly this code. Each
+plugin type has a factory taking its YAML ``parameters``; ``FILTERS`` and ``SCORERS`` map type names to factories.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from loraplane.api import ApiModel
+from loraplane.picker.snapshot import BoolArray, FloatArray, IntArray, PoolSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingRequest:
+    """What the scheduler needs to know about one request."""
+
+    #: the chosen revision's served name; None for a base-model request (every pod serves it).
+    served_name: str | None = None
+    #: the artifact digest a pod must report for the revision to count as warm there.
+    digest: str | None = None
+    #: GIE convention: > 0 protected (gold), < 0 sheddable.
+    priority: int = 0
+    tenant: str = "default"
+    #: IPs from the gateway's subset hint; None when the gateway sent none.
+    subset: frozenset[str] | None = None
+
+
+@dataclass(slots=True)
+class Cycle:
+    """Per-request scratch state shared by the plugins of one scheduling cycle."""
+
+    candidates: IntArray
+    #: per endpoint (whole pool): max(queue/queue_threshold, kv/kv_threshold, in_flight/in_flight_threshold);
+    #: stale endpoints count as fully used (1.0). At or above 1.0 an endpoint is saturated.
+    utilisation: FloatArray
+
+
+Filter = Callable[[SchedulingRequest, PoolSnapshot, Cycle], IntArray]
+Scorer = Callable[[SchedulingRequest, PoolSnapshot, Cycle], FloatArray]
+
+
+class SaturationThresholds(ApiModel):
+    """When an endpoint counts as saturated (GIE's detector, plus the picker's own in-flight count)."""
+
+    queue_threshold: float = Field(default=5.0, gt=0)
+    kv_threshold: float = Field(default=0.8, gt=0, le=1)
+    in_flight_threshold: float = Field(default=16.0, gt=0)
+
+
+def reported_utilisation(pool: PoolSnapshot, thresholds: SaturationThresholds) -> FloatArray:
+    """The part of utilisation that comes from the sidecars' reports (fixed for a snapshot's lifetime)."""
+    util = np.maximum(pool.queue_depth / thresholds.queue_threshold, pool.kv_utilization / thresholds.kv_threshold)
+    util[pool.stale] = np.maximum(util[pool.stale], 1.0)
+    return util
+
+
+def utilisation(pool: PoolSnapshot, thresholds: SaturationThresholds, reported: FloatArray | None = None) -> FloatArray:
+    """Each endpoint's utilisation; >= 1.0 means saturated. ``reported`` may be a cached ``reported_utilisation``."""
+    if reported is None:
+        reported = reported_utilisation(pool, thresholds)
+    return np.maximum(reported, pool.in_flight / thresholds.in_flight_threshold)
+
+
+class _NoParameters(ApiModel):
+    pass
+
+
+class FilterParameters(ApiModel):
+    """Parameters every filter takes: ``failOpen`` keeps all candidates when the filter would drop every one."""
+
+    fail_open: bool = False
+
+
+def _keep(cycle: Cycle, mask: BoolArray) -> IntArray:
+    return cycle.candidates[mask[cycle.candidates]]
+
+
+# --- filters ----------------------------------------------------------------------------------------------------
+
+
+def subset_hint_filter(_params: FilterParameters) -> Filter:
+    """Keep only endpoints whose IP the gateway listed in its subset hint (no hint: keep all)."""
+
+    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> IntArray:
+        if request.subset is None:
+            return cycle.candidates
+        mask = np.zeros(pool.size, dtype=np.bool_)
+        for ip in request.subset:
+            mask[pool.indices_by_ip.get(ip, ())] = True
+        return _keep(cycle, mask)
+
+    return run
+
+
+def ready_filter(_params: FilterParameters) -> Filter:
+    """Keep endpoints that report ready."""
+    return lambda _request, pool, cycle: _keep(cycle, pool.ready)
+
+
+def staleness_filter(_params: FilterParameters) -> Filter:
+    """Drop endpoints whose report is older than its TTL (pair with ``failOpen: true``)."""
+    return lambda _request, pool, cycle: _keep(cycle, ~pool.stale)
+
+
+class SaturationFilterParameters(FilterParameters):
+    """Keep endpoints with utilisation <= 1 + headroom."""
+
+    headroom: float = Field(default=0.2, ge=0)
+
+
+def saturation_filter(params: SaturationFilterParameters) -> Filter:
+    """Drop endpoints saturated beyond the headroom margin (pair with ``failOpen: true``)."""
+    limit = 1.0 + params.headroom
+    return lambda _request, _pool, cycle: cycle.candidates[cycle.utilisation[cycle.candidates] <= limit]
+
+
+# --- scorers ----------------------------------------------------------------------------------------------------
+
+
+class AffinityParameters(ApiModel):
+    """Score of a warm endpoint by the tier the exact revision (digest match) sits at."""
+
+    gpu: float = Field(default=1.0, ge=0, le=1)
+    cpu: float = Field(default=0.6, ge=0, le=1)
+    disk: float = Field(default=0.2, ge=0, le=1)
+
+
+def residency_affinity_scorer(params: AffinityParameters) -> Scorer:
+    """Tier affinity (GPU > CPU > disk > absent) that counts only on endpoints below saturation."""
+    by_level = np.asarray([params.gpu, params.cpu, params.disk, 0.0], dtype=np.float64)
+
+    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray:
+        entry = pool.lookup(request.served_name, request.digest)
+        if entry is None:
+            return np.zeros(len(cycle.candidates))
+        full = np.zeros(pool.size)
+        full[entry.indices] = by_level[entry.levels]
+        full[cycle.utilisation >= 1.0] = 0.0
+        return full[cycle.candidates]
+
+    return run
+
+
+def _lower_is_better(values: FloatArray) -> FloatArray:
+    """GIE's normalisation: (max - v) / (max - min) across candidates; all equal -> 1."""
+    if len(values) == 0:
+        return values
+    low, high = values.min(), values.max()
+    if high == low:
+        return np.ones(len(values))
+    return (high - values) / (high - low)
+
+
+def _load_scorer(field_name: str) -> Callable[[_NoParameters], Scorer]:
+    def factory(_params: _NoParameters) -> Scorer:
+        def run(_request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray:
+            values: FloatArray = getattr(pool, field_name)
+            return _lower_is_better(values[cycle.candidates])
+
+        return run
+
+    factory.__doc__ = f"Prefer endpoints with a lower {field_name.replace('_', ' ')} (min-max normalised)."
+    return factory
+
+
+def kv_usage_scorer(_params: _NoParameters) -> Scorer:
+    """1 - KV-cache utilisation."""
+    return lambda _request, pool, cycle: 1.0 - pool.kv_utilization[cycle.candidates]
+
+
+def tenant_priority_scorer(_params: _NoParameters) -> Scorer:
+    """Steer non-gold requests away from pods keeping gold revisions warm, unless their own revision is warm there.
+
+    A gold (priority > 0) request scores 1 everywhere; otherwise an endpoint scores 0 when it holds GPU-resident
+    gold revisions and the request's revision is not GPU-resident on it (loading it could evict gold).
+    """
+
+    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray:
+        if request.priority > 0 or not pool.has_protected:
+            return np.ones(len(cycle.candidates))
+        free = pool.protected_warm == 0
+        entry = pool.lookup(request.served_name, request.digest)
+        if entry is not None:
+            free = free.copy()
+            free[entry.indices[entry.levels == 0]] = True
+        return free[cycle.candidates].astype(np.float64)
+
+    return run
+
+
+FILTERS: Mapping[str, tuple[type[FilterParameters], Callable[[Any], Filter]]] = {
+    "subset-hint-filter": (FilterParameters, subset_hint_filter),
+    "ready-filter": (FilterParameters, ready_filter),
+    "staleness-filter": (FilterParameters, staleness_filter),
+    "saturation-filter": (SaturationFilterParameters, saturation_filter),
+}
+
+@dataclass(frozen=True, slots=True)
+class ScorerType:
+    """A scorer type: its parameters model, its factory, and whether it depends only on the reported snapshot.
+
+    A ``snapshot_only`` scorer ignores the request and the picker's in-flight counts: the scheduler evaluates it
+    once per snapshot over the whole pool (normalising across the pool, not the candidates) and caches the result.
+    """
+
+    parameters: type[ApiModel]
+    factory: Callable[[Any], Scorer]
+    snapshot_only: bool = False
+
+
+SCORERS: Mapping[str, ScorerType] = {
+    "residency-affinity-scorer": ScorerType(AffinityParameters, residency_affinity_scorer),
+    "tenant-priority-scorer": ScorerType(_NoParameters, tenant_priority_scorer),
+    "in-flight-scorer": ScorerType(_NoParameters, _load_scorer("in_flight")),
+    "queue-scorer": ScorerType(_NoParameters, _load_scorer("queue_depth"), snapshot_only=True),
+    "active-tokens-scorer": ScorerType(_NoParameters, _load_scorer("active_tokens"), snapshot_only=True),
+    "evictions-scorer": ScorerType(_NoParameters, _load_scorer("recent_evictions"), snapshot_only=True),
+    "kv-usage-scorer": ScorerType(_NoParameters, kv_usage_scorer, snapshot_only=True),
+}

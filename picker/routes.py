@@ -1,0 +1,86 @@
+"""Model resolution: a logical model name -> the revision to serve, from the controller's ``RouteTable``.
+
+The stable/canary split is sticky: a request with a session key (a header, hashed with the model name) always
+lands in the same percentile bucket, so one user does not flip between revisions while the weights stay put.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from loraplane.api import RevisionRole, RouteTable
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution:
+    """What a logical model name resolves to for one request."""
+
+    logical: str
+    #: the name the runtime serves the chosen revision under; None for the base model (no rewrite, no affinity).
+    served_name: str | None
+    digest: str | None
+    role: RevisionRole | None
+    tenant: str
+    priority: int
+
+
+class UnknownModelError(Exception):
+    """The model is not in the route table (HTTP 404)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    tenant: str
+    priority: int
+    #: (cumulative weight upper bound in percent, served name, digest, role), in table order
+    choices: tuple[tuple[int, str, str, RevisionRole], ...]
+
+
+class RouteResolver:
+    """Resolves model names against one ``RouteTable`` generation (rebuild on change)."""
+
+    def __init__(self, table: RouteTable | None) -> None:
+        """Index the table; None (no table yet) routes nothing."""
+        self.table = table
+        self.base_model = table.base_model if table else None
+        self._routes: dict[str, _Route] = {}
+        for name, entry in (table.models if table else {}).items():
+            total, choices = 0, []
+            for rev in entry.revisions:
+                if rev.weight == 0:
+                    continue
+                total += rev.weight
+                choices.append((total, rev.served_name, rev.digest, rev.role))
+            self._routes[name] = _Route(entry.tenant, entry.priority, tuple(choices))
+
+    @property
+    def generation(self) -> int | None:
+        """The generation of the table in use."""
+        return self.table.generation if self.table else None
+
+    def priorities(self) -> dict[str, int]:
+        """Served name -> route priority, for the snapshot's gold protection."""
+        return {served: route.priority for route in self._routes.values() for _, served, _, _ in route.choices}
+
+    def resolve(self, model: str, session_key: str | None, rng: np.random.Generator) -> Resolution:
+        """The revision ``model`` goes to for this session; ``UnknownModelError`` for unregistered names."""
+        route = self._routes.get(model)
+        if route is None:
+            if model == self.base_model:
+                return Resolution(model, None, None, None, "default", 0)
+            raise UnknownModelError(f"model {model!r} is not served by this pool")
+        bucket = sticky_bucket(model, session_key) if session_key else float(rng.random()) * 100.0
+        for upper, served, digest, role in route.choices:
+            if bucket < upper:
+                return Resolution(model, served, digest, role, route.tenant, route.priority)
+        _, served, digest, role = route.choices[-1]
+        return Resolution(model, served, digest, role, route.tenant, route.priority)
+
+
+def sticky_bucket(model: str, session_key: str) -> float:
+    """A stable number in [0, 100) for (model, session key)."""
+    digest = hashlib.blake2b(f"{model}\x1f{session_key}".encode(errors="surrogatepass"), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") % 1_000_000) / 10_000.0

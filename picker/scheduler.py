@@ -1,0 +1,287 @@
+"""The scheduler: filters, weighted scorers and a max-score picker, built from a YAML config.
+
+The config follows the spirit of GIE's ``EndpointPickerConfig``: named plugin instances with parameters, and a
+scheduling profile listing which plugins run and with what weight::
+
+    apiVersion: loraplane.io/v1alpha1
+    kind: EndpointPickerConfig
+    saturationDetector: {queueThreshold: 5, kvThreshold: 0.8, inFlightThreshold: 16}
+    plugins:
+    - {name: affinity, type: residency-affinity-scorer, parameters: {gpu: 1.0, cpu: 0.6, disk: 0.2}}
+    - {type: saturation-filter, parameters: {headroom: 0.2, failOpen: true}}
+    - {type: max-score-picker, parameters: {maxEndpoints: 3}}
+    schedulingProfiles:
+    - name: default
+      plugins: [{pluginRef: saturation-filter}, {pluginRef: affinity, weight: 100}, {pluginRef: max-score-picker}]
+
+``Scheduler.schedule(request, pool, rng)`` is pure apart from the injected numpy ``Generator`` used to break ties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import yaml
+from pydantic import Field, model_validator
+
+from loraplane.api import ApiModel, Tier
+from loraplane.picker.plugins import (
+    FILTERS,
+    SCORERS,
+    Cycle,
+    Filter,
+    FloatArray,
+    SaturationThresholds,
+    SchedulingRequest,
+    Scorer,
+    reported_utilisation,
+    utilisation,
+)
+from loraplane.picker.snapshot import IntArray, PoolSnapshot
+
+PICKER_TYPE = "max-score-picker"
+
+
+class PluginSpec(ApiModel):
+    """One plugin instance: its type, an optional name (defaults to the type) and its parameters."""
+
+    type: str
+    name: str | None = None
+    parameters: dict[str, object] = Field(default_factory=dict)
+
+    @property
+    def ref(self) -> str:
+        """The name profiles refer to it by."""
+        return self.name or self.type
+
+
+class PluginRef(ApiModel):
+    """A plugin used by a profile; ``weight`` matters for scorers only."""
+
+    plugin_ref: str
+    weight: float = Field(default=1.0, ge=0)
+
+
+class SchedulingProfile(ApiModel):
+    """The ordered plugins of one profile."""
+
+    name: str = "default"
+    plugins: list[PluginRef] = Field(min_length=1)
+
+
+class PickerParameters(ApiModel):
+    """The max-score picker: how many endpoints to return (the first, then Envoy's retry fallbacks)."""
+
+    max_endpoints: int = Field(default=3, ge=1, le=16)
+
+
+class EndpointPickerConfig(ApiModel):
+    """The picker's scheduling configuration file."""
+
+    api_version: Literal["loraplane.io/v1alpha1"] = "loraplane.io/v1alpha1"
+    kind: Literal["EndpointPickerConfig"] = "EndpointPickerConfig"
+    saturation_detector: SaturationThresholds = Field(default_factory=SaturationThresholds)
+    plugins: list[PluginSpec] = Field(min_length=1)
+    scheduling_profiles: list[SchedulingProfile] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _refs_resolve(self) -> EndpointPickerConfig:
+        known = {p.ref: p for p in self.plugins}
+        if len(known) != len(self.plugins):
+            raise ValueError("two plugins share a name")
+        for spec in self.plugins:
+            if spec.type not in FILTERS and spec.type not in SCORERS and spec.type != PICKER_TYPE:
+                choices = sorted([*FILTERS, *SCORERS, PICKER_TYPE])
+                raise ValueError(f"unknown plugin type {spec.type!r}; known: {', '.join(choices)}")
+        for profile in self.scheduling_profiles:
+            for ref in profile.plugins:
+                if ref.plugin_ref not in known:
+                    raise ValueError(f"profile {profile.name!r} refers to undefined plugin {ref.plugin_ref!r}")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> EndpointPickerConfig:
+        """Read a YAML config file; without a path, the packaged default (``default-config.yaml``)."""
+        if path is None:
+            text = resources.files("loraplane.picker").joinpath("default-config.yaml").read_text()
+        else:
+            text = Path(path).read_text()
+        return cls.from_yaml(text)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> EndpointPickerConfig:
+        """Parse YAML text (a ValueError names what is wrong)."""
+        data = yaml.safe_load(text)
+        if not isinstance(data, dict):
+            raise ValueError("the picker config must be a YAML mapping")
+        return cls.model_validate(data)
+
+
+class Outcome(StrEnum):
+    """How a decision went, for metrics (``loraplane_picker_decisions_total{outcome}``)."""
+
+    WARM_GPU = "warm-gpu"
+    WARM_CPU = "warm-cpu"
+    COLD = "cold"
+    SPILLED_SATURATED = "spilled-saturated"
+    BASE = "base"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The scheduler's answer: ordered endpoint addresses (first = primary, then fallbacks)."""
+
+    endpoints: tuple[str, ...]
+    indices: tuple[int, ...]
+    outcome: Outcome
+    tier: Tier
+
+
+class SchedulingError(Exception):
+    """The request cannot be scheduled; ``status`` is the HTTP status the client gets."""
+
+    status = 500
+    reason = "internal"
+
+
+class NoEndpointError(SchedulingError):
+    """No candidate endpoint is left (empty pool, subset hint matching nothing, nothing ready)."""
+
+    status = 503
+    reason = "no-endpoint"
+
+
+class PoolSaturatedError(SchedulingError):
+    """A sheddable request while every candidate endpoint is saturated."""
+
+    status = 429
+    reason = "rejected-saturated"
+
+
+@dataclass(frozen=True, slots=True)
+class _FilterStep:
+    name: str
+    run: Filter
+    fail_open: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _SnapshotCache:
+    """What depends only on one snapshot's reports: computed on its first request, reused until it is replaced."""
+
+    pool: PoolSnapshot
+    reported_utilisation: FloatArray
+    #: weighted sum of the snapshot-only scorers over the whole pool
+    scores: FloatArray
+
+
+class Scheduler:
+    """Runs one scheduling profile over a ``PoolSnapshot``."""
+
+    def __init__(self, config: EndpointPickerConfig, profile: str | None = None) -> None:
+        """Instantiate the plugins of ``profile`` (the first profile by default)."""
+        self.config = config
+        chosen = next((p for p in config.scheduling_profiles if profile in (None, p.name)), None)
+        if chosen is None:
+            raise ValueError(f"no scheduling profile named {profile!r}")
+        specs = {p.ref: p for p in config.plugins}
+        self.thresholds = config.saturation_detector
+        self.filters: list[_FilterStep] = []
+        self.scorers: list[tuple[str, Scorer, float]] = []
+        self.snapshot_scorers: list[tuple[str, Scorer, float]] = []
+        self.max_endpoints = 1
+        self._cache: _SnapshotCache | None = None
+        for ref in chosen.plugins:
+            spec = specs[ref.plugin_ref]
+            if spec.type in FILTERS:
+                params_type, factory = FILTERS[spec.type]
+                filter_params = params_type.model_validate(spec.parameters)
+                self.filters.append(_FilterStep(spec.ref, factory(filter_params), filter_params.fail_open))
+            elif spec.type in SCORERS:
+                kind = SCORERS[spec.type]
+                scorer = kind.factory(kind.parameters.model_validate(spec.parameters))
+                if ref.weight > 0:
+                    (self.snapshot_scorers if kind.snapshot_only else self.scorers).append((spec.ref, scorer, ref.weight))
+            else:
+                self.max_endpoints = PickerParameters.model_validate(spec.parameters).max_endpoints
+
+    @classmethod
+    def from_yaml(cls, text: str, profile: str | None = None) -> Scheduler:
+        """Build from YAML text."""
+        return cls(EndpointPickerConfig.from_yaml(text), profile)
+
+    @classmethod
+    def default(cls) -> Scheduler:
+        """The packaged default configuration."""
+        return cls(EndpointPickerConfig.load())
+
+    def schedule(self, request: SchedulingRequest, pool: PoolSnapshot, rng: np.random.Generator) -> Decision:
+        """Pick endpoints for ``request``; raises ``NoEndpointError`` / ``PoolSaturatedError``."""
+        cache = self._cache if self._cache is not None and self._cache.pool is pool else self._fill_cache(pool)
+        cycle = Cycle(pool.all_indices, utilisation(pool, self.thresholds, cache.reported_utilisation))
+        for step in self.filters:
+            kept = step.run(request, pool, cycle)
+            if len(kept) or not step.fail_open:
+                cycle.candidates = kept
+            if not len(cycle.candidates):
+                raise NoEndpointError(f"no endpoint left after {step.name}")
+        if not len(cycle.candidates):
+            raise NoEndpointError("the pool has no endpoints")
+        if request.priority < 0 and cycle.utilisation[cycle.candidates].min() >= 1.0:
+            raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
+        scores = cache.scores[cycle.candidates]
+        for _name, scorer, weight in self.scorers:
+            scores += weight * scorer(request, pool, cycle)
+        order = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
+        return self._decide(request, pool, cycle, order)
+
+    def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
+        reported = reported_utilisation(pool, self.thresholds)
+        whole = Cycle(pool.all_indices, reported)
+        scores = np.zeros(pool.size)
+        for _name, scorer, weight in self.snapshot_scorers:
+            scores += weight * scorer(SchedulingRequest(), pool, whole)
+        self._cache = _SnapshotCache(pool, reported, scores)
+        return self._cache
+
+    def _decide(self, request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle, order: IntArray) -> Decision:
+        chosen = int(order[0])
+        indices = tuple(int(i) for i in order)
+        endpoints = tuple(pool.addresses[i] for i in indices)
+        if request.served_name is None:
+            return Decision(endpoints, indices, Outcome.BASE, Tier.GPU)
+        entry = pool.lookup(request.served_name, request.digest)
+        tier = Tier.ABSENT
+        if entry is not None:
+            hit = np.flatnonzero(entry.indices == chosen)
+            if len(hit):
+                tier = _TIERS_BY_LEVEL[int(entry.levels[hit[0]])]
+        if tier is Tier.GPU:
+            outcome = Outcome.WARM_GPU
+        elif tier is Tier.CPU:
+            outcome = Outcome.WARM_CPU
+        elif entry is not None and bool(np.any((entry.levels <= 1) & (cycle.utilisation[entry.indices] >= 1.0))):
+            outcome = Outcome.SPILLED_SATURATED
+        else:
+            outcome = Outcome.COLD
+        return Decision(endpoints, indices, outcome, tier)
+
+
+_TIERS_BY_LEVEL = {t.level: t for t in Tier}
+
+
+def pick_top(scores: FloatArray, candidates: IntArray, k: int, rng: np.random.Generator) -> IntArray:
+    """The ``k`` best candidates by score, best first; equal scores are ordered by ``rng``."""
+    n = len(scores)
+    if n > k:
+        kth = np.partition(scores, n - k)[n - k]
+        keep = np.flatnonzero(scores >= kth)
+        scores, candidates = scores[keep], candidates[keep]
+    order = np.lexsort((rng.random(len(scores)), -scores))
+    return candidates[order[:k]]

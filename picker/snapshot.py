@@ -1,0 +1,183 @@
+"""The in-memory pool snapshot the scheduler scores: no Redis, no gRPC, no clock inside.
+
+A ``PoolSnapshot`` is built from ``EndpointState`` values (the simulator makes those directly) or from the
+sidecars' ``ResidencyReport`` objects (``PoolSnapshot.from_reports``). Per-endpoint numbers are numpy arrays so a
+scheduling cycle over 1,000 endpoints costs a handful of vector operations, and residency is indexed by
+``(served name, digest)`` so the affinity lookup is one dict access. The only field that changes between rebuilds is
+``in_flight``, the picker's own count of requests it sent and that have not finished, kept by ``InFlightTracker``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from loraplane.api import ResidencyReport, Tier
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.intp]
+BoolArray = npt.NDArray[np.bool_]
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """One model-server pod as the picker knows it at snapshot time."""
+
+    name: str
+    address: str
+    ready: bool = True
+    stale: bool = False
+    queue_depth: int = 0
+    running: int = 0
+    active_tokens: int = 0
+    kv_utilization: float = 0.0
+    recent_evictions: int = 0
+    #: served name -> (tier, digest the runtime loaded); entries without a digest never count as warm.
+    residency: Mapping[str, tuple[Tier, str | None]] = field(default_factory=dict)
+
+    @property
+    def ip(self) -> str:
+        """The host part of ``address`` (what a subset hint matches on)."""
+        host, _, _ = self.address.rpartition(":")
+        return host.strip("[]") or self.address
+
+
+@dataclass(frozen=True, slots=True)
+class ResidencyEntry:
+    """Where one (served name, digest) is resident: endpoint indices and their tier levels (0 = GPU)."""
+
+    indices: IntArray
+    levels: npt.NDArray[np.int8]
+
+
+class PoolSnapshot:
+    """Every endpoint of the pool with its load and residency, ready to be scored."""
+
+    def __init__(self, endpoints: Sequence[EndpointState], priorities: Mapping[str, int] | None = None) -> None:
+        """Index ``endpoints``; ``priorities`` maps served names to route priority (gold > 0) for protection."""
+        priorities = priorities or {}
+        self.endpoints: tuple[EndpointState, ...] = tuple(endpoints)
+        self.addresses: tuple[str, ...] = tuple(e.address for e in self.endpoints)
+        self.ips: tuple[str, ...] = tuple(e.ip for e in self.endpoints)
+        self.index_by_address: dict[str, int] = {a: i for i, a in enumerate(self.addresses)}
+        self.indices_by_ip: dict[str, list[int]] = {}
+        for i, ip in enumerate(self.ips):
+            self.indices_by_ip.setdefault(ip, []).append(i)
+        n = len(self.endpoints)
+        self.size = n
+        self.all_indices: IntArray = np.arange(n, dtype=np.intp)
+        self.ready: BoolArray = np.fromiter((e.ready for e in self.endpoints), np.bool_, n)
+        self.stale: BoolArray = np.fromiter((e.stale for e in self.endpoints), np.bool_, n)
+        self.queue_depth: FloatArray = np.fromiter((e.queue_depth for e in self.endpoints), np.float64, n)
+        self.running: FloatArray = np.fromiter((e.running for e in self.endpoints), np.float64, n)
+        self.active_tokens: FloatArray = np.fromiter((e.active_tokens for e in self.endpoints), np.float64, n)
+        self.kv_utilization: FloatArray = np.fromiter((e.kv_utilization for e in self.endpoints), np.float64, n)
+        self.recent_evictions: FloatArray = np.fromiter((e.recent_evictions for e in self.endpoints), np.float64, n)
+        self.in_flight: FloatArray = np.zeros(n, dtype=np.float64)
+        #: GPU-resident revisions with a positive route priority (gold) on each endpoint.
+        self.protected_warm: FloatArray = np.zeros(n, dtype=np.float64)
+        buckets: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        for i, endpoint in enumerate(self.endpoints):
+            if endpoint.stale:
+                continue  # unknown residency is not truth
+            for name, (tier, digest) in endpoint.residency.items():
+                if digest is None or tier is Tier.ABSENT:
+                    continue
+                idx, levels = buckets.setdefault((name, digest), ([], []))
+                idx.append(i)
+                levels.append(tier.level)
+                if tier is Tier.GPU and priorities.get(name, 0) > 0:
+                    self.protected_warm[i] += 1
+        self.has_protected = bool(self.protected_warm.any())
+        self.residency: dict[tuple[str, str], ResidencyEntry] = {
+            key: ResidencyEntry(np.asarray(idx, dtype=np.intp), np.asarray(levels, dtype=np.int8))
+            for key, (idx, levels) in buckets.items()
+        }
+
+    def __len__(self) -> int:
+        return self.size
+
+    def lookup(self, served_name: str | None, digest: str | None) -> ResidencyEntry | None:
+        """Where this exact revision (name and digest) is resident, or None."""
+        if served_name is None or digest is None:
+            return None
+        return self.residency.get((served_name, digest))
+
+    @classmethod
+    def from_reports(
+        cls,
+        reports: Iterable[ResidencyReport],
+        now: float,
+        priorities: Mapping[str, int] | None = None,
+        endpoints: Sequence[tuple[str, str]] | None = None,
+    ) -> PoolSnapshot:
+        """Build from sidecar reports; reports older than their TTL become stale (unknown) endpoints.
+
+        ``endpoints`` ((pod name, address) pairs from discovery) fixes the membership: pods without a report are
+        stale, reports of pods outside it are ignored. Without it every reporting pod is a member.
+        """
+        by_pod = {r.pod: r for r in reports}
+        members = endpoints if endpoints is not None else [(r.pod, r.address) for r in by_pod.values()]
+        states = []
+        for pod, address in members:
+            report = by_pod.get(pod)
+            if report is None or report.is_stale(now):
+                states.append(EndpointState(name=pod, address=address, ready=True, stale=True))
+            else:
+                states.append(endpoint_from_report(report, address))
+        return cls(states, priorities)
+
+
+def endpoint_from_report(report: ResidencyReport, address: str | None = None) -> EndpointState:
+    """The ``EndpointState`` a fresh report describes."""
+    load = report.load
+    return EndpointState(
+        name=report.pod,
+        address=address or report.address,
+        ready=report.ready,
+        stale=False,
+        queue_depth=load.queue_depth,
+        running=load.running,
+        active_tokens=load.active_tokens,
+        kv_utilization=load.kv_utilization,
+        recent_evictions=load.recent_evictions,
+        residency={a.served_name: (a.tier, a.digest) for a in report.adapters if a.error is None},
+    )
+
+
+class InFlightTracker:
+    """The picker's own in-flight count per endpoint address, carried across snapshot rebuilds."""
+
+    def __init__(self) -> None:
+        """Start with nothing in flight."""
+        self.counts: dict[str, int] = {}
+        self._snapshot: PoolSnapshot | None = None
+
+    def attach(self, snapshot: PoolSnapshot) -> None:
+        """Make ``snapshot.in_flight`` reflect the current counts and keep it updated."""
+        for address, count in self.counts.items():
+            i = snapshot.index_by_address.get(address)
+            if i is not None:
+                snapshot.in_flight[i] = count
+        self._snapshot = snapshot
+
+    def start(self, address: str) -> None:
+        """A request was sent to ``address``."""
+        self._add(address, 1)
+
+    def finish(self, address: str) -> None:
+        """A request to ``address`` finished (response end, error or client abort)."""
+        self._add(address, -1)
+
+    def _add(self, address: str, delta: int) -> None:
+        count = max(0, self.counts.get(address, 0) + delta)
+        if count:
+            self.counts[address] = count
+        else:
+            self.counts.pop(address, None)
+        snapshot = self._snapshot
+        if snapshot is not None and (i := snapshot.index_by_address.get(address)) is not None:
+            snapshot.in_flight[i] = count

@@ -1,0 +1,204 @@
+"""The scheduling core: affinity-until-saturated, tiers with digest match, gold priority, seeded ties, fallbacks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from loraplane.api import AdapterResidency, PodLoad, ResidencyReport, Tier
+from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.scheduler import (
+    EndpointPickerConfig,
+    NoEndpointError,
+    Outcome,
+    PoolSaturatedError,
+    Scheduler,
+)
+from loraplane.picker.snapshot import EndpointState, InFlightTracker, PoolSnapshot
+
+DIGEST_A = "sha256:" + "a" * 64
+DIGEST_B = "sha256:" + "b" * 64
+ADAPTER = "claims@v1"
+
+
+def pod(i: int, residency: dict[str, tuple[Tier, str | None]] | None = None, **load: object) -> EndpointState:
+    return EndpointState(name=f"pod-{i}", address=f"10.0.0.{i}:8000", residency=residency or {}, **load)  # type: ignore[arg-type]
+
+
+def request(**kw: object) -> SchedulingRequest:
+    return SchedulingRequest(**{"served_name": ADAPTER, "digest": DIGEST_A, **kw})  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def scheduler() -> Scheduler:
+    return Scheduler.default()
+
+
+def test_gpu_resident_pod_wins_while_below_saturation(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(1), pod(2, {ADAPTER: (Tier.GPU, DIGEST_A)}, queue_depth=3), pod(3)])
+    pool.in_flight[:] = [0, 10, 0]  # busier, yet below the in-flight threshold of 16
+    decision = scheduler.schedule(request(), pool, np.random.default_rng(0))
+    assert decision.endpoints[0] == "10.0.0.2:8000"
+    assert decision.outcome is Outcome.WARM_GPU and decision.tier is Tier.GPU
+
+
+def test_tiers_rank_gpu_over_cpu_over_disk(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot(
+        [pod(1, {ADAPTER: (Tier.DISK, DIGEST_A)}), pod(2, {ADAPTER: (Tier.CPU, DIGEST_A)}), pod(3, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(4)]
+    )
+    decision = scheduler.schedule(request(), pool, np.random.default_rng(0))
+    assert decision.endpoints == ("10.0.0.3:8000", "10.0.0.2:8000", "10.0.0.1:8000")
+    without_gpu = PoolSnapshot([pod(1, {ADAPTER: (Tier.DISK, DIGEST_A)}), pod(2, {ADAPTER: (Tier.CPU, DIGEST_A)}), pod(4)])
+    assert scheduler.schedule(request(), without_gpu, np.random.default_rng(0)).outcome is Outcome.WARM_CPU
+
+
+def test_a_different_digest_is_not_warm(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_B)}), pod(2, {ADAPTER: (Tier.GPU, None)}), pod(3)])
+    picks = Counter(scheduler.schedule(request(), pool, np.random.default_rng(s)).endpoints[0] for s in range(60))
+    assert len(picks) == 3  # no affinity anywhere: ties broken at random
+    assert scheduler.schedule(request(), pool, np.random.default_rng(0)).outcome is Outcome.COLD
+
+
+def test_saturated_warm_pod_spills_to_least_loaded(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2), pod(3)])
+    pool.in_flight[:] = [16, 5, 2]  # pod 1 at its in-flight threshold
+    decision = scheduler.schedule(request(), pool, np.random.default_rng(0))
+    assert decision.endpoints[0] == "10.0.0.3:8000"
+    assert decision.outcome is Outcome.SPILLED_SATURATED
+    # queue depth or KV utilisation saturate too
+    for load in ({"queue_depth": 5}, {"kv_utilization": 0.85}):
+        pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}, **load), pod(2)])
+        assert scheduler.schedule(request(), pool, np.random.default_rng(0)).endpoints[0] == "10.0.0.2:8000"
+
+
+def test_when_everything_is_saturated_load_wins_and_sheddable_is_refused(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2), pod(3)])
+    pool.in_flight[:] = [40, 30, 20]
+    decision = scheduler.schedule(request(), pool, np.random.default_rng(0))
+    assert decision.endpoints[0] == "10.0.0.3:8000"  # fail-open saturation filter, no affinity
+    with pytest.raises(PoolSaturatedError) as info:
+        scheduler.schedule(request(priority=-1), pool, np.random.default_rng(0))
+    assert info.value.status == 429
+    pool.in_flight[:] = [40, 30, 2]
+    assert scheduler.schedule(request(priority=-1), pool, np.random.default_rng(0)).endpoints[0] == "10.0.0.3:8000"
+
+
+def test_gold_warm_pods_are_avoided_by_cold_lower_priority_requests(scheduler: Scheduler) -> None:
+    gold = "vip@v1"
+    endpoints = [pod(1, {gold: (Tier.GPU, DIGEST_B)}), pod(2)]
+    pool = PoolSnapshot(endpoints, priorities={gold: 10})
+    pool.in_flight[:] = [0, 6]  # pod 1 is idler, but keeps gold warm
+    standard = scheduler.schedule(request(), pool, np.random.default_rng(0))
+    assert standard.endpoints[0] == "10.0.0.2:8000"
+    gold_req = scheduler.schedule(request(served_name="other@v1", priority=10), pool, np.random.default_rng(0))
+    assert gold_req.endpoints[0] == "10.0.0.1:8000"
+    # without the priority map pod 1 is not protected
+    unprotected = PoolSnapshot(endpoints)
+    unprotected.in_flight[:] = [0, 6]
+    assert scheduler.schedule(request(), unprotected, np.random.default_rng(0)).endpoints[0] == "10.0.0.1:8000"
+    # a request whose own revision is GPU-warm on the gold pod may still use it
+    shared = PoolSnapshot([pod(1, {gold: (Tier.GPU, DIGEST_B), ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2)], {gold: 10})
+    assert scheduler.schedule(request(), shared, np.random.default_rng(0)).endpoints[0] == "10.0.0.1:8000"
+
+
+def test_ties_are_broken_by_the_seeded_rng(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(i) for i in range(1, 5)])
+    first = [scheduler.schedule(request(), pool, rng).endpoints for rng in [np.random.default_rng(7)] * 50]
+    again = [scheduler.schedule(request(), pool, rng).endpoints for rng in [np.random.default_rng(7)] * 50]
+    assert first == again
+    counts = Counter(e[0] for e in first)
+    assert len(counts) == 4 and min(counts.values()) >= 5
+
+
+def test_fallbacks_are_distinct_and_ordered_by_score(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(i) for i in range(1, 7)])
+    pool.in_flight[:] = [5, 1, 4, 0, 3, 2]
+    decision = scheduler.schedule(SchedulingRequest(), pool, np.random.default_rng(0))
+    assert decision.endpoints == ("10.0.0.4:8000", "10.0.0.2:8000", "10.0.0.6:8000")
+    assert decision.outcome is Outcome.BASE
+
+
+def test_subset_hint_restricts_candidates(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2), pod(3)])
+    decision = scheduler.schedule(request(subset=frozenset({"10.0.0.3"})), pool, np.random.default_rng(0))
+    assert decision.endpoints == ("10.0.0.3:8000",)
+    with pytest.raises(NoEndpointError) as info:
+        scheduler.schedule(request(subset=frozenset()), pool, np.random.default_rng(0))
+    assert info.value.status == 503
+
+
+def test_not_ready_endpoints_are_never_picked(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}, ready=False), pod(2)])
+    assert scheduler.schedule(request(), pool, np.random.default_rng(0)).endpoints == ("10.0.0.2:8000",)
+    with pytest.raises(NoEndpointError):
+        scheduler.schedule(request(), PoolSnapshot([pod(1, ready=False)]), np.random.default_rng(0))
+    with pytest.raises(NoEndpointError):
+        scheduler.schedule(request(), PoolSnapshot([]), np.random.default_rng(0))
+
+
+def report(pod_name: str, port: int, heartbeat_at: float, adapters: list[AdapterResidency] | None = None, **load: int) -> ResidencyReport:
+    return ResidencyReport(
+        pool="pool", pod=pod_name, address=f"127.0.0.1:{port}", heartbeat_at=heartbeat_at, ttl_seconds=5,
+        adapters=adapters or [], load=PodLoad(**load),
+    )
+
+
+def test_stale_reports_are_unknown_and_dropped_unless_nothing_else(scheduler: Scheduler) -> None:
+    warm = [AdapterResidency(served_name=ADAPTER, tier=Tier.GPU, digest=DIGEST_A)]
+    reports = [report("a", 1, heartbeat_at=100.0, adapters=warm), report("b", 2, heartbeat_at=104.0)]
+    fresh = PoolSnapshot.from_reports(reports, now=104.5)
+    assert scheduler.schedule(request(), fresh, np.random.default_rng(0)).endpoints[0] == "127.0.0.1:1"
+    later = PoolSnapshot.from_reports(reports, now=106.0)  # a's report is older than its TTL
+    assert later.stale.tolist() == [True, False] and later.lookup(ADAPTER, DIGEST_A) is None
+    assert scheduler.schedule(request(), later, np.random.default_rng(0)).endpoints == ("127.0.0.1:2",)
+    all_stale = PoolSnapshot.from_reports(reports, now=200.0)
+    assert scheduler.schedule(request(), all_stale, np.random.default_rng(0)).endpoints  # fail open
+    discovered = PoolSnapshot.from_reports(reports, now=104.5, endpoints=[("b", "127.0.0.1:2"), ("c", "127.0.0.1:3")])
+    assert discovered.addresses == ("127.0.0.1:2", "127.0.0.1:3") and discovered.stale.tolist() == [False, True]
+
+
+def test_in_flight_counts_survive_snapshot_rebuilds() -> None:
+    tracker = InFlightTracker()
+    first = PoolSnapshot([pod(1), pod(2)])
+    tracker.attach(first)
+    tracker.start("10.0.0.2:8000")
+    tracker.start("10.0.0.2:8000")
+    assert first.in_flight.tolist() == [0, 2]
+    second = PoolSnapshot([pod(2), pod(3)])
+    tracker.attach(second)
+    assert second.in_flight.tolist() == [2, 0]
+    tracker.finish("10.0.0.2:8000")
+    tracker.finish("10.0.0.2:8000")
+    tracker.finish("10.0.0.2:8000")  # never below zero
+    assert second.in_flight.tolist() == [0, 0] and tracker.counts == {}
+
+
+def test_config_errors_are_explained() -> None:
+    with pytest.raises(ValidationError, match="unknown plugin type 'nope'"):
+        EndpointPickerConfig.from_yaml("plugins: [{type: nope}]\nschedulingProfiles: [{plugins: [{pluginRef: nope}]}]")
+    with pytest.raises(ValidationError, match="undefined plugin 'x'"):
+        EndpointPickerConfig.from_yaml("plugins: [{type: queue-scorer}]\nschedulingProfiles: [{plugins: [{pluginRef: x}]}]")
+    with pytest.raises(ValueError, match="mapping"):
+        EndpointPickerConfig.from_yaml("- a")
+    with pytest.raises(ValidationError):
+        Scheduler.from_yaml("plugins: [{type: saturation-filter, parameters: {headroom: -1}}]\n"
+                            "schedulingProfiles: [{plugins: [{pluginRef: saturation-filter}]}]")
+
+
+def test_weights_and_parameters_come_from_the_config() -> None:
+    load_only = Scheduler.from_yaml(
+        """
+plugins:
+- {type: residency-affinity-scorer}
+- {type: in-flight-scorer}
+- {type: max-score-picker, parameters: {maxEndpoints: 1}}
+schedulingProfiles:
+- plugins: [{pluginRef: residency-affinity-scorer, weight: 0}, {pluginRef: in-flight-scorer}, {pluginRef: max-score-picker}]
+"""
+    )
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2)])
+    pool.in_flight[:] = [3, 0]
+    assert load_only.schedule(request(), pool, np.random.default_rng(0)).endpoints == ("10.0.0.2:8000",)
