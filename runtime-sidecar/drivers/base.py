@@ -1,0 +1,113 @@
+"""The interface every runtime driver implements, and what it reports."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplane.api import PodLoad, Tier
+
+
+class RuntimeUnavailable(Exception):
+    """The runtime did not answer (connection refused, timeout, 5xx): the pod is not ready."""
+
+
+class RuntimeRejected(Exception):
+    """The runtime answered and refused the operation (4xx with its message)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a runtime can do beyond loading and unloading.
+
+    ``tier_control``: explicit activate (CPU -> GPU) and offload (GPU -> CPU). ``pin``: pin/unpin.
+    ``reports_residency``: the runtime says which tier each adapter is in (otherwise the driver infers it).
+    ``exports_residency_metrics``: the runtime's /metrics already has ``vllm:lora_adapter_loaded``.
+    """
+
+    tier_control: bool
+    pin: bool
+    reports_residency: bool
+    exports_residency_metrics: bool
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """The runtime's identity and limits, used by compatibility checks and restart detection.
+
+    ``instance`` changes whenever the runtime process restarts (None when the runtime does not say).
+    ``None`` limits are unknown and not checked.
+    """
+
+    base_model: str
+    instance: str | None = None
+    base_model_digest: str | None = None
+    max_lora_rank: int | None = None
+    max_loras: int | None = None
+    max_cpu_loras: int | None = None
+    target_modules: frozenset[str] | None = None
+    dtypes: frozenset[str] | None = None
+
+
+@dataclass
+class RuntimeAdapter:
+    """One adapter as the runtime holds it. ``digest`` is the runtime's own, when it reports one."""
+
+    served_name: str
+    tier: Tier
+    digest: str | None = None
+    bytes: int = 0
+    pinned: bool = False
+    in_flight: int = 0
+    hits: int = 0
+    loads: int = 0
+    evictions: int = 0
+    last_access: float | None = None
+
+
+class RuntimeDriver(ABC):
+    """Drives one model server. Every method raises RuntimeUnavailable or RuntimeRejected on failure."""
+
+    kind: str
+    capabilities: Capabilities
+
+    @abstractmethod
+    async def info(self) -> RuntimeInfo:
+        """Identity and limits of the runtime."""
+
+    @abstractmethod
+    async def list_adapters(self) -> dict[str, RuntimeAdapter]:
+        """The adapters the runtime holds now, keyed by served name."""
+
+    @abstractmethod
+    async def load(self, served_name: str, path: Path, digest: str) -> None:
+        """Register the PEFT directory ``path`` under ``served_name`` (host memory tier)."""
+
+    @abstractmethod
+    async def activate(self, served_name: str) -> None:
+        """Bring a loaded adapter into a GPU slot."""
+
+    async def offload(self, served_name: str) -> None:
+        """Move an adapter from its GPU slot to host memory (only with ``tier_control``)."""
+        raise NotImplementedError(f"the {self.kind} runtime has no offload")
+
+    async def set_pinned(self, served_name: str, pinned: bool) -> None:
+        """Pin or unpin an adapter (only with ``pin``)."""
+        raise NotImplementedError(f"the {self.kind} runtime has no pin")
+
+    @abstractmethod
+    async def unload(self, served_name: str) -> None:
+        """Remove the adapter from the runtime; an adapter the runtime does not know is already unloaded."""
+
+    @abstractmethod
+    async def load_metrics(self) -> PodLoad:
+        """Queue, running, KV usage and slots, from the runtime's /metrics."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release connections."""
