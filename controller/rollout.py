@@ -1,0 +1,511 @@
+"""The rollout state machine: pure, level-triggered logic over one logical adapter's revisions.
+
+``reconcile_adapter(revisions, observation)`` takes every ``AdapterRevision`` of one logical adapter in one pool
+(their specs and the statuses last written) and what the pool reports now (sidecars' residency, the picker's
+counters, health-probe results), and returns each revision's desired status, the events to post, the adapter's
+route entry, what placement must hold where, and which probes to send. It does no I/O and reads no clock, so the
+same input always gives the same output and a restarted controller continues from the persisted status: a gate
+is passed exactly when the phase moves past it (see ``docs/rollout.md``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Literal
+
+from loraplane.api import (
+    ERROR_DIGEST_MISMATCH,
+    ERROR_INCOMPATIBLE,
+    AdapterRevision,
+    AdapterRevisionStatus,
+    Condition,
+    Phase,
+    ResidencyCounts,
+    RevisionCounters,
+    RevisionRole,
+    RouteEntry,
+    WarmPolicy,
+    WeightedRevision,
+    cache_key,
+)
+from loraplane.api.runtime import AdapterResidency, Tier
+
+#: Phases a revision moves through before it is stable, in order.
+ROLLOUT_PHASES = (Phase.PENDING, Phase.VERIFYING, Phase.PREWARMING, Phase.ACTIVATING, Phase.PROBING, Phase.CANARY)
+#: Phases a revision never leaves.
+TERMINAL_PHASES = (Phase.FAILED, Phase.ROLLED_BACK, Phase.RETIRED)
+#: The condition each gate sets when it passes.
+GATE_CONDITIONS = {
+    Phase.PENDING: "Compatible",
+    Phase.VERIFYING: "Verified",
+    Phase.PREWARMING: "Prewarmed",
+    Phase.ACTIVATING: "Activated",
+    Phase.PROBING: "Probed",
+    Phase.CANARY: "CanaryAnalysis",
+}
+#: The tier the canary pods must report (digest matching) for a gate to pass.
+_GATE_TIERS = {Phase.VERIFYING: Tier.DISK, Phase.PREWARMING: Tier.CPU, Phase.ACTIVATING: Tier.GPU}
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """One pod of the pool as its fresh residency report describes it."""
+
+    name: str
+    address: str
+    ready: bool = True
+    base_model_digest: str | None = None
+    max_lora_rank: int | None = None
+    adapters: Mapping[str, AdapterResidency] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The outcome of one health probe sent straight to one pod."""
+
+    at: datetime
+    ok: bool
+    message: str
+    ttft_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the pool looks like now."""
+
+    now: datetime
+    pods: Sequence[PodObservation]
+    #: served name -> counters summed over the picker replicas
+    counters: Mapping[str, RevisionCounters] = field(default_factory=dict)
+    #: (served name, pod) -> the latest probe result
+    probes: Mapping[tuple[str, str], ProbeResult] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post on one AdapterRevision."""
+
+    object_name: str
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """Send the revision's health probe to this pod."""
+
+    served_name: str
+    pod: str
+    address: str
+
+
+@dataclass
+class RevisionPlan:
+    """What one revision needs: its status, and how placement should treat it."""
+
+    name: str
+    served_name: str
+    status: AdapterRevisionStatus
+    #: False: hold it nowhere (unloaded everywhere)
+    placed: bool = False
+    #: pod -> the tier the rollout requires there
+    required: dict[str, Tier] = field(default_factory=dict)
+    #: share of the adapter's request rates placement plans for
+    rate_share: float = 0.0
+    warm_policy: WarmPolicy = WarmPolicy.ON_DEMAND
+    #: compatible pods
+    eligible: frozenset[str] = frozenset()
+    #: the object is being deleted and every pod has unloaded it: drop the finalizer
+    finalize: bool = False
+
+
+@dataclass
+class AdapterPlan:
+    """The outcome of reconciling one logical adapter."""
+
+    revisions: dict[str, RevisionPlan]
+    route: RouteEntry | None
+    events: list[Event]
+    probes: list[ProbeRequest]
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    kind: Literal["advance", "wait", "fail"]
+    reason: str
+    message: str
+    phase: Phase = Phase.FAILED
+
+
+def _advance(message: str = "") -> _Verdict:
+    return _Verdict("advance", "Passed", message)
+
+
+def _wait(reason: str, message: str) -> _Verdict:
+    return _Verdict("wait", reason, message)
+
+
+def _fail(phase: Phase, reason: str, message: str) -> _Verdict:
+    return _Verdict("fail", reason, message, phase)
+
+
+def compatible_pods(rev: AdapterRevision, pods: Sequence[PodObservation]) -> tuple[list[PodObservation], str]:
+    """Ready pods whose base model and max rank fit the revision, and why the others do not."""
+    good, why = [], []
+    for pod in pods:
+        if not pod.ready:
+            continue
+        if pod.base_model_digest is not None and pod.base_model_digest != rev.spec.base_model.digest:
+            why.append(f"{pod.name} serves base model {pod.base_model_digest}, not {rev.spec.base_model.digest}")
+        elif pod.max_lora_rank is not None and rev.spec.lora.rank > pod.max_lora_rank:
+            why.append(f"{pod.name} has max_lora_rank {pod.max_lora_rank} < rank {rev.spec.lora.rank}")
+        else:
+            good.append(pod)
+    return good, "; ".join(why)
+
+
+def canary_pods(rev: AdapterRevision, eligible: Sequence[PodObservation]) -> list[PodObservation]:
+    """The revision's canary pods: a stable choice (rendezvous hashing) of ``canary.pods`` or ``fraction`` of them."""
+    target = rev.spec.rollout.canary
+    count = target.pods if target.pods is not None else math.ceil((target.fraction or 0) * len(eligible))
+    count = max(1, min(count, len(eligible)))
+
+    def rank(pod: PodObservation) -> bytes:
+        return hashlib.sha256(f"{rev.served_name}\x1f{pod.name}".encode()).digest()
+
+    return sorted(sorted(eligible, key=rank)[:count], key=lambda p: p.name)
+
+
+def _counts(rev: AdapterRevision, pods: Sequence[PodObservation]) -> ResidencyCounts:
+    counts = ResidencyCounts()
+    for pod in pods:
+        held = pod.adapters.get(rev.served_name)
+        if held is not None and held.digest == rev.spec.artifact.digest:
+            if held.tier is Tier.GPU:
+                counts.gpu += 1
+            elif held.tier is Tier.CPU:
+                counts.cpu += 1
+            elif held.tier is Tier.DISK:
+                counts.disk += 1
+    return counts
+
+
+def set_condition(
+    status: AdapterRevisionStatus, type_: str, value: bool | None, reason: str, message: str, now: datetime,
+    generation: int | None,
+) -> None:
+    """Set a condition, keeping its transition time when its status did not change."""
+    text = "Unknown" if value is None else "True" if value else "False"
+    for i, cond in enumerate(status.conditions):
+        if cond.type == type_:
+            since = cond.last_transition_time if cond.status == text else now
+            status.conditions[i] = Condition(
+                type=type_, status=text, reason=reason, message=message, last_transition_time=since,
+                observed_generation=generation,
+            )
+            return
+    status.conditions.append(
+        Condition(type=type_, status=text, reason=reason, message=message, last_transition_time=now,
+                  observed_generation=generation)
+    )
+
+
+class _AdapterReconcile:
+    def __init__(self, revisions: Sequence[AdapterRevision], obs: Observation) -> None:
+        self.obs = obs
+        self.revs = sorted(revisions, key=lambda r: (r.metadata.creation_timestamp or obs.now, r.metadata.name))
+        self.status = {r.metadata.name: r.status.model_copy(deep=True) for r in self.revs}
+        self.events: list[Event] = []
+        self.probes: list[ProbeRequest] = []
+        self.plans: dict[str, RevisionPlan] = {}
+        self.eligible: dict[str, list[PodObservation]] = {}
+        self.incompatible: dict[str, str] = {}
+        for r in self.revs:
+            self.eligible[r.metadata.name], self.incompatible[r.metadata.name] = compatible_pods(r, obs.pods)
+
+    # -- transitions ---------------------------------------------------------------------------------------------
+    def phase(self, rev: AdapterRevision) -> Phase:
+        return self.status[rev.metadata.name].phase
+
+    def move(self, rev: AdapterRevision, phase: Phase, reason: str, message: str, *, step: int | None = None) -> None:
+        st = self.status[rev.metadata.name]
+        st.phase, st.canary_step, st.phase_since = phase, step, self.obs.now
+        st.reason, st.message = reason, message
+        warning = phase in (Phase.FAILED, Phase.ROLLED_BACK)
+        shown = f"{phase.value}" + (f" step {step + 1}" if step is not None else "")
+        self.events.append(
+            Event(rev.metadata.name, "Warning" if warning else "Normal", reason, f"{shown}: {message}".rstrip(": "))
+        )
+
+    def note(self, rev: AdapterRevision, reason: str, message: str) -> None:
+        st = self.status[rev.metadata.name]
+        st.reason, st.message = reason, message
+
+    def condition(self, rev: AdapterRevision, type_: str, value: bool | None, reason: str, message: str = "") -> None:
+        set_condition(self.status[rev.metadata.name], type_, value, reason, message, self.obs.now,
+                      rev.metadata.generation)
+
+    def elapsed(self, rev: AdapterRevision) -> float:
+        since = self.status[rev.metadata.name].phase_since
+        return math.inf if since is None else (self.obs.now - since).total_seconds()
+
+    # -- gates ---------------------------------------------------------------------------------------------------
+    def gate(self, rev: AdapterRevision, stable: AdapterRevision | None) -> _Verdict:
+        phase = self.phase(rev)
+        if phase is Phase.PENDING:
+            return self.gate_compatible(rev)
+        if phase in _GATE_TIERS:
+            return self.gate_residency(rev, _GATE_TIERS[phase])
+        if phase is Phase.PROBING:
+            return self.gate_probe(rev)
+        return self.gate_canary(rev, stable)
+
+    def gate_compatible(self, rev: AdapterRevision) -> _Verdict:
+        name = rev.metadata.name
+        if not any(p.ready for p in self.obs.pods):
+            return _wait("NoPods", f"no ready pod reports in pool {rev.spec.pool_ref.name}")
+        if not self.eligible[name]:
+            return _fail(Phase.FAILED, "Incompatible", self.incompatible[name])
+        return _advance(f"{len(self.eligible[name])} compatible pods")
+
+    def gate_residency(self, rev: AdapterRevision, tier: Tier) -> _Verdict:
+        waiting = []
+        for pod in canary_pods(rev, self.eligible[rev.metadata.name]):
+            held = pod.adapters.get(rev.served_name)
+            if held is not None and held.error_reason in (ERROR_DIGEST_MISMATCH, ERROR_INCOMPATIBLE):
+                return _fail(Phase.FAILED, held.error_reason, f"{pod.name}: {held.error or held.error_reason}")
+            if held is not None and held.digest is not None and held.digest != rev.spec.artifact.digest:
+                return _fail(
+                    Phase.FAILED, ERROR_DIGEST_MISMATCH,
+                    f"{pod.name} loaded digest {held.digest}, spec says {rev.spec.artifact.digest}",
+                )
+            if held is None or held.digest is None or not held.tier.level <= tier.level:
+                state = "absent" if held is None else held.tier.value
+                if held is not None and held.error:
+                    state += f", {held.error_reason or 'Error'}: {held.error}"
+                waiting.append(f"{pod.name} ({state})")
+        if waiting:
+            return _wait(f"WaitingFor{tier.value.capitalize()}Residency",
+                         f"canary pods not yet at {tier.value} with digest verified: {', '.join(waiting)}")
+        return _advance(f"canary pods hold {rev.served_name} at {tier.value} with digest {rev.spec.artifact.digest}")
+
+    def gate_probe(self, rev: AdapterRevision) -> _Verdict:
+        since = self.status[rev.metadata.name].phase_since
+        pending = []
+        for pod in canary_pods(rev, self.eligible[rev.metadata.name]):
+            result = self.obs.probes.get((rev.served_name, pod.name))
+            if result is None or (since is not None and result.at < since):
+                pending.append(pod.name)
+                held = pod.adapters.get(rev.served_name)
+                if held is not None and held.tier is Tier.GPU and held.digest == rev.spec.artifact.digest:
+                    self.probes.append(ProbeRequest(rev.served_name, pod.name, pod.address))
+            elif not result.ok:
+                return _fail(Phase.ROLLED_BACK, "ProbeFailed", f"{pod.name}: {result.message}")
+        if pending:
+            return _wait("WaitingForProbe", f"health probe pending on {', '.join(pending)}")
+        return _advance("health probe passed on every canary pod")
+
+    def gate_canary(self, rev: AdapterRevision, stable: AdapterRevision | None) -> _Verdict:
+        st = self.status[rev.metadata.name]
+        steps = rev.spec.rollout.steps
+        step = steps[st.canary_step or 0]
+        left = step.pause_seconds - self.elapsed(rev)
+        if left > 0:
+            return _wait("CanaryStep", f"step {(st.canary_step or 0) + 1}/{len(steps)} at {step.weight}%: "
+                                       f"{math.ceil(left)}s of {step.pause_seconds}s left")
+        analysis = rev.spec.rollout.analysis
+        canary = self.obs.counters.get(rev.served_name, RevisionCounters())
+        base = self.obs.counters.get(stable.served_name, RevisionCounters()) if stable else RevisionCounters()
+        if canary.requests < analysis.min_requests:
+            return _wait("WaitingForTraffic",
+                         f"canary analysis needs {analysis.min_requests} requests, has {canary.requests}")
+        canary_errors = canary.errors / canary.requests if canary.requests else 0.0
+        base_errors = base.errors / base.requests if base.requests else 0.0
+        if canary_errors - base_errors > analysis.max_error_rate_increase:
+            return _fail(Phase.ROLLED_BACK, "CanaryErrorRate",
+                         f"error rate {canary_errors:.3f} vs stable {base_errors:.3f} "
+                         f"(allowed increase {analysis.max_error_rate_increase})")
+        if canary.ttft_count and base.ttft_count:
+            ratio = (canary.ttft_seconds_sum / canary.ttft_count) / max(base.ttft_seconds_sum / base.ttft_count, 1e-9)
+            if ratio > analysis.max_ttft_ratio:
+                return _fail(Phase.ROLLED_BACK, "CanaryLatency",
+                             f"mean TTFT {ratio:.2f}x stable (allowed {analysis.max_ttft_ratio}x)")
+        return _advance(f"analysis passed at {step.weight}% ({canary.requests} canary requests)")
+
+    # -- the adapter ---------------------------------------------------------------------------------------------
+    def run(self) -> AdapterPlan:
+        live = [r for r in self.revs if r.metadata.deletion_timestamp is None]
+        stable = self.current_stable(live)
+        stable = self.manual_rollback_of_stable(stable, live)
+        candidate = self.candidate(live, stable)
+        if candidate is not None:
+            stable = self.progress(candidate, stable)
+        self.age_retiring(live)
+        route = self.route(live, stable, candidate)
+        for rev in self.revs:
+            self.plan(rev)
+        return AdapterPlan(self.plans, route, self.events, self.probes)
+
+    def current_stable(self, live: list[AdapterRevision]) -> AdapterRevision | None:
+        stables = [r for r in live if self.phase(r) is Phase.STABLE]
+        stable = max(stables, key=lambda r: self.status[r.metadata.name].phase_since or self.obs.now, default=None)
+        for other in stables:
+            if other is not stable:
+                self.move(other, Phase.RETIRING, "Superseded", f"{stable.metadata.name if stable else ''} is stable")
+        if stable is None and any(r.metadata.deletion_timestamp for r in self.revs if r.status.phase is Phase.STABLE):
+            stable = self.restore_previous(live, "StableDeleted", "the stable revision was deleted")
+        return stable
+
+    def restore_previous(self, live: list[AdapterRevision], reason: str, message: str) -> AdapterRevision | None:
+        retiring = [r for r in live if self.phase(r) is Phase.RETIRING]
+        previous = max(retiring, key=lambda r: self.status[r.metadata.name].phase_since or self.obs.now, default=None)
+        if previous is not None:
+            self.move(previous, Phase.STABLE, reason, message)
+        return previous
+
+    def manual_rollback_of_stable(self, stable: AdapterRevision | None, live: list[AdapterRevision]) -> AdapterRevision | None:
+        if stable is None or not stable.spec.rollback:
+            return stable
+        previous = self.restore_previous(live, "RolledBackTo", f"{stable.metadata.name} was rolled back")
+        if previous is None:
+            self.note(stable, "NothingToRollBackTo", "spec.rollback is set but no previous revision is still warm")
+            return stable
+        self.move(stable, Phase.ROLLED_BACK, "ManualRollback", f"spec.rollback set; {previous.metadata.name} is stable")
+        return previous
+
+    def candidate(self, live: list[AdapterRevision], stable: AdapterRevision | None) -> AdapterRevision | None:
+        """The newest revision still rolling out; older unfinished ones are superseded by it."""
+        rolling = [r for r in live if self.phase(r) in ROLLOUT_PHASES]
+        if not rolling:
+            return None
+        newest = rolling[-1]
+        for older in rolling[:-1]:
+            self.move(older, Phase.ROLLED_BACK, "Superseded", f"{newest.metadata.name} replaces it")
+        return newest
+
+    def progress(self, rev: AdapterRevision, stable: AdapterRevision | None) -> AdapterRevision | None:
+        """Move the candidate through every gate the observation lets it pass; returns the stable revision."""
+        if rev.spec.rollback:
+            self.move(rev, Phase.ROLLED_BACK, "ManualRollback", "spec.rollback set; all traffic back to stable")
+            return stable
+        self.condition(rev, "Paused", rev.spec.paused, "Paused" if rev.spec.paused else "Running")
+        for _ in range(len(ROLLOUT_PHASES) + len(rev.spec.rollout.steps)):
+            if rev.spec.paused:
+                self.note(rev, "Paused", f"spec.paused is set; holding at {self.phase(rev).value}")
+                return stable
+            phase = self.phase(rev)
+            verdict = self.gate(rev, stable)
+            if verdict.kind == "wait":
+                self.note(rev, verdict.reason, verdict.message)
+                self.condition(rev, "Progressing", True, verdict.reason, verdict.message)
+                return stable
+            gate = GATE_CONDITIONS[phase]
+            if verdict.kind == "fail":
+                self.condition(rev, gate, False, verdict.reason, verdict.message)
+                self.condition(rev, "Progressing", False, verdict.reason, verdict.message)
+                self.move(rev, verdict.phase, verdict.reason, f"{phase.value}: {verdict.message}")
+                return stable
+            self.condition(rev, gate, True, "Passed", verdict.message)
+            if self.next_phase(rev, phase, stable):
+                if stable is not None:
+                    self.move(stable, Phase.RETIRING, "Superseded", f"{rev.metadata.name} is stable")
+                self.condition(rev, "Progressing", False, "Promoted", "rollout complete")
+                return rev
+        return stable
+
+    def next_phase(self, rev: AdapterRevision, phase: Phase, stable: AdapterRevision | None) -> bool:
+        """Move past a passed gate; True when the revision became stable."""
+        steps = rev.spec.rollout.steps
+        if phase is Phase.PROBING and (stable is None or not steps):
+            self.move(rev, Phase.STABLE, "Promoted", "no stable revision to compare with" if stable is None else "")
+            return True
+        if phase is Phase.PROBING:
+            self.move(rev, Phase.CANARY, "CanaryStep", f"{steps[0].weight}% of traffic", step=0)
+            return False
+        if phase is Phase.CANARY:
+            nxt = (self.status[rev.metadata.name].canary_step or 0) + 1
+            if nxt >= len(steps):
+                self.move(rev, Phase.STABLE, "Promoted", "every canary step passed")
+                return True
+            self.move(rev, Phase.CANARY, "CanaryStep", f"{steps[nxt].weight}% of traffic", step=nxt)
+            return False
+        following = ROLLOUT_PHASES[ROLLOUT_PHASES.index(phase) + 1]
+        self.move(rev, following, "GatePassed", f"{GATE_CONDITIONS[phase]}")
+        return False
+
+    def age_retiring(self, live: list[AdapterRevision]) -> None:
+        for rev in live:
+            if self.phase(rev) is not Phase.RETIRING:
+                continue
+            rollout = rev.spec.rollout
+            if self.elapsed(rev) >= rollout.rollback_window_seconds + rollout.eviction_delay_seconds:
+                self.move(rev, Phase.RETIRED, "Evicted", "rollback window and eviction delay are over")
+
+    def route(
+        self, live: list[AdapterRevision], stable: AdapterRevision | None, candidate: AdapterRevision | None
+    ) -> RouteEntry | None:
+        weights: list[tuple[AdapterRevision, int, RevisionRole]] = []
+        canary_weight = 0
+        if candidate is not None and self.phase(candidate) is Phase.CANARY:
+            canary_weight = candidate.spec.rollout.steps[self.status[candidate.metadata.name].canary_step or 0].weight
+        if stable is not None:
+            weights.append((stable, 100 - canary_weight if candidate and canary_weight else 100, RevisionRole.STABLE))
+            if canary_weight and candidate is not None:
+                weights.append((candidate, canary_weight, RevisionRole.CANARY))
+        for rev in self.revs:
+            self.status[rev.metadata.name].traffic_weight = next((w for r, w, _ in weights if r is rev), 0)
+        if not weights:
+            return None
+        owner = stable or weights[0][0]
+        return RouteEntry(
+            tenant=owner.spec.tenant,
+            priority=owner.spec.priority_class.priority,
+            revisions=[
+                WeightedRevision(revision=r.spec.revision, served_name=r.served_name, digest=r.spec.artifact.digest,
+                                 weight=w, role=role)
+                for r, w, role in weights
+                if w > 0
+            ],
+        )
+
+    def plan(self, rev: AdapterRevision) -> None:
+        name = rev.metadata.name
+        st = self.status[name]
+        st.observed_generation = rev.metadata.generation
+        st.served_name = rev.served_name
+        st.cache_key = cache_key(rev.spec.base_model.digest, rev.spec.adapter, rev.spec.revision,
+                                 rev.spec.artifact.digest)
+        st.residency = _counts(rev, self.obs.pods)
+        eligible = self.eligible[name]
+        plan = RevisionPlan(name, rev.served_name, st, eligible=frozenset(p.name for p in eligible))
+        self.plans[name] = plan
+        self.condition(rev, "Ready", st.traffic_weight > 0, "Serving" if st.traffic_weight else st.phase.value,
+                       f"{st.traffic_weight}% of traffic")
+        if rev.metadata.deletion_timestamp is not None:
+            plan.finalize = not any(rev.served_name in p.adapters for p in self.obs.pods)
+            return
+        phase = st.phase
+        if phase in (Phase.STABLE, Phase.CANARY):
+            plan.placed, plan.rate_share, plan.warm_policy = True, 1.0, rev.spec.warm_policy
+        if phase in _GATE_TIERS or phase in (Phase.PROBING, Phase.CANARY):
+            plan.placed = True
+            tier = _GATE_TIERS.get(phase, Tier.GPU)
+            plan.required = {p.name: tier for p in canary_pods(rev, eligible)}
+        if phase is Phase.RETIRING:
+            warm = self.elapsed(rev) < rev.spec.rollout.rollback_window_seconds
+            plan.placed = True
+            plan.required = {
+                p.name: Tier.CPU if warm else Tier.DISK
+                for p in self.obs.pods
+                if rev.served_name in p.adapters and p.name in plan.eligible
+            }
+
+
+def reconcile_adapter(revisions: Sequence[AdapterRevision], observation: Observation) -> AdapterPlan:
+    """Reconcile every revision of one logical adapter in one pool (pure; see the module docstring)."""
+    return _AdapterReconcile(revisions, observation).run()
