@@ -9,7 +9,7 @@ import pytest
 
 from loraplane.api import AdapterRevision, Phase, RevisionCounters
 from loraplane.api.runtime import AdapterResidency, Tier
-from loraplane.controller.rollout import AdapterPlan, canary_pods, reconcile_adapter
+from loraplane.controller.rollout import AdapterPlan, ProbeResult, canary_pods, reconcile_adapter
 from tests.controller.world import World, digest, revision, step
 
 
@@ -225,8 +225,6 @@ def test_probe_results_from_before_the_phase_do_not_count() -> None:
     revs = [revision("v1", n=1)]
     _drive(world, revs, Phase.PROBING, "claims-v1")
     pod = canary_pods(revs[0], world.observe().pods)[0].name
-    from loraplane.controller.rollout import ProbeResult
-
     world.probes[("claims@v1", pod)] = ProbeResult(at=world.now - timedelta(seconds=1), ok=True, message="old")
     plan = step(world, revs)
     assert revs[0].status.phase is Phase.PROBING and [p.pod for p in plan.probes] == [pod]

@@ -8,7 +8,13 @@ from typing import Any
 
 from loraplane.api import AdapterRevision, RevisionCounters
 from loraplane.api.runtime import AdapterResidency, Tier
-from loraplane.controller.rollout import AdapterPlan, Observation, PodObservation, ProbeResult, reconcile_adapter
+from loraplane.controller.rollout import (
+    AdapterPlan,
+    Observation,
+    PodObservation,
+    ProbeResult,
+    reconcile_adapter,
+)
 
 BASE_DIGEST = "sha256:" + "b" * 64
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
