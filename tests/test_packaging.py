@@ -6,6 +6,8 @@ import importlib
 import shutil
 import subprocess
 import sys
+import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +41,18 @@ def test_cli_targets_name_real_modules_or_say_not_yet() -> None:
 def test_unknown_subcommand_fails() -> None:
     out = subprocess.run([sys.executable, "-m", "loraplane.cli", "frobnicate"], capture_output=True, text=True)
     assert out.returncode != 0
+
+
+@pytest.mark.slow
+def test_wheel_holds_every_component_as_real_files(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[1]
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(repo)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    (wheel,) = tmp_path.glob("loraplane-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for component in COMPONENTS:
+        assert f"loraplane/{component}/__init__.py" in names, f"{component} missing from the wheel"
+    assert not any(name.startswith(("tests/", "e2e/")) for name in names)
