@@ -1,20 +1,95 @@
-"""The ``loraplane-engine`` command."""
+"""The ``loraplane-engine`` command (the server) and ``loraplane engine <tool>`` (helpers)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from loraplane.engine.policies import POLICIES
+
+#: vLLM's switch for the dynamic LoRA endpoints; ``--enable-lora-runtime-updating`` does the same.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+#: The admin token may come from the environment instead of the command line (which ``ps`` shows).
+ADMIN_TOKEN_ENV = "LORAPLANE_ENGINE_ADMIN_TOKEN"
+
+
+def _lora_module(value: str) -> tuple[str, Path]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes name=path, got {value!r}")
+    return name, Path(path)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The server's flags (vLLM's names where vLLM has the same knob)."""
+    p = argparse.ArgumentParser(prog="loraplane-engine",
+                                description="vLLM-compatible multi-LoRA reference engine with GPU/CPU adapter tiers")
+    p.add_argument("--model", default="tiny", help="preset (tiny, small, medium) or a transformers Llama directory")
+    p.add_argument("--seed", type=int, default=0, help="seed of a preset's weights")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--max-loras", type=int, default=1, help="adapters usable in one batch (device slots)")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="host-memory adapter cache (default max-loras)")
+    p.add_argument("--max-lora-rank", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
+    p.add_argument("--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="adapters to load at start (operator-given paths: not confined to --adapter-root)")
+    p.add_argument("--adapter-root", type=Path, default=None,
+                   help="the only directory /v1/load_lora_adapter may read from")
+    p.add_argument("--enable-lora-runtime-updating", action="store_true",
+                   help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or set {RUNTIME_LORA_ENV}=true)")
+    p.add_argument("--admin-token", default=None,
+                   help=f"bearer token that lets non-loopback callers use admin endpoints (or {ADMIN_TOKEN_ENV})")
+    p.add_argument("--lora-backend", default=None, help="force a loraplane.kernels backend (torch, triton, ascend)")
+    p.add_argument("--torch-threads", type=int, default=1, help="intra-op CPU threads (1 lets several engines share cores)")
+    p.add_argument("--log-level", default="warning")
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``loraplane-engine``."""
-    parser = argparse.ArgumentParser(prog="loraplane-engine", description="loraplane engine (not yet implemented)")
-    parser.parse_args(argv)
-    print("loraplane-engine: not yet implemented", file=sys.stderr)
-    return 2
+    """Entry point of ``loraplane-engine``: serve until SIGINT/SIGTERM."""
+    args = parser().parse_args(argv)
+    import torch
+    import uvicorn
+
+    from loraplane.engine.app import EngineOptions, build
+
+    torch.set_num_threads(args.torch_threads)
+    options = EngineOptions(
+        model=args.model, seed=args.seed, served_model_name=args.served_model_name, dtype=args.dtype,
+        device=args.device, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+        max_lora_rank=args.max_lora_rank, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, eviction_policy=args.eviction_policy,
+        lora_modules=dict(args.lora_modules), adapter_root=args.adapter_root,
+        allow_runtime_lora_updating=args.enable_lora_runtime_updating
+        or os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+        admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None, lora_backend=args.lora_backend,
+    )
+    try:
+        built = build(options)
+    except (ValueError, OSError) as exc:
+        print(f"loraplane-engine: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(built.app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
 
 
 def tools_main(argv: Sequence[str]) -> int:
-    """``loraplane engine ...`` helpers."""
-    return main(argv)
+    """``loraplane engine <tool> ...`` (tools: make-adapters)."""
+    from loraplane.engine import make_adapters
+
+    tools = {"make-adapters": make_adapters.main}
+    argv = list(argv)
+    if not argv or argv[0] not in tools:
+        print(f"usage: loraplane engine {{{','.join(tools)}}} ...", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    return tools[argv[0]](argv[1:])

@@ -1,0 +1,5 @@
+"""``python -m loraplane.engine``: the same as ``loraplane-engine``."""
+
+from loraplane.engine.cli import main
+
+raise SystemExit(main())

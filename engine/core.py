@@ -1,0 +1,399 @@
+"""The engine: continuous batching over a KV cache, adapter loading through the tiers, sampling.
+
+One background task runs steps. A step admits waiting requests whose adapter is in a slot (or can be activated
+into one), prefills them, and decodes one token for every running request, all in one flat forward pass with one
+LoRA plan. A request whose adapter is on disk waits while a loader reads and parses it off the event loop; the
+scheduler skips it (and any request whose adapter cannot get a slot) and admits later ones, so a step never holds
+more distinct adapters than slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from loraplane.api import Tier
+from loraplane.engine.adapters import AdapterFiles, parse_adapter
+from loraplane.engine.metrics import EngineMetrics
+from loraplane.engine.model import KVCache, LlamaModel, SequenceChunk
+from loraplane.engine.tiers import AdapterState, AdapterTiers
+from loraplane.engine.tokenizer import Tokenizer
+from loraplane.kernels import BatchPlan, BatchPlanner
+from loraplane.kernels.peft import PeftAdapter
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (the HTTP layer answers 400)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """OpenAI/vLLM sampling fields the engine implements."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token (``token_id`` None on the final event), the new text, and why it ended."""
+
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation in the engine."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: AdapterState | None
+    arrival: float
+    arrival_tier: Tier | None
+    generator: torch.Generator | None
+    events: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    kv_row: int | None = None
+    finished: bool = False
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the KV cache once this step's token is written."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class EngineLimits:
+    """Scheduler limits."""
+
+    max_num_seqs: int = 16
+    max_model_len: int = 512
+    max_num_batched_tokens: int = 2048
+
+
+class Engine:
+    """Owns the model, the adapter tiers, the KV cache and the request queues."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tiers: AdapterTiers,
+        tokenizer: Tokenizer,
+        metrics: EngineMetrics,
+        limits: EngineLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.model = model
+        self.tiers = tiers
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.limits = limits or EngineLimits()
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.kv = KVCache(model.config, self.limits.max_num_seqs, self.limits.max_model_len, model.dtype, model.device)
+        self.planner = BatchPlanner(max_tokens=self.limits.max_num_batched_tokens, num_slots=tiers.max_loras)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._loading: dict[int, asyncio.Task[None]] = {}
+        self._ids = itertools.count()
+        self._eos = set(model.config.eos_token_ids)
+        self._task: asyncio.Task[None] | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the step loop on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-steps")
+
+    async def stop(self) -> None:
+        """Stop the step loop and any loaders."""
+        for task in [self._task, *self._loading.values()]:
+            if task is not None:
+                task.cancel()
+        for task in [self._task, *self._loading.values()]:
+            if task is not None:
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    # --- adapters -----------------------------------------------------------------------------------------------
+    async def read_adapter(self, name: str, path: Path) -> tuple[AdapterState, PeftAdapter]:
+        """Read and parse an adapter directory (off the event loop) into a new, unregistered state."""
+        started = time.perf_counter()
+        files = await asyncio.to_thread(AdapterFiles.read, path)
+        read_done = time.perf_counter()
+        weights = await asyncio.to_thread(parse_adapter, files, self.model.config, self.tiers.max_lora_rank)
+        parsed = time.perf_counter()
+        self.metrics.load_stage("disk_read", read_done - started)
+        self.metrics.load_stage("parse", parsed - read_done)
+        adapter = AdapterState(name=name, path=path, digest=files.digest, disk_bytes=len(files.config) + len(files.weights))
+        adapter.load_seconds = parsed - started
+        return adapter, weights
+
+    async def add_adapter(self, name: str, path: Path) -> AdapterState:
+        """Load an adapter into the host tier and register it (replacing one of the same name)."""
+        adapter, weights = await self.read_adapter(name, path)
+        async with self.lock:
+            self.tiers.register(adapter)
+            self.tiers.insert_host(adapter, weights, adapter.load_seconds)
+        self._wake.set()
+        return adapter
+
+    async def remove_adapter(self, name: str) -> AdapterState:
+        """Unregister ``name`` (KeyError when unknown); its memory is freed once its requests finish."""
+        async with self.lock:
+            adapter = self.tiers.unregister(name)
+        self._wake.set()
+        return adapter
+
+    async def activate(self, adapter: AdapterState) -> bool:
+        """Bring an adapter to a device slot (reading it from disk first if needed)."""
+        if adapter.weights is None:
+            await self._reload(adapter)
+        async with self.lock:
+            return adapter.weights is not None and self._activate(adapter)
+
+    async def offload(self, adapter: AdapterState) -> None:
+        """Move an adapter out of its slot into host memory."""
+        async with self.lock:
+            if adapter.in_flight:
+                raise RequestError(f"adapter {adapter.name!r} has {adapter.in_flight} requests in flight")
+            self.tiers.offload(adapter)
+
+    def _activate(self, adapter: AdapterState) -> bool:
+        started = time.perf_counter()
+        was_active = adapter.slot is not None
+        ok = self.tiers.activate(adapter)
+        if ok and not was_active:
+            self.metrics.load_stage("host_to_device", time.perf_counter() - started)
+        return ok
+
+    async def _reload(self, adapter: AdapterState) -> None:
+        """Read a registered adapter back from disk into the host tier (digest must be unchanged)."""
+        try:
+            fresh, weights = await self.read_adapter(adapter.name, adapter.path)
+            if fresh.digest != adapter.digest:
+                raise RequestError(f"adapter {adapter.name!r} changed on disk (digest {fresh.digest}, loaded {adapter.digest})")
+        except Exception as exc:  # the waiting requests learn why; the engine keeps running
+            async with self.lock:
+                self._fail_waiting(adapter, f"reloading adapter {adapter.name!r} failed: {exc}")
+            return
+        async with self.lock:
+            if adapter.registered or adapter.in_flight:
+                self.tiers.insert_host(adapter, weights, fresh.load_seconds)
+        self._wake.set()
+
+    def _fail_waiting(self, adapter: AdapterState, message: str) -> None:
+        for request in [r for r in self.waiting if r.adapter is adapter]:
+            self.waiting.remove(request)
+            self._finish(request, "error", message)
+
+    def _start_reload(self, adapter: AdapterState) -> None:
+        key = id(adapter)
+        if key not in self._loading:
+            task = asyncio.get_running_loop().create_task(self._reload(adapter))
+            self._loading[key] = task
+            task.add_done_callback(lambda _t: self._loading.pop(key, None))
+
+    # --- requests -----------------------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, adapter: AdapterState | None) -> Request:
+        """Queue a request; raises :class:`RequestError` for one the engine cannot serve."""
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})")
+        if params.max_tokens < 1:
+            raise RequestError("max_tokens must be at least 1")
+        limit = self.limits.max_model_len
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise RequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(prompt_ids) + params.max_tokens} tokens ({len(prompt_ids)} in the messages, "
+                f"{params.max_tokens} in the completion). Please reduce the length of the messages or completion."
+            )
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator().manual_seed(params.seed if params.seed is not None else self.rng.getrandbits(63))
+        tier = self.tiers.acquire(adapter) if adapter is not None else None
+        request = Request(f"cmpl-{next(self._ids)}", list(prompt_ids), params, adapter, self.clock(), tier, generator)
+        self.waiting.append(request)
+        self._wake.set()
+        return request
+
+    async def stream(self, request: Request) -> AsyncIterator[TokenEvent]:
+        """The request's events until it finishes; cancelling the consumer aborts the request."""
+        try:
+            while True:
+                event = await request.events.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            if not request.finished:
+                async with self.lock:
+                    self.abort(request)
+
+    def abort(self, request: Request) -> None:
+        """Drop a request (client went away)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self._finish(request, "abort", "")
+
+    def lora_temp_buffer_bytes(self) -> int:
+        """Upper bound of per-step LoRA scratch: the planner's index buffers plus one float32 shrink output."""
+        tokens = self.limits.max_num_batched_tokens
+        rank_pad = next(self.model.lora_linears()).slots.rank_pad
+        return tokens * (4 + 8) + self.tiers.max_loras * 12 + tokens * rank_pad * 4
+
+    # --- the step loop ------------------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                async with self.lock:
+                    batch = self._schedule()
+                    if not batch:
+                        break
+                    token_ids, positions, chunks, plan = self._prepare(batch)
+                    logits = await asyncio.to_thread(self.model.forward, token_ids, positions, chunks, plan, self.kv)
+                    self._emit(batch, logits)
+                await asyncio.sleep(0)  # let handlers enqueue between steps
+
+    def _schedule(self) -> list[tuple[Request, bool]]:
+        """This step's requests, each with True when it is prefilled now."""
+        batch: list[tuple[Request, bool]] = [(r, False) for r in self.running]
+        tokens = len(batch)
+        for request in list(self.waiting):
+            if len(batch) >= self.limits.max_num_seqs:
+                break
+            adapter = request.adapter
+            if adapter is not None:
+                if adapter.weights is None:
+                    self._start_reload(adapter)
+                    continue
+                if not self._activate(adapter):
+                    continue
+            if tokens + len(request.prompt_ids) > self.limits.max_num_batched_tokens:
+                break
+            row = self.kv.allocate(len(request.prompt_ids) + request.params.max_tokens)
+            if row is None:
+                break
+            request.kv_row = row
+            self.waiting.remove(request)
+            self.running.append(request)
+            batch.append((request, True))
+            tokens += len(request.prompt_ids)
+        return batch
+
+    def _prepare(self, batch: list[tuple[Request, bool]]) -> tuple[torch.Tensor, torch.Tensor, list[SequenceChunk], BatchPlan]:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        chunks = []
+        # Rows of one adapter next to each other: the plan is then contiguous and the ops need no gather.
+        batch.sort(key=lambda item: -1 if item[0].adapter is None else (item[0].adapter.slot or 0))
+        for request, prefill in batch:
+            assert request.kv_row is not None
+            new = request.prompt_ids if prefill else request.output_ids[-1:]
+            context = 0 if prefill else request.context_len - 1
+            chunks.append(SequenceChunk(request.kv_row, len(ids), len(new), context))
+            ids.extend(new)
+            positions.extend(range(context, context + len(new)))
+            slot = -1 if request.adapter is None else request.adapter.slot
+            assert slot is not None, "scheduled request without a slot"
+            slots.extend([slot] * len(new))
+        device = self.model.device
+        return (torch.tensor(ids, device=device), torch.tensor(positions, device=device), chunks,
+                self.planner.plan(slots))
+
+    def _emit(self, batch: list[tuple[Request, bool]], logits: torch.Tensor) -> None:
+        now = self.clock()
+        next_ids = self._sample([r for r, _ in batch], logits)
+        for (request, prefill), token in zip(batch, next_ids, strict=True):
+            if request.finished:
+                continue
+            if prefill:
+                self.metrics.first_token(request.arrival_tier, now - request.arrival)
+            request.output_ids.append(token)
+            self._advance(request, token)
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        for i, request in enumerate(requests):
+            p = request.params
+            if p.temperature == 0 or request.generator is None:
+                out.append(int(greedy[i]))
+                continue
+            row = logits[i].cpu() / p.temperature
+            if p.top_k > 0:
+                kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            probs = torch.softmax(row, dim=-1)
+            if p.top_p < 1:
+                sorted_probs, order = probs.sort(descending=True)
+                drop = sorted_probs.cumsum(0) - sorted_probs > p.top_p
+                probs[order[drop]] = 0
+            out.append(int(torch.multinomial(probs, 1, generator=request.generator)))
+        return out
+
+    def _advance(self, request: Request, token: int) -> None:
+        p = request.params
+        text = self.tokenizer.decode(request.output_ids)
+        finish = None
+        if (token in self._eos and not p.ignore_eos) or token in p.stop_token_ids:
+            finish = "stop"
+        stop_at = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            text, finish = text[:stop_at], "stop"
+        if finish is None and len(request.output_ids) >= p.max_tokens:
+            finish = "length"
+        held_back = finish is None and text.endswith("\ufffd")  # an incomplete UTF-8 sequence: wait for the rest
+        delta = "" if held_back else text[len(request.text):]
+        if not held_back:
+            request.text = text
+        if finish is None:
+            request.events.put_nowait(TokenEvent(token, delta))
+            return
+        request.events.put_nowait(TokenEvent(token, delta))
+        self.running.remove(request)
+        self._finish(request, finish, "")
+
+    def _finish(self, request: Request, reason: str, message: str) -> None:
+        if request.finished:
+            return
+        request.finished = True
+        if request.kv_row is not None:
+            self.kv.release(request.kv_row)
+            request.kv_row = None
+        if request.adapter is not None:
+            self.tiers.release(request.adapter)
+        request.events.put_nowait(TokenEvent(None, message, reason))
+        self._wake.set()
