@@ -87,7 +87,10 @@ class Artifact(ApiModel):
     """Where the PEFT adapter lives and what its bytes must hash to."""
 
     uri: Annotated[str, Field(max_length=2048, pattern=v.ARTIFACT_URI)]
-    digest: Digest
+    digest: Digest = Field(
+        description="sha256 of the artifact exactly as fetched (the tar archive, or the bare safetensors file); "
+        "the sidecar verifies it before anything is unpacked or loaded"
+    )
     size_bytes: Annotated[int | None, Field(ge=1)] = None
 
     @field_validator("uri", mode="before")

@@ -94,7 +94,12 @@ class AdapterResidency(ApiModel):
 
     served_name: str
     tier: Tier
-    digest: str | None = Field(default=None, description="sha256 of the artifact the runtime loaded")
+    digest: str | None = Field(
+        default=None,
+        description="the AdapterRevision's artifact digest (spec.artifact.digest) of what the runtime holds; the "
+        "sidecar reports it only after checking that the runtime's own content digest "
+        "(loraplane.api.adapter_digest, also on every response header) equals that of the verified cache entry",
+    )
     bytes: int = Field(default=0, ge=0, description="adapter weight bytes at its tier")
     pinned: bool = False
     in_flight: int = Field(default=0, ge=0)
