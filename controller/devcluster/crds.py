@@ -1,0 +1,119 @@
+"""The CRDs a devcluster installs by default: loraplane's AdapterRevision and the GIE InferencePool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loraplane.api.crd import crd as adapter_revision_crd
+
+_PORT = {"type": "object", "required": ["number"],
+         "properties": {"number": {"type": "integer", "format": "int32", "minimum": 1, "maximum": 65535}}}
+_CONDITION = {
+    "type": "object",
+    "required": ["type", "status", "lastTransitionTime", "reason", "message"],
+    "properties": {
+        "type": {"type": "string", "maxLength": 316},
+        "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+        "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0},
+        "lastTransitionTime": {"type": "string", "format": "date-time"},
+        "reason": {"type": "string", "maxLength": 1024, "minLength": 1},
+        "message": {"type": "string", "maxLength": 32768},
+    },
+}
+
+
+def inference_pool_crd() -> dict[str, Any]:
+    """The Gateway API Inference Extension ``InferencePool`` (``inference.networking.k8s.io/v1``) CRD."""
+    spec_schema = {
+        "type": "object",
+        "description": "The pool of model-server pods an endpoint picker routes to.",
+        "required": ["selector", "targetPorts", "endpointPickerRef"],
+        "properties": {
+            "selector": {
+                "type": "object",
+                "description": "Which pods are members of the pool.",
+                "properties": {"matchLabels": {"type": "object", "maxProperties": 64,
+                                               "additionalProperties": {"type": "string", "maxLength": 63}}},
+            },
+            "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT,
+                            "x-kubernetes-list-type": "atomic"},
+            "appProtocol": {"type": "string", "enum": ["http", "kubernetes.io/h2c"]},
+            "endpointPickerRef": {
+                "type": "object",
+                "description": "The endpoint picker (EPP) serving this pool.",
+                "required": ["name"],
+                "properties": {
+                    "group": {"type": "string", "default": "", "maxLength": 253},
+                    "kind": {"type": "string", "default": "Service", "minLength": 1, "maxLength": 63},
+                    "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                    "port": _PORT,
+                    "failureMode": {"type": "string", "enum": ["FailOpen", "FailClose"], "default": "FailClose"},
+                },
+                "x-kubernetes-validations": [{
+                    "rule": "self.kind != 'Service' || has(self.port)",
+                    "message": "port is required when kind is 'Service' or unspecified (defaults to 'Service')",
+                }],
+            },
+        },
+    }
+    status_schema = {
+        "type": "object",
+        "properties": {"parents": {"type": "array", "maxItems": 32, "items": {
+            "type": "object",
+            "required": ["parentRef"],
+            "properties": {
+                "parentRef": {"type": "object", "required": ["name"], "properties": {
+                    k: {"type": "string"} for k in ("group", "kind", "name", "namespace")}},
+                "conditions": {"type": "array", "maxItems": 8, "items": _CONDITION},
+            },
+        }}},
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "inferencepools.inference.networking.k8s.io"},
+        "spec": {
+            "group": "inference.networking.k8s.io",
+            "scope": "Namespaced",
+            "names": {"kind": "InferencePool", "listKind": "InferencePoolList", "plural": "inferencepools",
+                      "singular": "inferencepool", "shortNames": ["infpool"]},
+            "versions": [{
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "description": "InferencePool is the Schema for the InferencePools API.",
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema,
+                        "status": status_schema,
+                    },
+                    "required": ["spec"],
+                }},
+            }],
+        },
+    }
+
+
+def default_crds() -> list[dict[str, Any]]:
+    """AdapterRevision (generated from ``loraplane.api``) and InferencePool."""
+    return [adapter_revision_crd(), inference_pool_crd()]
+
+
+def load_crds(folder: Path) -> list[dict[str, Any]]:
+    """Every CustomResourceDefinition in the ``*.yaml`` / ``*.yml`` / ``*.json`` files of a folder."""
+    out = []
+    for path in sorted(folder.iterdir()):
+        if path.suffix not in (".yaml", ".yml", ".json"):
+            continue
+        for doc in yaml.safe_load_all(path.read_text()):
+            if isinstance(doc, dict) and doc.get("kind") == "CustomResourceDefinition":
+                out.append(doc)
+    return out

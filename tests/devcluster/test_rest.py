@@ -1,0 +1,402 @@
+"""The REST semantics over real HTTP: discovery, CRUD, patches, status, generation, conflicts, finalizers,
+namespaces, selectors, validation and tables."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import httpx
+import pytest
+
+from loraplane.api import AdapterRevision, AdapterRevisionSpec, LoraSpec
+from tests.devcluster.conftest import (
+    AR_PATH,
+    DIGEST_B,
+    POOL_PATH,
+    FixedClock,
+    adapter_revision,
+    inference_pool,
+)
+
+MERGE = {"Content-Type": "application/merge-patch+json"}
+JSON_PATCH = {"Content-Type": "application/json-patch+json"}
+STRATEGIC = {"Content-Type": "application/strategic-merge-patch+json"}
+TABLE = {"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"}
+
+
+def _create(http: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = http.post(path, json=body)
+    assert response.status_code == 201, response.text
+    created: dict[str, Any] = response.json()
+    return created
+
+
+def _pod(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}},
+            "spec": {"containers": [{"name": "engine", "image": "engine:1", "env": [{"name": "A", "value": "1"}]},
+                                    {"name": "sidecar", "image": "sidecar:1"}]}}
+
+
+def test_discovery_lists_builtin_and_crd_kinds(http: httpx.Client) -> None:
+    assert http.get("/api").json()["versions"] == ["v1"]
+    groups = {g["name"]: g for g in http.get("/apis").json()["groups"]}
+    assert {"loraplane.io", "inference.networking.k8s.io", "coordination.k8s.io", "events.k8s.io",
+            "apiextensions.k8s.io"} <= set(groups)
+    assert groups["loraplane.io"]["preferredVersion"]["groupVersion"] == "loraplane.io/v1alpha1"
+    resources = {r["name"]: r for r in http.get("/apis/loraplane.io/v1alpha1").json()["resources"]}
+    assert resources["adapterrevisions"]["kind"] == "AdapterRevision"
+    assert resources["adapterrevisions"]["namespaced"] is True
+    assert set(resources["adapterrevisions"]["shortNames"]) == {"ar", "adrev"}
+    assert "adapterrevisions/status" in resources
+    core = {r["name"] for r in http.get("/api/v1").json()["resources"]}
+    assert {"pods", "pods/status", "namespaces", "events"} <= core
+    assert http.get("/version").json()["major"] == "1"
+    assert http.get("/apis/nope.example/v1").status_code == 404
+
+
+def test_openapi_v3_advertises_field_validation_and_the_crd_schema(http: httpx.Client) -> None:
+    index = http.get("/openapi/v3").json()["paths"]
+    doc = http.get(index["apis/loraplane.io/v1alpha1"]["serverRelativeURL"]).json()
+    item = doc["paths"]["/apis/loraplane.io/v1alpha1/namespaces/{namespace}/adapterrevisions/{name}"]
+    assert "fieldValidation" in {p["name"] for p in item["patch"]["parameters"]}
+    schema = doc["components"]["schemas"]["io.loraplane.v1alpha1.AdapterRevision"]
+    assert schema["x-kubernetes-group-version-kind"] == [{"group": "loraplane.io", "version": "v1alpha1", "kind": "AdapterRevision"}]
+    assert schema["properties"]["spec"]["properties"]["lora"]["properties"]["rank"]["enum"][0] == 1
+    assert http.get("/openapi/v2").status_code == 404
+
+
+def test_create_get_list_delete_round_trip(http: httpx.Client) -> None:
+    created = _create(http, AR_PATH, adapter_revision("claims-v1"))
+    meta = created["metadata"]
+    assert meta["generation"] == 1 and meta["uid"] and meta["creationTimestamp"] == "2026-01-02T03:04:05Z"
+    assert "status" not in created  # the status subresource owns status
+    # Defaults from the CRD schema are the api models' defaults.
+    spec = AdapterRevisionSpec.model_fields
+    assert created["spec"]["tenant"] == spec["tenant"].default
+    assert created["spec"]["lora"]["dtype"] == LoraSpec.model_fields["dtype"].default
+    assert AdapterRevision.model_validate(created).spec.adapter == "claims"
+    fetched = http.get(f"{AR_PATH}/claims-v1").json()
+    assert fetched == created
+    listed = http.get(AR_PATH).json()
+    assert listed["kind"] == "AdapterRevisionList"
+    assert [i["metadata"]["name"] for i in listed["items"]] == ["claims-v1"]
+    assert int(listed["metadata"]["resourceVersion"]) >= int(meta["resourceVersion"])
+    again = http.post(AR_PATH, json=adapter_revision("claims-v1"))
+    assert again.status_code == 409 and again.json()["reason"] == "AlreadyExists"
+    assert http.delete(f"{AR_PATH}/claims-v1").status_code == 200
+    missing = http.get(f"{AR_PATH}/claims-v1")
+    assert missing.status_code == 404
+    assert missing.json()["message"] == 'adapterrevisions.loraplane.io "claims-v1" not found'
+
+
+def test_invalid_custom_resource_gets_kubernetes_field_errors(http: httpx.Client) -> None:
+    body = adapter_revision("bad")
+    body["spec"]["lora"]["rank"] = 7
+    del body["spec"]["artifact"]
+    body["spec"]["tenant"] = "Not_A_Label"
+    response = http.post(AR_PATH, json=body)
+    assert response.status_code == 422
+    status = response.json()
+    assert status["reason"] == "Invalid" and status["details"]["kind"] == "AdapterRevision"
+    causes = {c["field"]: c["message"] for c in status["details"]["causes"]}
+    assert causes["spec.lora.rank"] == ('Unsupported value: 7: supported values: "1", "8", "16", "32", "64", "128", '
+                                        '"256", "320", "512"')
+    assert causes["spec.artifact"] == "Required value"
+    assert causes["spec.tenant"].startswith('Invalid value: "Not_A_Label": spec.tenant in body should match')
+    assert status["message"].startswith('AdapterRevision.loraplane.io "bad" is invalid: [')
+    assert http.get(f"{AR_PATH}/bad").status_code == 404
+
+
+def test_unknown_fields_are_pruned_warned_or_refused(http: httpx.Client) -> None:
+    body = adapter_revision("extra")
+    body["spec"]["typo"] = 1
+    strict = http.post(f"{AR_PATH}?fieldValidation=Strict", json=body)
+    assert strict.status_code == 400
+    assert 'strict decoding error: unknown field "spec.typo"' in strict.json()["message"]
+    warned = http.post(AR_PATH, json=body)
+    assert warned.status_code == 201
+    assert "typo" not in warned.json()["spec"]
+    assert 'unknown field \\"spec.typo\\"' in warned.headers["warning"]
+
+
+def test_cel_rules_immutability_and_either_or(http: httpx.Client) -> None:
+    _create(http, AR_PATH, adapter_revision("claims-v1"))
+    changed = http.patch(f"{AR_PATH}/claims-v1", json={"spec": {"artifact": {"digest": DIGEST_B}}}, headers=MERGE)
+    assert changed.status_code == 422
+    assert changed.json()["details"]["causes"] == [{
+        "reason": "FieldValueInvalid", "field": "spec",
+        "message": 'Invalid value: "object": spec.artifact.digest is immutable; publish a new revision instead'}]
+    both = adapter_revision("both")
+    both["spec"]["rollout"] = {"canary": {"pods": 1, "fraction": 0.5}}
+    refused = http.post(AR_PATH, json=both)
+    assert refused.status_code == 422
+    assert "canary: set either pods or fraction, not both" in refused.json()["message"]
+
+
+def test_generation_moves_on_spec_changes_only(http: httpx.Client) -> None:
+    _create(http, AR_PATH, adapter_revision("claims-v1"))
+    labelled = http.patch(f"{AR_PATH}/claims-v1", json={"metadata": {"labels": {"team": "a"}}}, headers=MERGE).json()
+    assert labelled["metadata"]["generation"] == 1
+    paused = http.patch(f"{AR_PATH}/claims-v1", json={"spec": {"paused": True}}, headers=MERGE).json()
+    assert paused["metadata"]["generation"] == 2
+    status = http.patch(f"{AR_PATH}/claims-v1/status", json={"status": {"phase": "Verifying"}}, headers=MERGE).json()
+    assert status["metadata"]["generation"] == 2
+    assert status["status"]["phase"] == "Verifying" and status["status"]["trafficWeight"] == 0  # defaulted
+    same = http.patch(f"{AR_PATH}/claims-v1", json={"spec": {"paused": True}}, headers=MERGE).json()
+    assert same["metadata"]["resourceVersion"] == status["metadata"]["resourceVersion"]  # no-op writes nothing
+
+
+def test_status_subresource_separates_spec_and_status(http: httpx.Client) -> None:
+    created = _create(http, AR_PATH, adapter_revision("claims-v1"))
+    on_main = copy.deepcopy(created)
+    on_main["status"] = {"phase": "Stable"}
+    on_main["spec"]["pinned"] = True
+    updated = http.put(f"{AR_PATH}/claims-v1", json=on_main).json()
+    assert "status" not in updated and updated["spec"]["pinned"] is True
+    on_status = copy.deepcopy(updated)
+    on_status["status"] = {"phase": "Canary", "canaryStep": 1, "trafficWeight": 10}
+    on_status["spec"]["pinned"] = False
+    result = http.put(f"{AR_PATH}/claims-v1/status", json=on_status).json()
+    assert result["status"]["phase"] == "Canary" and result["spec"]["pinned"] is True
+    bad = http.patch(f"{AR_PATH}/claims-v1/status", json={"status": {"trafficWeight": 101}}, headers=MERGE)
+    assert bad.status_code == 422
+    assert bad.json()["details"]["causes"][0]["field"] == "status.trafficWeight"
+
+
+def test_stale_resource_version_is_a_conflict(http: httpx.Client) -> None:
+    created = _create(http, AR_PATH, adapter_revision("claims-v1"))
+    first = copy.deepcopy(created)
+    first["spec"]["pinned"] = True
+    assert http.put(f"{AR_PATH}/claims-v1", json=first).status_code == 200
+    second = copy.deepcopy(created)
+    second["spec"]["paused"] = True
+    stale = http.put(f"{AR_PATH}/claims-v1", json=second)
+    assert stale.status_code == 409
+    assert stale.json()["reason"] == "Conflict"
+    assert "the object has been modified" in stale.json()["message"]
+    stale_patch = http.patch(f"{AR_PATH}/claims-v1", headers=MERGE, json={
+        "metadata": {"resourceVersion": created["metadata"]["resourceVersion"]}, "spec": {"paused": True}})
+    assert stale_patch.status_code == 409
+    precondition = http.request("DELETE", f"{AR_PATH}/claims-v1",
+                                json={"preconditions": {"resourceVersion": created["metadata"]["resourceVersion"]}})
+    assert precondition.status_code == 409
+
+
+def test_json_patch_and_its_test_operation(http: httpx.Client) -> None:
+    _create(http, AR_PATH, adapter_revision("claims-v1"))
+    ops = [{"op": "test", "path": "/spec/pinned", "value": False}, {"op": "replace", "path": "/spec/pinned", "value": True},
+           {"op": "add", "path": "/metadata/labels", "value": {"a": "b"}}]
+    patched = http.patch(f"{AR_PATH}/claims-v1", json=ops, headers=JSON_PATCH)
+    assert patched.status_code == 200
+    assert patched.json()["spec"]["pinned"] is True and patched.json()["metadata"]["labels"] == {"a": "b"}
+    failed = http.patch(f"{AR_PATH}/claims-v1", json=ops[:1], headers=JSON_PATCH)
+    assert failed.status_code == 422
+
+
+def test_strategic_merge_patch_merges_lists_by_key_for_builtin_kinds(http: httpx.Client) -> None:
+    _create(http, "/api/v1/namespaces/default/pods", _pod("engine-0"))
+    patch = {"spec": {"$setElementOrder/containers": [{"name": "engine"}, {"name": "sidecar"}],
+                      "containers": [{"name": "engine", "image": "engine:2"}]}}
+    pod = http.patch("/api/v1/namespaces/default/pods/engine-0", json=patch, headers=STRATEGIC).json()
+    assert [(c["name"], c["image"]) for c in pod["spec"]["containers"]] == [("engine", "engine:2"), ("sidecar", "sidecar:1")]
+    assert pod["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}]
+    delete = {"spec": {"containers": [{"name": "sidecar", "$patch": "delete"}]}}
+    pod = http.patch("/api/v1/namespaces/default/pods/engine-0", json=delete, headers=STRATEGIC).json()
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["engine"]
+    on_cr = http.patch(f"{AR_PATH}/x", json={}, headers=STRATEGIC)
+    assert on_cr.status_code in (404, 415)
+    _create(http, AR_PATH, adapter_revision("x"))
+    assert http.patch(f"{AR_PATH}/x", json={"spec": {}}, headers=STRATEGIC).status_code == 415
+
+
+def test_pod_status_subresource_and_table(http: httpx.Client, clock: FixedClock) -> None:
+    pod = _create(http, "/api/v1/namespaces/default/pods", _pod("engine-0"))
+    assert pod["status"]["phase"] == "Pending"
+    status = {"status": {"phase": "Running", "podIP": "10.0.0.7", "containerStatuses": [
+        {"name": "engine", "ready": True, "restartCount": 2}, {"name": "sidecar", "ready": True, "restartCount": 0}]}}
+    running = http.patch("/api/v1/namespaces/default/pods/engine-0/status", json=status, headers=MERGE).json()
+    assert running["status"]["podIP"] == "10.0.0.7"
+    clock.advance(125)
+    table = http.get("/api/v1/namespaces/default/pods", headers=TABLE)
+    assert table.headers["content-type"].startswith("application/json;as=Table")
+    data = table.json()
+    assert [c["name"] for c in data["columnDefinitions"]][:5] == ["Name", "Ready", "Status", "Restarts", "Age"]
+    assert data["rows"][0]["cells"][:5] == ["engine-0", "2/2", "Running", 2, "2m5s"]
+    assert data["rows"][0]["object"]["kind"] == "PartialObjectMetadata"
+
+
+def test_adapter_revision_table_uses_printer_columns(http: httpx.Client, clock: FixedClock) -> None:
+    _create(http, AR_PATH, adapter_revision("claims-v1"))
+    http.patch(f"{AR_PATH}/claims-v1/status", headers=MERGE,
+               json={"status": {"phase": "Canary", "trafficWeight": 10, "residency": {"gpu": 2}, "reason": "Waiting"}})
+    clock.advance(3600 * 3 + 60 * 5)
+    data = http.get(AR_PATH, headers=TABLE).json()
+    columns = [c["name"] for c in data["columnDefinitions"]]
+    assert columns == ["Name", "Adapter", "Revision", "Phase", "Weight", "GPU", "CPU", "Reason", "Age"]
+    assert [c["priority"] for c in data["columnDefinitions"]][7] == 1
+    assert data["rows"][0]["cells"] == ["claims-v1", "claims", "v1", "Canary", 10, 2, 0, "Waiting", "3h5m"]
+
+
+def test_label_and_field_selectors(http: httpx.Client) -> None:
+    for name, labels in [("a", {"tier": "gpu", "team": "x"}), ("b", {"tier": "cpu"}), ("c", {})]:
+        _create(http, "/api/v1/namespaces/default/pods", _pod(name, labels))
+
+    def names(query: str) -> list[str]:
+        response = http.get("/api/v1/namespaces/default/pods", params=query)
+        assert response.status_code == 200, response.text
+        return [i["metadata"]["name"] for i in response.json()["items"]]
+
+    assert names("labelSelector=tier=gpu") == ["a"]
+    assert names("labelSelector=tier!=gpu") == ["b", "c"]
+    assert names("labelSelector=tier in (gpu,cpu)") == ["a", "b"]
+    assert names("labelSelector=tier notin (gpu)") == ["b", "c"]
+    assert names("labelSelector=team") == ["a"]
+    assert names("labelSelector=!team") == ["b", "c"]
+    assert names("labelSelector=tier,team=x") == ["a"]
+    assert names("fieldSelector=metadata.name=b") == ["b"]
+    assert names("fieldSelector=metadata.name!=b") == ["a", "c"]
+    assert names("fieldSelector=status.phase=Pending,metadata.name=c") == ["c"]
+    assert http.get("/api/v1/namespaces/default/pods", params="fieldSelector=spec.bogus=1").status_code == 400
+    assert http.get("/api/v1/namespaces/default/pods", params="labelSelector=a in b").status_code == 400
+
+
+def test_pagination_with_limit_and_continue(http: httpx.Client) -> None:
+    for i in range(5):
+        _create(http, "/api/v1/namespaces/default/pods", _pod(f"p{i}"))
+    seen, token = [], ""
+    while True:
+        page = http.get("/api/v1/namespaces/default/pods", params={"limit": 2, "continue": token}).json()
+        seen += [i["metadata"]["name"] for i in page["items"]]
+        token = page["metadata"].get("continue", "")
+        if not token:
+            break
+    assert seen == ["p0", "p1", "p2", "p3", "p4"]
+    assert http.get("/api/v1/namespaces/default/pods", params={"continue": "garbage"}).status_code == 400
+
+
+def test_finalizers_hold_deletion_until_removed(http: httpx.Client, clock: FixedClock) -> None:
+    body = adapter_revision("claims-v1")
+    body["metadata"]["finalizers"] = ["loraplane.io/unload"]
+    _create(http, AR_PATH, body)
+    clock.advance(10)
+    marked = http.delete(f"{AR_PATH}/claims-v1")
+    assert marked.status_code == 202
+    assert marked.json()["metadata"]["deletionTimestamp"] == "2026-01-02T03:04:15Z"
+    assert marked.json()["metadata"]["generation"] == 2
+    assert http.get(f"{AR_PATH}/claims-v1").status_code == 200
+    more = http.patch(f"{AR_PATH}/claims-v1", headers=MERGE,
+                      json={"metadata": {"finalizers": ["loraplane.io/unload", "other"]}})
+    assert more.status_code == 422
+    done = http.patch(f"{AR_PATH}/claims-v1", headers=MERGE, json={"metadata": {"finalizers": None}})
+    assert done.status_code == 200
+    assert http.get(f"{AR_PATH}/claims-v1").status_code == 404
+
+
+def test_namespaces_scope_objects_and_their_deletion_removes_content(http: httpx.Client) -> None:
+    assert http.post("/api/v1/namespaces/nowhere/pods", json=_pod("x")).status_code == 404
+    _create(http, "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
+    _create(http, "/api/v1/namespaces/team-a/pods", _pod("x"))
+    held = adapter_revision("held")
+    held["metadata"].update(namespace="team-a", finalizers=["loraplane.io/unload"])
+    _create(http, "/apis/loraplane.io/v1alpha1/namespaces/team-a/adapterrevisions", held)
+    _create(http, "/api/v1/namespaces/default/pods", _pod("x"))
+    everywhere = http.get("/api/v1/pods").json()["items"]
+    assert sorted(p["metadata"]["namespace"] for p in everywhere) == ["default", "team-a"]
+    assert http.delete("/api/v1/namespaces/team-a").status_code == 202
+    namespace = http.get("/api/v1/namespaces/team-a").json()
+    assert namespace["status"]["phase"] == "Terminating"
+    assert http.get("/api/v1/namespaces/team-a/pods/x").status_code == 404
+    assert http.post("/api/v1/namespaces/team-a/pods", json=_pod("y")).status_code == 403
+    http.patch("/apis/loraplane.io/v1alpha1/namespaces/team-a/adapterrevisions/held", headers=MERGE,
+               json={"metadata": {"finalizers": []}})
+    assert http.get("/api/v1/namespaces/team-a").status_code == 404
+    assert http.get("/api/v1/namespaces/default/pods/x").status_code == 200
+    assert http.delete("/api/v1/namespaces/default").status_code == 403
+
+
+def test_creating_a_crd_serves_its_kind_and_deleting_it_removes_it(http: httpx.Client) -> None:
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.example.com"},
+        "spec": {"group": "example.com", "scope": "Cluster",
+                 "names": {"kind": "Widget", "plural": "widgets", "singular": "widget"},
+                 "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                     "type": "object", "properties": {"spec": {"type": "object", "properties": {
+                         "size": {"type": "integer", "minimum": 1, "default": 3}}}}}}}]},
+    }
+    created = _create(http, "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd)
+    assert {c["type"] for c in created["status"]["conditions"]} == {"Established", "NamesAccepted"}
+    widget = _create(http, "/apis/example.com/v1/widgets", {"apiVersion": "example.com/v1", "kind": "Widget",
+                                                             "metadata": {"name": "w"}, "spec": {}})
+    assert widget["spec"]["size"] == 3
+    bad = http.post("/apis/example.com/v1/widgets", json={"metadata": {"name": "v"}, "spec": {"size": 0}})
+    assert bad.json()["details"]["causes"][0]["message"] == \
+        "Invalid value: 0: spec.size in body should be greater than or equal to 1"
+    assert http.delete("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.example.com").status_code in (200, 202)
+    assert http.get("/apis/example.com/v1/widgets").status_code == 404
+    assert http.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.example.com").status_code == 404
+
+
+def test_crd_with_cel_outside_the_subset_is_refused(http: httpx.Client) -> None:
+    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+           "metadata": {"name": "gadgets.example.com"},
+           "spec": {"group": "example.com", "scope": "Namespaced", "names": {"kind": "Gadget", "plural": "gadgets"},
+                    "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+                        "type": "object", "x-kubernetes-validations": [{"rule": "self.all(x, x > 0)"}]}}}]}}
+    refused = http.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=crd)
+    assert refused.status_code == 422
+    assert "compilation failed" in refused.json()["message"]
+
+
+def test_inference_pool_crd_validates_and_defaults(http: httpx.Client) -> None:
+    pool = _create(http, POOL_PATH, inference_pool())
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+    assert pool["spec"]["endpointPickerRef"]["kind"] == "Service"
+    no_port = inference_pool("other")
+    del no_port["spec"]["endpointPickerRef"]["port"]
+    refused = http.post(POOL_PATH, json=no_port)
+    assert refused.status_code == 422
+    assert "port is required when kind is 'Service'" in refused.json()["message"]
+
+
+def test_events_are_one_store_seen_through_two_api_groups(http: httpx.Client) -> None:
+    _create(http, "/apis/events.k8s.io/v1/namespaces/default/events", {
+        "apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"name": "claims.1"},
+        "eventTime": "2026-01-02T03:04:05.000000Z", "reason": "Promoted", "note": "v2 is stable", "type": "Normal",
+        "action": "Promote", "reportingController": "loraplane.io/controller", "reportingInstance": "c-0",
+        "regarding": {"kind": "AdapterRevision", "name": "claims-v2", "namespace": "default", "uid": "u-1"}})
+    core = http.get("/api/v1/namespaces/default/events", params={
+        "fieldSelector": "involvedObject.name=claims-v2,involvedObject.uid=u-1"}).json()["items"]
+    assert [(e["message"], e["reportingComponent"]) for e in core] == [("v2 is stable", "loraplane.io/controller")]
+    table = http.get("/apis/events.k8s.io/v1/namespaces/default/events", headers=TABLE).json()
+    assert table["rows"][0]["cells"][1:4] == ["Normal", "Promoted", "adapterrevision/claims-v2"]
+
+
+def test_leases_for_leader_election(http: httpx.Client) -> None:
+    path = "/apis/coordination.k8s.io/v1/namespaces/default/leases"
+    lease = _create(http, path, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "ctl"},
+                                 "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15}})
+    lease["spec"]["holderIdentity"] = "b"
+    assert http.put(f"{path}/ctl", json=lease).status_code == 200
+    lease["spec"]["holderIdentity"] = "c"
+    assert http.put(f"{path}/ctl", json=lease).status_code == 409  # a second replica with a stale copy loses
+
+
+@pytest.mark.parametrize(("method", "path", "body", "code"), [
+    ("POST", AR_PATH, b"{not json", 400),
+    ("POST", AR_PATH, b"[1, 2]", 400),
+    ("POST", AR_PATH, b'{"apiVersion": "v1", "kind": "Pod"}', 400),
+    ("PATCH", f"{AR_PATH}/x", b"{}", 415),
+    ("PUT", "/api", b"{}", 405),
+    ("GET", "/apis/loraplane.io/v1alpha1/namespaces/default/adapterrevisions/x/scale", b"", 404),
+])
+def test_malformed_requests_get_4xx(http: httpx.Client, method: str, path: str, body: bytes, code: int) -> None:
+    response = http.request(method, path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == code
+    assert response.json()["kind"] == "Status"
+
+
+def test_oversized_body_is_refused(http: httpx.Client) -> None:
+    response = http.post(AR_PATH, content=b" " * (3 * 1024 * 1024 + 1), headers={"Content-Type": "application/json"})
+    assert response.status_code == 413
