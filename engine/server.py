@@ -365,18 +365,22 @@ class EngineApi:
         adapter = self.engine.tiers.registered.get(name)
         if adapter is None:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        tiers = self.engine.tiers
+        if action == "pin" and not adapter.pinned and sum(a.pinned for a in tiers.registered.values()) + 1 >= tiers.max_loras:
+            raise ApiError(409, f"pinning '{name}' would leave no GPU slot for other adapters "
+                           f"(max_loras {tiers.max_loras})", "ConflictError")
         if action in ("activate", "pin"):
             if not await self.engine.activate(adapter):
                 raise ApiError(409, f"no GPU slot can be freed for '{name}' (every slot is pinned or busy)", "ConflictError")
             if action == "pin":
-                self.engine.tiers.pin(adapter)
+                tiers.pin(adapter)
         elif action == "offload":
             try:
                 await self.engine.offload(adapter)
             except RequestError as exc:
                 raise ApiError(409, str(exc), "ConflictError") from None
         elif action == "unpin":
-            self.engine.tiers.unpin(adapter)
+            tiers.unpin(adapter)
         elif action == "priority":
             adapter.priority = (await _parse(request, PriorityBody)).priority
         else:
