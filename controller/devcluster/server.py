@@ -209,7 +209,9 @@ class ApiServer:
         raw = b"".join(chunks)
         content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
         if "protobuf" in content_type:
-            raise e.unsupported_media_type("the devcluster takes JSON (or YAML) bodies, not protobuf")
+            raise e.unsupported_media_type(
+                "the devcluster does not decode protobuf request bodies; send JSON or YAML (kubectl: apply or create "
+                "a manifest with -f instead of generators such as `kubectl create namespace`)")
         try:
             if content_type.endswith("yaml"):
                 return yaml.safe_load(raw) if raw else None

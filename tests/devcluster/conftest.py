@@ -47,7 +47,7 @@ def adapter_revision(name: str, *, adapter: str = "claims", revision: str = "v1"
                      digest: str = DIGEST_A) -> dict[str, Any]:
     """A valid AdapterRevision as a user writes it: only the fields without defaults."""
     model = AdapterRevision(
-        metadata=ObjectMeta(name=name, namespace="default"),
+        metadata=ObjectMeta(name=name),
         spec=AdapterRevisionSpec(
             adapter=adapter,
             revision=revision,
