@@ -153,9 +153,15 @@ class DiskCache:
     """Verified adapters on local disk within ``budget_bytes``. Blocking; call from worker threads."""
 
     def __init__(
-        self, root: Path, budget_bytes: int, sources: ArtifactSources, clock: Callable[[], float] = time.time
+        self,
+        root: Path,
+        budget_bytes: int,
+        sources: ArtifactSources,
+        clock: Callable[[], float] = time.time,
+        on_evict: Callable[[CacheEntry], None] | None = None,
     ) -> None:
         self.root = root
+        self._on_evict = on_evict
         self.budget_bytes = budget_bytes
         self._sources = sources
         self._clock = clock
@@ -315,6 +321,8 @@ class DiskCache:
             total -= entry.bytes
             self.remove(entry.cache_key)
             removed.append(entry)
+            if self._on_evict is not None:
+                self._on_evict(entry)
         return removed, total
 
     def _make_room(self, needed: int, keep: Collection[str]) -> None:

@@ -70,6 +70,15 @@ class RuntimeAdapter:
     last_access: float | None = None
 
 
+@dataclass
+class Observation:
+    """One look at the runtime: identity, the adapters it holds, and its load."""
+
+    info: RuntimeInfo
+    adapters: dict[str, RuntimeAdapter]
+    load: PodLoad
+
+
 class RuntimeDriver(ABC):
     """Drives one model server. Every method raises RuntimeUnavailable or RuntimeRejected on failure."""
 
@@ -77,16 +86,12 @@ class RuntimeDriver(ABC):
     capabilities: Capabilities
 
     @abstractmethod
-    async def info(self) -> RuntimeInfo:
-        """Identity and limits of the runtime."""
+    async def observe(self) -> Observation:
+        """What the runtime is and holds now (adapters keyed by served name), and how loaded it is."""
 
     @abstractmethod
-    async def list_adapters(self) -> dict[str, RuntimeAdapter]:
-        """The adapters the runtime holds now, keyed by served name."""
-
-    @abstractmethod
-    async def load(self, served_name: str, path: Path, digest: str) -> None:
-        """Register the PEFT directory ``path`` under ``served_name`` (host memory tier)."""
+    async def load(self, served_name: str, path: Path) -> None:
+        """Register the PEFT directory ``path`` under ``served_name`` (host memory tier where the runtime has one)."""
 
     @abstractmethod
     async def activate(self, served_name: str) -> None:
@@ -103,10 +108,6 @@ class RuntimeDriver(ABC):
     @abstractmethod
     async def unload(self, served_name: str) -> None:
         """Remove the adapter from the runtime; an adapter the runtime does not know is already unloaded."""
-
-    @abstractmethod
-    async def load_metrics(self) -> PodLoad:
-        """Queue, running, KV usage and slots, from the runtime's /metrics."""
 
     @abstractmethod
     async def close(self) -> None:

@@ -1,0 +1,356 @@
+"""The sidecar end to end: real redis-server, a real engine, a real OCI registry and HTTPS server, the real CLI.
+
+Each test writes a TargetState to Redis as the controller would and checks the engine's own admin listing and the
+ResidencyReport the sidecar publishes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from e2e.fixtures.processes import LOOPBACK, ManagedProcess, RedisServer, free_port, start_redis, wait_for_port
+from loraplane.api import (
+    ERROR_DIGEST_MISMATCH,
+    AdapterTarget,
+    Artifact,
+    LoraSpec,
+    ResidencyReport,
+    TargetState,
+    Tier,
+    adapter_digest,
+    cache_key,
+    keys,
+    served_name,
+)
+
+pytestmark = pytest.mark.slow
+
+POOL = "pool-a"
+MODULES = ["q_proj", "v_proj"]
+
+
+@dataclass
+class Engine:
+    """A running ``loraplane-engine`` (tiny model, 2 GPU slots, 4 host slots)."""
+
+    port: int
+    adapter_root: Path
+    process: ManagedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def listing(self) -> dict[str, Any]:
+        return httpx.get(f"{self.url}/admin/adapters", timeout=10).json()
+
+    def held(self) -> dict[str, dict[str, Any]]:
+        return {a["served_name"]: a for a in self.listing()["adapters"]}
+
+    def start(self) -> None:
+        self.process.start()
+        wait_for_port(self.port, proc=self.process.proc, timeout=90)
+        wait_until(lambda: httpx.get(f"{self.url}/health", timeout=5).status_code == 200, 60, "engine health")
+
+    def restart(self) -> None:
+        self.process.stop()
+        self.start()
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (httpx.HTTPError, redis.RedisError, KeyError) as exc:
+            last = exc
+        if last and not isinstance(last, Exception):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    root = tmp_path_factory.mktemp("engine-root")
+    port = free_port()
+    args = [sys.executable, "-m", "loraplane.engine", "--model", "tiny", "--port", str(port), "--max-loras", "2",
+            "--max-cpu-loras", "4", "--adapter-root", str(root), "--enable-lora-runtime-updating",
+            "--max-model-len", "128"]
+    engine = Engine(port, root, ManagedProcess(args, root.parent / f"engine-{port}.log"))
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.process.stop()
+
+
+@dataclass
+class Adapter:
+    """One revision's artifact, published somewhere, and the target entry that names it."""
+
+    name: str
+    uri: str
+    artifact_digest: str
+    adapter_digest: str
+
+    def target(self, tier: Tier, base_digest: str, pinned: bool = False, digest: str | None = None) -> AdapterTarget:
+        adapter, revision = self.name.split("@")
+        digest = digest or self.artifact_digest
+        return AdapterTarget(
+            served_name=self.name, adapter=adapter, revision=revision, tier=tier, pinned=pinned,
+            artifact=Artifact(uri=self.uri, digest=digest),
+            lora=LoraSpec(rank=8, alpha=8, dtype="float32", target_modules=MODULES),
+            base_model_digest=base_digest, cache_key=cache_key(base_digest, adapter, revision, digest),
+        )
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory, oci_registry, https_files) -> dict[str, Adapter]:
+    """Four adapters for the tiny model: over OCI (bare safetensors), HTTPS (tar.gz) and file:// (tar)."""
+    from loraplane.engine.make_adapters import model_config, write_adapter
+
+    base = tmp_path_factory.mktemp("artifacts")
+    made = {}
+    for i, (name, kind) in enumerate([("alpha@v1", "oci"), ("beta@v1", "https"), ("gamma@v1", "file"),
+                                      ("delta@v1", "https")]):
+        directory = base / name.replace("@", "-")
+        write_adapter(directory, model_config("tiny"), 8, seed=i, targets=MODULES)
+        artifact = base / f"{directory.name}.tar{'' if kind == 'file' else '.gz'}"
+        with tarfile.open(artifact, "w" if kind == "file" else "w:gz") as tar:
+            tar.add(directory, arcname=directory.name)
+        if kind == "oci":
+            uri = oci_registry.push(f"adapters/{name.split('@')[0]}", "v1", artifact, "application/vnd.oci.image.layer.v1.tar+gzip")
+        else:
+            uri = https_files.publish(artifact) if kind == "https" else f"file://{artifact}"
+        made[name] = Adapter(name, uri, _sha256(artifact), adapter_digest(directory))
+    return made
+
+
+@dataclass
+class SidecarProc:
+    """The real ``loraplane-sidecar`` as a child process."""
+
+    process: ManagedProcess
+    metrics_port: int
+    cache_dir: Path
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://{LOOPBACK}:{self.metrics_port}/metrics", timeout=5).text
+
+
+@pytest.fixture
+def sidecar_factory(tmp_path: Path, engine: Engine, oci_registry, https_files,
+                    adapters) -> Iterator[Callable[[str, RedisServer], SidecarProc]]:
+    started: list[SidecarProc] = []
+
+    def start(pod: str, redis_server: RedisServer) -> SidecarProc:
+        cache_dir = engine.adapter_root / pod
+        metrics_port = free_port()
+        args = [sys.executable, "-m", "loraplane.sidecar", "--pool", POOL, "--pod", pod, "--runtime", "engine",
+                "--runtime-url", engine.url, "--redis-url", redis_server.url, "--cache-dir", str(cache_dir),
+                "--heartbeat", "0.3", "--report-ttl", "3", "--backoff-base", "0.2", "--backoff-cap", "2",
+                "--metrics-port", str(metrics_port), "--file-root", str(Path(adapters["gamma@v1"].uri[7:]).parent),
+                "--oci-plain-http", oci_registry.host, "--https-ca-file", str(https_files.ca_file)]
+        proc = SidecarProc(ManagedProcess(args, tmp_path / f"sidecar-{pod}.log").start(), metrics_port, cache_dir)
+        started.append(proc)
+        wait_for_port(metrics_port, proc=proc.process.proc, timeout=30)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.process.stop()
+
+
+def write_target(client: redis.Redis, pod: str, generation: int, targets: list[AdapterTarget]) -> None:
+    state = TargetState(pool=POOL, pod=pod, generation=generation, adapters=targets, updated_at=time.time())
+    client.set(keys.target_state(POOL, pod), state.to_json())
+    client.publish(keys.target_changed_channel(POOL), pod)
+
+
+def read_report(client: redis.Redis, pod: str) -> ResidencyReport | None:
+    raw = client.get(keys.residency_report(POOL, pod))
+    return ResidencyReport.from_json(raw) if raw else None
+
+
+def holds(engine: Engine, want: dict[str, tuple[str, bool]]) -> bool:
+    """The engine holds exactly ``want`` (name -> (tier, pinned)), nothing else."""
+    held = engine.held()
+    return {n: (a["tier"], a["pinned"]) for n, a in held.items() if a["tier"] != "disk"} == want
+
+
+def report_matches_listing(client: redis.Redis, pod: str, engine: Engine, adapters: dict[str, Adapter]) -> bool:
+    report = read_report(client, pod)
+    if report is None or not report.ready:
+        return False
+    rows = report.by_name()
+    for name, held in engine.held().items():
+        row = rows.get(name)
+        if row is None or row.tier.value != held["tier"]:
+            return False
+        assert held["digest"] == adapters[name].adapter_digest  # the engine's own digest of what it loaded
+        assert row.digest == adapters[name].artifact_digest  # the report speaks in artifact digests
+        if any(getattr(row, field) != held[field] for field in ("bytes", "pinned", "in_flight", "hits", "loads",
+                                                                 "evictions")):
+            return False  # the next heartbeat brings the report up to date
+    return True
+
+
+def test_target_state_drives_the_engine_and_the_report_matches(engine: Engine, adapters: dict[str, Adapter],
+                                                               redis_srv: RedisServer, sidecar_factory) -> None:
+    client = redis.Redis.from_url(redis_srv.url)
+    base = engine.listing()["base_model_digest"]
+    a, b, c, d = (adapters[n] for n in ("alpha@v1", "beta@v1", "gamma@v1", "delta@v1"))
+    sidecar = sidecar_factory("pod-1", redis_srv)
+    write_target(client, "pod-1", 1, [a.target(Tier.GPU, base, pinned=True), b.target(Tier.CPU, base),
+                                      c.target(Tier.DISK, base)])
+    wait_until(lambda: holds(engine, {a.name: ("gpu", True), b.name: ("cpu", False)}), 30, "first target")
+    wait_until(lambda: report_matches_listing(client, "pod-1", engine, adapters), 10, "report == listing")
+    report = read_report(client, "pod-1")
+    assert report is not None and report.target_generation == 1 and not report.residency_inferred
+    rows = report.by_name()
+    assert rows[c.name].tier is Tier.DISK and rows[c.name].digest == c.artifact_digest
+
+    # move them around: alpha down to host memory, beta and gamma up to the two GPU slots, delta to disk
+    write_target(client, "pod-1", 2, [a.target(Tier.CPU, base), b.target(Tier.GPU, base),
+                                      c.target(Tier.GPU, base), d.target(Tier.DISK, base)])
+    wait_until(lambda: holds(engine, {a.name: ("cpu", False), b.name: ("gpu", False), c.name: ("gpu", False)}),
+               30, "second target")
+    wait_until(lambda: report_matches_listing(client, "pod-1", engine, adapters), 10, "report == listing")
+    wait_until(lambda: read_report(client, "pod-1").by_name()[d.name].tier is Tier.DISK, 10, "delta on disk")
+
+    # alpha leaves the target: unloaded; the others stay
+    write_target(client, "pod-1", 3, [b.target(Tier.GPU, base), c.target(Tier.GPU, base)])
+    wait_until(lambda: holds(engine, {b.name: ("gpu", False), c.name: ("gpu", False)}), 30, "third target")
+    wait_until(lambda: report_matches_listing(client, "pod-1", engine, adapters), 10, "report == listing")
+    text = sidecar.metrics()
+    assert 'adapter_resident_count{tier="gpu"} 2.0' in text
+    assert "adapter_cache_misses_total" in text and "adapter_h2d_seconds_count" in text
+
+
+def test_tampered_artifact_is_never_loaded(engine: Engine, adapters: dict[str, Adapter], redis_srv: RedisServer,
+                                           sidecar_factory) -> None:
+    client = redis.Redis.from_url(redis_srv.url)
+    base = engine.listing()["base_model_digest"]
+    good, other = adapters["beta@v1"], adapters["delta@v1"]
+    # the revision declares beta's digest, but its URI serves delta's bytes
+    tampered = Adapter("beta@v2", other.uri, good.artifact_digest, good.adapter_digest)
+    sidecar = sidecar_factory("pod-2", redis_srv)
+    write_target(client, "pod-2", 1, [tampered.target(Tier.GPU, base)])
+
+    def refused() -> bool:
+        report = read_report(client, "pod-2")
+        row = report.by_name().get("beta@v2") if report else None
+        return row is not None and row.error_reason == ERROR_DIGEST_MISMATCH
+
+    wait_until(refused, 20, "digest mismatch in the report")
+    row = read_report(client, "pod-2").by_name()["beta@v2"]
+    assert row.tier is Tier.ABSENT and "sha256" in (row.error or "")
+    assert "beta@v2" not in engine.held()
+    leftovers = [p for p in sidecar.cache_dir.rglob("*") if p.is_file()]
+    assert leftovers == [], leftovers
+
+
+def test_engine_restart_is_healed_without_redis_changes(engine: Engine, adapters: dict[str, Adapter],
+                                                        redis_srv: RedisServer, sidecar_factory) -> None:
+    client = redis.Redis.from_url(redis_srv.url)
+    base = engine.listing()["base_model_digest"]
+    a, b = adapters["alpha@v1"], adapters["beta@v1"]
+    sidecar = sidecar_factory("pod-3", redis_srv)
+    write_target(client, "pod-3", 1, [a.target(Tier.GPU, base, pinned=True), b.target(Tier.CPU, base)])
+    want = {a.name: ("gpu", True), b.name: ("cpu", False)}
+    wait_until(lambda: holds(engine, want), 30, "target")
+    engine.restart()
+    wait_until(lambda: holds(engine, want), 30, "target after the engine restart")
+    wait_until(lambda: report_matches_listing(client, "pod-3", engine, adapters), 10, "report == listing")
+    assert "sidecar_runtime_restarts_total 1.0" in sidecar.metrics()
+
+
+def test_redis_outage_keeps_serving_and_report_returns(engine: Engine, adapters: dict[str, Adapter],
+                                                       tmp_path: Path, sidecar_factory) -> None:
+    redis_server = start_redis(tmp_path / "redis")
+    try:
+        client = redis.Redis.from_url(redis_server.url)
+        base = engine.listing()["base_model_digest"]
+        a = adapters["alpha@v1"]
+        sidecar_factory("pod-4", redis_server)
+        write_target(client, "pod-4", 1, [a.target(Tier.GPU, base)])
+        wait_until(lambda: holds(engine, {a.name: ("gpu", False)}), 30, "target")
+        results: list[int] = []
+        stop = threading.Event()
+
+        def traffic() -> None:
+            with httpx.Client(base_url=engine.url, timeout=30) as http:
+                while not stop.is_set():
+                    body = {"model": a.name, "prompt": "hello", "max_tokens": 2, "temperature": 0}
+                    results.append(http.post("/v1/completions", json=body).status_code)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            redis_server.process.stop()
+            time.sleep(10)
+            before_return = len(results)
+            redis_server.process.start()
+            wait_for_port(redis_server.port, proc=redis_server.process.proc)
+            wait_until(lambda: read_report(client, "pod-4") is not None, 15, "report republished")
+        finally:
+            stop.set()
+            thread.join()
+        assert before_return > 0 and set(results) == {200}, results
+        assert engine.held()[a.name]["tier"] == "gpu"  # an empty Redis is no instruction to unload
+    finally:
+        redis_server.stop()
+
+
+def test_killed_mid_download_leaves_no_corrupt_entry(engine: Engine, tmp_path: Path, redis_srv: RedisServer,
+                                                     https_files, sidecar_factory) -> None:
+    from loraplane.engine.make_adapters import model_config, write_adapter
+
+    client = redis.Redis.from_url(redis_srv.url)
+    base = engine.listing()["base_model_digest"]
+    directory = tmp_path / "big"
+    write_adapter(directory, model_config("tiny"), 8, seed=9, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    archive = tmp_path / "big.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(directory, arcname="big")
+    big = Adapter(served_name("big", "v1"), https_files.publish(archive, "big.tar"), _sha256(archive),
+                  adapter_digest(directory))
+    target = big.target(Tier.CPU, base)
+    target.lora.target_modules = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    https_files.throttle_bytes_per_s = max(4096, archive.stat().st_size // 6)
+    try:
+        sidecar = sidecar_factory("pod-5", redis_srv)
+        write_target(client, "pod-5", 1, [target])
+        partial = sidecar.cache_dir / "tmp"
+        wait_until(lambda: any(p.is_file() and p.stat().st_size > 0 for p in partial.rglob("*")), 20,
+                   "a download in progress")
+        os.kill(sidecar.process.pid, signal.SIGKILL)
+        sidecar.process.proc.wait()
+        assert not list((sidecar.cache_dir / "adapters").iterdir())
+    finally:
+        https_files.throttle_bytes_per_s = 0
+    restarted = sidecar_factory("pod-5", redis_srv)
+    wait_until(lambda: holds(engine, {big.name: ("cpu", False)}), 30, "loaded after the restart")
+    assert engine.held()[big.name]["digest"] == big.adapter_digest
+    assert not [p for p in (restarted.cache_dir / "tmp").rglob("*") if p.is_file()]

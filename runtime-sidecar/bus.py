@@ -1,0 +1,140 @@
+"""Redis: read this pod's TargetState, watch its change notices, publish its ResidencyReport.
+
+Redis is a bus, not a lifeline: when it is unreachable every call fails fast (short socket timeouts) and further
+attempts wait for an exponential backoff; the sidecar keeps its last good target and keeps the runtime as it is.
+A missing target key means "no instruction", never "unload everything" (an emptied or restarted Redis must not
+empty the pods); only a TargetState with an empty adapter list does that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from loraplane.api import SCHEMA_VERSION, ResidencyReport, TargetState, keys
+from loraplane.sidecar.reconcile import Backoff
+
+log = logging.getLogger(__name__)
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer (or is in its backoff window)."""
+
+
+class InvalidTarget(ValueError):
+    """The stored TargetState is not one this sidecar may apply."""
+
+
+class RedisBus:
+    """This pod's view of the shared Redis."""
+
+    def __init__(
+        self,
+        url: str,
+        pool: str,
+        pod: str,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        socket_timeout_s: float = 1.0,
+    ) -> None:
+        self.pool, self.pod = pool, pod
+        self.target_key = keys.target_state(pool, pod)
+        self.report_key = keys.residency_report(pool, pod)
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s, retry_on_timeout=False
+        )
+        self._backoff = backoff or Backoff(base_s=0.2, cap_s=5.0)
+        self._clock = clock
+        self._failures = 0
+        self._not_before = 0.0
+        self.connected = False
+        self.reconnected = asyncio.Event()
+
+    def _check_window(self) -> None:
+        if self._failures and self._clock() < self._not_before:
+            raise RedisUnavailable(f"redis down, next attempt in {self._not_before - self._clock():.1f} s")
+
+    def _ok(self) -> None:
+        if self._failures or not self.connected:
+            self.reconnected.set()
+        self._failures, self.connected = 0, True
+
+    def _failed(self, exc: Exception) -> RedisUnavailable:
+        self._failures += 1
+        self._not_before = self._clock() + self._backoff.delay(self._failures)
+        if self.connected:
+            log.warning("redis unreachable, keeping the last good target: %s", exc)
+        self.connected = False
+        return RedisUnavailable(str(exc))
+
+    async def read_target(self) -> TargetState | None:
+        """The stored target (None when there is no key); RedisUnavailable or InvalidTarget otherwise."""
+        self._check_window()
+        try:
+            raw = await self._redis.get(self.target_key)
+        except (RedisError, OSError) as exc:
+            raise self._failed(exc) from exc
+        self._ok()
+        if raw is None:
+            return None
+        try:
+            target = TargetState.from_json(raw)
+        except ValidationError as exc:
+            raise InvalidTarget(f"{self.target_key} is not a valid TargetState: {exc}") from exc
+        if target.schema_version != SCHEMA_VERSION:
+            raise InvalidTarget(f"TargetState schema {target.schema_version}, this sidecar reads {SCHEMA_VERSION}")
+        if (target.pool, target.pod) != (self.pool, self.pod):
+            raise InvalidTarget(f"{self.target_key} names pool/pod {target.pool}/{target.pod}")
+        return target
+
+    async def publish(self, report: ResidencyReport) -> None:
+        """SET the report with its TTL, add the pod to the index, and PUBLISH the change notice (one round trip)."""
+        self._check_window()
+        ttl_ms = max(1, int(report.ttl_seconds * 1000))
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(self.report_key, report.to_json(), px=ttl_ms)
+                pipe.sadd(keys.residency_index(self.pool), self.pod)
+                pipe.publish(keys.residency_changed_channel(self.pool), self.pod)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._failed(exc) from exc
+        self._ok()
+
+    async def watch_targets(self, notify: Callable[[], None], stop: asyncio.Event) -> None:
+        """Call ``notify`` on every change notice for this pod, and after every (re)subscription."""
+        channel = keys.target_changed_channel(self.pool)
+        failures = 0
+        while not stop.is_set():
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(channel)
+                failures = 0
+                notify()
+                while not stop.is_set():
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    if message is not None and message.get("data") in (self.pod, self.pod.encode()):
+                        notify()
+            except (RedisError, OSError) as exc:
+                failures += 1
+                log.debug("target subscription lost: %s", exc)
+                await _sleep_or_stop(stop, self._backoff.delay(failures))
+            finally:
+                await pubsub.aclose()
+
+    async def close(self) -> None:
+        """Close the connections."""
+        await self._redis.aclose()
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+    except TimeoutError:
+        pass

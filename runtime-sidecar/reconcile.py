@@ -1,0 +1,400 @@
+"""The level-triggered reconcile step: compare the target with one observation and start the next actions.
+
+Every pass looks at the whole target and the whole observation and starts at most one action per adapter (fetch,
+load, activate, offload, pin, unpin, unload); when an action ends, the next pass re-observes and goes on. So a missed
+notice, a crashed runtime or a restarted sidecar all heal by themselves. Actions run concurrently (bounded), each
+adapter backs off exponentially (capped, with jitter) after failures, and each adapter carries a status that says
+why it is not where the target wants it. Nothing is unloaded or offloaded while it has requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from loraplane.api import ERROR_DIGEST_MISMATCH, ERROR_INCOMPATIBLE, AdapterTarget, TargetState, Tier
+from loraplane.sidecar import compat, peft
+from loraplane.sidecar.artifacts import ArtifactError
+from loraplane.sidecar.cache import CacheEntry, DiskCache, StageTimings
+from loraplane.sidecar.drivers.base import (
+    Observation,
+    RuntimeAdapter,
+    RuntimeDriver,
+    RuntimeRejected,
+    RuntimeUnavailable,
+)
+from loraplane.sidecar.metrics import SidecarMetrics
+
+log = logging.getLogger(__name__)
+
+#: Failures that mean "these bytes are not what the revision declares" (final for the revision).
+_DIGEST_REASONS = frozenset({"DigestMismatch", "SizeMismatch", "ArtifactTooLarge"})
+#: Failures that mean "this adapter cannot run here" (final for the revision).
+_INCOMPATIBLE_REASONS = frozenset({
+    "InvalidArtifact", "BaseModelMismatch", "RankTooLarge", "UnknownTargetModules", "DtypeUnsupported",
+    "RankMismatch", "TargetModulesMismatch", "DtypeMismatch",
+})
+
+
+class Action(enum.StrEnum):
+    """One step towards the target."""
+
+    FETCH = "fetch"
+    LOAD = "load"
+    RELOAD = "reload"
+    ACTIVATE = "activate"
+    OFFLOAD = "offload"
+    PIN = "pin"
+    UNPIN = "unpin"
+    UNLOAD = "unload"
+
+    @property
+    def removes(self) -> bool:
+        """True for actions that take an adapter out of a tier (never while requests are in flight)."""
+        return self in (Action.OFFLOAD, Action.UNLOAD)
+
+
+@dataclass
+class AdapterStatus:
+    """Why an adapter is not at its target, and when it may be tried again."""
+
+    cache_key: str | None = None
+    error: str | None = None
+    reason: str | None = None
+    failures: int = 0
+    not_before: float = 0.0
+    wanted_since: float | None = None
+
+
+@dataclass
+class LoadRecord:
+    """What this sidecar put into the runtime under a served name."""
+
+    cache_key: str
+    artifact_digest: str
+    adapter_digest: str
+
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff with jitter: ``base * 2^(n-1)`` up to ``cap``, times a factor in [0.5, 1)."""
+
+    base_s: float = 0.5
+    cap_s: float = 30.0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def delay(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th consecutive failure."""
+        return min(self.cap_s, self.base_s * 2 ** (failures - 1)) * (0.5 + self.rng.random() / 2)
+
+
+class ActionFailed(Exception):
+    """An action failed with a reason word for the report."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class Reconciler:
+    """Starts actions that move the runtime towards the target; one action per adapter at a time."""
+
+    def __init__(
+        self,
+        driver: RuntimeDriver,
+        cache: DiskCache,
+        metrics: SidecarMetrics,
+        concurrency: int = 4,
+        backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.driver = driver
+        self.cache = cache
+        self.metrics = metrics
+        self.backoff = backoff or Backoff()
+        self._clock = clock
+        self._slots = asyncio.Semaphore(concurrency)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.status: dict[str, AdapterStatus] = {}
+        self.loaded: dict[str, LoadRecord] = {}
+        self.evicted: set[str] = set()
+        self.timings: dict[str, StageTimings] = {}
+        self.changed = asyncio.Event()
+        self._task_action: dict[str, Action] = {}
+        self._keep: frozenset[str] = frozenset()
+        self._removed_by_us: set[str] = set()
+
+    # --- identity ---------------------------------------------------------------------------------------------
+
+    def verified_digest(self, name: str, held: RuntimeAdapter) -> str | None:
+        """The artifact digest of what the runtime holds under ``name``, when the sidecar can vouch for it."""
+        record = self.loaded.get(name)
+        if held.digest is None:
+            return record.artifact_digest if record else None
+        if record is not None and record.adapter_digest == held.digest:
+            return record.artifact_digest
+        entry = next((e for e in self.cache.entries().values()
+                      if e.served_name == name and e.adapter_digest == held.digest), None)
+        return entry.artifact_digest if entry else None
+
+    def _holds_target(self, target: AdapterTarget, held: RuntimeAdapter) -> bool | None:
+        """True/False when the runtime does/does not hold exactly the target's revision; None when unknown yet."""
+        record = self.loaded.get(target.served_name)
+        if held.digest is None:
+            return None if record is None else record.cache_key == target.cache_key
+        entry = self.cache.get(target.cache_key)
+        if entry is None:
+            return None
+        return entry.adapter_digest == held.digest
+
+    # --- planning ---------------------------------------------------------------------------------------------
+
+    def next_action(self, target: AdapterTarget, held: RuntimeAdapter | None) -> Action | None:
+        """The one next step for a target adapter, or None when it is where it should be."""
+        caps = self.driver.capabilities
+        cached = self.cache.get(target.cache_key) is not None
+        if held is not None and held.tier is not Tier.ABSENT:
+            same = self._holds_target(target, held)
+            if same is None:
+                return Action.FETCH if not cached else Action.RELOAD
+            if not same:
+                return Action.RELOAD
+        in_runtime = held is not None and held.tier in (Tier.GPU, Tier.CPU)
+        if target.tier is Tier.DISK:
+            if held is not None and held.pinned and caps.pin:
+                return Action.UNPIN
+            if in_runtime:
+                return Action.UNLOAD
+            return None if cached else Action.FETCH
+        if held is None or held.tier is Tier.ABSENT:
+            return Action.LOAD
+        want_pin = target.pinned and target.tier is Tier.GPU
+        if caps.pin and held.pinned and not want_pin:
+            return Action.UNPIN
+        if held.tier is Tier.DISK or (target.tier is Tier.GPU and held.tier is Tier.CPU):
+            return Action.ACTIVATE
+        if target.tier is Tier.CPU and held.tier is Tier.GPU and caps.tier_control:
+            return Action.OFFLOAD
+        if caps.pin and want_pin and not held.pinned:
+            return Action.PIN
+        return None
+
+    def plan(self, target: TargetState, observation: Observation) -> dict[str, tuple[Action, AdapterTarget | None]]:
+        """The next action of every adapter that needs one (target adapters and unwanted runtime adapters)."""
+        wanted = target.by_name()
+        actions: dict[str, tuple[Action, AdapterTarget | None]] = {}
+        for name, t in wanted.items():
+            action = self.next_action(t, observation.adapters.get(name))
+            if action is not None:
+                actions[name] = (action, t)
+        for name, held in observation.adapters.items():
+            if name in wanted or held.tier is Tier.ABSENT:
+                continue
+            if held.pinned and self.driver.capabilities.pin:
+                actions[name] = (Action.UNPIN, None)
+            elif held.tier is not Tier.DISK or held.digest is not None or name in self.loaded:
+                actions[name] = (Action.UNLOAD, None)
+        return actions
+
+    # --- running ----------------------------------------------------------------------------------------------
+
+    def busy(self) -> set[str]:
+        """Adapters with an action in progress."""
+        return {n for n, t in self._tasks.items() if not t.done()}
+
+    def step(self, target: TargetState, observation: Observation) -> list[tuple[str, Action]]:
+        """Start the next actions that are due; returns what was started."""
+        now = self._clock()
+        self._forget_stale_status(target, observation)
+        planned = self.plan(target, observation)
+        for name, wanted in target.by_name().items():
+            status = self.status.setdefault(name, AdapterStatus(cache_key=wanted.cache_key))
+            if name not in planned:
+                if status.wanted_since is not None and status.error is None:
+                    self.metrics.activation.observe(now - status.wanted_since)
+                status.wanted_since = None
+                status.error = status.reason = None
+                status.failures = 0
+            elif status.wanted_since is None:
+                status.wanted_since = now
+        busy = self.busy()
+        removing = any(a.removes for a, _ in planned.values()) or any(
+            self._task_action.get(n, Action.FETCH).removes for n in busy
+        )
+        started = []
+        for name, (action, t) in planned.items():
+            if name in busy:
+                continue
+            status = self.status.setdefault(name, AdapterStatus())
+            if status.not_before > now:
+                continue
+            held = observation.adapters.get(name)
+            if action.removes and held is not None and held.in_flight > 0:
+                status.error = f"waiting for {held.in_flight} requests in flight before {action.value}"
+                status.reason = "RequestsInFlight"
+                continue
+            if action is Action.ACTIVATE and removing:
+                continue  # let unloads and offloads free slots first
+            self._start(name, action, t, observation, held)
+            started.append((name, action))
+        return started
+
+    def _start(
+        self, name: str, action: Action, target: AdapterTarget | None, obs: Observation, held: RuntimeAdapter | None
+    ) -> None:
+        self._task_action[name] = action
+        work = self._work(name, action, target, obs, held)
+        self._tasks[name] = asyncio.get_running_loop().create_task(self._run(name, action, work))
+
+    async def _run(self, name: str, action: Action, work: Awaitable[None]) -> None:
+        status = self.status.setdefault(name, AdapterStatus())
+        try:
+            async with self._slots:
+                await work
+        except (ActionFailed, ArtifactError, compat.Incompatible) as exc:
+            self._failed(status, name, action, exc.reason, str(exc))
+        except RuntimeRejected as exc:
+            self._failed(status, name, action, f"{action.value.capitalize()}Rejected", str(exc))
+        except RuntimeUnavailable as exc:
+            self._failed(status, name, action, "RuntimeUnavailable", str(exc))
+        except Exception as exc:
+            log.exception("%s %s failed", action.value, name)
+            self._failed(status, name, action, "InternalError", repr(exc))
+        else:
+            status.failures, status.not_before = 0, 0.0
+            status.error = status.reason = None
+        finally:
+            self.changed.set()
+
+    def _failed(self, status: AdapterStatus, name: str, action: Action, reason: str, message: str) -> None:
+        final = ERROR_DIGEST_MISMATCH if reason in _DIGEST_REASONS else (
+            ERROR_INCOMPATIBLE if reason in _INCOMPATIBLE_REASONS else None
+        )
+        if final is not None and final != reason:
+            message, reason = f"{reason}: {message}", final
+        status.failures += 1
+        status.not_before = self._clock() + self.backoff.delay(status.failures)
+        status.error, status.reason = f"{action.value} failed: {message}", reason
+        self.metrics.action_failures.labels(reason).inc()
+        log.warning("%s %s failed (%s, attempt %d): %s", action.value, name, reason, status.failures, message)
+
+    def _forget_stale_status(self, target: TargetState, observation: Observation) -> None:
+        """Drop statuses of adapters that are gone, and of target adapters whose revision changed."""
+        wanted, busy = target.by_name(), self.busy()
+        for name, status in list(self.status.items()):
+            t = wanted.get(name)
+            if t is None:
+                stale = name not in observation.adapters and name not in busy
+            else:
+                stale = status.cache_key is not None and status.cache_key != t.cache_key
+            if stale:
+                del self.status[name]
+
+    async def _work(
+        self, name: str, action: Action, target: AdapterTarget | None, obs: Observation, held: RuntimeAdapter | None
+    ) -> None:
+        driver = self.driver
+        if action is Action.UNLOAD:
+            await driver.unload(name)
+            self.loaded.pop(name, None)
+            self._removed_by_us.add(name)
+        elif action is Action.OFFLOAD:
+            await driver.offload(name)
+            self._removed_by_us.add(name)
+        elif action in (Action.PIN, Action.UNPIN):
+            await driver.set_pinned(name, action is Action.PIN)
+        elif action is Action.ACTIVATE:
+            assert target is not None
+            timings = self.timings.setdefault(name, StageTimings())
+            self.metrics.cache_hits.labels(Tier.CPU.value if held and held.tier is Tier.CPU else Tier.DISK.value).inc()
+            start = time.perf_counter()
+            await driver.activate(name)
+            timings.h2d = time.perf_counter() - start
+            self.metrics.h2d.observe(timings.h2d)
+            self._count_promotion(name)
+        else:
+            assert target is not None
+            entry = await self._ensure_cached(target, obs)
+            if action is Action.FETCH:
+                return
+            if action is Action.RELOAD and held is not None and held.tier is not Tier.ABSENT:
+                if held.in_flight:
+                    raise ActionFailed("RequestsInFlight", f"{name} holds another revision with requests in flight")
+                await driver.unload(name)
+                self.loaded.pop(name, None)
+                self._removed_by_us.add(name)
+            start = time.perf_counter()
+            await driver.load(name, entry.path)
+            timings = self.timings.setdefault(name, StageTimings())
+            timings.disk_load = time.perf_counter() - start
+            self.metrics.disk_load.observe(timings.disk_load)
+            self.loaded[name] = LoadRecord(target.cache_key, entry.artifact_digest, entry.adapter_digest)
+            self._count_promotion(name)
+
+    def _count_promotion(self, name: str) -> None:
+        after_eviction = name in self.evicted
+        self.evicted.discard(name)
+        self.metrics.promoted(after_eviction)
+
+    async def _ensure_cached(self, target: AdapterTarget, obs: Observation) -> CacheEntry:
+        compat.check_target(target, obs.info)
+        entry = self.cache.get(target.cache_key)
+        if entry is None:
+            self.metrics.cache_misses.inc()
+            timings = StageTimings()
+            keep = set(self._keep)
+            entry = await asyncio.to_thread(self.cache.fetch, target, keep, timings)
+            self.timings[target.served_name] = timings
+            for stage, histogram in (("resolve", self.metrics.resolve), ("download", self.metrics.download),
+                                     ("verify", self.metrics.verify)):
+                value = getattr(timings, stage)
+                if value is not None:
+                    histogram.observe(value)
+        else:
+            self.metrics.cache_hits.labels(Tier.DISK.value).inc()
+        try:
+            compat.check_files(target, peft.inspect(entry.path))
+        except peft.InvalidAdapter as exc:
+            raise ActionFailed("InvalidArtifact", str(exc)) from exc
+        return entry
+
+    def note_evictions(self, before: Observation, after: Observation) -> list[str]:
+        """Count (and return) adapters that left GPU or host memory between two observations unasked."""
+        evicted = []
+        for name, old in before.adapters.items():
+            if old.tier not in (Tier.GPU, Tier.CPU) or name in self._removed_by_us:
+                continue
+            new = after.adapters.get(name)
+            if new is None or old.tier.warmer_than(new.tier):
+                self.metrics.evictions.labels(old.tier.value).inc()
+                self.evicted.add(name)
+                evicted.append(name)
+        self._removed_by_us.clear()
+        return evicted
+
+    def keep(self, target: TargetState) -> None:
+        """Cache keys the disk cache must not evict (everything in the target)."""
+        self._keep = frozenset(t.cache_key for t in target.adapters)
+
+    def reset(self) -> None:
+        """Forget backoffs and what was loaded (after a runtime restart)."""
+        self.loaded.clear()
+        for status in self.status.values():
+            status.failures, status.not_before = 0, 0.0
+
+    async def drain(self) -> None:
+        """Wait for the running actions."""
+        tasks = [t for t in self._tasks.values() if not t.done()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        """Cancel the running actions (on shutdown)."""
+        for task in self._tasks.values():
+            task.cancel()
+        await self.drain()

@@ -1,0 +1,214 @@
+"""The sidecar's main loop: target -> observe -> reconcile -> report, every heartbeat and on every change."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loraplane.api import (
+    AdapterResidency,
+    PodLoad,
+    ResidencyReport,
+    TargetState,
+    Tier,
+)
+from loraplane.sidecar.bus import InvalidTarget, RedisBus, RedisUnavailable
+from loraplane.sidecar.drivers.base import Observation, RuntimeInfo, RuntimeUnavailable
+from loraplane.sidecar.metrics import AdapterSample
+from loraplane.sidecar.reconcile import Reconciler
+
+log = logging.getLogger(__name__)
+
+_EVICTION_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Identity and timing of one sidecar."""
+
+    pool: str
+    pod: str
+    address: str
+    runtime: str
+    heartbeat_s: float = 1.0
+    report_ttl_s: float = 5.0
+
+
+class Sidecar:
+    """Drives one runtime into its target state and reports what it holds."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        reconciler: Reconciler,
+        bus: RedisBus,
+        wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.reconciler = reconciler
+        self.driver = reconciler.driver
+        self.metrics = reconciler.metrics
+        self.bus = bus
+        self._wall_clock = wall_clock
+        self._clock = clock
+        self.target: TargetState | None = None
+        self.target_error: str | None = None
+        self.observation: Observation | None = None
+        self.ready = False
+        self.last_report: ResidencyReport | None = None
+        self._wake = asyncio.Event()
+        self._evictions: collections.deque[float] = collections.deque()
+
+    def wake(self) -> None:
+        """Run a pass now (a change notice arrived, an action ended)."""
+        self._wake.set()
+
+    async def _refresh_target(self) -> None:
+        try:
+            target = await self.bus.read_target()
+        except RedisUnavailable:
+            return
+        except InvalidTarget as exc:
+            if self.target_error != str(exc):
+                log.error("%s; keeping the last good target", exc)
+            self.target_error = str(exc)
+            return
+        self.target_error = None
+        if target is not None:
+            self.target = target
+            self.reconciler.keep(target)
+
+    async def _observe(self) -> Observation | None:
+        try:
+            observation = await self.driver.observe()
+        except RuntimeUnavailable as exc:
+            if self.ready:
+                log.warning("runtime unreachable, reporting not ready: %s", exc)
+            self.ready = False
+            return None
+        previous = self.observation
+        if previous is not None:
+            self._detect_restart(previous, observation)
+            now = self._clock()
+            self._evictions.extend(now for _ in self.reconciler.note_evictions(previous, observation))
+        self.ready = True
+        self.observation = observation
+        return observation
+
+    def _detect_restart(self, previous: Observation, current: Observation) -> None:
+        old, new = previous.info.instance, current.info.instance
+        ours = set(self.reconciler.loaded)
+        restarted = (old is not None and new is not None and old != new) or (
+            bool(ours) and not self.ready and not ours & set(current.adapters)
+        )
+        if restarted:
+            log.warning("runtime restarted (instance %s -> %s): re-applying the target", old, new)
+            self.metrics.runtime_restarts.inc()
+            self.reconciler.reset()
+
+    async def run_once(self) -> ResidencyReport:
+        """One pass: read the target, observe the runtime, start actions, publish the report."""
+        await self._refresh_target()
+        observation = await self._observe()
+        if observation is not None and self.target is not None:
+            self.reconciler.step(self.target, observation)
+        if self.target is not None:
+            self.reconciler.cache.evict_unused({t.cache_key for t in self.target.adapters})
+        report = self.build_report()
+        self._export(report)
+        try:
+            await self.bus.publish(report)
+            self.metrics.reports.inc()
+        except RedisUnavailable:
+            pass
+        self.metrics.redis_connected.set(1 if self.bus.connected else 0)
+        self.last_report = report
+        return report
+
+    def _recent_evictions(self) -> int:
+        horizon = self._clock() - _EVICTION_WINDOW_S
+        while self._evictions and self._evictions[0] < horizon:
+            self._evictions.popleft()
+        return len(self._evictions)
+
+    def build_report(self) -> ResidencyReport:
+        """This pod's ResidencyReport from the last observation, the cache and the per-adapter statuses."""
+        observation = self.observation
+        target = self.target.by_name() if self.target else {}
+        held_all = observation.adapters if observation else {}
+        entries = self.reconciler.cache.entries()
+        adapters = []
+        for name in sorted(set(target) | set(held_all)):
+            t, held = target.get(name), held_all.get(name)
+            entry = entries.get(t.cache_key) if t else None
+            status = self.reconciler.status.get(name)
+            row = AdapterResidency(served_name=name, tier=Tier.ABSENT)
+            if held is not None and held.tier is not Tier.ABSENT:
+                row = AdapterResidency(
+                    served_name=name, tier=held.tier, digest=self.reconciler.verified_digest(name, held),
+                    bytes=held.bytes or (entry.bytes if entry else 0), pinned=held.pinned, in_flight=held.in_flight,
+                    hits=held.hits, loads=held.loads, evictions=held.evictions, last_access=held.last_access,
+                )
+            elif entry is not None:
+                row = AdapterResidency(served_name=name, tier=Tier.DISK, digest=entry.artifact_digest,
+                                       bytes=entry.bytes)
+            if status is not None and status.error is not None:
+                row.error, row.error_reason = status.error, status.reason
+            adapters.append(row)
+        info = observation.info if observation else RuntimeInfo(base_model="")
+        load = observation.load if observation else PodLoad()
+        load = load.model_copy(update={"recent_evictions": self._recent_evictions()})
+        return ResidencyReport(
+            pool=self.config.pool,
+            pod=self.config.pod,
+            address=self.config.address,
+            ready=self.ready,
+            runtime=self.config.runtime,
+            residency_inferred=not self.driver.capabilities.reports_residency,
+            base_model_digest=info.base_model_digest,
+            max_lora_rank=info.max_lora_rank,
+            target_generation=self.target.generation if self.target else None,
+            heartbeat_at=self._wall_clock(),
+            ttl_seconds=self.config.report_ttl_s,
+            adapters=adapters,
+            load=load,
+        )
+
+    def _export(self, report: ResidencyReport) -> None:
+        target = self.target.by_name() if self.target else {}
+        self.metrics.adapters = [
+            AdapterSample(a.served_name, target[a.served_name].tenant if a.served_name in target else "unknown",
+                          a.tier, a.pinned, a.hits, a.in_flight, a.bytes)
+            for a in report.adapters
+        ]
+        counts = collections.Counter(a.tier for a in report.adapters)
+        for tier in (Tier.GPU, Tier.CPU, Tier.DISK):
+            self.metrics.resident.labels(tier.value).set(counts.get(tier, 0))
+        self.metrics.runtime_ready.set(1 if report.ready else 0)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pass after pass until ``stop`` is set: every heartbeat, on change notices and when actions end."""
+        watcher = asyncio.create_task(self.bus.watch_targets(self.wake, stop))
+        changed = self.reconciler.changed
+        try:
+            while not stop.is_set():
+                self._wake.clear()
+                changed.clear()
+                await self.run_once()
+                waits = [asyncio.create_task(e.wait()) for e in (self._wake, changed, stop)]
+                try:
+                    await asyncio.wait(waits, timeout=self.config.heartbeat_s, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            await self.reconciler.cancel()
