@@ -21,7 +21,14 @@ import httpx
 import pytest
 import redis
 
-from e2e.fixtures.processes import LOOPBACK, ManagedProcess, RedisServer, free_port, start_redis, wait_for_port
+from e2e.fixtures.processes import (
+    LOOPBACK,
+    ManagedProcess,
+    RedisServer,
+    free_port,
+    start_redis,
+    wait_for_port,
+)
 from loraplane.api import (
     ERROR_DIGEST_MISMATCH,
     AdapterTarget,
