@@ -152,6 +152,18 @@ class _Pool:
         self.held: dict[str, dict[str, Tier]] = {name: {} for name in self.caps}
         self.slots_used = {tier: dict.fromkeys(self.caps, 0) for tier in (Tier.GPU, Tier.CPU)}
         self.bytes_used = {tier: dict.fromkeys(self.caps, 0) for tier in (Tier.GPU, Tier.CPU)}
+        #: pods with a free slot per tier (GPU: beyond the burst reserve), so a full pool is skipped at once
+        self.roomy = {tier: {p for p in self.caps if self.room(p, tier) > 0} for tier in (Tier.GPU, Tier.CPU)}
+
+    def room(self, pod: str, tier: Tier) -> int:
+        reserve = self.reserved[pod] if tier is Tier.GPU else 0
+        return self.slot_limit(pod, tier) - reserve - self.slots_used[tier][pod]
+
+    def _track(self, pod: str, tier: Tier) -> None:
+        if self.room(pod, tier) > 0:
+            self.roomy[tier].add(pod)
+        else:
+            self.roomy[tier].discard(pod)
 
     def slot_limit(self, pod: str, tier: Tier) -> int:
         cap = self.caps[pod]
@@ -170,18 +182,27 @@ class _Pool:
         limit = self.byte_limit(pod, tier)
         return limit is None or self.bytes_used[tier][pod] + size <= limit
 
+    def fits_instead(self, pod: str, tier: Tier, size: int, freed: int, *, reserve: int = 0) -> bool:
+        """True when ``size`` fits on ``pod`` once one held adapter of ``freed`` bytes is dropped."""
+        if self.slots_used[tier][pod] > self.slot_limit(pod, tier) - reserve:
+            return False
+        limit = self.byte_limit(pod, tier)
+        return limit is None or self.bytes_used[tier][pod] - freed + size <= limit
+
     def put(self, pod: str, name: str, tier: Tier, size: int) -> None:
         self.remove(pod, name, size)
         self.held[pod][name] = tier
         if tier is not Tier.DISK:
             self.slots_used[tier][pod] += 1
             self.bytes_used[tier][pod] += size
+            self._track(pod, tier)
 
     def remove(self, pod: str, name: str, size: int) -> None:
         tier = self.held[pod].pop(name, None)
         if tier is not None and tier is not Tier.DISK:
             self.slots_used[tier][pod] -= 1
             self.bytes_used[tier][pod] -= size
+            self._track(pod, tier)
 
 
 @dataclass
@@ -217,9 +238,16 @@ class _Planner:
         self.budgets = budgets
         self.tenant_bytes: dict[Tier, dict[str, int]] = {Tier.GPU: {}, Tier.CPU: {}}
         self.previous = {pod: held for pod, held in (previous.pods if previous else {}).items() if pod in self.pool.caps}
+        self.previous_by_name: dict[str, dict[str, Tier]] = {}
+        for pod, held in self.previous.items():
+            for name, tier in held.items():
+                self.previous_by_name.setdefault(name, {})[pod] = tier
         self.notes: dict[str, str] = {}
         #: pod -> steady request rate its GPU replicas carry (an adapter's score split over its replicas)
         self.load = dict.fromkeys(self.pool.caps, 0.0)
+        #: (per-replica value with stickiness, served name, version): the cheapest GPU replica to evict first
+        self.victims: list[tuple[float, str, int]] = []
+        self.versions: dict[str, int] = {}
         self.entries: dict[str, _Entry] = {}
         for d in demands:
             weight = config.gold_weight if d.priority > 0 else config.sheddable_weight if d.priority < 0 else 1.0
@@ -239,7 +267,7 @@ class _Planner:
         return [p for p in self.pool.caps if allowed is None or p in allowed]
 
     def previously(self, name: str, tiers: tuple[Tier, ...]) -> list[str]:
-        return sorted(p for p, held in self.previous.items() if held.get(name) in tiers)
+        return sorted(p for p, tier in self.previous_by_name.get(name, {}).items() if tier in tiers)
 
     def budget_allows(self, e: _Entry, tier: Tier) -> bool:
         budget = self.budgets.get(e.demand.tenant)
@@ -258,6 +286,7 @@ class _Planner:
         e.gpu.add(pod)
         self.charge(e, Tier.GPU, +1)
         self.load_share(e)
+        self.bump(e)
 
     def drop_gpu(self, e: _Entry, pod: str) -> None:
         self.unload_share(e)
@@ -265,6 +294,7 @@ class _Planner:
         e.gpu.discard(pod)
         self.charge(e, Tier.GPU, -1)
         self.load_share(e)
+        self.bump(e)
 
     def unload_share(self, e: _Entry) -> None:
         for pod in e.gpu:
@@ -343,8 +373,8 @@ class _Planner:
     def least_loaded(self, e: _Entry) -> str | None:
         load = self.load
         best: tuple[float, int, str] | None = None
-        for pod in self.eligible(e):
-            if pod in e.gpu or e.demand.served_name in self.pool.held[pod]:
+        for pod in self.pool.roomy[Tier.GPU]:
+            if not self.is_eligible(e, pod) or pod in e.gpu or e.demand.served_name in self.pool.held[pod]:
                 continue
             if not self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
                 continue
@@ -354,30 +384,64 @@ class _Planner:
         return None if best is None else best[2]
 
     def evict_for(self, e: _Entry, only_pod: str | None, *, ignore_value: bool) -> str | None:
-        """Free a GPU slot for ``e`` by dropping the least valuable replica worth less than ``e``'s next one."""
-        sticky = 1.0 + self.config.stickiness
+        """Free a GPU slot for ``e`` by dropping the least valuable replica worth less than ``e``'s next one.
+
+        With ``only_pod`` the slot must be on that pod (a rollout requirement); otherwise on any eligible pod.
+        Returns the pod with the freed slot, or None when no replica may make way.
+        """
         wanted = e.marginal(len(e.gpu) + 1)
-        best: tuple[bool, float, str, str] | None = None
-        pods = [only_pod] if only_pod else [p for p in self.eligible(e) if p not in e.gpu]
-        for pod in pods:
-            for name, tier in self.pool.held[pod].items():
-                if tier is not Tier.GPU:
-                    continue
-                victim = self.entries[name]
-                if victim.demand.pinned or pod in victim.forced_gpu or victim is e:
-                    continue
-                value = victim.marginal(len(victim.gpu)) * sticky
-                if not ignore_value and value >= wanted:
-                    continue
-                key = (len(victim.gpu) == 1, value, pod, name)
-                if best is None or key < best:
-                    best = key
-        if best is None:
+        found = self.victim_on(e, only_pod) if only_pod else self.cheapest_victim(e, wanted, ignore_value)
+        if found is None:
             return None
-        _, _, pod, name = best
-        self.drop_gpu(self.entries[name], pod)
-        reserve = 0 if only_pod else self.pool.reserved[pod]
-        return pod if self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=reserve) else None
+        victim, pod = found
+        self.drop_gpu(victim, pod)
+        return pod
+
+    def evictable(self, victim: _Entry, pod: str, e: _Entry, reserve: int) -> bool:
+        return (
+            victim is not e
+            and not victim.demand.pinned
+            and pod not in victim.forced_gpu
+            and self.pool.fits_instead(pod, Tier.GPU, e.demand.bytes, victim.demand.bytes, reserve=reserve)
+        )
+
+    def victim_on(self, e: _Entry, pod: str) -> tuple[_Entry, str] | None:
+        held = [self.entries[n] for n, t in self.pool.held[pod].items() if t is Tier.GPU]
+        ok = [v for v in held if self.evictable(v, pod, e, reserve=0)]
+        best = min(ok, key=lambda v: (v.marginal(len(v.gpu)), v.demand.served_name), default=None)
+        return None if best is None else (best, pod)
+
+    def cheapest_victim(self, e: _Entry, wanted: float, ignore_value: bool) -> tuple[_Entry, str] | None:
+        """Walk replicas from the least valuable up (a lazy heap) until one can make room for ``e``."""
+        popped: list[tuple[float, str, int]] = []
+        found = None
+        while self.victims:
+            value, name, version = self.victims[0]
+            if version != self.versions[name]:
+                heapq.heappop(self.victims)
+                continue
+            if not ignore_value and value >= wanted:
+                break
+            popped.append(heapq.heappop(self.victims))
+            victim = self.entries[name]
+            for pod in sorted(victim.gpu):
+                if pod not in e.gpu and self.is_eligible(e, pod) and e.demand.served_name not in self.pool.held[pod]:
+                    if self.evictable(victim, pod, e, reserve=self.pool.reserved[pod]):
+                        found = (victim, pod)
+                        break
+            if found:
+                break
+        for item in popped:
+            heapq.heappush(self.victims, item)
+        return found
+
+    def bump(self, e: _Entry) -> None:
+        """Record ``e``'s new per-replica value (with the stickiness bonus) in the victims heap."""
+        name = e.demand.served_name
+        self.versions[name] = self.versions.get(name, 0) + 1
+        if e.gpu and not e.demand.pinned:
+            value = e.marginal(len(e.gpu)) * (1.0 + self.config.stickiness)
+            heapq.heappush(self.victims, (value, name, self.versions[name]))
 
     def place_bursts(self) -> None:
         """Give each burst one GPU replica in a reserved burst slot (prefer where it was), never evicting."""
@@ -403,17 +467,36 @@ class _Planner:
             and not any(t is Tier.CPU for t in self.tiers(e).values())
         ]
         wanting.sort(key=lambda e: (-e.score, e.demand.served_name))
+        by_use = [(self.pool.slots_used[Tier.CPU][p], p) for p in self.pool.roomy[Tier.CPU]]
+        heapq.heapify(by_use)
         for e in wanting:
             if not self.budget_allows(e, Tier.CPU):
                 self.notes.setdefault(e.demand.served_name, f"tenant {e.demand.tenant} CPU budget exhausted")
                 continue
-            previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU)))
-            candidates = [p for p in self.eligible(e) if self.pool.fits(p, Tier.CPU, e.demand.bytes)]
-            if not candidates:
-                continue
-            pod = min(candidates, key=lambda p: (p not in previous, self.pool.slots_used[Tier.CPU][p], p))
-            self.pool.put(pod, e.demand.served_name, Tier.CPU, e.demand.bytes)
-            self.charge(e, Tier.CPU, +1)
+            pod = self.cpu_pod_for(e, by_use)
+            if pod is not None:
+                self.pool.put(pod, e.demand.served_name, Tier.CPU, e.demand.bytes)
+                self.charge(e, Tier.CPU, +1)
+                heapq.heappush(by_use, (self.pool.slots_used[Tier.CPU][pod], pod))
+
+    def cpu_pod_for(self, e: _Entry, by_use: list[tuple[int, str]]) -> str | None:
+        """Where it was warm before if that pod has room, else the eligible pod with the fewest CPU adapters."""
+        for pod in self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU)):
+            if pod in self.pool.roomy[Tier.CPU] and self.is_eligible(e, pod):
+                if self.pool.fits(pod, Tier.CPU, e.demand.bytes):
+                    return pod
+        skipped, found = [], None
+        while by_use:
+            used, pod = heapq.heappop(by_use)
+            if used != self.pool.slots_used[Tier.CPU][pod] or pod not in self.pool.roomy[Tier.CPU]:
+                continue  # stale entry; a fresh one was pushed when the pod changed
+            skipped.append((used, pod))
+            if self.is_eligible(e, pod) and self.pool.fits(pod, Tier.CPU, e.demand.bytes):
+                found = pod
+                break
+        for item in skipped:
+            heapq.heappush(by_use, item)
+        return found
 
     def tiers(self, e: _Entry) -> dict[str, Tier]:
         name = e.demand.served_name

