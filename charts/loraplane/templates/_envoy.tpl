@@ -1,0 +1,95 @@
+{{/* The standalone Envoy's bootstrap: the ext_proc filter calls the picker, which names the endpoint in
+x-gateway-destination-endpoint; an ORIGINAL_DST cluster sends the request there. A client's own copy of that
+header is removed before the picker runs, and only the inference paths are routed. */}}
+{{- define "loraplane.envoyBootstrap" -}}
+{{- $e := .Values.gateway.envoy -}}
+{{- $picker := printf "%s.%s.svc" (include "loraplane.componentName" (dict "root" . "component" "picker")) .Release.Namespace -}}
+{{- $noExtProc := dict "envoy.filters.http.ext_proc" (dict "@type" "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute" "disabled" true) -}}
+admin:
+  address:
+    socket_address: {address: 127.0.0.1, port_value: {{ $e.adminPort }}}
+static_resources:
+  listeners:
+    - name: inference
+      address:
+        socket_address: {address: 0.0.0.0, port_value: {{ $e.port }}}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: inference
+                use_remote_address: true
+                normalize_path: true
+                merge_slashes: true
+                path_with_escaped_slashes_action: REJECT_REQUEST
+                route_config:
+                  name: inference
+                  virtual_hosts:
+                    - name: inference
+                      domains: ["*"]
+                      routes:
+                        - match: {path: /ready}
+                          direct_response: {status: 200, body: {inline_string: "ready\n"}}
+                          typed_per_filter_config: {{ toJson $noExtProc }}
+                        {{- range .Values.inferencePaths }}
+                        - match: {path: {{ . }}}
+                          route:
+                            cluster: model-servers
+                            timeout: {{ $e.routeTimeout }}
+                        {{- end }}
+                        - match: {prefix: /}
+                          direct_response: {status: 404, body: {inline_string: "not an inference path\n"}}
+                          typed_per_filter_config: {{ toJson $noExtProc }}
+                http_filters:
+                  - name: envoy.filters.http.header_mutation
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
+                      mutations:
+                        request_mutations:
+                          - remove: x-gateway-destination-endpoint
+                  - name: envoy.filters.http.ext_proc
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+                      grpc_service:
+                        envoy_grpc: {cluster_name: picker}
+                        timeout: {{ $e.routeTimeout }}
+                      failure_mode_allow: {{ eq .Values.pool.failureMode "FailOpen" }}
+                      message_timeout: {{ $e.pickerMessageTimeout }}
+                      processing_mode:
+                        request_header_mode: SEND
+                        response_header_mode: SEND
+                        request_body_mode: {{ $e.bodyMode }}
+                        response_body_mode: {{ $e.bodyMode }}
+                        {{- if eq $e.bodyMode "FULL_DUPLEX_STREAMED" }}
+                        request_trailer_mode: SEND
+                        response_trailer_mode: SEND
+                        {{- end }}
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: picker
+      type: STRICT_DNS
+      connect_timeout: 2s
+      lb_policy: ROUND_ROBIN
+      typed_extension_protocol_options:
+        envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+          "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+          explicit_http_config:
+            http2_protocol_options: {}
+      load_assignment:
+        cluster_name: picker
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address: {address: {{ $picker }}, port_value: {{ .Values.picker.ports.grpc }}}
+    - name: model-servers
+      type: ORIGINAL_DST
+      connect_timeout: 5s
+      lb_policy: CLUSTER_PROVIDED
+      original_dst_lb_config:
+        use_http_header: true
+        http_header_name: x-gateway-destination-endpoint
+{{- end -}}

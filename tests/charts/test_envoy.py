@@ -1,0 +1,177 @@
+"""The standalone Envoy's rendered bootstrap: valid for Envoy, and safe when run.
+
+The live tests run the real Envoy with the rendered bootstrap and no picker (its Service name does not resolve
+here), so they show what holds even when the picker is down: the readiness route answers, the adapter admin paths
+are never forwarded, and a client cannot choose the upstream by sending ``x-gateway-destination-endpoint`` itself.
+"""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from e2e.fixtures.processes import ManagedProcess, free_port, wait_for_port
+from tests.charts.conftest import RenderFn, name_of
+
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+
+
+def bootstrap(render: RenderFn, values: dict[str, Any]) -> dict[str, Any]:
+    """The Envoy bootstrap the chart renders for ``values`` (gateway.mode envoy)."""
+    rendered = render({"gateway": {"mode": "envoy", **values.get("gateway", {})}, **{k: v for k, v in values.items() if k != "gateway"}})
+    config_map = rendered.get("ConfigMap", name_of("envoy"))
+    deployment = rendered.get("Deployment", name_of("envoy"))
+    assert config_map["metadata"]["name"] == deployment["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"]
+    loaded: dict[str, Any] = yaml.safe_load(config_map["data"]["envoy.yaml"])
+    return loaded
+
+
+def _validate(envoy_bin: str, config: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return subprocess.run([envoy_bin, "--mode", "validate", "-c", str(path)], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+@pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
+@pytest.mark.parametrize("failure_mode", ["FailClose", "FailOpen"])
+def test_rendered_bootstrap_passes_envoy_validate(render: RenderFn, envoy_bin: str, tmp_path: Path,
+                                                  body_mode: str, failure_mode: str) -> None:
+    config = bootstrap(render, {"gateway": {"envoy": {"bodyMode": body_mode}}, "pool": {"failureMode": failure_mode}})
+    result = _validate(envoy_bin, config, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ext_proc = _http_filter(config, "envoy.filters.http.ext_proc")
+    assert ext_proc["failure_mode_allow"] is (failure_mode == "FailOpen")
+    assert ext_proc["processing_mode"]["request_body_mode"] == body_mode
+
+
+def test_envoy_validate_catches_a_broken_bootstrap(render: RenderFn, envoy_bin: str, tmp_path: Path) -> None:
+    config = bootstrap(render, {})
+    _http_filter(config, "envoy.filters.http.ext_proc")["processing_mode"].pop("request_trailer_mode")
+    result = _validate(envoy_bin, config, tmp_path)
+    assert result.returncode != 0 and "request_trailer_mode" in result.stdout + result.stderr
+
+
+def _http_filter(config: dict[str, Any], name: str) -> dict[str, Any]:
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (found,) = [f["typed_config"] for f in hcm["http_filters"] if f["name"] == name]
+    return found
+
+
+def test_bootstrap_routes_to_the_picker_and_original_dst(render: RenderFn) -> None:
+    config = bootstrap(render, {})
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    picker = clusters["picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert picker["socket_address"] == {"address": f"{name_of('picker')}.serving.svc", "port_value": 9002}
+    assert clusters["model-servers"]["type"] == "ORIGINAL_DST"
+    assert clusters["model-servers"]["original_dst_lb_config"] == {"use_http_header": True,
+                                                                     "http_header_name": DESTINATION_HEADER}
+    assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    filters = [f["name"] for f in config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+               ["typed_config"]["http_filters"]]
+    assert filters.index("envoy.filters.http.header_mutation") < filters.index("envoy.filters.http.ext_proc")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Live
+
+
+class _RecordingHandler(http.server.BaseHTTPRequestHandler):
+    """A real HTTP server standing where a model server would: it records every request that reaches it."""
+
+    seen: list[str]
+
+    def do_POST(self) -> None:
+        self.seen.append(self.path)
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        body = b'{"ok": true}'
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet."""
+
+
+@pytest.fixture
+def backend() -> Iterator[tuple[int, list[str]]]:
+    """(port, paths it received) of a loopback HTTP server."""
+    seen: list[str] = []
+    handler = type("Handler", (_RecordingHandler,), {"seen": seen})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def _run_envoy(envoy_bin: str, config: dict[str, Any], tmp_path: Path, port: int) -> ManagedProcess:
+    path = tmp_path / f"envoy-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    process = ManagedProcess([envoy_bin, "-c", str(path), "--base-id", str(port), "--log-level", "warning"],
+                             tmp_path / f"envoy-{port}.log").start()
+    try:
+        wait_for_port(port, proc=process.proc)
+    except Exception:
+        process.stop()
+        raise
+    return process
+
+
+def _live_config(render: RenderFn, failure_mode: str) -> tuple[dict[str, Any], int]:
+    port = free_port()
+    config = bootstrap(render, {"gateway": {"envoy": {"port": port, "adminPort": free_port()}},
+                                "pool": {"failureMode": failure_mode}})
+    return config, port
+
+
+def _completion(port: int, path: str, destination: str) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{port}{path}", json={"model": "support-bot", "prompt": "hi"},
+                      headers={DESTINATION_HEADER: destination}, timeout=10)
+
+
+@pytest.mark.slow
+def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination(
+    render: RenderFn, envoy_bin: str, tmp_path: Path, backend: tuple[int, list[str]]
+) -> None:
+    backend_port, seen = backend
+    spoofed = f"127.0.0.1:{backend_port}"
+    for failure_mode in ("FailClose", "FailOpen"):
+        config, port = _live_config(render, failure_mode)
+        envoy = _run_envoy(envoy_bin, config, tmp_path, port)
+        try:
+            ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10)
+            assert ready.status_code == 200, f"{failure_mode}: readiness must not depend on the picker"
+            admin = _completion(port, "/v1/load_lora_adapter", spoofed)
+            assert admin.status_code == 404, failure_mode
+            completion = _completion(port, "/v1/completions", spoofed)
+            assert completion.status_code >= 500, (failure_mode, completion.status_code, completion.text)
+        finally:
+            envoy.stop()
+        assert seen == [], f"{failure_mode}: a client-chosen destination reached the backend: {seen}"
+
+    # The control: without the header_mutation filter, the very same request reaches the backend, so the
+    # assertion above is what the filter buys.
+    config, port = _live_config(render, "FailOpen")
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.header_mutation"]
+    envoy = _run_envoy(envoy_bin, config, tmp_path, port)
+    try:
+        assert _completion(port, "/v1/completions", spoofed).status_code == 200
+    finally:
+        envoy.stop()
+    assert seen == ["/v1/completions"]

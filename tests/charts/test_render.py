@@ -1,0 +1,418 @@
+"""The chart renders valid, consistent manifests over a matrix of runtimes, Redis setups and gateway modes."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate import utils as kv_utils
+from referencing import Registry, Resource
+
+from loraplane.api import crd
+from tests.charts.conftest import CHART, NAMESPACE, RELEASE, Rendered, RenderFn, helm_template, name_of
+from tests.charts.custom_kinds import CUSTOM_KINDS, validate_custom
+
+#: Oldest Kubernetes the chart supports (native sidecars are on by default from 1.29) and the newest schemas.
+K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
+
+EXAMPLES = CHART.parents[1] / "examples"
+
+RUNTIMES = {
+    "engine": {"runtime": "engine"},
+    "vllm": {"runtime": "vllm", "model": "meta-llama/Llama-3.1-8B-Instruct"},
+    "vllm-ascend": {"runtime": "vllm-ascend", "model": "Qwen/Qwen2.5-7B-Instruct",
+                    "lora": {"maxLoras": 2, "maxCpuLoras": 8, "maxLoraRank": 32}},
+}
+REDIS = {
+    "bundled": {"bundled": True},
+    "external": {"bundled": False, "external": {"url": "rediss://redis.data.svc:6380/2",
+                                                 "passwordSecret": {"name": "redis-auth", "key": "password"}}},
+}
+GATEWAY_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+GATEWAYS = {
+    "envoy": {"mode": "envoy"},
+    "httproute": {"mode": "httproute", "httpRoute": {"parentRefs": [{"name": "inference-gateway"}]},
+                  "clientPeers": [GATEWAY_PEER]},
+    "none": {"mode": "none", "clientPeers": [GATEWAY_PEER]},
+}
+
+
+def _adapter_revisions() -> list[dict[str, Any]]:
+    """The repository's example AdapterRevisions as chart values (one without a poolRef: the chart fills it in)."""
+    out = []
+    for path in sorted(EXAMPLES.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        out.append({"name": doc["metadata"]["name"], "spec": doc["spec"]})
+    out[0]["spec"].pop("poolRef")
+    return out
+
+
+def matrix_values(runtime: str, redis: str, gateway: str) -> dict[str, Any]:
+    """Chart values for one cell of the matrix (monitoring and GitOps revisions on in every other cell)."""
+    extras = (list(RUNTIMES).index(runtime) + list(GATEWAYS).index(gateway)) % 2 == 0
+    return {
+        "modelServer": RUNTIMES[runtime],
+        "redis": REDIS[redis],
+        "gateway": GATEWAYS[gateway],
+        "serviceMonitor": {"enabled": extras},
+        "grafanaDashboard": {"enabled": extras},
+        "adapterRevisions": _adapter_revisions() if extras else [],
+    }
+
+
+MATRIX = list(itertools.product(RUNTIMES, REDIS, GATEWAYS))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks every rendered set must pass
+
+
+@functools.cache
+def _k8s_validator(version: str, kind: str, api_version: str) -> jsonschema.Draft202012Validator:
+    """kubernetes-validate's strict schema for one kind, loaded once (its own ``validate`` re-reads every file)."""
+    schema_dir = f"kubernetes-json-schema/v{version}-local-strict"
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = kv_utils.schema_contents(f"{schema_dir}/{kind.lower()}-{group_version}.json", version)
+    except FileNotFoundError:
+        pytest.fail(f"kubernetes-validate has no schema for {api_version} {kind} in Kubernetes {version}")
+    definitions = kv_utils.schema_contents(f"{schema_dir}/_definitions.json", version)
+    registry: Registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def _schema_version(version: str) -> str:
+    """The newest schema set not newer than ``version`` (as kubernetes-validate picks it)."""
+    key = tuple(int(p) for p in version.split(".")[:2])
+    return [v for v in kv_utils.all_versions() if tuple(int(p) for p in v.split(".")[:2]) <= key][-1]
+
+
+def _validate_schemas(rendered: Rendered) -> None:
+    for obj in rendered.objects:
+        where = f"{obj['kind']} {obj['metadata']['name']}"
+        if obj["kind"] in CUSTOM_KINDS:
+            validate_custom(obj)
+            continue
+        for version in K8S_VERSIONS:
+            validator = _k8s_validator(_schema_version(version), obj["kind"], obj["apiVersion"])
+            error = jsonschema.exceptions.best_match(validator.iter_errors(obj))
+            assert error is None, f"{where} is invalid for Kubernetes {version}: {error.message} at {list(error.path)}"
+
+
+def _pod_specs(rendered: Rendered) -> dict[str, dict[str, Any]]:
+    return {w["metadata"]["name"]: w["spec"]["template"] for w in rendered.workloads()}
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
+
+
+def _check_security(rendered: Rendered) -> None:
+    for name, pod in _pod_specs(rendered).items():
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True, name
+        for c in _containers(pod):
+            sc = c["securityContext"]
+            where = f"{name}/{c['name']}"
+            assert sc["runAsNonRoot"] is True and sc["readOnlyRootFilesystem"] is True, where
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], where
+            assert c["resources"]["requests"].get("cpu") and c["resources"]["requests"].get("memory"), where
+            assert c["resources"]["limits"].get("memory"), where
+
+
+def _check_references(rendered: Rendered) -> None:
+    """Selectors select something; names referred to exist; named ports are declared."""
+    pods = _pod_specs(rendered)
+    service_accounts = rendered.names("ServiceAccount")
+    config_maps = rendered.names("ConfigMap")
+    secrets = rendered.names("Secret") | {"redis-auth"}  # the external Redis case names a user-made Secret
+    for workload in rendered.workloads():
+        assert _matches(workload["spec"]["selector"]["matchLabels"], workload["spec"]["template"]["metadata"]["labels"])
+    for name, pod in pods.items():
+        assert pod["spec"]["serviceAccountName"] in service_accounts, name
+        for volume in pod["spec"].get("volumes", []):
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in config_maps, (name, volume)
+        for c in _containers(pod):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] in secrets, (name, ref)
+    for svc in rendered.of_kind("Service"):
+        selected = [p for p in pods.values() if _matches(svc["spec"]["selector"], p["metadata"]["labels"])]
+        assert selected, f"Service {svc['metadata']['name']} selects no pod"
+        declared = {port["name"] for p in selected for c in _containers(p) for port in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in declared, (svc["metadata"]["name"], port)
+    for pdb in rendered.of_kind("PodDisruptionBudget"):
+        assert any(_matches(pdb["spec"]["selector"]["matchLabels"], p["metadata"]["labels"]) for p in pods.values())
+    roles = rendered.names("Role")
+    for binding in rendered.of_kind("RoleBinding"):
+        assert binding["roleRef"]["name"] in roles
+        assert all(s["name"] in service_accounts for s in binding["subjects"])
+
+
+DEFAULT_LORA = {"maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 16}
+
+
+def _check_pool(rendered: Rendered) -> None:
+    pool = rendered.get("InferencePool", f"{RELEASE}-loraplane")
+    model_servers = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]
+    assert _matches(pool["spec"]["selector"]["matchLabels"], model_servers["metadata"]["labels"])
+    # Only the model-server pods: the selector must not catch the picker, the controller or Envoy.
+    for name, pod in _pod_specs(rendered).items():
+        if name != name_of("model-server"):
+            assert not _matches(pool["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]), name
+    runtime = model_servers["spec"]["containers"][0]
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [runtime["ports"][0]["containerPort"]]
+    picker_ref = pool["spec"]["endpointPickerRef"]
+    picker_svc = rendered.get("Service", picker_ref["name"])
+    grpc = next(p for p in picker_svc["spec"]["ports"] if p["name"] == "grpc")
+    assert picker_ref["port"]["number"] == grpc["port"] == 9002
+
+
+def _check_model_server(rendered: Rendered, values: dict[str, Any]) -> None:
+    pod = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]["spec"]
+    runtime_name = values["modelServer"]["runtime"]
+    (sidecar,) = pod["initContainers"]
+    (runtime,) = pod["containers"]
+    assert sidecar["restartPolicy"] == "Always", "the sidecar must be a native sidecar"
+    assert runtime["name"] == runtime_name
+    assert pod["automountServiceAccountToken"] is False
+    cache = {m["name"]: m for m in sidecar["volumeMounts"]}["adapter-cache"]
+    runtime_cache = {m["name"]: m for m in runtime["volumeMounts"]}["adapter-cache"]
+    assert cache["mountPath"] == runtime_cache["mountPath"], "the runtime must see the paths the sidecar passes it"
+    assert runtime_cache["readOnly"] is True and not cache.get("readOnly")
+    args = _flags(sidecar["args"])
+    assert args["--runtime-url"] == f"http://127.0.0.1:{runtime['ports'][0]['containerPort']}"
+    assert args["--cache-dir"] == cache["mountPath"]
+    assert args["--runtime"] == ("engine" if runtime_name == "engine" else "vllm")
+    lora = values["modelServer"].get("lora", DEFAULT_LORA)
+    rargs = _flags(runtime["args"])
+    assert rargs["--max-loras"] == str(lora["maxLoras"])
+    assert rargs["--max-cpu-loras"] == str(lora["maxCpuLoras"])
+    assert rargs["--max-lora-rank"] == str(lora["maxLoraRank"])
+    limits = runtime["resources"]["limits"]
+    if runtime_name == "vllm":
+        assert limits["nvidia.com/gpu"] == 1
+    if runtime_name == "vllm-ascend":
+        assert limits["huawei.com/Ascend910"] == 1
+        assert any("hostPath" in v for v in pod["volumes"])
+    if runtime_name != "engine":
+        env = {e["name"]: e.get("value") for e in runtime["env"]}
+        assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+        assert "--enable-lora" in runtime["args"]
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    return dict(a.split("=", 1) for a in args if a.startswith("--") and "=" in a)
+
+
+def _check_redis(rendered: Rendered, values: dict[str, Any]) -> None:
+    urls = set()
+    for name, pod in _pod_specs(rendered).items():
+        for c in _containers(pod):
+            url = _flags(c.get("args", [])).get("--redis-url")
+            if url is None:
+                continue
+            urls.add(url)
+            env = {e["name"] for e in c.get("env", [])}
+            assert "LORAPLANE_REDIS_PASSWORD" in env, f"{name}/{c['name']} expands $(LORAPLANE_REDIS_PASSWORD)"
+    assert len(urls) == 1, f"every component must use the same Redis: {urls}"
+    (url,) = urls
+    if values["redis"]["bundled"]:
+        svc = rendered.get("Service", name_of("redis"))
+        assert url == f"redis://:$(LORAPLANE_REDIS_PASSWORD)@{svc['metadata']['name']}.{NAMESPACE}.svc:6379/0"
+        rendered.get("StatefulSet", name_of("redis"))
+        secret = rendered.get("Secret", name_of("redis"))
+        assert secret["data"]["redis-password"]
+    else:
+        assert url == "rediss://:$(LORAPLANE_REDIS_PASSWORD)@redis.data.svc:6380/2"
+        assert not rendered.of_kind("StatefulSet") and not rendered.of_kind("Secret")
+
+
+def _check_network_policies(rendered: Rendered, values: dict[str, Any]) -> None:
+    pods = {name: pod["metadata"]["labels"] for name, pod in _pod_specs(rendered).items()}
+    policies = {p["metadata"]["name"]: p["spec"] for p in rendered.of_kind("NetworkPolicy")}
+
+    def admitted(policy: dict[str, Any], port: int) -> list[dict[str, Any]]:
+        """The peers of the rules that open ``port`` (an empty list: any peer)."""
+        rules = [r for r in policy["ingress"] if any(p["port"] == port for p in r["ports"])]
+        assert rules, f"port {port} is closed"
+        return [peer for r in rules for peer in r.get("from", [{}])]
+
+    def pods_admitted(peers: list[dict[str, Any]]) -> set[str]:
+        return {name for name, labels in pods.items() for peer in peers
+                if "podSelector" in peer and "namespaceSelector" not in peer
+                and _matches(peer["podSelector"].get("matchLabels", {}), labels)}
+
+    runtime_peers = admitted(policies[name_of("model-server")], values_port(values))
+    assert {} not in runtime_peers, "the runtime port must not be open to everyone"
+    expected = {name_of("controller")} | ({name_of("envoy")} if values["gateway"]["mode"] == "envoy" else set())
+    assert pods_admitted(runtime_peers) == expected
+    assert (GATEWAY_PEER in runtime_peers) == (values["gateway"]["mode"] != "envoy")
+    picker_peers = admitted(policies[name_of("picker")], 9002)
+    assert {} not in picker_peers
+    if values["redis"]["bundled"]:
+        redis_peers = admitted(policies[name_of("redis")], 6379)
+        assert pods_admitted(redis_peers) == {name_of(c) for c in ("picker", "controller", "model-server")}
+
+
+def values_port(values: dict[str, Any]) -> int:
+    """The model servers' inference port."""
+    return int(values["modelServer"].get("port", 8000))
+
+
+def _check_rbac(rendered: Rendered) -> None:
+    assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
+    for role in rendered.of_kind("Role"):
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+    picker = rendered.get("Role", name_of("picker"))
+    assert {v for r in picker["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
+    controller = rendered.get("Role", name_of("controller"))
+    lease_rules = [r for r in controller["rules"] if "leases" in r["resources"]]
+    lease_name = _flags(rendered.get("Deployment", name_of("controller"))["spec"]["template"]["spec"]["containers"][0]["args"])["--lease-name"]
+    for rule in lease_rules:
+        assert rule.get("resourceNames") == [lease_name] or rule["verbs"] == ["create"], rule
+    sa_tokens = {sa["metadata"]["name"]: sa["automountServiceAccountToken"] for sa in rendered.of_kind("ServiceAccount")}
+    assert {name for name, mounted in sa_tokens.items() if mounted} == {name_of("picker"), name_of("controller")}
+
+
+def _check_gateway(rendered: Rendered, values: dict[str, Any]) -> None:
+    mode = values["gateway"]["mode"]
+    assert bool(rendered.of_kind("HTTPRoute")) == (mode == "httproute")
+    assert (name_of("envoy") in rendered.names("Deployment")) == (mode == "envoy")
+    for route in rendered.of_kind("HTTPRoute"):
+        paths = [m["path"]["value"] for rule in route["spec"]["rules"] for m in rule["matches"]]
+        assert "/v1/completions" in paths and not [p for p in paths if "lora_adapter" in p]
+        (backend,) = route["spec"]["rules"][0]["backendRefs"]
+        assert backend["kind"] == "InferencePool"
+        assert backend["name"] in rendered.names("InferencePool")
+
+
+@pytest.mark.parametrize(("runtime", "redis", "gateway"), MATRIX, ids=["-".join(c) for c in MATRIX])
+def test_matrix_renders_valid_consistent_manifests(render: RenderFn, runtime: str, redis: str, gateway: str) -> None:
+    values = matrix_values(runtime, redis, gateway)
+    rendered = render(values)
+    _validate_schemas(rendered)
+    _check_security(rendered)
+    _check_references(rendered)
+    _check_pool(rendered)
+    _check_model_server(rendered, values)
+    _check_redis(rendered, values)
+    _check_network_policies(rendered, values)
+    _check_rbac(rendered)
+    _check_gateway(rendered, values)
+    assert len(rendered.of_kind("AdapterRevision")) == len(values["adapterRevisions"])
+    for revision in rendered.of_kind("AdapterRevision"):
+        assert revision["metadata"]["namespace"] == NAMESPACE
+        assert revision["spec"]["poolRef"]["name"] in {"llama3-8b", *rendered.names("InferencePool")}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chart-level checks
+
+
+def test_helm_lint_passes_in_strict_mode(helm_bin: str, tmp_path: Path) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump(matrix_values("vllm", "external", "httproute")))
+    for extra in ([], ["-f", str(values)]):
+        result = subprocess.run([helm_bin, "lint", "--strict", str(CHART), *extra], capture_output=True, text=True,
+                                timeout=60, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_chart_crds_are_the_generated_ones() -> None:
+    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
+    generated = sorted(p.name for p in (CHART.parents[1] / "crds").iterdir())
+    assert chart_crds == generated == [crd.CRD_FILENAME]
+    assert (CHART / "crds" / crd.CRD_FILENAME).read_text() == crd.render(), (
+        "charts/loraplane/crds differs from what the api generates: run `loraplane gen-crds` and copy "
+        f"crds/{crd.CRD_FILENAME} into charts/loraplane/crds/"
+    )
+
+
+def test_include_crds_renders_the_adapterrevision_crd(render: RenderFn) -> None:
+    rendered = render({}, "--include-crds")
+    (definition,) = rendered.of_kind("CustomResourceDefinition")
+    assert definition == crd.crd()
+    assert not [o for o in rendered.of_kind("CustomResourceDefinition") if "inference.networking" in o["metadata"]["name"]]
+
+
+def test_defaults_give_a_working_cpu_demo(render: RenderFn) -> None:
+    rendered = render()
+    names = {(o["kind"], o["metadata"]["name"]) for o in rendered.objects}
+    for kind, component in [("Deployment", "picker"), ("Deployment", "controller"), ("Deployment", "model-server"),
+                            ("Deployment", "envoy"), ("StatefulSet", "redis"), ("Service", "picker")]:
+        assert (kind, name_of(component)) in names
+    assert rendered.get("Deployment", name_of("controller"))["spec"]["replicas"] == 2
+    assert rendered.get("Deployment", name_of("model-server"))["spec"]["replicas"] == 3
+    pool = rendered.of_kind("InferencePool")[0]
+    assert pool["metadata"]["name"] == f"{RELEASE}-loraplane"
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
+    config = yaml.safe_load(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
+    assert config["affinity"]["gpu"] > config["affinity"]["cpu"] > config["affinity"]["disk"]
+
+
+def test_picker_config_and_pool_settings_come_from_values(render: RenderFn) -> None:
+    rendered = render({"pool": {"name": "llama3-8b", "failureMode": "FailOpen"},
+                       "picker": {"config": {"affinity": {"gpu": 7}}}})
+    pool = rendered.get("InferencePool", "llama3-8b")
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+    config = yaml.safe_load(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
+    assert config["affinity"]["gpu"] == 7
+    picker = rendered.get("Deployment", name_of("picker"))["spec"]["template"]
+    assert _flags(picker["spec"]["containers"][0]["args"])["--pool"] == "llama3-8b"
+    sidecar = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]["spec"]["initContainers"][0]
+    assert _flags(sidecar["args"])["--pool"] == "llama3-8b"
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"modelServer": {"runtime": "tgi"}}, "modelServer/runtime"),
+    ({"modelServer": {"runtime": "vllm"}}, "set the base model vLLM serves"),
+    ({"modelServer": {"lora": {"maxLoras": 8, "maxCpuLoras": 4, "maxLoraRank": 16}}}, "maxCpuLoras must be >="),
+    ({"modelServer": {"lora": {"maxLoras": 1, "maxCpuLoras": 4, "maxLoraRank": 24}}}, "maxLoraRank"),
+    ({"inferencePaths": ["/v1/completions", "/v1/load_lora_adapter"]}, "adapter admin endpoints"),
+    ({"gateway": {"mode": "httproute", "clientPeers": [GATEWAY_PEER]}}, "parentRefs must name"),
+    ({"gateway": {"mode": "none"}}, "set gateway.clientPeers"),
+    ({"redis": {"bundled": False}}, "redis.external.url is required"),
+    ({"redis": {"bundled": False, "external": {"url": "redis://user:pw@redis:6379/0"}}}, "without a password"),
+    ({"pool": {"failureMode": "Sometimes"}}, "pool/failureMode"),
+    ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+], ids=["runtime", "vllm-model", "cpu-loras", "rank", "admin-path", "parent-refs", "peers", "redis-url",
+        "redis-password-in-url", "failure-mode", "typo"])
+def test_bad_values_fail_with_a_clear_message(helm_bin: str, tmp_path: Path, values: dict[str, Any],
+                                              message: str) -> None:
+    result = helm_template(helm_bin, values, tmp_path)
+    assert result.returncode != 0, f"rendered although {values} is wrong"
+    assert message in result.stderr, result.stderr
+
+
+def test_existing_redis_secret_is_used_and_none_created(render: RenderFn) -> None:
+    rendered = render({"redis": {"auth": {"existingSecret": "my-redis", "secretKey": "pw"}}})
+    assert not rendered.of_kind("Secret")
+    for pod in _pod_specs(rendered).values():
+        for c in _containers(pod):
+            for env in c.get("env", []):
+                if env["name"] == "LORAPLANE_REDIS_PASSWORD":
+                    assert env["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "pw"}
+
+
+def test_bundled_redis_command_requires_the_password(render: RenderFn) -> None:
+    redis = render().get("StatefulSet", name_of("redis"))["spec"]["template"]["spec"]["containers"][0]
+    command = shlex.split(redis["args"][0].replace('"$LORAPLANE_REDIS_PASSWORD"', "PASSWORD"))
+    assert command[:2] == ["exec", "redis-server"]
+    assert command[command.index("--requirepass") + 1] == "PASSWORD"
