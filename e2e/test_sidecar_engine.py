@@ -168,13 +168,13 @@ class SidecarProc:
 
 @pytest.fixture
 def sidecar_factory(tmp_path: Path, engine: Engine, oci_registry, https_files,
-                    adapters) -> Iterator[Callable[[str, RedisServer], SidecarProc]]:
+                    adapters) -> Iterator[Callable[..., SidecarProc]]:
     started: list[SidecarProc] = []
 
-    def start(pod: str, redis_server: RedisServer) -> SidecarProc:
+    def start(pod: str, redis_server: RedisServer, *runtime: str) -> SidecarProc:
         cache_dir = engine.adapter_root / pod
         metrics_port = free_port()
-        args = [sys.executable, "-m", "loraplane.sidecar", "--pool", POOL, "--pod", pod, "--runtime", "engine",
+        args = [sys.executable, "-m", "loraplane.sidecar", "--pool", POOL, "--pod", pod, *(runtime or ("--runtime", "engine")),
                 "--runtime-url", engine.url, "--redis-url", redis_server.url, "--cache-dir", str(cache_dir),
                 "--heartbeat", "0.3", "--report-ttl", "3", "--backoff-base", "0.2", "--backoff-cap", "2",
                 "--metrics-port", str(metrics_port), "--file-root", str(Path(adapters["gamma@v1"].uri[7:]).parent),
@@ -361,3 +361,31 @@ def test_killed_mid_download_leaves_no_corrupt_entry(engine: Engine, tmp_path: P
     wait_until(lambda: holds(engine, {big.name: ("cpu", False)}), 30, "loaded after the restart")
     assert engine.held()[big.name]["digest"] == big.adapter_digest
     assert not [p for p in (restarted.cache_dir / "tmp").rglob("*") if p.is_file()]
+
+
+def test_vllm_driver_against_the_engines_vllm_endpoints(engine: Engine, adapters: dict[str, Adapter],
+                                                        redis_srv: RedisServer, sidecar_factory) -> None:
+    """vLLM's API only: load/unload, a one-token warm-up as activation, residency inferred and labelled so."""
+    client = redis.Redis.from_url(redis_srv.url)
+    base = engine.listing()["base_model_digest"]
+    a, b = adapters["alpha@v1"], adapters["beta@v1"]
+    sidecar = sidecar_factory("pod-6", redis_srv, "--runtime", "vllm", "--max-loras", "2", "--max-cpu-loras", "4",
+                              "--max-lora-rank", "16", "--base-model-digest", base)
+    write_target(client, "pod-6", 1, [a.target(Tier.GPU, base), b.target(Tier.CPU, base)])
+    wait_until(lambda: holds(engine, {a.name: ("gpu", False), b.name: ("cpu", False)}), 30, "target via vLLM API")
+
+    def inferred_report() -> bool:
+        report = read_report(client, "pod-6")
+        if report is None:
+            return False
+        rows = report.by_name()
+        return report.residency_inferred and rows[a.name].tier is Tier.GPU and rows[b.name].tier is Tier.CPU and (
+            rows[a.name].digest == a.artifact_digest and rows[b.name].digest == b.artifact_digest)
+
+    wait_until(inferred_report, 10, "inferred residency in the report")
+    text = sidecar.metrics()
+    assert f'vllm:lora_adapter_loaded{{adapter_name="{a.name}",level="gpu",pinned="false"}} 1.0' in text
+    assert f'vllm:lora_adapter_loaded{{adapter_name="{b.name}",level="cpu",pinned="false"}} 1.0' in text
+
+    write_target(client, "pod-6", 2, [b.target(Tier.GPU, base)])
+    wait_until(lambda: holds(engine, {b.name: ("gpu", False)}), 30, "alpha unloaded, beta warmed up")
