@@ -58,6 +58,11 @@ def picker_counters(pool: str, replica: str) -> str:
     return f"{_pool(pool)}:counters:{_pod(replica)}"
 
 
+def picker_counters_pattern(pool: str) -> str:
+    """A SCAN pattern matching every picker replica's counters key in the pool."""
+    return f"{_pool(pool)}:counters:*"
+
+
 def target_changed_channel(pool: str) -> str:
     """Pub/sub channel: the message is the pod name whose target state changed."""
     return f"{_pool(pool)}:target-changed"

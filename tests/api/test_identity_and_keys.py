@@ -61,6 +61,7 @@ def test_keys_share_the_pool_hash_tag() -> None:
     assert all(n.startswith("loraplane:{pool-a}:") for n in names)
     assert len(set(names)) == len(names)
     assert keys.target_state_pattern("pool-a").rstrip("*") in keys.target_state("pool-a", "x")
+    assert keys.picker_counters_pattern("pool-a").rstrip("*") in keys.picker_counters("pool-a", "replica-1")
 
 
 @pytest.mark.parametrize("bad", ["Pool", "a b", "a:b", "x/../y", ""])
