@@ -54,15 +54,14 @@ class RedisBus:
         self._failures = 0
         self._not_before = 0.0
         self.connected = False
-        self.reconnected = asyncio.Event()
 
     def _check_window(self) -> None:
         if self._failures and self._clock() < self._not_before:
             raise RedisUnavailable(f"redis down, next attempt in {self._not_before - self._clock():.1f} s")
 
     def _ok(self) -> None:
-        if self._failures or not self.connected:
-            self.reconnected.set()
+        if self._failures:
+            log.info("redis reachable again")
         self._failures, self.connected = 0, True
 
     def _failed(self, exc: Exception) -> RedisUnavailable:

@@ -1,0 +1,172 @@
+"""The reconcile step: which action comes next, in-flight protection, backoff and status reasons."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from e2e.fixtures.processes import free_port
+from loraplane.api import PodLoad, TargetState, Tier
+from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
+from loraplane.sidecar.cache import DiskCache, StageTimings
+from loraplane.sidecar.drivers import make_driver
+from loraplane.sidecar.drivers.base import Observation, RuntimeAdapter, RuntimeInfo
+from loraplane.sidecar.metrics import SidecarMetrics
+from loraplane.sidecar.reconcile import Action, Backoff, LoadRecord, Reconciler
+from tests.sidecar.adapters import BASE_DIGEST, sha256_of, target_for, write_weights
+
+INFO = RuntimeInfo(base_model="tiny", base_model_digest=BASE_DIGEST, max_lora_rank=16, max_loras=2, max_cpu_loras=4)
+
+
+def make_reconciler(tmp_path: Path, runtime: str = "engine", clock=None) -> Reconciler:
+    """A reconciler whose driver points at a port nobody listens on (any runtime call fails for real)."""
+    (tmp_path / "artifacts").mkdir(exist_ok=True)
+    driver = make_driver(runtime, f"http://127.0.0.1:{free_port()}", INFO)
+    sources = ArtifactSources(SourceConfig(file_roots=(tmp_path / "artifacts",)))
+    cache = DiskCache(tmp_path / f"cache-{runtime}", 1 << 30, sources)
+    kwargs = {"clock": clock} if clock else {}
+    return Reconciler(driver, cache, SidecarMetrics(), backoff=Backoff(1.0, 8.0, random.Random(0)), **kwargs)
+
+
+def observe(*held: RuntimeAdapter) -> Observation:
+    return Observation(INFO, {h.served_name: h for h in held}, PodLoad())
+
+
+def state(*targets) -> TargetState:
+    return TargetState(pool="p", pod="pod-0", generation=1, adapters=list(targets), updated_at=0.0)
+
+
+@pytest.fixture
+def target(tmp_path: Path):
+    (tmp_path / "artifacts").mkdir(exist_ok=True)
+    weights = write_weights(tmp_path / "artifacts" / "w.safetensors")
+    return lambda tier, **kw: target_for(f"file://{weights}", sha256_of(weights), tier=tier, **kw)
+
+
+def cached(reconciler: Reconciler, t) -> None:
+    entry = reconciler.cache.fetch(t, keep=(), timings=StageTimings())
+    reconciler.loaded[t.served_name] = LoadRecord(t.cache_key, entry.artifact_digest, entry.adapter_digest)
+
+
+def held(t_or_name, tier: Tier, reconciler: Reconciler | None = None, **kw) -> RuntimeAdapter:
+    name = getattr(t_or_name, "served_name", t_or_name)
+    digest = None
+    if reconciler is not None and name in reconciler.loaded:
+        digest = reconciler.loaded[name].adapter_digest
+    return RuntimeAdapter(served_name=name, tier=tier, digest=kw.pop("digest", digest), **kw)
+
+
+def test_next_action_walks_each_tier(tmp_path: Path, target) -> None:
+    r = make_reconciler(tmp_path)
+    gpu, cpu, disk = target(Tier.GPU, pinned=True), target(Tier.CPU), target(Tier.DISK)
+    assert r.next_action(gpu, None) is Action.LOAD
+    assert r.next_action(disk, None) is Action.FETCH
+    cached(r, gpu)
+    assert r.next_action(disk, None) is None
+    assert r.next_action(gpu, held(gpu, Tier.CPU, r)) is Action.ACTIVATE
+    assert r.next_action(gpu, held(gpu, Tier.DISK, r)) is Action.ACTIVATE
+    assert r.next_action(gpu, held(gpu, Tier.GPU, r)) is Action.PIN
+    assert r.next_action(gpu, held(gpu, Tier.GPU, r, pinned=True)) is None
+    assert r.next_action(cpu, held(cpu, Tier.GPU, r, pinned=True)) is Action.UNPIN
+    assert r.next_action(cpu, held(cpu, Tier.GPU, r)) is Action.OFFLOAD
+    assert r.next_action(cpu, held(cpu, Tier.CPU, r)) is None
+    assert r.next_action(disk, held(disk, Tier.CPU, r)) is Action.UNLOAD
+    # the runtime holds other bytes under this name: replace them
+    assert r.next_action(gpu, held(gpu, Tier.GPU, digest="sha256:" + "e" * 64, pinned=True)) is Action.RELOAD
+
+
+def test_vllm_cannot_offload_or_pin(tmp_path: Path, target) -> None:
+    r = make_reconciler(tmp_path, runtime="vllm")
+    gpu, cpu = target(Tier.GPU, pinned=True), target(Tier.CPU)
+    cached(r, gpu)
+    assert r.next_action(cpu, held(cpu, Tier.GPU, r)) is None
+    assert r.next_action(gpu, held(gpu, Tier.GPU, r)) is None
+
+
+def test_unknown_revision_is_verified_before_use(tmp_path: Path, target) -> None:
+    """After a sidecar restart the engine's digest is checked against the fetched artifact first."""
+    r = make_reconciler(tmp_path)
+    gpu = target(Tier.GPU)
+    assert r.next_action(gpu, held(gpu, Tier.GPU, digest="sha256:" + "e" * 64)) is Action.FETCH
+    vllm = make_reconciler(tmp_path, runtime="vllm")
+    vllm.cache.fetch(gpu, keep=(), timings=StageTimings())
+    assert vllm.next_action(gpu, held(gpu, Tier.GPU)) is Action.RELOAD
+
+
+def test_adapters_outside_the_target_are_unloaded_unless_busy(tmp_path: Path, target) -> None:
+    async def run() -> None:
+        r = make_reconciler(tmp_path)
+        plan = r.plan(state(), observe(held("old@v1", Tier.GPU, pinned=True), held("other@v1", Tier.CPU)))
+        assert plan == {"old@v1": (Action.UNPIN, None), "other@v1": (Action.UNLOAD, None)}
+        busy = observe(held("other@v1", Tier.CPU, in_flight=3))
+        assert r.step(state(), busy) == []
+        assert r.status["other@v1"].reason == "RequestsInFlight"
+        assert "3 requests in flight" in (r.status["other@v1"].error or "")
+
+    asyncio.run(run())
+
+
+def test_failures_back_off_exponentially_and_say_why(tmp_path: Path, target) -> None:
+    now = [100.0]
+
+    async def run() -> None:
+        r = make_reconciler(tmp_path, clock=lambda: now[0])
+        t = target(Tier.GPU)
+        started = r.step(state(t), observe())
+        assert started == [(t.served_name, Action.LOAD)]
+        await r.drain()
+        status = r.status[t.served_name]
+        assert status.reason == "RuntimeUnavailable" and status.failures == 1
+        assert "load failed" in (status.error or "")
+        first_delay = status.not_before - now[0]
+        assert 0.5 <= first_delay <= 1.0
+        assert r.step(state(t), observe()) == []  # still backing off
+        now[0] = status.not_before
+        assert r.step(state(t), observe()) == [(t.served_name, Action.LOAD)]
+        await r.drain()
+        assert r.status[t.served_name].failures == 2
+        # a new revision under the same name starts afresh
+        t2 = target(Tier.GPU, revision="v1", rank=16)
+        t2.cache_key = "sha256:" + "c" * 64
+        r.step(state(t2), observe())
+        await r.drain()
+        assert r.status[t.served_name].failures == 1
+
+    asyncio.run(run())
+
+
+def test_digest_mismatch_is_final_and_named(tmp_path: Path, target) -> None:
+    async def run() -> None:
+        r = make_reconciler(tmp_path)
+        t = target(Tier.CPU)
+        t.artifact.digest = "sha256:" + "d" * 64
+        r.step(state(t), observe())
+        await r.drain()
+        status = r.status[t.served_name]
+        assert status.reason == "DigestMismatch" and r.cache.entries() == {}
+
+        bad_rank = target(Tier.CPU, revision="v2", rank=32)
+        r.step(state(bad_rank), observe())
+        await r.drain()
+        assert r.status[bad_rank.served_name].reason == "Incompatible"
+        assert "RankTooLarge" in (r.status[bad_rank.served_name].error or "")
+
+    asyncio.run(run())
+
+
+def test_backoff_is_capped() -> None:
+    backoff = Backoff(base_s=1.0, cap_s=8.0, rng=random.Random(1))
+    delays = [backoff.delay(n) for n in range(1, 10)]
+    assert all(0.5 * min(8.0, 2 ** (n - 1)) <= d <= min(8.0, 2 ** (n - 1)) for n, d in enumerate(delays, 1))
+    assert max(delays) <= 8.0
+
+
+def test_evictions_are_counted_only_when_unasked(tmp_path: Path) -> None:
+    r = make_reconciler(tmp_path)
+    before = observe(held("a@v1", Tier.GPU), held("b@v1", Tier.CPU), held("c@v1", Tier.GPU))
+    after = observe(held("a@v1", Tier.CPU), held("c@v1", Tier.GPU))
+    assert sorted(r.note_evictions(before, after)) == ["a@v1", "b@v1"]
+    assert r.evicted == {"a@v1", "b@v1"}
