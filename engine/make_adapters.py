@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -85,5 +86,6 @@ def main(argv: Sequence[str]) -> int:
                                    base_model_name=args.model if args.model in PRESETS else Path(args.model).name)
             print(json.dumps({"name": name, "path": str(args.out / name), "rank": rank, "digest": digest}))
     except ValueError as exc:
-        parser.error(str(exc))
+        print(f"loraplane engine make-adapters: {exc}", file=sys.stderr)
+        return 2
     return 0
