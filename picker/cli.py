@@ -3,13 +3,101 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from loraplane.api import validation
+from loraplane.picker.extproc import PickerSettings
+from loraplane.picker.server import ServerOptions, serve
+
+
+def _endpoint(value: str) -> tuple[str, str]:
+    pod, sep, address = value.partition("=")
+    host, colon, port = address.rpartition(":")
+    if not sep or not colon or not host or not port.isdigit() or not validation.matches(validation.DNS1123_SUBDOMAIN, pod):
+        raise argparse.ArgumentTypeError(f"expected POD=IP:PORT with a DNS-1123 pod name, got {value!r}")
+    return pod, address
+
+
+def _default_replica() -> str:
+    name = os.environ.get("POD_NAME") or socket.gethostname().split(".")[0].lower()
+    return name if validation.matches(validation.DNS1123_SUBDOMAIN, name) else "picker-0"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    p = argparse.ArgumentParser(prog="loraplane-picker", description="GIE-compatible Envoy ext_proc endpoint picker")
+    p.add_argument("--pool", required=True, help="InferencePool name (the Redis key namespace)")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--config", type=Path, help="EndpointPickerConfig YAML (default: the packaged default-config.yaml)")
+    p.add_argument("--grpc-address", default="127.0.0.1:9002", help="ext_proc gRPC listen address")
+    p.add_argument("--health-address", default="127.0.0.1:9003", help="extra gRPC listen address for health ('' = none)")
+    p.add_argument("--metrics-address", default="127.0.0.1:9090", help="Prometheus /metrics address ('' = none)")
+    p.add_argument("--endpoint", action="append", type=_endpoint, metavar="POD=IP:PORT",
+                   help="static pool member (repeat); default: every pod whose sidecar reports")
+    p.add_argument("--replica", default=_default_replica(), help="this replica's name in published counters")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--session-header", default="x-session-id", help="header keeping a user on one canary side")
+    p.add_argument("--no-response-rewrite", action="store_true", help="leave the served name in response bodies")
+    p.add_argument("--no-destination-fallbacks", action="store_true",
+                   help="send one address in x-gateway-destination-endpoint (plain Envoy ORIGINAL_DST clusters)")
+    p.add_argument("--seed", type=int, help="seed of the tie-breaking RNG")
+    p.add_argument("--transport", choices=("h2", "grpcio"), default="h2",
+                   help="h2: the picker's own HTTP/2 gRPC transport (least CPU); grpcio: grpcio's asyncio server")
+    p.add_argument("--resync-seconds", type=float, default=5.0)
+    p.add_argument("--publish-seconds", type=float, default=10.0)
+    p.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True, help="use uvloop if installed")
+    p.add_argument("--log-level", default="INFO")
+    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``loraplane-picker``."""
-    parser = argparse.ArgumentParser(prog="loraplane-picker", description="loraplane picker (not yet implemented)")
-    parser.parse_args(argv)
-    print("loraplane-picker: not yet implemented", file=sys.stderr)
-    return 2
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not validation.matches(validation.DNS1123_SUBDOMAIN, args.pool):
+        print(f"loraplane-picker: pool {args.pool!r} is not a DNS-1123 name", file=sys.stderr)
+        return 2
+    options = ServerOptions(
+        pool=args.pool,
+        redis_url=args.redis_url,
+        replica=args.replica,
+        grpc_address=args.grpc_address,
+        health_address=args.health_address or None,
+        metrics_address=args.metrics_address or None,
+        config_path=args.config,
+        endpoints=args.endpoint,
+        settings=PickerSettings(
+            args.max_body_bytes, args.session_header, not args.no_response_rewrite, not args.no_destination_fallbacks
+        ),
+        seed=args.seed,
+        transport=args.transport,
+        resync_seconds=args.resync_seconds,
+        publish_seconds=args.publish_seconds,
+    )
+    loop_factory = None
+    if args.uvloop:
+        try:
+            import uvloop
+
+            loop_factory = uvloop.new_event_loop
+        except ImportError:
+            pass
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(options))
+    except ValueError as exc:  # bad config file
+        print(f"loraplane-picker: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

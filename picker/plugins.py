@@ -1,8 +1,10 @@
 """Scheduling plugins: filters and scorers as small pure functions of (request, pool snapshot, cycle).
 
-A filter returns the subset of ``cycle.candidates`` it keeps; a scorer returns one score in [0, 1] per candidate
-(aligned with ``cycle.candidates``). Both see only in-memory data, so the simulator runs exactly this code. Each
-plugin type has a factory taking its YAML ``parameters``; ``FILTERS`` and ``SCORERS`` map type names to factories.
+Both work on whole-pool numpy vectors so one cycle costs a few dozen vector operations whatever the pool size:
+a filter returns a boolean mask of the endpoints it keeps (None: it keeps all), a scorer returns one score in
+[0, 1] per endpoint (None: zero everywhere). The scheduler combines masks, adds weighted scores and picks among the
+remaining candidates. They see only in-memory data, so the simulator runs exactly this code. Each plugin type has
+a factory taking its YAML ``parameters``; ``FILTERS`` and ``SCORERS`` map type names to factories.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 from pydantic import Field
 
 from loraplane.api import ApiModel
-from loraplane.picker.snapshot import BoolArray, FloatArray, IntArray, PoolSnapshot
+from loraplane.picker.snapshot import BoolArray, FloatArray, PoolSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,14 +39,15 @@ class SchedulingRequest:
 class Cycle:
     """Per-request scratch state shared by the plugins of one scheduling cycle."""
 
-    candidates: IntArray
+    #: endpoints still in the running (whole-pool mask)
+    candidates: BoolArray
     #: per endpoint (whole pool): max(queue/queue_threshold, kv/kv_threshold, in_flight/in_flight_threshold);
     #: stale endpoints count as fully used (1.0). At or above 1.0 an endpoint is saturated.
     utilisation: FloatArray
 
 
-Filter = Callable[[SchedulingRequest, PoolSnapshot, Cycle], IntArray]
-Scorer = Callable[[SchedulingRequest, PoolSnapshot, Cycle], FloatArray]
+Filter = Callable[[SchedulingRequest, PoolSnapshot, Cycle], BoolArray | None]
+Scorer = Callable[[SchedulingRequest, PoolSnapshot, Cycle], FloatArray | None]
 
 
 class SaturationThresholds(ApiModel):
@@ -79,35 +82,31 @@ class FilterParameters(ApiModel):
     fail_open: bool = False
 
 
-def _keep(cycle: Cycle, mask: BoolArray) -> IntArray:
-    return cycle.candidates[mask[cycle.candidates]]
-
-
 # --- filters ----------------------------------------------------------------------------------------------------
 
 
 def subset_hint_filter(_params: FilterParameters) -> Filter:
     """Keep only endpoints whose IP the gateway listed in its subset hint (no hint: keep all)."""
 
-    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> IntArray:
+    def run(request: SchedulingRequest, pool: PoolSnapshot, _cycle: Cycle) -> BoolArray | None:
         if request.subset is None:
-            return cycle.candidates
+            return None
         mask = np.zeros(pool.size, dtype=np.bool_)
         for ip in request.subset:
             mask[pool.indices_by_ip.get(ip, ())] = True
-        return _keep(cycle, mask)
+        return mask
 
     return run
 
 
 def ready_filter(_params: FilterParameters) -> Filter:
     """Keep endpoints that report ready."""
-    return lambda _request, pool, cycle: _keep(cycle, pool.ready)
+    return lambda _request, pool, _cycle: pool.ready
 
 
 def staleness_filter(_params: FilterParameters) -> Filter:
     """Drop endpoints whose report is older than its TTL (pair with ``failOpen: true``)."""
-    return lambda _request, pool, cycle: _keep(cycle, ~pool.stale)
+    return lambda _request, pool, _cycle: pool.fresh
 
 
 class SaturationFilterParameters(FilterParameters):
@@ -119,7 +118,7 @@ class SaturationFilterParameters(FilterParameters):
 def saturation_filter(params: SaturationFilterParameters) -> Filter:
     """Drop endpoints saturated beyond the headroom margin (pair with ``failOpen: true``)."""
     limit = 1.0 + params.headroom
-    return lambda _request, _pool, cycle: cycle.candidates[cycle.utilisation[cycle.candidates] <= limit]
+    return lambda _request, _pool, cycle: cycle.utilisation <= limit
 
 
 # --- scorers ----------------------------------------------------------------------------------------------------
@@ -137,35 +136,31 @@ def residency_affinity_scorer(params: AffinityParameters) -> Scorer:
     """Tier affinity (GPU > CPU > disk > absent) that counts only on endpoints below saturation."""
     by_level = np.asarray([params.gpu, params.cpu, params.disk, 0.0], dtype=np.float64)
 
-    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray:
+    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
         entry = pool.lookup(request.served_name, request.digest)
         if entry is None:
-            return np.zeros(len(cycle.candidates))
-        full = np.zeros(pool.size)
-        full[entry.indices] = by_level[entry.levels]
-        full[cycle.utilisation >= 1.0] = 0.0
-        return full[cycle.candidates]
+            return None
+        scores = np.zeros(pool.size)
+        scores[entry.indices] = by_level[entry.levels]
+        scores[cycle.utilisation >= 1.0] = 0.0
+        return scores
 
     return run
 
 
-def _lower_is_better(values: FloatArray) -> FloatArray:
-    """GIE's normalisation: (max - v) / (max - min) across candidates; all equal -> 1."""
-    if len(values) == 0:
-        return values
+def _lower_is_better(values: FloatArray) -> FloatArray | None:
+    """GIE's normalisation: (max - v) / (max - min) over the pool; all equal -> no preference (None)."""
+    if not len(values):
+        return None
     low, high = values.min(), values.max()
     if high == low:
-        return np.ones(len(values))
+        return None
     return (high - values) / (high - low)
 
 
 def _load_scorer(field_name: str) -> Callable[[_NoParameters], Scorer]:
     def factory(_params: _NoParameters) -> Scorer:
-        def run(_request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray:
-            values: FloatArray = getattr(pool, field_name)
-            return _lower_is_better(values[cycle.candidates])
-
-        return run
+        return lambda _request, pool, _cycle: _lower_is_better(getattr(pool, field_name))
 
     factory.__doc__ = f"Prefer endpoints with a lower {field_name.replace('_', ' ')} (min-max normalised)."
     return factory
@@ -173,25 +168,25 @@ def _load_scorer(field_name: str) -> Callable[[_NoParameters], Scorer]:
 
 def kv_usage_scorer(_params: _NoParameters) -> Scorer:
     """1 - KV-cache utilisation."""
-    return lambda _request, pool, cycle: 1.0 - pool.kv_utilization[cycle.candidates]
+    return lambda _request, pool, _cycle: 1.0 - pool.kv_utilization
 
 
 def tenant_priority_scorer(_params: _NoParameters) -> Scorer:
     """Steer non-gold requests away from pods keeping gold revisions warm, unless their own revision is warm there.
 
-    A gold (priority > 0) request scores 1 everywhere; otherwise an endpoint scores 0 when it holds GPU-resident
-    gold revisions and the request's revision is not GPU-resident on it (loading it could evict gold).
+    A gold (priority > 0) request has no preference; otherwise an endpoint scores 0 when it holds GPU-resident
+    gold revisions and the request's revision is not GPU-resident on it (loading it could evict gold), else 1.
     """
 
-    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray:
+    def run(request: SchedulingRequest, pool: PoolSnapshot, _cycle: Cycle) -> FloatArray | None:
         if request.priority > 0 or not pool.has_protected:
-            return np.ones(len(cycle.candidates))
-        free = pool.protected_warm == 0
+            return None
+        free = pool.unprotected
         entry = pool.lookup(request.served_name, request.digest)
         if entry is not None:
             free = free.copy()
-            free[entry.indices[entry.levels == 0]] = True
-        return free[cycle.candidates].astype(np.float64)
+            free[entry.indices[entry.levels == 0]] = 1.0
+        return free
 
     return run
 
@@ -202,6 +197,7 @@ FILTERS: Mapping[str, tuple[type[FilterParameters], Callable[[Any], Filter]]] = 
     "staleness-filter": (FilterParameters, staleness_filter),
     "saturation-filter": (SaturationFilterParameters, saturation_filter),
 }
+
 
 @dataclass(frozen=True, slots=True)
 class ScorerType:

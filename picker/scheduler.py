@@ -42,7 +42,7 @@ from loraplane.picker.plugins import (
     reported_utilisation,
     utilisation,
 )
-from loraplane.picker.snapshot import IntArray, PoolSnapshot
+from loraplane.picker.snapshot import BoolArray, IntArray, PoolSnapshot
 
 PICKER_TYPE = "max-score-picker"
 
@@ -177,6 +177,8 @@ class _SnapshotCache:
 
     pool: PoolSnapshot
     reported_utilisation: FloatArray
+    #: all-True candidate mask (never mutated)
+    everyone: BoolArray
     #: weighted sum of the snapshot-only scorers over the whole pool
     scores: FloatArray
 
@@ -223,65 +225,67 @@ class Scheduler:
 
     def schedule(self, request: SchedulingRequest, pool: PoolSnapshot, rng: np.random.Generator) -> Decision:
         """Pick endpoints for ``request``; raises ``NoEndpointError`` / ``PoolSaturatedError``."""
-        cache = self._cache if self._cache is not None and self._cache.pool is pool else self._fill_cache(pool)
-        cycle = Cycle(pool.all_indices, utilisation(pool, self.thresholds, cache.reported_utilisation))
-        for step in self.filters:
-            kept = step.run(request, pool, cycle)
-            if len(kept) or not step.fail_open:
-                cycle.candidates = kept
-            if not len(cycle.candidates):
-                raise NoEndpointError(f"no endpoint left after {step.name}")
-        if not len(cycle.candidates):
+        if not pool.size:
             raise NoEndpointError("the pool has no endpoints")
-        if request.priority < 0 and cycle.utilisation[cycle.candidates].min() >= 1.0:
+        cache = self._cache if self._cache is not None and self._cache.pool is pool else self._fill_cache(pool)
+        util = utilisation(pool, self.thresholds, cache.reported_utilisation)
+        cycle = Cycle(cache.everyone, util)
+        for step in self.filters:
+            keep = step.run(request, pool, cycle)
+            if keep is None:
+                continue
+            narrowed = cycle.candidates & keep
+            if narrowed.any():
+                cycle.candidates = narrowed
+            elif not step.fail_open:
+                raise NoEndpointError(f"no endpoint left after {step.name}")
+        if request.priority < 0 and not ((util < 1.0) & cycle.candidates).any():
             raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
-        scores = cache.scores[cycle.candidates]
+        scores = cache.scores
         for _name, scorer, weight in self.scorers:
-            scores += weight * scorer(request, pool, cycle)
+            score = scorer(request, pool, cycle)
+            if score is not None:
+                scores = scores + weight * score
         order = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
-        return self._decide(request, pool, cycle, order)
+        return self._decide(request, pool, util, order)
 
     def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
         reported = reported_utilisation(pool, self.thresholds)
-        whole = Cycle(pool.all_indices, reported)
+        everyone = np.ones(pool.size, dtype=np.bool_)
+        whole = Cycle(everyone, reported)
         scores = np.zeros(pool.size)
         for _name, scorer, weight in self.snapshot_scorers:
-            scores += weight * scorer(SchedulingRequest(), pool, whole)
-        self._cache = _SnapshotCache(pool, reported, scores)
+            score = scorer(SchedulingRequest(), pool, whole)
+            if score is not None:
+                scores += weight * score
+        self._cache = _SnapshotCache(pool, reported, everyone, scores)
         return self._cache
 
-    def _decide(self, request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle, order: IntArray) -> Decision:
-        chosen = int(order[0])
-        indices = tuple(int(i) for i in order)
+    def _decide(self, request: SchedulingRequest, pool: PoolSnapshot, util: FloatArray, order: IntArray) -> Decision:
+        indices = tuple(order.tolist())
         endpoints = tuple(pool.addresses[i] for i in indices)
         if request.served_name is None:
             return Decision(endpoints, indices, Outcome.BASE, Tier.GPU)
         entry = pool.lookup(request.served_name, request.digest)
-        tier = Tier.ABSENT
-        if entry is not None:
-            hit = np.flatnonzero(entry.indices == chosen)
-            if len(hit):
-                tier = _TIERS_BY_LEVEL[int(entry.levels[hit[0]])]
-        if tier is Tier.GPU:
-            outcome = Outcome.WARM_GPU
-        elif tier is Tier.CPU:
-            outcome = Outcome.WARM_CPU
-        elif entry is not None and bool(np.any((entry.levels <= 1) & (cycle.utilisation[entry.indices] >= 1.0))):
-            outcome = Outcome.SPILLED_SATURATED
-        else:
-            outcome = Outcome.COLD
-        return Decision(endpoints, indices, outcome, tier)
+        level = entry.level_of.get(indices[0]) if entry is not None else None
+        if level == 0:
+            return Decision(endpoints, indices, Outcome.WARM_GPU, Tier.GPU)
+        if level == 1:
+            return Decision(endpoints, indices, Outcome.WARM_CPU, Tier.CPU)
+        tier = Tier.DISK if level == 2 else Tier.ABSENT
+        if entry is not None and bool(np.any((entry.levels <= 1) & (util[entry.indices] >= 1.0))):
+            return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier)
+        return Decision(endpoints, indices, Outcome.COLD, tier)
 
 
-_TIERS_BY_LEVEL = {t.level: t for t in Tier}
-
-
-def pick_top(scores: FloatArray, candidates: IntArray, k: int, rng: np.random.Generator) -> IntArray:
+def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.Generator) -> IntArray:
     """The ``k`` best candidates by score, best first; equal scores are ordered by ``rng``."""
-    n = len(scores)
+    indices = np.flatnonzero(candidates)
+    values = scores[indices]
+    n = len(values)
     if n > k:
-        kth = np.partition(scores, n - k)[n - k]
-        keep = np.flatnonzero(scores >= kth)
-        scores, candidates = scores[keep], candidates[keep]
-    order = np.lexsort((rng.random(len(scores)), -scores))
-    return candidates[order[:k]]
+        kth = np.partition(values, n - k)[n - k]
+        keep = values >= kth
+        indices, values = indices[keep], values[keep]
+    order = np.lexsort((rng.random(len(values)), -values))
+    return indices[order[:k]]

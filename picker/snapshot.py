@@ -51,6 +51,8 @@ class ResidencyEntry:
 
     indices: IntArray
     levels: npt.NDArray[np.int8]
+    #: endpoint index -> tier level, for per-decision lookups without numpy
+    level_of: dict[int, int]
 
 
 class PoolSnapshot:
@@ -92,8 +94,11 @@ class PoolSnapshot:
                 if tier is Tier.GPU and priorities.get(name, 0) > 0:
                     self.protected_warm[i] += 1
         self.has_protected = bool(self.protected_warm.any())
+        #: 1.0 where no gold revision is GPU-resident
+        self.unprotected: FloatArray = (self.protected_warm == 0).astype(np.float64)
+        self.fresh: BoolArray = ~self.stale
         self.residency: dict[tuple[str, str], ResidencyEntry] = {
-            key: ResidencyEntry(np.asarray(idx, dtype=np.intp), np.asarray(levels, dtype=np.int8))
+            key: ResidencyEntry(np.asarray(idx, dtype=np.intp), np.asarray(levels, dtype=np.int8), dict(zip(idx, levels, strict=True)))
             for key, (idx, levels) in buckets.items()
         }
 

@@ -1,0 +1,86 @@
+"""Request body parsing and the ``model`` field rewrite, byte-exact everywhere else.
+
+Every failure is a ``ClientError`` carrying the HTTP status the client gets (400 bad JSON or missing model, 413 too
+large); nothing else escapes. The rewrite splices the new name into the original bytes when the field is found
+unambiguously, so numbers, key order and whitespace reach the model server untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import orjson
+
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_MAX_MODEL_NAME = 512
+
+
+class ClientError(Exception):
+    """The client's request is refused with ``status`` (4xx) and ``message``."""
+
+    def __init__(self, status: int, message: str, reason: str = "bad-request") -> None:
+        """Remember the HTTP status, a human message and a machine reason."""
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedBody:
+    """The fields of an OpenAI-style request body the picker uses."""
+
+    model: str
+    stream: bool
+    document: dict[str, Any]
+
+
+def parse_body(body: bytes, limit: int) -> ParsedBody:
+    """Parse a JSON request body; ``ClientError`` (400/413) for anything unusable."""
+    if len(body) > limit:
+        raise ClientError(413, f"request body of {len(body)} bytes exceeds the limit of {limit}", "body-too-large")
+    if not body:
+        raise ClientError(400, "request body is empty; a JSON object with a 'model' field is required")
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ClientError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise ClientError(400, "request body must be a JSON object")
+    model = document.get("model")
+    if not isinstance(model, str) or not model:
+        raise ClientError(400, "request body has no string field 'model'")
+    if len(model) > _MAX_MODEL_NAME:
+        raise ClientError(400, f"model name longer than {_MAX_MODEL_NAME} characters")
+    return ParsedBody(model, document.get("stream") is True, document)
+
+
+def _decode_json_string(raw: bytes) -> str | None:
+    try:
+        value = orjson.loads(b'"' + raw + b'"')
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def rewrite_request_model(body: bytes, parsed: ParsedBody, new_model: str) -> bytes:
+    """``body`` with its top-level ``model`` set to ``new_model``."""
+    hits = [m for m in _MODEL_FIELD.finditer(body) if _decode_json_string(m.group(1)) == parsed.model]
+    if len(hits) == 1:
+        start, end = hits[0].span(1)
+        return body[:start] + orjson.dumps(new_model)[1:-1] + body[end:]
+    return orjson.dumps({**parsed.document, "model": new_model})  # ambiguous: re-serialise
+
+
+@lru_cache(maxsize=4096)
+def _response_pattern(served_name: str) -> re.Pattern[bytes]:
+    return re.compile(rb'("model"\s*:\s*")' + re.escape(orjson.dumps(served_name)[1:-1]) + rb'"')
+
+
+def rewrite_response_model(chunk: bytes, served_name: str, logical_name: str) -> bytes:
+    """Replace ``"model": "<served name>"`` with the logical name the client asked for (per chunk)."""
+    replacement = orjson.dumps(logical_name)[1:-1].replace(b"\\", b"\\\\")
+    return _response_pattern(served_name).sub(rb"\g<1>" + replacement + b'"', chunk)

@@ -1,0 +1,368 @@
+"""A small gRPC server over HTTP/2 cleartext (prior knowledge) on asyncio, for the picker's hot path.
+
+grpcio's asyncio server spends most of a request's CPU in its per-message machinery (measured in
+``docs/picker.md``). Envoy's ext_proc client needs little of HTTP/2: bidirectional streams, flow control, PING and
+SETTINGS. This module implements exactly that on an ``asyncio.Protocol``: frames are parsed from each read, every
+reply produced by one read goes out in one write, and response headers and trailers are pre-encoded HPACK
+literals (no dynamic table on our side). Requests are decoded with ``hpack``.
+
+Handlers are plain objects: ``on_message(bytes) -> list[bytes]`` per gRPC message and ``on_close()`` when the
+stream ends for any reason. A handler that raises ends its stream with grpc-status INTERNAL; a malformed frame
+ends the connection with GOAWAY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from hpack import Decoder
+from hpack.exceptions import HPACKError
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
+MAX_WINDOW = (1 << 31) - 1
+OUR_MAX_FRAME = (1 << 24) - 1
+PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x1, 0x3, 0x6
+GRPC_OK, GRPC_NOT_FOUND, GRPC_INTERNAL, GRPC_UNIMPLEMENTED = 0, 5, 13, 12
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes((kind, flags)) + struct.pack(">I", stream_id) + payload
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """HPACK 'literal header field without indexing, new name', no Huffman."""
+    return b"\x00" + _hpack_int(len(name)) + name + _hpack_int(len(value)) + value
+
+
+def _hpack_int(n: int, prefix_bits: int = 7) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if n < limit:
+        return bytes((n,))
+    out, n = bytearray((limit,)), n - limit
+    while n >= 128:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_RESPONSE_HEADERS = b"\x88" + _literal(b"content-type", b"application/grpc")  # 0x88 = indexed ":status: 200"
+
+
+def _trailers(status: int, message: str = "") -> bytes:
+    block = _literal(b"grpc-status", str(status).encode())
+    if message:
+        block += _literal(b"grpc-message", message.encode("ascii", "replace")[:512])
+    return block
+
+
+_OK_TRAILERS = _trailers(GRPC_OK)
+
+
+class GrpcStatusError(Exception):
+    """Raised by a handler to end its call with a gRPC status other than OK."""
+
+    def __init__(self, code: int, message: str) -> None:
+        """``code`` is a gRPC status code (5 NOT_FOUND, 12 UNIMPLEMENTED ...)."""
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class StreamHandler(Protocol):
+    """Serves one gRPC call: messages in, serialized messages out."""
+
+    def on_message(self, message: bytes) -> list[bytes]:
+        """Answer one request message."""
+        ...
+
+    def on_close(self) -> None:
+        """The stream is over (client half-close, reset or connection loss)."""
+        ...
+
+
+#: method path (``/package.Service/Method``) -> a factory of handlers, one per call
+Routes = Mapping[str, Callable[[], StreamHandler]]
+
+
+@dataclass
+class _Stream:
+    handler: StreamHandler | None
+    buffer: bytearray = field(default_factory=bytearray)
+    headers_sent: bool = False
+    send_window: int = 65_535
+    pending: bytearray = field(default_factory=bytearray)
+    end_after_pending: bool = False
+    trailers: bytes = _OK_TRAILERS
+
+
+class GrpcH2Protocol(asyncio.Protocol):
+    """One HTTP/2 connection from a gRPC client."""
+
+    def __init__(self, routes: Routes) -> None:
+        """Serve ``routes`` on this connection."""
+        self.routes = routes
+        self.transport: asyncio.Transport | None = None
+        self.inbox = bytearray()
+        self.outbox: list[bytes] = []
+        self.preface_seen = False
+        self.decoder = Decoder()
+        self.streams: dict[int, _Stream] = {}
+        self.peer_initial_window = 65_535
+        self.peer_max_frame = 16_384
+        self.conn_send_window = 65_535
+        self.received_unacked = 0
+        self.header_block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments) awaiting CONTINUATION
+        self.closed = False
+
+    # --- asyncio.Protocol ------------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Send our SETTINGS: large windows and frames, so the peer rarely waits on us."""
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
+        assert self.transport is not None
+        settings = struct.pack(">HIHI", SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW, SETTINGS_MAX_FRAME_SIZE, OUR_MAX_FRAME)
+        self.transport.write(_frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65_535)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Close every open stream's handler."""
+        self.closed = True
+        for stream_id in list(self.streams):
+            self._drop(stream_id)
+
+    def data_received(self, data: bytes) -> None:
+        """Parse every complete frame, then write all replies at once."""
+        self.inbox += data
+        try:
+            self._parse()
+        except _ConnectionError as exc:
+            log.warning("closing an HTTP/2 connection: %s", exc)
+            self.outbox.append(_frame(GOAWAY, 0, 0, struct.pack(">II", 0, exc.code) + str(exc).encode()[:200]))
+            self._flush()
+            if self.transport is not None:
+                self.transport.close()
+            return
+        self._flush()
+
+    # --- frames -----------------------------------------------------------------------------------------------
+
+    def _parse(self) -> None:
+        if not self.preface_seen:
+            if len(self.inbox) < len(PREFACE):
+                return
+            if bytes(self.inbox[: len(PREFACE)]) != PREFACE:
+                raise _ConnectionError(PROTOCOL_ERROR, "not an HTTP/2 prior-knowledge connection")
+            del self.inbox[: len(PREFACE)]
+            self.preface_seen = True
+        inbox = self.inbox
+        offset = 0
+        while len(inbox) - offset >= 9:
+            length = int.from_bytes(inbox[offset : offset + 3], "big")
+            if length > OUR_MAX_FRAME:
+                raise _ConnectionError(FRAME_SIZE_ERROR, "frame larger than our SETTINGS_MAX_FRAME_SIZE")
+            if len(inbox) - offset < 9 + length:
+                break
+            kind, flags = inbox[offset + 3], inbox[offset + 4]
+            stream_id = int.from_bytes(inbox[offset + 5 : offset + 9], "big") & 0x7FFFFFFF
+            payload = bytes(inbox[offset + 9 : offset + 9 + length])
+            offset += 9 + length
+            self._on_frame(kind, flags, stream_id, payload)
+        del inbox[:offset]
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self.header_block is not None and kind != CONTINUATION:
+            raise _ConnectionError(PROTOCOL_ERROR, "expected CONTINUATION")
+        if kind == DATA:
+            self._on_data(stream_id, flags, payload)
+        elif kind == HEADERS:
+            self._on_headers(stream_id, flags, payload)
+        elif kind == CONTINUATION:
+            if self.header_block is None or self.header_block[0] != stream_id:
+                raise _ConnectionError(PROTOCOL_ERROR, "unexpected CONTINUATION")
+            self.header_block[2].extend(payload)
+            if flags & END_HEADERS:
+                sid, first_flags, block = self.header_block
+                self.header_block = None
+                self._on_header_block(sid, first_flags, bytes(block))
+        elif kind == SETTINGS:
+            if not flags & ACK:
+                self._on_settings(payload)
+        elif kind == PING:
+            if not flags & ACK:
+                self.outbox.append(_frame(PING, ACK, 0, payload))
+        elif kind == WINDOW_UPDATE:
+            self._on_window_update(stream_id, payload)
+        elif kind == RST_STREAM:
+            self._drop(stream_id)
+        elif kind == GOAWAY and self.transport is not None:
+            self.transport.close()
+        # PRIORITY and unknown frame types are ignored, as the spec allows
+
+    def _on_settings(self, payload: bytes) -> None:
+        if len(payload) % 6:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "SETTINGS length not a multiple of 6")
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise _ConnectionError(FLOW_CONTROL_ERROR, "initial window too large")
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+            elif key == SETTINGS_MAX_FRAME_SIZE:
+                self.peer_max_frame = value
+        self.outbox.append(_frame(SETTINGS, ACK, 0))
+        self._send_pending()
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise _ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE must be 4 bytes")
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if stream_id == 0:
+            self.conn_send_window += increment
+        elif (stream := self.streams.get(stream_id)) is not None:
+            stream.send_window += increment
+        self._send_pending()
+
+    def _on_headers(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise _ConnectionError(PROTOCOL_ERROR, "HEADERS on stream 0")
+        payload = _strip_padding(flags, payload)
+        if flags & PRIORITY_FLAG:
+            payload = payload[5:]
+        if flags & END_HEADERS:
+            self._on_header_block(stream_id, flags, payload)
+        else:
+            self.header_block = (stream_id, flags, bytearray(payload))
+
+    def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        try:
+            headers = self.decoder.decode(block, raw=True)
+        except HPACKError as exc:
+            raise _ConnectionError(0x9, f"header compression error: {exc}") from None  # COMPRESSION_ERROR
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            path = next((v for k, v in headers if k == b":path"), b"").decode("latin-1")
+            factory = self.routes.get(path)
+            stream = self.streams[stream_id] = _Stream(factory() if factory else None, send_window=self.peer_initial_window)
+            if factory is None:
+                self._finish(stream_id, _trailers(GRPC_UNIMPLEMENTED, f"unknown method {path}"))
+                return
+        if flags & END_STREAM:
+            self._finish(stream_id)
+
+    def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
+        self.received_unacked += len(payload)
+        if self.received_unacked > (1 << 20):
+            self.outbox.append(_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.received_unacked)))
+            self.received_unacked = 0
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.handler is None:
+            return  # a stream we already finished: ignore late data
+        buffer = stream.buffer
+        buffer += _strip_padding(flags, payload)
+        while len(buffer) >= 5:
+            size = int.from_bytes(buffer[1:5], "big")
+            if len(buffer) < 5 + size:
+                break
+            if buffer[0]:
+                self._finish(stream_id, _trailers(GRPC_UNIMPLEMENTED, "compressed messages are not supported"))
+                return
+            message = bytes(buffer[5 : 5 + size])
+            del buffer[: 5 + size]
+            try:
+                replies = stream.handler.on_message(message)
+            except GrpcStatusError as exc:
+                self._finish(stream_id, _trailers(exc.code, exc.message))
+                return
+            except Exception:
+                log.exception("gRPC handler failed")
+                self._finish(stream_id, _trailers(GRPC_INTERNAL, "internal error"))
+                return
+            self._send_messages(stream_id, stream, replies)
+        if flags & END_STREAM:
+            self._finish(stream_id)
+
+    # --- sending ----------------------------------------------------------------------------------------------
+
+    def _send_messages(self, stream_id: int, stream: _Stream, messages: Iterable[bytes]) -> None:
+        for message in messages:
+            if not stream.headers_sent:
+                self.outbox.append(_frame(HEADERS, END_HEADERS, stream_id, _RESPONSE_HEADERS))
+                stream.headers_sent = True
+            stream.pending += b"\x00" + len(message).to_bytes(4, "big") + message
+        self._send_stream(stream_id, stream)
+
+    def _send_stream(self, stream_id: int, stream: _Stream) -> None:
+        pending = stream.pending
+        while pending:
+            allowed = min(len(pending), stream.send_window, self.conn_send_window, self.peer_max_frame)
+            if allowed <= 0:
+                return
+            self.outbox.append(_frame(DATA, 0, stream_id, bytes(pending[:allowed])))
+            del pending[:allowed]
+            stream.send_window -= allowed
+            self.conn_send_window -= allowed
+        if stream.end_after_pending:
+            self.outbox.append(_frame(HEADERS, END_HEADERS | END_STREAM, stream_id, stream.trailers))
+            self._drop(stream_id)
+
+    def _send_pending(self) -> None:
+        for stream_id, stream in list(self.streams.items()):
+            if stream.pending or stream.end_after_pending:
+                self._send_stream(stream_id, stream)
+
+    def _finish(self, stream_id: int, trailers: bytes = _OK_TRAILERS) -> None:
+        """End the call: trailers (after any data still waiting on flow control), then forget the stream."""
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            return
+        if stream.handler is not None:
+            stream.handler.on_close()
+            stream.handler = None
+        if not stream.headers_sent and not stream.pending:
+            trailers = b"\x88" + _literal(b"content-type", b"application/grpc") + trailers  # trailers-only
+        stream.trailers = trailers
+        stream.end_after_pending = True
+        self._send_stream(stream_id, stream)
+
+    def _drop(self, stream_id: int) -> None:
+        stream = self.streams.pop(stream_id, None)
+        if stream is not None and stream.handler is not None:
+            stream.handler.on_close()
+            stream.handler = None
+
+    def _flush(self) -> None:
+        if self.outbox and self.transport is not None and not self.closed:
+            self.transport.write(b"".join(self.outbox))
+        self.outbox.clear()
+
+
+class _ConnectionError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _strip_padding(flags: int, payload: bytes) -> bytes:
+    if not flags & PADDED:
+        return payload
+    if not payload or payload[0] >= len(payload):
+        raise _ConnectionError(PROTOCOL_ERROR, "bad padding")
+    return payload[1 : len(payload) - payload[0]]
+
+
+async def start_server(routes: Routes, host: str, port: int, reuse_port: bool = True) -> asyncio.Server:
+    """Listen on ``host:port`` (port 0 picks one) and serve ``routes``."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: GrpcH2Protocol(routes), host, port, reuse_port=reuse_port)

@@ -1,0 +1,183 @@
+"""Assemble and run the picker process: ext_proc + gRPC health, Redis sync, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import redis.asyncio as aioredis
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import start_http_server
+
+from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
+from loraplane.picker.h2grpc import GrpcStatusError, Routes, start_server
+from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
+from loraplane.picker.snapshot import InFlightTracker
+from loraplane.picker.state import PoolState, RedisSync
+from loraplane.picker.telemetry import PickerMetrics, RequestStats
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+LIVENESS = "liveness"
+READINESS = "readiness"
+
+
+@dataclass
+class ServerOptions:
+    """Everything ``loraplane-picker`` can be told."""
+
+    pool: str
+    redis_url: str
+    replica: str = "picker-0"
+    grpc_address: str = "127.0.0.1:9002"
+    health_address: str | None = "127.0.0.1:9003"
+    metrics_address: str | None = "127.0.0.1:9090"
+    config_path: Path | None = None
+    endpoints: Sequence[tuple[str, str]] | None = None
+    settings: PickerSettings = field(default_factory=PickerSettings)
+    seed: int | None = None
+    #: "h2": the picker's own HTTP/2 gRPC transport (fast path); "grpcio": grpcio's asyncio server
+    transport: str = "h2"
+    resync_seconds: float = 5.0
+    publish_seconds: float = 10.0
+
+
+class HealthStatus:
+    """gRPC health: ``liveness`` from the start, ``readiness`` and the ext_proc service once data is synced."""
+
+    def __init__(self) -> None:
+        """Live but not ready."""
+        self.servicer = health_aio.HealthServicer()  # for the grpcio transport
+        self.statuses: dict[str, int] = {}
+
+    async def set(self, ready: bool) -> None:
+        """Publish readiness."""
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        self.statuses[LIVENESS] = serving
+        for name in (READINESS, EXT_PROC_SERVICE, ""):
+            self.statuses[name] = serving if ready else not_serving
+        for name, status in self.statuses.items():
+            await self.servicer.set(name, status)
+
+
+class HealthCheckHandler:
+    """``grpc.health.v1.Health/Check`` on the picker's own HTTP/2 transport."""
+
+    def __init__(self, health: HealthStatus) -> None:
+        """Answer from ``health``."""
+        self.health = health
+
+    def on_message(self, message: bytes) -> list[bytes]:
+        """SERVING / NOT_SERVING, or NOT_FOUND for a service nobody registered."""
+        service = health_pb2.HealthCheckRequest.FromString(message).service
+        status = self.health.statuses.get(service)
+        if status is None:
+            raise GrpcStatusError(5, f"unknown service {service!r}")
+        return [health_pb2.HealthCheckResponse(status=status).SerializeToString()]
+
+    def on_close(self) -> None:
+        """Nothing to release."""
+
+
+def h2_routes(ctx: PickerContext, health: HealthStatus) -> Routes:
+    """The methods the picker's own HTTP/2 transport serves."""
+    return {
+        f"/{EXT_PROC_SERVICE}/Process": lambda: ExtProcHandler(ctx),
+        "/grpc.health.v1.Health/Check": lambda: HealthCheckHandler(health),
+    }
+
+
+def build_grpc_server(ctx: PickerContext, health: HealthStatus, addresses: Sequence[str]) -> tuple[grpc.aio.Server, list[int]]:
+    """An asyncio gRPC server with the ext_proc and health services on ``addresses``; returns the bound ports."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 64 << 20)])
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(ctx), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    ports = [server.add_insecure_port(address) for address in addresses]
+    return server, ports
+
+
+def _split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
+    metrics = PickerMetrics()
+    tracker = InFlightTracker()
+    state = PoolState(options.pool, tracker, time.time, options.endpoints, metrics)
+    stats = RequestStats(time.time)
+    scheduler = Scheduler(EndpointPickerConfig.load(options.config_path))
+    ctx = PickerContext(
+        scheduler=scheduler,
+        snapshot=lambda: state.snapshot,
+        resolver=lambda: state.resolver,
+        tracker=tracker,
+        rng=np.random.default_rng(options.seed),
+        metrics=metrics,
+        stats=stats,
+        clock=time.monotonic,
+        settings=options.settings,
+    )
+    health = HealthStatus()
+    await health.set(False)
+    addresses = [options.grpc_address] + ([options.health_address] if options.health_address else [])
+    stop_serving = await _start_transport(options.transport, ctx, health, addresses)
+    if options.metrics_address:
+        host, port = _split_host_port(options.metrics_address)
+        start_http_server(port, host, registry=metrics.registry)
+    client = aioredis.Redis.from_url(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
+    tasks = [asyncio.create_task(coro) for coro in (sync.run(), sync.expire_stale(), sync.publish_forever())]
+    try:
+        while not state.synced and not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.05)
+        await health.set(state.synced)
+        await stop.wait()
+    finally:
+        await health.set(False)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await sync.publish_once()
+        await stop_serving()
+        await client.aclose()
+
+
+async def _start_transport(
+    transport: str, ctx: PickerContext, health: HealthStatus, addresses: Sequence[str]
+) -> Callable[[], Awaitable[None]]:
+    if transport == "grpcio":
+        server, _ = build_grpc_server(ctx, health, addresses)
+        await server.start()
+        return lambda: server.stop(grace=2.0)
+    routes = h2_routes(ctx, health)
+    servers = [await start_server(routes, *_split_host_port(address)) for address in addresses]
+
+    async def stop() -> None:
+        for server in servers:
+            server.close()
+        for server in servers:
+            await server.wait_closed()
+
+    return stop

@@ -1,0 +1,226 @@
+"""The picker's view of the pool, kept from Redis without ever blocking a request on it.
+
+``PoolState`` holds the current ``PoolSnapshot`` and ``RouteResolver``; requests read them as plain attributes.
+``RedisSync`` fills it: a full load at start, then the sidecars' and controller's change notices (pub/sub), a full
+resync every few seconds to cover missed notices, and a rebuild whenever a report passes its TTL. When Redis is
+unreachable the last snapshot stays in use and reports age into "stale" on schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+from redis.exceptions import RedisError
+
+from loraplane.api import SCHEMA_VERSION, ResidencyReport, RouteTable, keys
+from loraplane.picker.routes import RouteResolver
+from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
+from loraplane.picker.telemetry import PickerMetrics, RequestStats
+
+log = logging.getLogger(__name__)
+
+
+class PoolState:
+    """Current snapshot + resolver, rebuilt from the latest reports and route table."""
+
+    def __init__(
+        self,
+        pool: str,
+        tracker: InFlightTracker,
+        clock: Callable[[], float],
+        endpoints: Sequence[tuple[str, str]] | None = None,
+        metrics: PickerMetrics | None = None,
+    ) -> None:
+        """``endpoints`` ((pod, address) pairs) fixes membership; without it the reporting pods are the pool."""
+        self.pool = pool
+        self.tracker = tracker
+        self.clock = clock
+        self.endpoints = endpoints
+        self.metrics = metrics
+        self.reports: dict[str, ResidencyReport] = {}
+        self.resolver = RouteResolver(None)
+        self.snapshot = PoolSnapshot([])
+        self.synced = False
+        self.next_expiry = float("inf")
+        tracker.attach(self.snapshot)
+
+    def set_routes(self, table: RouteTable | None) -> None:
+        """Use a new route table (None: nothing is routable)."""
+        self.resolver = RouteResolver(table)
+
+    def set_report(self, report: ResidencyReport) -> None:
+        """Store a pod's latest report."""
+        self.reports[report.pod] = report
+
+    def rebuild(self) -> None:
+        """Build a fresh snapshot from what is stored now."""
+        now = self.clock()
+        snapshot = PoolSnapshot.from_reports(self.reports.values(), now, self.resolver.priorities(), self.endpoints)
+        self.tracker.attach(snapshot)
+        self.snapshot = snapshot
+        expiries = [r.heartbeat_at + r.ttl_seconds for r in self.reports.values() if not r.is_stale(now)]
+        self.next_expiry = min(expiries, default=float("inf"))
+        if self.metrics is not None:
+            self.metrics.snapshot_rebuilds.inc()
+            stale = int(snapshot.stale.sum())
+            not_ready = int((~snapshot.ready & ~snapshot.stale).sum())
+            self.metrics.endpoints.labels("fresh").set(len(snapshot) - stale - not_ready)
+            self.metrics.endpoints.labels("stale").set(stale)
+            self.metrics.endpoints.labels("not-ready").set(not_ready)
+
+    def rebuild_if_expired(self) -> bool:
+        """Rebuild when a report has passed its TTL since the last build."""
+        if self.clock() > self.next_expiry:
+            self.rebuild()
+            return True
+        return False
+
+
+def _parse_report(raw: bytes | str | None, pool: str) -> ResidencyReport | None:
+    if raw is None:
+        return None
+    try:
+        report = ResidencyReport.from_json(raw)
+    except ValidationError as exc:
+        log.warning("ignoring an invalid residency report: %s", exc.errors()[:1])
+        return None
+    if report.schema_version != SCHEMA_VERSION or report.pool != pool:
+        log.warning("ignoring a residency report of schema %s for pool %s", report.schema_version, report.pool)
+        return None
+    return report
+
+
+class RedisSync:
+    """Keeps a ``PoolState`` current from Redis and publishes the picker's rates and counters."""
+
+    def __init__(
+        self,
+        state: PoolState,
+        client: aioredis.Redis,
+        stats: RequestStats,
+        replica: str,
+        resync_seconds: float = 5.0,
+        publish_seconds: float = 10.0,
+    ) -> None:
+        """Sync ``state`` from ``client``; publish ``stats`` as ``replica``."""
+        self.state = state
+        self.client = client
+        self.stats = stats
+        self.replica = replica
+        self.resync_seconds = resync_seconds
+        self.publish_seconds = publish_seconds
+        pool = state.pool
+        self._channels = (keys.residency_changed_channel(pool), keys.routes_changed_channel(pool))
+
+    async def load_all(self) -> None:
+        """Read the route table and every report (one round trip each) and rebuild."""
+        pool = self.state.pool
+        await self._load_routes()
+        pods = sorted(p.decode() if isinstance(p, bytes) else p for p in await self.client.smembers(keys.residency_index(pool)))
+        valid = [p for p in pods if _valid_pod(p)]
+        raws = await self.client.mget([keys.residency_report(pool, p) for p in valid]) if valid else []
+        self.state.reports = {r.pod: r for r in (_parse_report(raw, pool) for raw in raws) if r is not None}
+        self.state.rebuild()
+        self.state.synced = True
+
+    async def _load_report(self, pod: str) -> None:
+        if not _valid_pod(pod):
+            return
+        report = _parse_report(await self.client.get(keys.residency_report(self.state.pool, pod)), self.state.pool)
+        if report is not None:
+            self.state.set_report(report)
+
+    async def _load_routes(self) -> None:
+        raw = await self.client.get(keys.route_table(self.state.pool))
+        if raw is None:
+            return
+        try:
+            self.state.set_routes(RouteTable.from_json(raw))
+        except ValidationError as exc:
+            log.warning("ignoring an invalid route table: %s", exc.errors()[:1])
+
+    async def run(self) -> None:
+        """Follow change notices forever; survive Redis outages on the last snapshot."""
+        backoff = 0.2
+        while True:
+            try:
+                await self._follow()
+            except (RedisError, OSError) as exc:
+                self._count_error()
+                log.warning("redis unavailable (%s); routing on the last snapshot", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            else:
+                backoff = 0.2
+
+    async def _follow(self) -> None:
+        pubsub = self.client.pubsub()
+        try:
+            await pubsub.subscribe(*self._channels)
+            await self.load_all()
+            loop = asyncio.get_running_loop()
+            next_resync = loop.time() + self.resync_seconds
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25)
+                dirty = False
+                while message is not None:
+                    dirty = True
+                    channel = message["channel"].decode() if isinstance(message["channel"], bytes) else message["channel"]
+                    data = message["data"].decode(errors="replace") if isinstance(message["data"], bytes) else str(message["data"])
+                    if channel == self._channels[0]:
+                        await self._load_report(data)
+                    else:
+                        await self._load_routes()
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+                if loop.time() >= next_resync:
+                    await self.load_all()
+                    next_resync = loop.time() + self.resync_seconds
+                elif dirty:
+                    self.state.rebuild()
+                else:
+                    self.state.rebuild_if_expired()
+        finally:
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()
+
+    async def expire_stale(self) -> None:
+        """Turn reports stale on time even while Redis is down (the follow loop does it while Redis is up)."""
+        while True:
+            await asyncio.sleep(0.25)
+            self.state.rebuild_if_expired()
+
+    async def publish_once(self) -> None:
+        """Write this replica's ``RequestRates`` and ``PickerCounters``."""
+        pool = self.state.pool
+        ttl = max(60, int(self.publish_seconds * 6))
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(keys.request_rates(pool), self.stats.rates(pool).to_json(), ex=ttl)
+            pipe.set(keys.picker_counters(pool, self.replica), self.stats.picker_counters(pool, self.replica).to_json(), ex=ttl)
+            await pipe.execute()
+
+    async def publish_forever(self) -> None:
+        """Publish every ``publish_seconds``; errors are counted and retried next time."""
+        while True:
+            await asyncio.sleep(self.publish_seconds)
+            try:
+                await self.publish_once()
+            except (RedisError, OSError) as exc:
+                self._count_error()
+                log.warning("could not publish rates/counters: %s", exc)
+
+    def _count_error(self) -> None:
+        if self.state.metrics is not None:
+            self.state.metrics.redis_errors.inc()
+
+
+def _valid_pod(pod: str) -> bool:
+    try:
+        keys.residency_report("p", pod)
+    except ValueError:
+        return False
+    return True
