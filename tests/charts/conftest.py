@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.fixtures.tools import REPO, helm_bin, kubectl_tools_bin  # noqa: F401  (fixtures)
+from e2e.fixtures.tools import REPO
 
 CHART = REPO / "charts" / "loraplane"
 RELEASE = "lp"
@@ -62,7 +62,7 @@ RenderFn = Callable[..., Rendered]
 
 
 @pytest.fixture
-def render(helm_bin: str, tmp_path: Path) -> RenderFn:  # noqa: F811
+def render(helm_bin: str, tmp_path: Path) -> RenderFn:
     """``render(values, *helm_args)`` -> the rendered objects; fails the test with helm's message on error."""
 
     def _render(values: dict[str, Any] | None = None, *extra: str) -> Rendered:

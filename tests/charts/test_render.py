@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
+import importlib
 import itertools
 import re
 import shlex
@@ -18,6 +20,7 @@ from kubernetes_validate import utils as kv_utils
 from referencing import Registry, Resource
 
 from loraplane.api import crd
+from loraplane.picker.scheduler import EndpointPickerConfig
 from tests.charts.conftest import CHART, NAMESPACE, RELEASE, Rendered, RenderFn, helm_template, name_of
 from tests.charts.custom_kinds import CUSTOM_KINDS, validate_custom
 
@@ -25,6 +28,16 @@ from tests.charts.custom_kinds import CUSTOM_KINDS, validate_custom
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 
 EXAMPLES = CHART.parents[1] / "examples"
+PICKER_DEFAULT_CONFIG = CHART.parents[1] / "picker" / "default-config.yaml"
+
+#: The console scripts the chart runs -> their argument parsers (the chart's flags must parse).
+PARSERS = {
+    "loraplane-picker": "loraplane.picker.cli:parser",
+    "loraplane-sidecar": "loraplane.sidecar.cli:build_parser",
+    "loraplane-engine": "loraplane.engine.cli:parser",
+}
+#: What the kubelet puts in for $(VAR) references, for parsing.
+KUBELET_VARS = {"POD_NAME": "lp-model-server-0", "POD_IP": "10.1.2.3", "LORAPLANE_REDIS_PASSWORD": "secret"}
 
 RUNTIMES = {
     "engine": {"runtime": "engine"},
@@ -198,7 +211,7 @@ def _check_model_server(rendered: Rendered, values: dict[str, Any]) -> None:
     args = _flags(sidecar["args"])
     assert args["--runtime-url"] == f"http://127.0.0.1:{runtime['ports'][0]['containerPort']}"
     assert args["--cache-dir"] == cache["mountPath"]
-    assert args["--runtime"] == ("engine" if runtime_name == "engine" else "vllm")
+    assert args["--runtime"] == runtime_name
     lora = values["modelServer"].get("lora", DEFAULT_LORA)
     rargs = _flags(runtime["args"])
     assert rargs["--max-loras"] == str(lora["maxLoras"])
@@ -280,15 +293,14 @@ def _check_rbac(rendered: Rendered) -> None:
     for role in rendered.of_kind("Role"):
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-    picker = rendered.get("Role", name_of("picker"))
-    assert {v for r in picker["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
+    assert rendered.names("Role") == rendered.names("RoleBinding") == {name_of("controller")}
     controller = rendered.get("Role", name_of("controller"))
     lease_rules = [r for r in controller["rules"] if "leases" in r["resources"]]
     lease_name = _flags(rendered.get("Deployment", name_of("controller"))["spec"]["template"]["spec"]["containers"][0]["args"])["--lease-name"]
     for rule in lease_rules:
         assert rule.get("resourceNames") == [lease_name] or rule["verbs"] == ["create"], rule
     sa_tokens = {sa["metadata"]["name"]: sa["automountServiceAccountToken"] for sa in rendered.of_kind("ServiceAccount")}
-    assert {name for name, mounted in sa_tokens.items() if mounted} == {name_of("picker"), name_of("controller")}
+    assert {name for name, mounted in sa_tokens.items() if mounted} == {name_of("controller")}
 
 
 def _check_gateway(rendered: Rendered, values: dict[str, Any]) -> None:
@@ -301,6 +313,32 @@ def _check_gateway(rendered: Rendered, values: dict[str, Any]) -> None:
         (backend,) = route["spec"]["rules"][0]["backendRefs"]
         assert backend["kind"] == "InferencePool"
         assert backend["name"] in rendered.names("InferencePool")
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    module, _, factory = PARSERS[command].partition(":")
+    parser: argparse.ArgumentParser = getattr(importlib.import_module(module), factory)()
+    return parser
+
+
+def _check_flags_parse(rendered: Rendered) -> None:
+    """Every loraplane container's arguments parse with that component's own parser."""
+    for name, pod in _pod_specs(rendered).items():
+        for c in _containers(pod):
+            command = c.get("command", [""])[0]
+            if command not in PARSERS:
+                continue
+            args = [re.sub(r"\$\((\w+)\)", lambda m: KUBELET_VARS[m.group(1)], a) for a in c["args"]]
+            parser = _parser(command)
+            parser.exit_on_error = False
+            try:
+                parsed = parser.parse_args(args)
+            except (argparse.ArgumentError, SystemExit) as exc:
+                pytest.fail(f"{name}/{c['name']}: {command} rejects {args}: {exc}")
+            if command == "loraplane-picker":
+                EndpointPickerConfig.from_yaml(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
+            if command == "loraplane-sidecar":
+                assert all(getattr(parsed, f) for f in ("pool", "pod", "runtime_url", "redis_url", "cache_dir"))
 
 
 @pytest.mark.parametrize(("runtime", "redis", "gateway"), MATRIX, ids=["-".join(c) for c in MATRIX])
@@ -316,6 +354,7 @@ def test_matrix_renders_valid_consistent_manifests(render: RenderFn, runtime: st
     _check_network_policies(rendered, values)
     _check_rbac(rendered)
     _check_gateway(rendered, values)
+    _check_flags_parse(rendered)
     assert len(rendered.of_kind("AdapterRevision")) == len(values["adapterRevisions"])
     for revision in rendered.of_kind("AdapterRevision"):
         assert revision["metadata"]["namespace"] == NAMESPACE
@@ -364,16 +403,16 @@ def test_defaults_give_a_working_cpu_demo(render: RenderFn) -> None:
     assert pool["metadata"]["name"] == f"{RELEASE}-loraplane"
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
     config = yaml.safe_load(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
-    assert config["affinity"]["gpu"] > config["affinity"]["cpu"] > config["affinity"]["disk"]
+    assert config == yaml.safe_load(PICKER_DEFAULT_CONFIG.read_text()), "values.yaml drifted from the picker's default"
 
 
 def test_picker_config_and_pool_settings_come_from_values(render: RenderFn) -> None:
     rendered = render({"pool": {"name": "llama3-8b", "failureMode": "FailOpen"},
-                       "picker": {"config": {"affinity": {"gpu": 7}}}})
+                       "picker": {"config": {"saturationDetector": {"queueThreshold": 9}}}})
     pool = rendered.get("InferencePool", "llama3-8b")
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
-    config = yaml.safe_load(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
-    assert config["affinity"]["gpu"] == 7
+    config = EndpointPickerConfig.from_yaml(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
+    assert config.saturation_detector.queue_threshold == 9
     picker = rendered.get("Deployment", name_of("picker"))["spec"]["template"]
     assert _flags(picker["spec"]["containers"][0]["args"])["--pool"] == "llama3-8b"
     sidecar = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]["spec"]["initContainers"][0]
