@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 from pathlib import Path
+from typing import Any
 
 import httpx
 import yaml
@@ -67,7 +68,7 @@ def test_token_and_crds_from_a_folder(tmp_path: Path) -> None:
         # The kubeconfig carries the token (the Python client sends it; kubectl sends credentials only over TLS).
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         try:
-            custom = client.CustomObjectsApi(api)
+            custom: Any = client.CustomObjectsApi(api)
             custom.create_namespaced_custom_object("example.com", "v1", "default", "widgets", widget)
             listed = custom.list_namespaced_custom_object("example.com", "v1", "default", "widgets")
             assert [w["spec"]["size"] for w in listed["items"]] == [3]

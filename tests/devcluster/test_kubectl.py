@@ -161,7 +161,7 @@ def test_delete_waits_for_finalizers(devcluster: Namespaced) -> None:
 
 
 def test_pods_apply_through_strategic_merge_patch(devcluster: Namespaced) -> None:
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "engine-0", "labels": {"pool": "llama3-8b"}},
+    pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "engine-0", "labels": {"pool": "llama3-8b"}},
            "spec": {"containers": [{"name": "engine", "image": "engine:1", "env": [{"name": "A", "value": "1"}]},
                                    {"name": "sidecar", "image": "sidecar:1"}]}}
     _apply(devcluster, pod)

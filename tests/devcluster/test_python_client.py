@@ -31,7 +31,7 @@ def api(server: ServerThread, tmp_path: Path) -> Iterator[client.ApiClient]:
 
 
 def test_typed_clients_read_and_write_core_objects(api: client.ApiClient) -> None:
-    core = client.CoreV1Api(api)
+    core: Any = client.CoreV1Api(api)
     assert {"default", "kube-system"} <= {ns.metadata.name for ns in core.list_namespace().items}
     pod = client.V1Pod(metadata=client.V1ObjectMeta(name="engine-0", labels={"pool": "llama3-8b"}),
                        spec=client.V1PodSpec(containers=[client.V1Container(name="engine", image="engine:1")]))
@@ -47,7 +47,7 @@ def test_typed_clients_read_and_write_core_objects(api: client.ApiClient) -> Non
 
 
 def test_custom_objects_round_trip_through_the_api_models(api: client.ApiClient) -> None:
-    custom = client.CustomObjectsApi(api)
+    custom: Any = client.CustomObjectsApi(api)
     custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, adapter_revision("claims-v1"))
     custom.patch_namespaced_custom_object_status(GROUP, VERSION, "default", PLURAL, "claims-v1",
                                                  {"status": {"phase": "Verifying", "observedGeneration": 1}})
@@ -58,11 +58,11 @@ def test_custom_objects_round_trip_through_the_api_models(api: client.ApiClient)
         custom.patch_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "claims-v1",
                                               {"spec": {"lora": {"rank": 3}}})
     assert invalid.value.status == 422
-    assert "spec.lora.rank: Unsupported value: 3" in invalid.value.body
+    assert "spec.lora.rank: Unsupported value: 3" in str(invalid.value.body)
 
 
 def test_optimistic_concurrency_on_leases(api: client.ApiClient) -> None:
-    leases = client.CoordinationV1Api(api)
+    leases: Any = client.CoordinationV1Api(api)
     lease = client.V1Lease(metadata=client.V1ObjectMeta(name="controller"),
                            spec=client.V1LeaseSpec(holder_identity="replica-a", lease_duration_seconds=15))
     mine = leases.create_namespaced_lease("default", lease)
@@ -82,7 +82,7 @@ def _collect(stream: Iterator[dict[str, Any]], events: list[tuple[str, str]]) ->
 
 
 def test_list_then_watch_from_the_list_resource_version(api: client.ApiClient) -> None:
-    custom = client.CustomObjectsApi(api)
+    custom: Any = client.CustomObjectsApi(api)
     custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, adapter_revision("before"))
     listed = custom.list_namespaced_custom_object(GROUP, VERSION, "default", PLURAL)
     events: list[tuple[str, str]] = []
@@ -106,14 +106,14 @@ def test_list_then_watch_from_the_list_resource_version(api: client.ApiClient) -
 
 
 def test_watch_without_resource_version_starts_with_what_exists(api: client.ApiClient) -> None:
-    core = client.CoreV1Api(api)
+    core: Any = client.CoreV1Api(api)
     events = [(e["type"], e["object"].metadata.name)
               for e in watch.Watch().stream(core.list_namespace, timeout_seconds=1)]
     assert ("ADDED", "default") in events and all(kind == "ADDED" for kind, _ in events)
 
 
 def test_bookmarks_carry_the_current_resource_version(api: client.ApiClient, server: ServerThread) -> None:
-    custom = client.CustomObjectsApi(api)
+    custom: Any = client.CustomObjectsApi(api)
     created = custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, adapter_revision("claims-v1"))
     kinds = []
     watcher = watch.Watch()
@@ -128,7 +128,7 @@ def test_bookmarks_carry_the_current_resource_version(api: client.ApiClient, ser
 
 
 def test_watch_from_a_compacted_resource_version_is_gone(api: client.ApiClient, server: ServerThread) -> None:
-    custom = client.CustomObjectsApi(api)
+    custom: Any = client.CustomObjectsApi(api)
     old = custom.create_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, adapter_revision("claims-v1"))
     custom.patch_namespaced_custom_object(GROUP, VERSION, "default", PLURAL, "claims-v1", {"spec": {"paused": True}})
     server.call(server.api.cluster.store.compact)
