@@ -117,6 +117,10 @@ class Store:
         self._subscriptions.add(sub)
         return sub
 
+    def subscriptions(self) -> list[Subscription]:
+        """The open subscriptions (one per open watch)."""
+        return list(self._subscriptions)
+
     def unsubscribe(self, sub: Subscription) -> None:
         """Stop queueing for a watcher."""
         self._subscriptions.discard(sub)

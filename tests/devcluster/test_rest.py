@@ -4,12 +4,15 @@ namespaces, selectors, validation and tables."""
 from __future__ import annotations
 
 import copy
+import json
+import time
 from typing import Any
 
 import httpx
 import pytest
 
 from loraplane.api import AdapterRevision, AdapterRevisionSpec, LoraSpec
+from loraplane.controller.devcluster import ServerThread
 from tests.devcluster.conftest import (
     AR_PATH,
     DIGEST_B,
@@ -400,3 +403,56 @@ def test_malformed_requests_get_4xx(http: httpx.Client, method: str, path: str, 
 def test_oversized_body_is_refused(http: httpx.Client) -> None:
     response = http.post(AR_PATH, content=b" " * (3 * 1024 * 1024 + 1), headers={"Content-Type": "application/json"})
     assert response.status_code == 413
+
+
+def _watch_events(http: httpx.Client, path: str, params: dict[str, str]) -> list[dict[str, Any]]:
+    with http.stream("GET", path, params={"watch": "true", **params}) as response:
+        assert response.status_code == 200
+        return [json.loads(line) for line in response.iter_lines() if line]
+
+
+def test_watch_stream_replays_filters_and_times_out(http: httpx.Client) -> None:
+    first = _create(http, AR_PATH, adapter_revision("claims-v1"))
+    http.patch(f"{AR_PATH}/claims-v1/status", json={"status": {"phase": "Verifying"}}, headers=MERGE)
+    _create(http, AR_PATH, adapter_revision("other"))
+    http.delete(f"{AR_PATH}/claims-v1")
+    events = _watch_events(http, AR_PATH, {"resourceVersion": first["metadata"]["resourceVersion"],
+                                           "fieldSelector": "metadata.name=claims-v1", "timeoutSeconds": "1"})
+    assert [(e["type"], e["object"].get("status", {}).get("phase")) for e in events] == [
+        ("MODIFIED", "Verifying"), ("DELETED", "Verifying")]
+    assert int(events[1]["object"]["metadata"]["resourceVersion"]) > int(events[0]["object"]["metadata"]["resourceVersion"])
+    with http.stream("GET", AR_PATH, params={"watch": "true", "timeoutSeconds": "1"}, headers=TABLE) as response:
+        rows = [json.loads(line)["object"] for line in response.iter_lines() if line]
+    assert [r["kind"] for r in rows] == ["Table"] and rows[0]["rows"][0]["cells"][0] == "other"
+
+
+def test_watch_with_initial_events_ends_them_with_a_bookmark(http: httpx.Client) -> None:
+    _create(http, AR_PATH, adapter_revision("claims-v1"))
+    events = _watch_events(http, AR_PATH, {"sendInitialEvents": "true", "allowWatchBookmarks": "true",
+                                           "resourceVersionMatch": "NotOlderThan", "timeoutSeconds": "1"})
+    assert events[0]["type"] == "ADDED"
+    assert events[1]["type"] == "BOOKMARK"
+    assert events[1]["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
+
+
+def test_closed_watches_leave_no_subscription(http: httpx.Client, server: ServerThread) -> None:
+    with http.stream("GET", AR_PATH, params={"watch": "true"}) as response:
+        assert response.status_code == 200
+    deadline = time.monotonic() + 5
+    while server.call(lambda: len(server.api.cluster.store.subscriptions())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.call(lambda: len(server.api.cluster.store.subscriptions())) == 0
+
+
+def test_dry_run_and_delete_collection(http: httpx.Client) -> None:
+    dry = http.post(f"{AR_PATH}?dryRun=All", json=adapter_revision("dry"))
+    assert dry.status_code == 201 and dry.json()["spec"]["tenant"] == "default"
+    assert http.get(f"{AR_PATH}/dry").status_code == 404
+    assert http.post(f"{AR_PATH}?dryRun=Some", json=adapter_revision("dry")).status_code == 400
+    for name, team in [("a", "x"), ("b", "x"), ("c", "y")]:
+        body = adapter_revision(name)
+        body["metadata"]["labels"] = {"team": team}
+        _create(http, AR_PATH, body)
+    deleted = http.delete(AR_PATH, params={"labelSelector": "team=x"}).json()
+    assert [i["metadata"]["name"] for i in deleted["items"]] == ["a", "b"]
+    assert [i["metadata"]["name"] for i in http.get(AR_PATH).json()["items"]] == ["c"]
