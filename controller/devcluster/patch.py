@@ -67,18 +67,24 @@ def _parent(doc: Any, tokens: list[str]) -> Any:
     return node
 
 
-def _get(doc: Any, path: str) -> Any:
+def _locate(doc: Any, path: str) -> tuple[Any, str | int]:
+    """The container holding an existing member, and the member's key or index."""
     tokens = _pointer(path)
     if not tokens:
-        return doc
+        raise PatchError("the whole document has no parent")
     parent, last = _parent(doc, tokens), tokens[-1]
-    if isinstance(parent, dict):
-        if last not in parent:
-            raise PatchError(f"path {path!r} does not exist")
-        return parent[last]
+    if isinstance(parent, dict) and last in parent:
+        return parent, last
     if isinstance(parent, list):
-        return parent[_index(parent, last, allow_end=False)]
+        return parent, _index(parent, last, allow_end=False)
     raise PatchError(f"path {path!r} does not exist")
+
+
+def _get(doc: Any, path: str) -> Any:
+    if not _pointer(path):
+        return doc
+    container, key = _locate(doc, path)
+    return container[key]
 
 
 def _add(doc: Any, path: str, value: Any) -> Any:
@@ -96,18 +102,8 @@ def _add(doc: Any, path: str, value: Any) -> Any:
 
 
 def _remove(doc: Any, path: str) -> Any:
-    tokens = _pointer(path)
-    if not tokens:
-        raise PatchError("cannot remove the whole document")
-    parent, last = _parent(doc, tokens), tokens[-1]
-    if isinstance(parent, dict):
-        if last not in parent:
-            raise PatchError(f"path {path!r} does not exist")
-        del parent[last]
-    elif isinstance(parent, list):
-        del parent[_index(parent, last, allow_end=False)]
-    else:
-        raise PatchError(f"path {path!r} does not exist")
+    container, key = _locate(doc, path)
+    del container[key]
     return doc
 
 

@@ -6,7 +6,6 @@ import itertools
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from e2e.fixtures.devcluster import DevCluster, start_devcluster
+from e2e.fixtures.devcluster import DevCluster
 from tests.devcluster.conftest import adapter_revision
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "claims-assistant-v18.yaml"
@@ -23,19 +22,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "claims-assistant-v
 _NAMESPACES = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevCluster]:
-    """One devcluster process for this module (each test works in its own namespace)."""
-    cluster = start_devcluster(tmp_path_factory.mktemp("devcluster"))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 @dataclass
 class Namespaced:
-    """kubectl against the shared cluster, in one test's namespace."""
+    """kubectl against the session's devcluster, in one test's namespace."""
 
     cluster: DevCluster
     namespace: str
@@ -49,11 +38,12 @@ class Namespaced:
 
 
 @pytest.fixture
-def devcluster(shared_cluster: DevCluster) -> Namespaced:
+def devcluster(devcluster_session: DevCluster) -> Namespaced:
+    """The session's devcluster, in a namespace of this test's own."""
     namespace = f"test-{next(_NAMESPACES)}"
-    shared_cluster.kubectl("apply", "-f", "-", stdin=json.dumps(
+    devcluster_session.kubectl("apply", "-f", "-", stdin=json.dumps(
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}))
-    return Namespaced(shared_cluster, namespace)
+    return Namespaced(devcluster_session, namespace)
 
 
 def _apply(cluster: Namespaced, obj: dict[str, Any], check: bool = True) -> subprocess.CompletedProcess[str]:
