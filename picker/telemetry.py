@@ -57,8 +57,8 @@ class PickerMetrics:
 class RequestStats:
     """Per-served-revision request rates over rolling windows and cumulative canary counters.
 
-    Requests are counted in one-minute buckets kept for 24 h; a window's rate divides by the window length, or by
-    the time since the first request while the picker has not been up that long.
+    Requests are counted in one-minute buckets kept for 24 h; a window's rate divides the requests in the buckets
+    it covers by the time those buckets span (at most the time since the first request).
     """
 
     def __init__(self, clock: Callable[[], float]) -> None:
@@ -109,7 +109,7 @@ class RequestStats:
             for bucket_minute, counts in self._buckets:
                 if bucket_minute > first:
                     total.update(counts)
-            span = min(float(seconds), up)
+            span = min(now - (first + 1) * _BUCKET_SECONDS, up)  # the buckets counted cover exactly this long
             windows[window] = {name: count / span for name, count in total.items()}
         return RequestRates(pool=pool, published_at=now, windows=windows)
 

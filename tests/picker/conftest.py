@@ -1,0 +1,161 @@
+"""Shared builders: a picker context over an in-memory pool, and ext_proc message helpers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+import numpy as np
+import pytest
+from envoy.config.core.v3 import base_pb2 as core
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from loraplane.api import (
+    AdapterResidency,
+    PodLoad,
+    ResidencyReport,
+    RouteEntry,
+    RouteTable,
+    Tier,
+    WeightedRevision,
+)
+from loraplane.api.routing import RevisionRole
+from loraplane.picker.extproc import PickerContext, PickerSettings
+from loraplane.picker.h2grpc import start_server
+from loraplane.picker.scheduler import Scheduler
+from loraplane.picker.server import HealthStatus, build_grpc_server, h2_routes
+from loraplane.picker.snapshot import InFlightTracker
+from loraplane.picker.state import PoolState
+from loraplane.picker.telemetry import PickerMetrics, RequestStats
+
+POOL = "pool"
+DIGEST_V1 = "sha256:" + "1" * 64
+DIGEST_V2 = "sha256:" + "2" * 64
+ADDRESSES = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
+
+
+def route_table(canary_weight: int = 0) -> RouteTable:
+    revisions = [WeightedRevision(revision="v1", served_name="claims@v1", digest=DIGEST_V1, weight=100 - canary_weight)]
+    if canary_weight:
+        revisions.append(WeightedRevision(revision="v2", served_name="claims@v2", digest=DIGEST_V2,
+                                          weight=canary_weight, role=RevisionRole.CANARY))
+    return RouteTable(pool=POOL, generation=1, base_model="base-llm", updated_at=0.0,
+                      models={"claims": RouteEntry(tenant="acme", revisions=revisions)})
+
+
+def reports(now: float, warm_pod: int = 1, **load: int) -> list[ResidencyReport]:
+    out = []
+    for i, address in enumerate(ADDRESSES):
+        adapters = [AdapterResidency(served_name="claims@v1", tier=Tier.GPU, digest=DIGEST_V1)] if i == warm_pod else []
+        out.append(ResidencyReport(pool=POOL, pod=f"pod-{i}", address=address, heartbeat_at=now, ttl_seconds=60,
+                                   adapters=adapters, load=PodLoad(**load)))
+    return out
+
+
+def make_context(settings: PickerSettings | None = None, canary_weight: int = 0) -> tuple[PickerContext, PoolState]:
+    tracker = InFlightTracker()
+    state = PoolState(POOL, tracker, time.time)
+    state.set_routes(route_table(canary_weight))
+    for report in reports(time.time()):
+        state.set_report(report)
+    state.rebuild()
+    ctx = PickerContext(
+        scheduler=Scheduler.default(),
+        snapshot=lambda: state.snapshot,
+        resolver=lambda: state.resolver,
+        tracker=tracker,
+        rng=np.random.default_rng(0),
+        metrics=PickerMetrics(),
+        stats=RequestStats(time.time),
+        clock=time.monotonic,
+        settings=settings or PickerSettings(),
+    )
+    return ctx, state
+
+
+def headers(pairs: Iterable[tuple[str, str]], end_of_stream: bool = False, body_mode: int | None = None,
+            subset: list[str] | None = None) -> pb.ProcessingRequest:
+    request = pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+        headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
+        end_of_stream=end_of_stream,
+    ))
+    if body_mode is not None:
+        request.protocol_config.request_body_mode = body_mode
+        request.protocol_config.response_body_mode = body_mode
+    if subset is not None:
+        hint = request.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+        hint.get_or_create_list("x-gateway-destination-endpoint-subset").extend(subset)
+    return request
+
+
+REQUEST_HEADERS = [(":method", "POST"), (":path", "/v1/completions"), ("content-type", "application/json")]
+
+
+def body(data: bytes, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+def response_headers(status: int, content_type: str = "application/json", end_of_stream: bool = False) -> pb.ProcessingRequest:
+    pairs = [(":status", str(status)), ("content-type", content_type), ("content-length", "10")]
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(
+        headers=core.HeaderMap(headers=[core.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]),
+        end_of_stream=end_of_stream,
+    ))
+
+
+def response_body(data: bytes, end_of_stream: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=data, end_of_stream=end_of_stream))
+
+
+FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = pm.ProcessingMode.BUFFERED
+
+
+def header_map(mutation: pb.HeaderMutation) -> dict[str, str]:
+    return {o.header.key: (o.header.raw_value.decode() or o.header.value) for o in mutation.set_headers}
+
+
+class Picker:
+    """A picker serving on a real gRPC port, and a real grpcio client stub to talk to it."""
+
+    def __init__(self, ctx: PickerContext, state: PoolState, health: HealthStatus, channel: grpc.aio.Channel) -> None:
+        self.ctx, self.state, self.health, self.channel = ctx, state, health, channel
+        self.stub = pb_grpc.ExternalProcessorStub(channel)
+
+    async def exchange(self, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        """Send all messages on one stream (half-closing after), return every response."""
+        call = self.stub.Process(iter(messages))
+        return [response async for response in call]
+
+
+@pytest.fixture(params=["h2", "grpcio"])
+async def picker(request: pytest.FixtureRequest) -> AsyncIterator[Picker]:
+    """The picker on both transports: its own HTTP/2 server and grpcio's asyncio server."""
+    ctx, state = make_context()
+    health = HealthStatus()
+    await health.set(True)
+    if request.param == "h2":
+        server = await start_server(h2_routes(ctx, health), "127.0.0.1", 0, reuse_port=False)
+        port = server.sockets[0].getsockname()[1]
+        stop = server.close
+    else:
+        grpc_server, ports = build_grpc_server(ctx, health, ["127.0.0.1:0"])
+        await grpc_server.start()
+        port = ports[0]
+
+        def stop() -> None:
+            pass
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Picker(ctx, state, health, channel)
+    finally:
+        await channel.close()
+        if request.param == "h2":
+            stop()
+            await server.wait_closed()
+        else:
+            await grpc_server.stop(None)
