@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -92,18 +94,44 @@ async def _decode_tokens_per_s(engine: Engine, prompt: list[int], adapters: Sequ
     return round(sum(len(r.output_ids) - 1 for r in requests) / elapsed, 1)
 
 
+def _rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc``; 0 elsewhere)."""
+    statm = Path("/proc/self/statm")
+    return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") if statm.exists() else 0
+
+
+async def _rss_across_unload(common: dict[str, object], paths: dict[str, Path]) -> dict[str, float]:
+    """Host RSS before loading, with every adapter in host memory, and after unloading them all."""
+    built = build(EngineOptions(max_loras=1, max_cpu_loras=len(paths), **{**common, "lora_modules": {}}))  # type: ignore[arg-type]
+    async with built.app.router.lifespan_context(built.app):
+        gc.collect()
+        before = _rss_bytes()
+        for name, path in paths.items():
+            await built.engine.add_adapter(name, path)
+        loaded = _rss_bytes()
+        weights = sum(a.nbytes for a in built.engine.tiers.registered.values())
+        for name in list(paths):
+            await built.engine.remove_adapter(name)
+        gc.collect()
+        after = _rss_bytes()
+    mib = 1 << 20
+    return {"before_load": round(before / mib, 1), "all_loaded": round(loaded / mib, 1),
+            "after_unload": round(after / mib, 1), "adapter_weights": round(weights / mib, 1)}
+
+
 async def run(options: argparse.Namespace) -> dict[str, object]:
     """Run every measurement; the JSON-ready result."""
     config = PRESETS[options.model]
     with tempfile.TemporaryDirectory(prefix="loraplane-bench-") as tmp:
         paths = {}
-        for i in range(max(12, options.batch)):
+        for i in range(max(options.adapters, options.batch)):
             paths[f"bench-{i:02d}@v1"] = Path(tmp) / f"bench-{i:02d}"
             write_adapter(paths[f"bench-{i:02d}@v1"], config, options.rank, seed=i)
         common = dict(model=options.model, dtype=options.dtype, device=options.device, max_lora_rank=options.rank,
                       max_num_seqs=max(16, options.batch), lora_modules=paths)
         prompt = [256, *b"The quick brown fox jumps over the lazy dog. " * 2]
 
+        rss = await _rss_across_unload(common, paths)  # first: no earlier engine's freed memory to reuse
         tier_engine = build(EngineOptions(max_loras=2, max_cpu_loras=4, **common))
         async with tier_engine.app.router.lifespan_context(tier_engine.app):
             adapters = list(tier_engine.engine.tiers.registered.values())
@@ -132,6 +160,7 @@ async def run(options: argparse.Namespace) -> dict[str, object]:
         "load_stages_ms": stages,
         "decode_batch": options.batch,
         "decode_tokens_per_s": decode,
+        "host_rss_mib": rss,
     }
 
 
@@ -145,6 +174,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--trials", type=int, default=15)
     parser.add_argument("--batch", type=int, default=8, help="sequences (and distinct adapters) in the decode runs")
+    parser.add_argument("--adapters", type=int, default=16, help="adapters written and loaded (tiers, RSS)")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(list(argv))

@@ -65,10 +65,6 @@ class AdapterState:
         )
 
 
-class TierFullError(RuntimeError):
-    """Nothing can be evicted to make room (every resident adapter is pinned or busy)."""
-
-
 EvictionHook = Callable[[AdapterState, Tier], None]
 
 
