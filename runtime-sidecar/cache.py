@@ -81,7 +81,8 @@ def _fsync_tree(root: Path) -> None:
         _fsync(path)
 
 
-def _sha256_hex(path: Path) -> str:
+def sha256_hex(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -282,7 +283,7 @@ class DiskCache:
             weights_path = entry_dir / peft.WEIGHTS_FILE
             if not weights_path.is_file():
                 raise ArtifactError("InvalidArtifact", f"the archive has no {peft.WEIGHTS_FILE}")
-            weights_hex = _sha256_hex(weights_path)
+            weights_hex = sha256_hex(weights_path)
         try:
             peft.inspect(entry_dir)
         except peft.InvalidAdapter as exc:
@@ -293,7 +294,7 @@ class DiskCache:
             served_name=target.served_name,
             artifact_digest=digest,
             adapter_digest=adapter_digest_of(
-                {peft.CONFIG_FILE: _sha256_hex(entry_dir / peft.CONFIG_FILE), peft.WEIGHTS_FILE: weights_hex}
+                {peft.CONFIG_FILE: sha256_hex(entry_dir / peft.CONFIG_FILE), peft.WEIGHTS_FILE: weights_hex}
             ),
             artifact_uri=artifact.uri,
             bytes=size,

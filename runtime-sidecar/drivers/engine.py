@@ -23,7 +23,7 @@ class EngineDriver(VllmDriver):
     async def observe(self) -> Observation:
         """The engine's own listing (tiers, digests, counters) and its /metrics."""
         listing = (await self._call("GET", "/admin/adapters")).json()
-        samples = await self._scrape()
+        samples = await self.scrape()
         limits = self._limits
         info = RuntimeInfo(
             base_model=str(listing.get("base_model", "")),

@@ -106,7 +106,8 @@ class VllmDriver(RuntimeDriver):
             raise RuntimeRejected(resp.status_code, _error_message(resp))
         return resp
 
-    async def _scrape(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+    async def scrape(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """The runtime's /metrics, parsed."""
         return parse_metrics((await self._call("GET", "/metrics")).text)
 
     def _instance(self, samples: dict[str, list[tuple[dict[str, str], float]]]) -> str | None:
@@ -116,7 +117,7 @@ class VllmDriver(RuntimeDriver):
     async def observe(self) -> Observation:
         """``/v1/models`` for the adapters, ``/metrics`` for load and restarts; tiers inferred."""
         models = (await self._call("GET", "/v1/models")).json().get("data", [])
-        samples = await self._scrape()
+        samples = await self.scrape()
         base = next((m["id"] for m in models if not m.get("parent")), "")
         limits = self._limits
         info = RuntimeInfo(

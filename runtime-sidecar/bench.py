@@ -1,0 +1,285 @@
+"""``loraplane bench sidecar``: per-stage load timings of the L3, L2 and L1 paths against a real engine.
+
+- L3 (remote): resolve + download + verify over HTTPS (a loopback TLS server), unpack into the cache, load, activate.
+- L2 (local disk): the runtime loads the cached PEFT directory (read, parse), then activates.
+- L1 (host memory): activate only (host-to-device copy into a slot).
+
+``l2_load_over_raw_read`` divides the L2 load time by the time to read the same bytes from the same (page-cached)
+files with plain ``read`` calls: the physical limit of any loader. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import http.server
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loraplane.api import AdapterTarget, Artifact, LoraSpec, Tier, cache_key, served_name
+from loraplane.sidecar import peft
+from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
+from loraplane.sidecar.cache import DiskCache, StageTimings, sha256_hex
+from loraplane.sidecar.drivers.base import RuntimeInfo
+from loraplane.sidecar.drivers.engine import EngineDriver
+
+LOOPBACK = "127.0.0.1"
+
+
+def self_signed_cert(directory: Path, host: str = LOOPBACK) -> tuple[Path, Path]:
+    """A throwaway self-signed certificate (and key) for ``host``: PEM files in ``directory``."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "loraplane-local")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+class HttpsFileServer:
+    """Serves a directory over HTTPS on a free loopback port (threads of this process), self-signed.
+
+    ``throttle_bytes_per_s`` (0: off) slows every response down, so a test can catch a client mid-download.
+    """
+
+    def __init__(self, root: Path, workdir: Path) -> None:
+        self.root = root
+        self.throttle_bytes_per_s = 0
+        self.ca_file, key = self_signed_cert(workdir)
+        server_ref = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, directory=str(root), **kwargs)
+
+            def copyfile(self, source: Any, outputfile: Any) -> None:
+                rate = server_ref.throttle_bytes_per_s
+                if not rate:
+                    super().copyfile(source, outputfile)
+                    return
+                while data := source.read(max(1, rate // 20)):
+                    outputfile.write(data)
+                    outputfile.flush()
+                    time.sleep(0.05)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer((LOOPBACK, 0), Handler)
+        self._server.daemon_threads = True
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.ca_file, key)
+        self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self.port = int(self._server.server_address[1])
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def url(self, name: str) -> str:
+        """The https:// URL of a file in the root."""
+        return f"https://{LOOPBACK}:{self.port}/{name}"
+
+    def close(self) -> None:
+        """Stop serving."""
+        self.throttle_bytes_per_s = 0
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def engine_process(model: str, rank: int, adapter_root: Path, log: Path) -> Iterator[str]:
+    """A ``loraplane-engine`` child process (stopped by PID); yields its base URL."""
+    port = _free_port()
+    args = [sys.executable, "-m", "loraplane.engine", "--model", model, "--port", str(port), "--max-loras", "2",
+            "--max-cpu-loras", "4", "--max-lora-rank", str(rank), "--adapter-root", str(adapter_root),
+            "--enable-lora-runtime-updating", "--torch-threads", "2"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the engine exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the engine did not become healthy in 300 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _raw_read_seconds(directory: Path) -> float:
+    """Read every file of the adapter once (the bytes a loader must read at least)."""
+    start = time.perf_counter()
+    for name in (peft.CONFIG_FILE, peft.WEIGHTS_FILE):
+        with (directory / name).open("rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+    return time.perf_counter() - start
+
+
+def _ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1000, 3)
+
+
+async def _measure(url: str, target: AdapterTarget, cache: DiskCache, repeats: int) -> dict[str, Any]:
+    driver = EngineDriver(url, RuntimeInfo(base_model=""), timeout_s=300)
+    name = target.served_name
+    stages: dict[str, dict[str, list[float]]] = {"L3": {}, "L2": {}, "L1": {}}
+
+    def record(path: str, stage: str, seconds: float | None) -> None:
+        if seconds is not None:
+            stages[path].setdefault(stage, []).append(seconds)
+
+    async def engine_stage_sums() -> dict[str, float]:
+        samples = (await driver.scrape()).get("loraplane_engine_adapter_load_seconds_sum", [])
+        return {labels.get("stage", ""): value for labels, value in samples}
+
+    async def timed(path: str, stage: str, call: Any) -> None:
+        """Time one runtime call, and the engine's own stage times inside it (``engine_<stage>``)."""
+        before = await engine_stage_sums()
+        start = time.perf_counter()
+        await call
+        record(path, stage, time.perf_counter() - start)
+        for engine_stage, total in (await engine_stage_sums()).items():
+            if total > before.get(engine_stage, 0.0):
+                record(path, f"engine_{engine_stage}", total - before.get(engine_stage, 0.0))
+
+    async def load_and_activate(path: str, entry_path: Path) -> None:
+        await timed(path, "disk_load", driver.load(name, entry_path))
+        await timed(path, "h2d", driver.activate(name))
+
+    try:
+        for _ in range(repeats):
+            cache.remove(target.cache_key)
+            timings = StageTimings()
+            start = time.perf_counter()
+            entry = await asyncio.to_thread(cache.fetch, target, (), timings)
+            for stage in ("resolve", "download", "verify", "unpack"):
+                record("L3", stage, getattr(timings, stage))
+            await load_and_activate("L3", entry.path)
+            record("L3", "total", time.perf_counter() - start)
+            await driver.unload(name)
+
+        raw_reads = []
+        for _ in range(repeats):
+            raw_reads.append(_raw_read_seconds(entry.path))
+            start = time.perf_counter()
+            await load_and_activate("L2", entry.path)
+            record("L2", "total", time.perf_counter() - start)
+            await driver.offload(name)
+            start = time.perf_counter()
+            await timed("L1", "h2d", driver.activate(name))
+            record("L1", "total", time.perf_counter() - start)
+            await driver.unload(name)
+        raw_reads += [_raw_read_seconds(entry.path) for _ in range(repeats)]
+    finally:
+        await driver.close()
+    result = {path: {stage: _ms(v) for stage, v in by_stage.items()} for path, by_stage in stages.items()}
+    raw_ms = _ms(raw_reads)
+    return {
+        "stages_ms": result,
+        "raw_read_ms": raw_ms,
+        "l2_load_over_raw_read": round(result["L2"]["disk_load"] / raw_ms, 3) if raw_ms else None,
+        "adapter_bytes": entry.bytes,
+    }
+
+
+def run(model: str, rank: int, repeats: int) -> dict[str, Any]:
+    """Write an adapter, serve it over HTTPS, start an engine, measure every path."""
+    from loraplane.engine.make_adapters import model_config, write_adapter
+
+    work = Path(tempfile.mkdtemp(prefix="loraplane-bench-sidecar-"))
+    files: HttpsFileServer | None = None
+    try:
+        served = work / "served"
+        adapter_dir = work / "made"
+        write_adapter(adapter_dir, model_config(model), rank, seed=1)
+        config = json.loads((adapter_dir / peft.CONFIG_FILE).read_text())
+        served.mkdir()
+        shutil.copyfile(adapter_dir / peft.WEIGHTS_FILE, served / "adapter.safetensors")
+        digest = "sha256:" + sha256_hex(served / "adapter.safetensors")
+        files = HttpsFileServer(served, work)
+        with engine_process(model, rank, work, work / "engine.log") as url:
+            listing = httpx.get(f"{url}/admin/adapters", timeout=10).json()
+            base_digest = listing["base_model_digest"]
+            target = AdapterTarget(
+                served_name=served_name("bench", "v1"), adapter="bench", revision="v1", tier=Tier.GPU,
+                artifact=Artifact(uri=files.url("adapter.safetensors"), digest=digest),
+                lora=LoraSpec(rank=rank, alpha=config["lora_alpha"], dtype="float32",
+                              target_modules=config["target_modules"]),
+                base_model_digest=base_digest, cache_key=cache_key(base_digest, "bench", "v1", digest),
+            )
+            cache = DiskCache(work / "cache", 1 << 34, ArtifactSources(SourceConfig(https_ca_file=str(files.ca_file))))
+            result = asyncio.run(_measure(url, target, cache, repeats))
+        return {"benchmark": "sidecar", "runtime": "engine", "model": model, "rank": rank, "repeats": repeats,
+                **result, "l2_target": 1.5}
+    finally:
+        if files is not None:
+            files.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``loraplane bench sidecar``."""
+    parser = argparse.ArgumentParser(prog="loraplane bench sidecar", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="medium", help="engine preset (medium: a ~40 MB rank-64 adapter)")
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output anyway)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    print(json.dumps(run(args.model, args.rank, args.repeats)))
+    return 0
