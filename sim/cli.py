@@ -1,0 +1,104 @@
+"""``loraplane sim``: run a scenario or a recorded trace through a pool under several policies."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import orjson
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+from loraplane.sim.cluster import SimConfig
+from loraplane.sim.policies import POLICY_NAMES
+from loraplane.sim.profile import LARGE_GPU, PROFILES, ProfileError, load_profile
+from loraplane.sim.report import plot, print_table, without_curves
+from loraplane.sim.runner import Job, run_all
+from loraplane.sim.trace import SCENARIOS, TraceError, load_csv, scenario
+
+#: traces at least this long get a progress bar (on a terminal)
+PROGRESS_MIN_REQUESTS = 20_000
+
+
+def _policies(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(POLICY_NAMES)}")
+    return list(dict.fromkeys(names))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's arguments."""
+    p = argparse.ArgumentParser(prog="loraplane sim", description=__doc__)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--scenario", choices=list(SCENARIOS), default="hot-plus-burst")
+    source.add_argument("--trace", type=Path, help="a recorded trace (CSV: timestamp, adapter, tenant, "
+                        "input_tokens, output_tokens[, tenant_class])")  # fmt: skip
+    p.add_argument("--policies", type=_policies, default=POLICY_NAMES, help=f"comma-separated: {', '.join(POLICY_NAMES)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=_positive, default=200_000, help="requests a scenario generates")
+    p.add_argument("--pods", type=_positive, default=8)
+    p.add_argument("--max-loras", type=_positive, default=4)
+    p.add_argument("--max-cpu-loras", type=_positive, default=16)
+    p.add_argument("--profile", default=LARGE_GPU.name,
+                   help=f"{', '.join(PROFILES)} or a JSON file (saved profile or bench output)")  # fmt: skip
+    p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")
+    p.add_argument("--jobs", type=_positive, help="worker processes (default: one per CPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--plot", type=Path, metavar="DIR", help="write ttft_cdf.png and cold_starts.png into DIR")
+    p.add_argument("--save-trace", type=Path, metavar="CSV", help="also write the generated trace as CSV")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``loraplane sim``."""
+    args = parser().parse_args(argv)
+    err = Console(stderr=True)
+    try:
+        profile = load_profile(args.profile)
+        config = SimConfig(pods=args.pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
+        if args.trace is not None:
+            trace = load_csv(args.trace, profile.default_adapter_bytes)
+        else:
+            trace = scenario(args.scenario, args.requests, args.seed, profile.default_adapter_bytes)
+    except (ProfileError, TraceError, ValueError) as exc:
+        err.print(f"loraplane sim: {exc}", markup=False)
+        return 2
+    if args.save_trace is not None:
+        args.save_trace.write_text(trace.to_csv())
+    if len(trace) >= PROGRESS_MIN_REQUESTS and err.is_terminal:
+        with Progress(
+            TextColumn("{task.description:<32}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(), console=err, transient=True,
+        ) as bar:  # fmt: skip
+            tasks: list[TaskID] = []
+
+            def show(work: list[Job], done: list[int], totals: list[int]) -> None:
+                if not tasks:
+                    for job, total in zip(work, totals, strict=True):
+                        label = f"{job.policy}{' (no burst)' if job.no_burst else ''}"
+                        tasks.append(bar.add_task(label, total=total))
+                for task, count in zip(tasks, done, strict=True):
+                    bar.update(task, completed=count)
+
+            report = run_all(trace, config, profile, args.policies, args.seed, args.picker_config, args.jobs, show)
+    else:
+        report = run_all(trace, config, profile, args.policies, args.seed, args.picker_config, args.jobs)
+    if args.plot is not None:
+        for path in plot(report, args.plot):
+            err.print(f"wrote {path}", markup=False)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(without_curves(report)) + b"\n")
+    else:
+        print_table(report)
+    return 0

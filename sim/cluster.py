@@ -1,0 +1,525 @@
+"""The discrete-event simulator of one InferencePool.
+
+Each pod runs vLLM-style continuous batching: at every step boundary it admits waiting requests in arrival order
+(skipping one whose adapter cannot get a GPU slot, as vLLM's scheduler does), loads admitted requests' adapters
+*inside* that step (a load stalls the whole batch, as in vLLM), runs the prefill of new requests and one decode token
+for every running one. A request's first token comes at the end of the step that admitted it, so
+
+    TTFT = queue wait + load stall (by tier) + prefill + decode of the co-scheduled batch + step overhead.
+
+Between two events that change a pod's batch (an arrival it could admit, a request finishing, a download finishing)
+every step costs the same, so the simulator jumps over the steps in between in one event: the work is O(events),
+not O(tokens). Adapters absent from a pod are downloaded to its disk asynchronously (the request waits; the batch
+does not).
+
+Tiers per pod, with vLLM's meanings: ``gpu`` (``max_loras`` slots), ``cpu`` (the registered cache of
+``max_cpu_loras`` adapters, a superset of ``gpu``), ``disk`` (unbounded), absent. An adapter with running requests
+is never evicted; pinned ones neither.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from array import array
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loraplane.api import Tier
+from loraplane.sim.profile import Profile
+from loraplane.sim.trace import Trace
+
+#: tier codes recorded per request (index into TIER_NAMES)
+L0, L1, L2, L3 = 0, 1, 2, 3
+TIER_NAMES = ("L0", "L1", "L2", "L3")
+_TIER_OF_CODE = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.ABSENT)
+
+#: window within which a reload after an eviction counts as thrash, and over which "recent evictions" are counted
+THRASH_WINDOW_S = 60.0
+#: idle pods with blocked waiting requests re-check this often (e.g. a minimum residency time ran out)
+RETRY_S = 0.05
+#: how many waiting requests a step boundary looks at (bounds the cost of a long queue)
+SCAN_LIMIT = 128
+
+_STEP, _DOWNLOAD, _RETRY, _TICK = 0, 1, 2, 3
+
+
+class Router(Protocol):
+    """Chooses a pod for each request. ``pods`` are read-only to it."""
+
+    name: str
+
+    def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
+        """The index of the pod that serves request ``rid``."""
+        ...
+
+
+class Eviction(Protocol):
+    """Chooses which adapter leaves a full tier of a pod; ``None`` refuses (the load waits)."""
+
+    name: str
+
+    def victim(self, now: float, pod: Pod, tier: Tier, candidates: list[int], incoming: int) -> int | None:
+        """One of ``candidates`` (resident at ``tier``, not running, not pinned), or ``None``."""
+        ...
+
+
+class Placement(Protocol):
+    """Periodically moves adapters between tiers ahead of demand (the controller's job)."""
+
+    period_s: float
+
+    def apply(self, now: float, sim: Simulator) -> None:
+        """Read the pool and request rates from ``sim``, change pods' targets via ``Pod.prefetch``/``Pod.pin``."""
+        ...
+
+
+class Pod:
+    """One model server. Attributes are read by routers and eviction policies; only the simulator changes them."""
+
+    def __init__(self, index: int, max_loras: int, max_cpu_loras: int, disk: set[int]) -> None:
+        self.index = index
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self.gpu: set[int] = set()
+        self.cpu: set[int] = set()
+        self.disk: set[int] = set(disk)
+        self.disk_used = 0
+        self.downloading: set[int] = set()
+        #: bumped whenever an adapter changes tier here (lets readers cache what they derive from the tiers)
+        self.residency_version = 0
+        self.pinned: set[int] = set()
+        self.last_use: dict[int, float] = {}
+        self.uses: dict[int, int] = {}
+        self.loaded_at: dict[int, float] = {}
+        self.waiting: deque[int] = deque()
+        self.running: list[tuple[int, int]] = []
+        self.running_adapters: dict[int, int] = {}
+        self.waiting_adapters: dict[int, int] = {}
+        self.kv_reserved = 0
+        self.eviction_times: deque[float] = deque()
+        self.evicted_at: dict[int, float] = {}
+        #: adapters a placement asked to bring to the GPU at the next step (no request needs them yet)
+        self.prefetch_queue: list[int] = []
+        # the current run of identical steps
+        self.busy = False
+        self.steps = 0
+        self.run_t0 = 0.0
+        self.run_first_end = 0.0
+        self.run_step_s = 0.0
+        self.run_distinct = 0
+        self.run_steps = 0
+        self.event_time = math.inf
+        self.version = 0
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for admission (``vllm:num_requests_waiting``)."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch (``vllm:num_requests_running``)."""
+        return len(self.running)
+
+    def tier_of(self, adapter: int) -> Tier:
+        """Where this pod holds ``adapter``."""
+        if adapter in self.gpu:
+            return Tier.GPU
+        if adapter in self.cpu:
+            return Tier.CPU
+        if adapter in self.disk:
+            return Tier.DISK
+        return Tier.ABSENT
+
+    def recent_evictions(self, now: float) -> int:
+        """GPU evictions in the last ``THRASH_WINDOW_S`` seconds."""
+        times = self.eviction_times
+        while times and times[0] < now - THRASH_WINDOW_S:
+            times.popleft()
+        return len(times)
+
+    def evictable(self, tier_set: set[int], keep: int) -> list[int]:
+        """Adapters of ``tier_set`` that may leave it: not running, not pinned, not ``keep``."""
+        running, pinned = self.running_adapters, self.pinned
+        return [a for a in tier_set if a not in running and a not in pinned and a != keep]
+
+
+@dataclass
+class SimConfig:
+    """The pool: pod count and vLLM's LoRA limits per pod."""
+
+    pods: int = 8
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    #: each pod's disk cache budget (the sidecar's default ``--cache-bytes 20G``)
+    disk_bytes: int = 20_000_000_000
+
+    def __post_init__(self) -> None:
+        if self.pods < 1 or self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
+            raise ValueError("need pods >= 1, max_loras >= 1 and max_cpu_loras >= max_loras (as vLLM requires)")
+
+
+@dataclass
+class SimResult:
+    """Per-request outcomes and pool counters of one run."""
+
+    policy: str
+    trace: Trace
+    ttft: array  # seconds
+    tier: bytearray  # L0..L3: the coldest tier the request's adapter came from
+    pod: array
+    gpu_loads: int = 0
+    demand_loads: int = 0
+    load_times: list[float] = field(default_factory=list)
+    gpu_evictions: int = 0
+    thrash_reloads: int = 0
+    slot_busy_s: float = 0.0
+    sim_seconds: float = 0.0
+    events: int = 0
+
+
+class Simulator:
+    """Runs one trace through one pool under one router, eviction policy and (optional) placement."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        config: SimConfig,
+        profile: Profile,
+        router: Router,
+        eviction: Eviction,
+        placement: Placement | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.trace = trace
+        self.config = config
+        self.profile = profile
+        self.router = router
+        self.eviction = eviction
+        self.placement = placement
+        self.progress = progress
+        on_disk: set[int] = set()
+        used = 0
+        for i, a in enumerate(trace.adapters):
+            if a.on_disk and used + a.nbytes <= config.disk_bytes:
+                on_disk.add(i)
+                used += a.nbytes
+        self.pods = [Pod(i, config.max_loras, config.max_cpu_loras, on_disk) for i in range(config.pods)]
+        for pod in self.pods:
+            pod.disk_used = used
+        n = len(trace)
+        self.result = SimResult(
+            policy=router.name,
+            trace=trace,
+            ttft=array("d", bytes(8 * n)),
+            tier=bytearray(n),
+            pod=array("i", bytes(4 * n)),
+        )
+        self._heap: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self.now = 0.0
+        #: requests that have arrived so far
+        self.arrived = 0
+        # costs in seconds, precomputed
+        p = profile
+        self._overhead = p.step_overhead_ms / 1e3
+        self._decode_base = p.decode_base_ms / 1e3
+        self._per_seq = p.decode_per_seq_ms / 1e3
+        self._lora_base = p.lora_base_ms / 1e3
+        self._lora_per = p.lora_per_adapter_ms / 1e3
+        self._prefill = p.prefill_per_token_ms / 1e3
+        self._load_s = [
+            [p.load_ms(tier, a.nbytes) / 1e3 for tier in (Tier.GPU, Tier.CPU, Tier.DISK)] for a in trace.adapters
+        ]
+        self._download_s = [p.download_ms(a.nbytes) / 1e3 for a in trace.adapters]
+
+    # -- events ---------------------------------------------------------------------------------------------
+    def _push(self, when: float, kind: int, pod: int, arg: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (when, self._seq, kind, pod, arg))
+
+    def run(self) -> SimResult:
+        """Simulate the whole trace; returns the per-request outcomes."""
+        tr = self.trace
+        arrivals, adapters, n = tr.arrival, tr.adapter, len(tr)
+        heap = self._heap
+        pods, res = self.pods, self.result
+        pick = self.router.pick
+        if self.placement is not None:
+            self._push(0.0, _TICK, 0, 0)
+        i = 0
+        events = 0
+        report_every = max(1, n // 100)
+        while i < n or heap:
+            next_arrival = arrivals[i] if i < n else math.inf
+            if heap and heap[0][0] <= next_arrival:
+                when, _, kind, pod_index, arg = heapq.heappop(heap)
+                self.now = when
+                events += 1
+                pod = pods[pod_index]
+                if kind == _STEP:
+                    if arg == pod.version:
+                        self._boundary(pod, when)
+                elif kind == _DOWNLOAD:
+                    self._downloaded(pod, arg)
+                    if pod.waiting_adapters.get(arg):
+                        self._wake(pod, when)
+                elif kind == _RETRY:
+                    if not pod.busy and arg == pod.version:
+                        self._begin(pod, when)
+                elif self.placement is not None and (i < n or any(p.busy or p.waiting for p in pods)):
+                    self.placement.apply(when, self)
+                    self._push(when + self.placement.period_s, _TICK, 0, 0)
+                continue
+            # an arrival
+            self.now = next_arrival
+            events += 1
+            rid = i
+            i += 1
+            self.arrived = i
+            a = adapters[rid]
+            pod = pods[pick(next_arrival, rid, tr, pods)]
+            res.pod[rid] = pod.index
+            res.tier[rid] = L0 if a in pod.gpu else L1 if a in pod.cpu else L2 if a in pod.disk else L3
+            pod.waiting.append(rid)
+            pod.waiting_adapters[a] = pod.waiting_adapters.get(a, 0) + 1
+            if a not in pod.disk and a not in pod.downloading:
+                pod.downloading.add(a)
+                self._push(next_arrival + self._download_s[a], _DOWNLOAD, pod.index, a)
+            self._wake(pod, next_arrival, a)
+            if self.progress is not None and i % report_every == 0:
+                self.progress(i)
+        res.events = events
+        res.sim_seconds = self.now
+        return res
+
+    def _wake(self, pod: Pod, now: float, adapter: int = -1) -> None:
+        """Something ``pod`` may admit appeared: start it, or end its current run of steps at the next boundary."""
+        if not pod.busy:
+            self._begin(pod, now)
+            return
+        if adapter >= 0 and not self._could_admit(pod, adapter):
+            return
+        if now < pod.run_first_end:
+            boundary, count = pod.run_first_end, 1
+        else:
+            k = math.ceil((now - pod.run_first_end) / pod.run_step_s) if pod.run_step_s > 0 else 0
+            boundary, count = pod.run_first_end + k * pod.run_step_s, 1 + k
+        if boundary < pod.event_time:
+            self._schedule(pod, boundary, count)
+
+    def _could_admit(self, pod: Pod, adapter: int) -> bool:
+        if len(pod.running) >= self.profile.max_num_seqs or adapter in pod.downloading:
+            return False
+        return adapter in pod.running_adapters or len(pod.running_adapters) < pod.max_loras
+
+    def _schedule(self, pod: Pod, when: float, steps_in_run: int) -> None:
+        pod.version += 1
+        pod.event_time = when
+        pod.run_steps = steps_in_run
+        self._push(when, _STEP, pod.index, pod.version)
+
+    # -- the pod's engine loop ------------------------------------------------------------------------------
+    def _boundary(self, pod: Pod, now: float) -> None:
+        """End of a run of steps: account it, retire finished requests, start the next step."""
+        res = self.result
+        res.slot_busy_s += pod.run_distinct * (now - pod.run_t0)
+        pod.steps += pod.run_steps
+        running, out_tokens, in_tokens = pod.running, self.trace.output_tokens, self.trace.input_tokens
+        adapters = self.trace.adapter
+        while running and running[0][0] <= pod.steps:
+            _, rid = heapq.heappop(running)
+            a = adapters[rid]
+            left = pod.running_adapters[a] - 1
+            if left:
+                pod.running_adapters[a] = left
+            else:
+                del pod.running_adapters[a]
+            pod.kv_reserved -= in_tokens[rid] + out_tokens[rid]
+        pod.busy = False
+        pod.event_time = math.inf
+        self._begin(pod, now)
+
+    def _begin(self, pod: Pod, now: float) -> None:
+        """Admit what fits, then schedule the end of the run of steps that follows."""
+        stall, prefill_tokens, admitted, budget_hit = self._admit(pod, now)
+        running = pod.running
+        if not running:
+            pod.busy = False
+            if pod.waiting and any(a not in pod.downloading for a in pod.waiting_adapters):
+                pod.version += 1
+                self._push(now + RETRY_S, _RETRY, pod.index, pod.version)
+            return
+        distinct = len(pod.running_adapters)
+        batch = len(running)
+        lora = self._lora_base + self._lora_per * distinct if distinct else 0.0
+        step = self._overhead + self._decode_base + self._per_seq * batch + lora
+        first = step + stall + self._prefill * prefill_tokens
+        first_end = now + first
+        res, arrivals = self.result, self.trace.arrival
+        for rid in admitted:
+            res.ttft[rid] = first_end - arrivals[rid]
+        pod.busy = True
+        pod.run_t0 = now
+        pod.run_first_end = first_end
+        pod.run_step_s = step
+        pod.run_distinct = distinct
+        if budget_hit:
+            self._schedule(pod, first_end, 1)
+        else:
+            k = running[0][0] - pod.steps  # steps until the next finish (>= 1)
+            self._schedule(pod, first_end + (k - 1) * step, k)
+
+    def _admit(self, pod: Pod, now: float) -> tuple[float, int, list[int], bool]:
+        """vLLM's scheduler with LoRA: FIFO, skipping requests whose adapter cannot get a slot this step."""
+        prof = self.profile
+        tr = self.trace
+        adapters, in_tokens, out_tokens = tr.adapter, tr.input_tokens, tr.output_tokens
+        res = self.result
+        waiting, running = pod.waiting, pod.running
+        running_adapters, waiting_adapters = pod.running_adapters, pod.waiting_adapters
+        stall = 0.0
+        for a in pod.prefetch_queue:
+            stall += self._load(pod, a, now, demand=False)
+        pod.prefetch_queue.clear()
+        budget = prof.max_batched_tokens
+        kv_free = prof.kv_capacity_tokens - pod.kv_reserved
+        admitted: list[int] = []
+        prefill_tokens = 0
+        skipped: list[int] = []
+        scanned = 0
+        budget_hit = False
+        while waiting and scanned < SCAN_LIMIT and len(running) < prof.max_num_seqs:
+            rid = waiting[0]
+            n_in = in_tokens[rid]
+            need_kv = n_in + out_tokens[rid]
+            if admitted and n_in > budget:
+                budget_hit = True
+                break
+            if need_kv > kv_free and (admitted or running):
+                break
+            waiting.popleft()
+            scanned += 1
+            a = adapters[rid]
+            if a not in pod.gpu:
+                if (a not in running_adapters and len(running_adapters) >= pod.max_loras) or a in pod.downloading:
+                    skipped.append(rid)
+                    continue
+                tier = L1 if a in pod.cpu else L2
+                cost = self._load(pod, a, now, demand=True)
+                if cost < 0:
+                    skipped.append(rid)
+                    continue
+                stall += cost
+                if res.tier[rid] < tier:
+                    res.tier[rid] = tier
+            # admit
+            budget -= n_in
+            kv_free -= need_kv
+            pod.kv_reserved += need_kv
+            prefill_tokens += n_in
+            admitted.append(rid)
+            left = waiting_adapters[a] - 1
+            if left:
+                waiting_adapters[a] = left
+            else:
+                del waiting_adapters[a]
+            running_adapters[a] = running_adapters.get(a, 0) + 1
+            pod.last_use[a] = now
+            pod.uses[a] = pod.uses.get(a, 0) + 1
+            heapq.heappush(running, (pod.steps + out_tokens[rid], rid))
+        if skipped:
+            waiting.extendleft(reversed(skipped))
+        return stall, prefill_tokens, admitted, budget_hit
+
+    def _load(self, pod: Pod, a: int, now: float, demand: bool) -> float:
+        """Bring ``a`` into a GPU slot of ``pod``, evicting if needed. Returns the stall in seconds, or -1 when the
+        eviction policy refuses (nothing changes then)."""
+        if a in pod.gpu:
+            return 0.0
+        from_cpu = a in pod.cpu
+        if not from_cpu and a not in pod.disk:
+            return -1.0
+        gpu_victim = cpu_victim = -1
+        if len(pod.gpu) >= pod.max_loras:
+            v = self.eviction.victim(now, pod, Tier.GPU, pod.evictable(pod.gpu, a), a)
+            if v is None:
+                return -1.0
+            gpu_victim = v
+        if not from_cpu and len(pod.cpu) >= pod.max_cpu_loras:
+            v = self.eviction.victim(now, pod, Tier.CPU, pod.evictable(pod.cpu, a), a)
+            if v is None:
+                return -1.0
+            cpu_victim = v
+        res = self.result
+        if cpu_victim >= 0:
+            pod.cpu.discard(cpu_victim)
+            if cpu_victim in pod.gpu and cpu_victim != gpu_victim:
+                self._evict_gpu(pod, cpu_victim, now)
+        if gpu_victim >= 0:
+            self._evict_gpu(pod, gpu_victim, now)
+        pod.cpu.add(a)
+        pod.gpu.add(a)
+        pod.loaded_at[a] = now
+        pod.residency_version += 1
+        res.gpu_loads += 1
+        if demand:
+            res.demand_loads += 1
+            res.load_times.append(now)
+        evicted = pod.evicted_at.get(a)
+        if evicted is not None and now - evicted <= THRASH_WINDOW_S:
+            res.thrash_reloads += 1
+        return self._load_s[a][1 if from_cpu else 2]
+
+    def _downloaded(self, pod: Pod, a: int) -> None:
+        """``a`` is on ``pod``'s disk; older disk-only adapters leave while the cache is over its budget."""
+        pod.downloading.discard(a)
+        pod.disk.add(a)
+        pod.disk_used += self.trace.adapters[a].nbytes
+        pod.residency_version += 1
+        while pod.disk_used > self.config.disk_bytes:
+            spare = [d for d in pod.disk if d not in pod.cpu and d != a and d not in pod.waiting_adapters]
+            if not spare:
+                break
+            victim = min(spare, key=lambda d: pod.last_use.get(d, -1.0))
+            pod.disk.discard(victim)
+            pod.disk_used -= self.trace.adapters[victim].nbytes
+
+    def _evict_gpu(self, pod: Pod, a: int, now: float) -> None:
+        pod.gpu.discard(a)
+        pod.residency_version += 1
+        pod.evicted_at[a] = now
+        pod.eviction_times.append(now)
+        self.result.gpu_evictions += 1
+
+    # -- used by placements -----------------------------------------------------------------------------------
+    def prefetch(self, pod: Pod, adapter: int) -> None:
+        """Ask ``pod`` to bring ``adapter`` to a GPU slot at its next step (downloading it first if absent)."""
+        if adapter in pod.gpu or adapter in pod.prefetch_queue:
+            return
+        if adapter not in pod.disk:
+            if adapter not in pod.downloading:
+                pod.downloading.add(adapter)
+                self._push(self.now + self._download_s[adapter], _DOWNLOAD, pod.index, adapter)
+            return
+        pod.prefetch_queue.append(adapter)
+        self._wake(pod, self.now)
+
+    def stage_cpu(self, pod: Pod, adapter: int) -> None:
+        """Ask ``pod`` to hold ``adapter`` in host memory (read and parsed off the batch's critical path)."""
+        if adapter in pod.cpu:
+            return
+        if adapter not in pod.disk:
+            self.prefetch(pod, adapter)  # starts the download; the next placement round stages it
+            return
+        if len(pod.cpu) >= pod.max_cpu_loras:
+            victim = self.eviction.victim(self.now, pod, Tier.CPU, pod.evictable(pod.cpu - pod.gpu, adapter), adapter)
+            if victim is None:
+                return
+            pod.cpu.discard(victim)
+        pod.cpu.add(adapter)
+        pod.loaded_at.setdefault(adapter, self.now)
+        pod.residency_version += 1

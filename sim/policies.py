@@ -1,0 +1,246 @@
+"""The policy-adapter layer: production code driven by the simulator, plus the registry of policy names.
+
+loraplane's policy is three pieces of production code, unchanged:
+
+- routing: ``loraplane.picker.scheduler.Scheduler`` with the picker's default config (or ``--picker-config``),
+  scoring a ``PoolSnapshot`` built from the simulated pods as a sidecar's report would describe them;
+- residency: ``loraplane.engine.policies.KeepScorePolicy`` choosing eviction victims;
+- placement: ``loraplane.controller.placement.place`` run every reconcile period on the request rates the picker
+  would publish, its GPU / CPU targets applied the way a sidecar applies a ``TargetState``.
+
+Baselines use the routers of ``loraplane.sim.baselines`` and vLLM's LRU (the engine's ``lru`` policy).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from loraplane.api import Tier
+from loraplane.controller.placement import AdapterDemand, PlacementConfig, PodCapacity, Rates, place
+from loraplane.controller.placement import Placement as PlacementPlan
+from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
+from loraplane.engine.tiers import AdapterState
+from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
+from loraplane.picker.snapshot import EndpointState, PoolSnapshot
+from loraplane.sim.baselines import BASELINES
+from loraplane.sim.cluster import Eviction, Placement, Pod, Router, SimConfig, Simulator
+from loraplane.sim.profile import Profile
+from loraplane.sim.trace import Trace
+
+LORAPLANE = "loraplane"
+POLICY_NAMES = [LORAPLANE, *BASELINES]
+#: how often the picker gets new sidecar reports (residency and load): the sidecar's default heartbeat. Its own
+#: in-flight counts are always current.
+REPORT_S = 1.0
+#: the controller's reconcile period for placement
+PLACEMENT_PERIOD_S = 10.0
+
+
+def adapter_digest(name: str) -> str:
+    """A stable stand-in artifact digest for a simulated served revision."""
+    return "sha256:" + hashlib.sha256(name.encode()).hexdigest()
+
+
+class EngineEviction:
+    """Runs one of the engine's eviction policies on a simulated pod's adapters."""
+
+    def __init__(self, policy: EvictionPolicy, trace: Trace, profile: Profile) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self._trace = trace
+        self._reload_s = [profile.load_ms(Tier.DISK, a.nbytes) / 1e3 for a in trace.adapters]
+        self._states: dict[tuple[int, int], AdapterState] = {}
+
+    def _state(self, pod: Pod, adapter: int) -> AdapterState:
+        key = (pod.index, adapter)
+        state = self._states.get(key)
+        if state is None:
+            spec = self._trace.adapters[adapter]
+            state = AdapterState(
+                name=spec.name,
+                path=Path(spec.name),
+                digest=adapter_digest(spec.name),
+                disk_bytes=spec.nbytes,
+                nbytes=spec.nbytes,
+                priority=self._trace.tenants[spec.tenant].priority,
+                load_seconds=self._reload_s[adapter],
+            )
+            self._states[key] = state
+        state.last_access = pod.last_use.get(adapter)
+        state.hits = pod.uses.get(adapter, 0)
+        state.tier_since = pod.loaded_at.get(adapter, 0.0)
+        return state
+
+    def victim(self, now: float, pod: Pod, tier: Tier, candidates: list[int], incoming: int) -> int | None:
+        """The engine policy's choice among ``candidates``."""
+        if not candidates:
+            return None
+        states = [self._state(pod, a) for a in candidates]
+        chosen = self.policy.victim(states, now)
+        return next(a for a, s in zip(candidates, states, strict=True) if s is chosen)
+
+
+class PickerRouter:
+    """The picker's ``Scheduler`` over a snapshot of the simulated pods."""
+
+    name = LORAPLANE
+
+    def __init__(self, seed: int, trace: Trace, profile: Profile, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._rng = np.random.default_rng(seed)
+        self._kv = profile.kv_capacity_tokens
+        names = [a.name for a in trace.adapters]
+        self._names = names
+        self._digests = [adapter_digest(n) for n in names]
+        prio = [trace.tenants[a.tenant].priority for a in trace.adapters]
+        self._priorities = {n: p for n, p in zip(names, prio, strict=True) if p}
+        self._requests = [
+            SchedulingRequest(served_name=n, digest=d, priority=p, tenant=trace.tenants[a.tenant].name)
+            for n, d, p, a in zip(names, self._digests, prio, trace.adapters, strict=True)
+        ]
+        self._snapshot: PoolSnapshot | None = None
+        self._reported_at = -math.inf
+        self._versions: list[int] = []
+        self._residency: dict[int, tuple[int, dict[str, tuple[Tier, str | None]]]] = {}
+
+    def _residency_of(self, pod: Pod) -> dict[str, tuple[Tier, str | None]]:
+        cached = self._residency.get(pod.index)
+        if cached is not None and cached[0] == pod.residency_version:
+            return cached[1]
+        names, digests = self._names, self._digests
+        held: dict[str, tuple[Tier, str | None]] = {names[a]: (Tier.DISK, digests[a]) for a in pod.disk}
+        held.update({names[a]: (Tier.CPU, digests[a]) for a in pod.cpu})
+        held.update({names[a]: (Tier.GPU, digests[a]) for a in pod.gpu})
+        self._residency[pod.index] = (pod.residency_version, held)
+        return held
+
+    def _refresh(self, now: float, pods: list[Pod]) -> PoolSnapshot:
+        """The snapshot of the latest reports: rebuilt every heartbeat; when no pod's tiers changed only the load
+        figures are replaced (the residency index is reused)."""
+        snapshot = self._snapshot
+        if snapshot is not None and now - self._reported_at < REPORT_S:
+            return snapshot
+        self._reported_at = now
+        versions = [p.residency_version for p in pods]
+        if snapshot is None or versions != self._versions:
+            self._versions = versions
+            self._snapshot = self._build(now, pods)
+            return self._snapshot
+        fresh = copy.copy(snapshot)
+        n = len(pods)
+        fresh.queue_depth = np.fromiter((len(p.waiting) for p in pods), np.float64, n)
+        fresh.running = np.fromiter((len(p.running) for p in pods), np.float64, n)
+        fresh.active_tokens = np.fromiter((p.kv_reserved for p in pods), np.float64, n)
+        fresh.kv_utilization = np.minimum(1.0, fresh.active_tokens / self._kv)
+        fresh.recent_evictions = np.fromiter((p.recent_evictions(now) for p in pods), np.float64, n)
+        fresh.in_flight = np.zeros(n)
+        self._snapshot = fresh
+        return fresh
+
+    def _build(self, now: float, pods: list[Pod]) -> PoolSnapshot:
+        states = [
+            EndpointState(
+                name=f"pod-{p.index}",
+                address=f"10.0.0.{p.index + 1}:8000",
+                queue_depth=len(p.waiting),
+                running=len(p.running),
+                active_tokens=p.kv_reserved,
+                kv_utilization=min(1.0, p.kv_reserved / self._kv),
+                recent_evictions=p.recent_evictions(now),
+                residency=self._residency_of(p),
+            )
+            for p in pods
+        ]
+        return PoolSnapshot(states, self._priorities)
+
+    def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
+        """The scheduler's primary endpoint for request ``rid``."""
+        snapshot = self._refresh(now, pods)
+        in_flight = snapshot.in_flight
+        for p in pods:
+            in_flight[p.index] = len(p.waiting) + len(p.running)
+        decision = self.scheduler.schedule(self._requests[trace.adapter[rid]], snapshot, self._rng)
+        return decision.indices[0]
+
+
+class ControllerPlacement:
+    """The controller's placement on the rates the picker would publish, applied as sidecars apply targets."""
+
+    def __init__(self, trace: Trace, config: SimConfig, period_s: float = PLACEMENT_PERIOD_S) -> None:
+        self.period_s = period_s
+        self._trace = trace
+        self._config = PlacementConfig()
+        self._pods = [PodCapacity(f"pod-{i}", config.max_loras, config.max_cpu_loras) for i in range(config.pods)]
+        self._index = {a.name: i for i, a in enumerate(trace.adapters)}
+        self._adapters = np.asarray(trace.adapter, dtype=np.intp)
+        self._counts = np.zeros(len(trace.adapters))
+        self._history: list[tuple[float, np.ndarray]] = []
+        self._counted = 0
+        self._previous: PlacementPlan | None = None
+
+    def _rate(self, now: float, window: float) -> np.ndarray:
+        start = now - window
+        past = next((c for t, c in self._history if t >= start), self._history[0][1])
+        return np.asarray((self._counts - past) / max(1.0, min(window, now)))
+
+    def apply(self, now: float, sim: Simulator) -> None:
+        """Plan on the rates so far and bring each pod's GPU / CPU targets in."""
+        arrived = sim.arrived
+        self._counts += np.bincount(self._adapters[self._counted : arrived], minlength=len(self._counts))
+        self._counted = arrived
+        self._history.append((now, self._counts.copy()))
+        m5, h1, h24 = self._rate(now, 300), self._rate(now, 3600), self._rate(now, 86400)
+        tr = self._trace
+        demands = [
+            AdapterDemand(
+                served_name=a.name,
+                bytes=a.nbytes,
+                rates=Rates(float(m5[i]), float(h1[i]), float(h24[i])),
+                tenant=tr.tenants[a.tenant].name,
+                priority=tr.tenants[a.tenant].priority,
+            )
+            for i, a in enumerate(tr.adapters)
+            if h24[i] > 0
+        ]
+        plan = place(self._pods, demands, previous=self._previous, config=self._config)
+        self._previous = plan
+        for pod in sim.pods:
+            for name, tier in plan.pods.get(f"pod-{pod.index}", {}).items():
+                if tier is Tier.GPU:
+                    sim.prefetch(pod, self._index[name])
+                elif tier is Tier.CPU:
+                    sim.stage_cpu(pod, self._index[name])
+
+
+@dataclass
+class Policy:
+    """What one named policy runs: a router, an eviction policy and optionally a placement."""
+
+    router: Router
+    eviction: Eviction
+    placement: Placement | None = None
+
+
+def build_policy(
+    name: str, seed: int, trace: Trace, profile: Profile, config: SimConfig, picker_config: Path | None = None
+) -> Policy:
+    """The named policy, ready for a ``Simulator``."""
+    if name == LORAPLANE:
+        scheduler = Scheduler(EndpointPickerConfig.load(picker_config))
+        return Policy(
+            PickerRouter(seed, trace, profile, scheduler),
+            EngineEviction(KeepScorePolicy(), trace, profile),
+            ControllerPlacement(trace, config),
+        )
+    if name not in BASELINES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
+    router_factory: Callable[[int, int], Router] = BASELINES[name]
+    return Policy(router_factory(seed, profile.kv_capacity_tokens), EngineEviction(LruPolicy(), trace, profile))

@@ -1,0 +1,326 @@
+"""Request traces: the generator, the named scenarios and the CSV format.
+
+A trace is columns (arrival seconds, served adapter index, tenant index, input tokens, output tokens) sorted by
+arrival, plus the adapter and tenant tables. Adapters are served revisions (``name@revision``): a rollout shows up as
+traffic moving from one served name to another.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from loraplane.api import served_name
+
+#: the tenant class whose traffic is the sweep of cold adapters; every other class counts as "hot" (online)
+BURST = "burst"
+HOT = "hot"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A tenant: its class (``hot``, ``burst`` or anything a CSV names) and priority (higher is more important)."""
+
+    name: str
+    cls: str = HOT
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A served adapter revision and where a pod has it when the simulation starts."""
+
+    name: str
+    tenant: int
+    nbytes: int
+    on_disk: bool = True
+
+
+@dataclass
+class Trace:
+    """A request trace sorted by arrival time."""
+
+    name: str
+    tenants: list[Tenant]
+    adapters: list[Adapter]
+    arrival: list[float]
+    adapter: list[int]
+    tenant: list[int]
+    input_tokens: list[int]
+    output_tokens: list[int]
+    #: (start, end) seconds of the burst, when the trace has one
+    burst_window: tuple[float, float] | None = None
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.arrival)
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the first to the last arrival."""
+        return self.arrival[-1] - self.arrival[0] if self.arrival else 0.0
+
+    def has_class(self, cls: str) -> bool:
+        """True when some request comes from a tenant of class ``cls``."""
+        wanted = {i for i, t in enumerate(self.tenants) if t.cls == cls}
+        return any(t in wanted for t in self.tenant)
+
+    def without_class(self, cls: str) -> Trace:
+        """The same trace with every request of tenants of class ``cls`` removed (tables unchanged)."""
+        dropped = {i for i, t in enumerate(self.tenants) if t.cls == cls}
+        keep = [i for i, t in enumerate(self.tenant) if t not in dropped]
+        return Trace(
+            name=f"{self.name}-without-{cls}",
+            tenants=self.tenants,
+            adapters=self.adapters,
+            arrival=[self.arrival[i] for i in keep],
+            adapter=[self.adapter[i] for i in keep],
+            tenant=[self.tenant[i] for i in keep],
+            input_tokens=[self.input_tokens[i] for i in keep],
+            output_tokens=[self.output_tokens[i] for i in keep],
+            burst_window=self.burst_window,
+            meta=dict(self.meta),
+        )
+
+    def to_csv(self) -> str:
+        """The trace in the CSV format ``load_csv`` reads."""
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow([*CSV_COLUMNS, "tenant_class"])
+        for i in range(len(self)):
+            tenant = self.tenants[self.tenant[i]]
+            writer.writerow(
+                [
+                    f"{self.arrival[i]:.6f}",
+                    self.adapters[self.adapter[i]].name,
+                    tenant.name,
+                    self.input_tokens[i],
+                    self.output_tokens[i],
+                    tenant.cls,
+                ]
+            )
+        return out.getvalue()
+
+
+CSV_COLUMNS = ["timestamp", "adapter", "tenant", "input_tokens", "output_tokens"]
+
+
+class TraceError(ValueError):
+    """A trace file or scenario request that cannot be used."""
+
+
+def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trace:
+    """Read a recorded trace: a header with ``timestamp, adapter, tenant, input_tokens, output_tokens``
+    (optionally ``tenant_class``), one request per row. Timestamps are seconds (any origin; rows may be unsorted)."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"cannot read trace {path}: {exc}") from exc
+    reader = csv.DictReader(io.StringIO(text))
+    header = reader.fieldnames or []
+    missing = [c for c in CSV_COLUMNS if c not in header]
+    if missing:
+        raise TraceError(f"{path}: missing column(s) {', '.join(missing)} (have {', '.join(header)})")
+    tenants: dict[str, int] = {}
+    tenant_list: list[Tenant] = []
+    adapters: dict[str, int] = {}
+    adapter_list: list[Adapter] = []
+    rows: list[tuple[float, int, int, int, int]] = []
+    for line, row in enumerate(reader, start=2):
+        if len(rows) >= max_rows:
+            raise TraceError(f"{path}: more than {max_rows} rows")
+        try:
+            ts = float(row["timestamp"])
+            n_in = int(row["input_tokens"])
+            n_out = int(row["output_tokens"])
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{path}:{line}: {exc}") from exc
+        if not np.isfinite(ts) or n_in < 0 or n_out < 1:
+            raise TraceError(f"{path}:{line}: need a finite timestamp, input_tokens >= 0, output_tokens >= 1")
+        adapter_name, tenant_name = (row["adapter"] or "").strip(), (row["tenant"] or "").strip()
+        if not adapter_name or not tenant_name:
+            raise TraceError(f"{path}:{line}: empty adapter or tenant")
+        if tenant_name not in tenants:
+            tenants[tenant_name] = len(tenant_list)
+            tenant_list.append(Tenant(tenant_name, (row.get("tenant_class") or HOT).strip()))
+        if adapter_name not in adapters:
+            adapters[adapter_name] = len(adapter_list)
+            adapter_list.append(Adapter(adapter_name, tenants[tenant_name], adapter_bytes))
+        rows.append((ts, adapters[adapter_name], tenants[tenant_name], n_in, n_out))
+    if not rows:
+        raise TraceError(f"{path}: no requests")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return Trace(
+        name=path.stem,
+        tenants=tenant_list,
+        adapters=adapter_list,
+        arrival=[r[0] - t0 for r in rows],
+        adapter=[r[1] for r in rows],
+        tenant=[r[2] for r in rows],
+        input_tokens=[r[3] for r in rows],
+        output_tokens=[r[4] for r in rows],
+    )
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Log-normal prompt and output lengths, clipped to [low, cap]."""
+
+    input_median: float = 512
+    input_sigma: float = 0.8
+    input_cap: int = 2048
+    output_median: float = 64
+    output_sigma: float = 0.6
+    output_cap: int = 128
+
+    def draw(self, rng: np.random.Generator, n: int) -> tuple[list[int], list[int]]:
+        """``n`` (input, output) token counts."""
+        n_in = np.clip(rng.lognormal(np.log(self.input_median), self.input_sigma, n), 16, self.input_cap)
+        n_out = np.clip(rng.lognormal(np.log(self.output_median), self.output_sigma, n), 1, self.output_cap)
+        return n_in.astype(int).tolist(), n_out.astype(int).tolist()
+
+
+def zipf_weights(n: int, s: float) -> np.ndarray:
+    """Popularity of ranks 1..n under Zipf(s), summing to 1."""
+    w = 1.0 / np.arange(1, n + 1) ** s
+    return np.asarray(w / w.sum())
+
+
+def poisson_arrivals(
+    rng: np.random.Generator, n: int, rate: float, start: float = 0.0, diurnal: float = 0.0, period: float = 0.0
+) -> np.ndarray:
+    """``n`` Poisson arrival times at ``rate`` per second from ``start``; with ``diurnal`` in [0, 1) the rate is
+    modulated by ``1 + diurnal * sin(2 pi t / period)`` (by time rescaling, so the count stays ``n``)."""
+    times = start + np.cumsum(rng.exponential(1.0 / rate, n))
+    if diurnal and period:
+        # invert the integrated rate Lambda(t) = t - diurnal * period / (2 pi) * (cos(2 pi t / period) - 1)
+        grid = np.linspace(0, times[-1] * 2 + period, 200_000)
+        lam = grid - diurnal * period / (2 * np.pi) * (np.cos(2 * np.pi * grid / period) - 1)
+        times = np.interp(times - start, lam, grid) + start
+    return np.asarray(times)
+
+
+def _assemble(
+    name: str,
+    tenants: list[Tenant],
+    adapters: list[Adapter],
+    parts: list[tuple[np.ndarray, np.ndarray]],
+    rng: np.random.Generator,
+    lengths: Lengths,
+    burst_window: tuple[float, float] | None = None,
+) -> Trace:
+    """Merge (arrival times, adapter indices) parts into one sorted trace with drawn lengths."""
+    arrival = np.concatenate([p[0] for p in parts])
+    adapter = np.concatenate([p[1] for p in parts]).astype(int)
+    order = np.argsort(arrival, kind="stable")
+    arrival, adapter = arrival[order], adapter[order]
+    n_in, n_out = lengths.draw(rng, len(arrival))
+    tenant_of = np.array([a.tenant for a in adapters])
+    return Trace(
+        name=name,
+        tenants=tenants,
+        adapters=adapters,
+        arrival=arrival.tolist(),
+        adapter=adapter.tolist(),
+        tenant=tenant_of[adapter].tolist(),
+        input_tokens=n_in,
+        output_tokens=n_out,
+        burst_window=burst_window,
+    )
+
+
+def gie_multilora(requests: int, seed: int, adapter_bytes: int) -> Trace:
+    """The anchors' benchmark shape: 15 adapters at 5 x 12%, 5 x 6%, 5 x 2%; Poisson stages 10 -> 60 QPS;
+    inputs <= 2048 tokens, outputs <= 128."""
+    rng = np.random.default_rng(seed)
+    tenants = [Tenant(f"tenant-{i}") for i in range(15)]
+    adapters = [Adapter(served_name(f"adapter-{i}", "v1"), i, adapter_bytes) for i in range(15)]
+    shares = np.array([0.12] * 5 + [0.06] * 5 + [0.02] * 5)
+    rates = [10, 20, 30, 40, 50, 60]
+    stage_s = requests / sum(rates)
+    parts, start = [], 0.0
+    counts = [round(r * stage_s) for r in rates]
+    counts[-1] += requests - sum(counts)
+    for rate, count in zip(rates, counts, strict=True):
+        times = poisson_arrivals(rng, count, rate, start)
+        parts.append((times, rng.choice(15, size=count, p=shares)))
+        start += stage_s
+    return _assemble("gie-multilora", tenants, adapters, parts, rng, Lengths())
+
+
+def hot_plus_burst(
+    requests: int,
+    seed: int,
+    adapter_bytes: int,
+    hot_rate: float = 40.0,
+    burst_rate: float = 20.0,
+    block: int = 25,
+) -> Trace:
+    """Three gold online tenants with 12 hot adapters (Zipf 1.0) at ``hot_rate``, plus a batch tenant that, during
+    the middle third, sweeps adapters no pod has, ``block`` consecutive requests each, at ``burst_rate``."""
+    rng = np.random.default_rng(seed)
+    tenants = [Tenant(f"online-{i}", HOT, priority=1) for i in range(3)] + [Tenant("batch-eval", BURST, priority=0)]
+    hot = [Adapter(served_name(f"hot-{i}", "v1"), i % 3, adapter_bytes) for i in range(12)]
+    duration = requests / (hot_rate + burst_rate / 3)
+    n_hot = round(hot_rate * duration)
+    n_burst = requests - n_hot
+    window = (duration / 3, duration / 3 + n_burst / burst_rate)
+    hot_times = poisson_arrivals(rng, n_hot, hot_rate)
+    burst_times = poisson_arrivals(rng, n_burst, burst_rate, start=window[0])
+    sweep = 12 + np.arange(n_burst) // block
+    cold = [
+        Adapter(served_name(f"sweep-{i}", "v1"), 3, adapter_bytes, on_disk=False) for i in range(-(-n_burst // block))
+    ]
+    parts = [(hot_times, rng.choice(12, size=n_hot, p=zipf_weights(12, 1.0))), (burst_times, sweep)]
+    return _assemble("hot-plus-burst", tenants, hot + cold, parts, rng, Lengths(), burst_window=window)
+
+
+def long_tail_1k(requests: int, seed: int, adapter_bytes: int, rate: float = 50.0) -> Trace:
+    """1,000 adapters of 50 tenants with Zipf 1.1 popularity, Poisson arrivals with a diurnal swing of +-50% over
+    the trace."""
+    rng = np.random.default_rng(seed)
+    tenants = [Tenant(f"tenant-{i}") for i in range(50)]
+    ranks = rng.permutation(1000)
+    adapters = [Adapter(served_name(f"adapter-{i}", "v1"), i % 50, adapter_bytes) for i in range(1000)]
+    times = poisson_arrivals(rng, requests, rate, diurnal=0.5, period=requests / rate)
+    chosen = ranks[rng.choice(1000, size=requests, p=zipf_weights(1000, 1.1))]
+    return _assemble("long-tail-1k", tenants, adapters, [(times, chosen)], rng, Lengths())
+
+
+def rollout(requests: int, seed: int, adapter_bytes: int, rate: float = 40.0) -> Trace:
+    """50 adapters (Zipf 1.0); halfway through, the 5 most popular release revision v2: a 10% canary for a tenth of
+    the trace, then all of their traffic. v2 starts absent from every pod (fetched on first use)."""
+    rng = np.random.default_rng(seed)
+    tenants = [Tenant(f"tenant-{i}") for i in range(10)]
+    v1 = [Adapter(served_name(f"adapter-{i}", "v1"), i % 10, adapter_bytes) for i in range(50)]
+    v2 = [Adapter(served_name(f"adapter-{i}", "v2"), i % 10, adapter_bytes, on_disk=False) for i in range(5)]
+    times = poisson_arrivals(rng, requests, rate)
+    chosen = rng.choice(50, size=requests, p=zipf_weights(50, 1.0))
+    end = times[-1]
+    canary = (times >= end / 2) & (times < end * 0.6) & (rng.random(requests) < 0.1)
+    moved = (chosen < 5) & ((times >= end * 0.6) | canary)
+    chosen = np.where(moved, 50 + chosen, chosen)
+    return _assemble("rollout", tenants, v1 + v2, [(times, chosen)], rng, Lengths())
+
+
+SCENARIOS: dict[str, Callable[[int, int, int], Trace]] = {
+    "gie-multilora": gie_multilora,
+    "hot-plus-burst": hot_plus_burst,
+    "long-tail-1k": long_tail_1k,
+    "rollout": rollout,
+}
+
+
+def scenario(name: str, requests: int, seed: int, adapter_bytes: int) -> Trace:
+    """Generate the named scenario."""
+    if name not in SCENARIOS:
+        raise TraceError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+    if requests < 1:
+        raise TraceError("requests must be >= 1")
+    return SCENARIOS[name](requests, seed, adapter_bytes)
