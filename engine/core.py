@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import random
 import time
 from collections import deque
@@ -29,9 +30,15 @@ from loraplane.engine.tokenizer import Tokenizer
 from loraplane.kernels import BatchPlan, BatchPlanner
 from loraplane.kernels.peft import PeftAdapter
 
+log = logging.getLogger(__name__)
+
 
 class RequestError(ValueError):
     """A request the engine refuses (the HTTP layer answers 400)."""
+
+
+class AdapterBusyError(RuntimeError):
+    """A tier change refused because the adapter is pinned or serving requests (the HTTP layer answers 409)."""
 
 
 @dataclass(frozen=True)
@@ -175,10 +182,12 @@ class Engine:
             return adapter.weights is not None and self._activate(adapter)
 
     async def offload(self, adapter: AdapterState) -> None:
-        """Move an adapter out of its slot into host memory."""
+        """Move an adapter out of its slot into host memory; :class:`AdapterBusyError` if pinned or in flight."""
         async with self.lock:
+            if adapter.pinned:
+                raise AdapterBusyError(f"adapter {adapter.name!r} is pinned: unpin it first")
             if adapter.in_flight:
-                raise RequestError(f"adapter {adapter.name!r} has {adapter.in_flight} requests in flight")
+                raise AdapterBusyError(f"adapter {adapter.name!r} has {adapter.in_flight} requests in flight")
             self.tiers.offload(adapter)
 
     def _activate(self, adapter: AdapterState) -> bool:
@@ -226,6 +235,9 @@ class Engine:
             raise RequestError(f"prompt token ids must be in [0, {vocab})")
         if params.max_tokens < 1:
             raise RequestError("max_tokens must be at least 1")
+        if len(prompt_ids) > self.limits.max_num_batched_tokens:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; this engine prefills at most "
+                               f"{self.limits.max_num_batched_tokens} (--max-num-batched-tokens)")
         limit = self.limits.max_model_len
         if len(prompt_ids) + params.max_tokens > limit:
             raise RequestError(
@@ -282,7 +294,14 @@ class Engine:
                     if not batch:
                         break
                     token_ids, positions, chunks, plan = self._prepare(batch)
-                    logits = await asyncio.to_thread(self.model.forward, token_ids, positions, chunks, plan, self.kv)
+                    try:
+                        logits = await asyncio.to_thread(self.model.forward, token_ids, positions, chunks, plan, self.kv)
+                    except Exception as exc:  # a failed step fails its requests, never the engine
+                        log.exception("engine step failed")
+                        for request, _ in batch:
+                            self.running.remove(request)
+                            self._finish(request, "error", f"engine step failed: {exc}")
+                        continue
                     self._emit(batch, logits)
                 await asyncio.sleep(0)  # let handlers enqueue between steps
 

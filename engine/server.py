@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from loraplane.api import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
 from loraplane.engine.adapters import AdapterNotFoundError, AdapterRejectedError, confine
-from loraplane.engine.core import Engine, Request, RequestError, SamplingParams, TokenEvent
+from loraplane.engine.core import AdapterBusyError, Engine, Request, RequestError, SamplingParams, TokenEvent
 from loraplane.engine.tiers import AdapterState
 from loraplane.engine.tokenizer import chat_prompt
 
@@ -377,7 +377,7 @@ class EngineApi:
         elif action == "offload":
             try:
                 await self.engine.offload(adapter)
-            except RequestError as exc:
+            except AdapterBusyError as exc:
                 raise ApiError(409, str(exc), "ConflictError") from None
         elif action == "unpin":
             tiers.unpin(adapter)

@@ -115,6 +115,7 @@ async def test_tier_controls_and_listing(tiny_adapters: list[GeneratedAdapter], 
             served = await http.post("/v1/completions", json=completion(name, "hi"))
             assert served.status_code == 200
             assert tiers.registered[names[0]].tier is Tier.GPU
+        assert (await http.post(f"/admin/adapters/{names[0]}/offload")).status_code == 409  # pinned
         await http.post(f"/admin/adapters/{names[0]}/unpin")
         offloaded = await http.post(f"/admin/adapters/{names[0]}/offload")
         assert (offloaded.json()["tier"], offloaded.json()["pinned"]) == ("cpu", False)

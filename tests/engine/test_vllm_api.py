@@ -127,3 +127,20 @@ async def test_models_completions_and_stream_shapes(tiny_adapters: list[Generate
     assert chunks[-1]["usage"]["completion_tokens"] == body["usage"]["completion_tokens"]
     assert chat.json()["choices"][0]["message"]["role"] == "assistant"
     assert chat.headers[ADAPTER_DIGEST_HEADER] == tiny_adapters[0].digest
+
+
+async def test_a_failed_step_fails_its_requests_not_the_engine() -> None:
+    async with inprocess(EngineOptions()) as (built, http):
+        model = built.engine.model
+        healthy = model.forward
+
+        def broken(*args: object, **kwargs: object) -> object:
+            model.forward = healthy  # type: ignore[method-assign]
+            raise RuntimeError("device lost")
+
+        model.forward = broken  # type: ignore[method-assign]
+        failed = await http.post("/v1/completions", json=completion("tiny", "hi"))
+        recovered = await http.post("/v1/completions", json=completion("tiny", "hi"))
+    assert failed.status_code == 500
+    assert "device lost" in failed.json()["error"]["message"]
+    assert recovered.status_code == 200
