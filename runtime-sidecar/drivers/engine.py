@@ -7,10 +7,11 @@ loopback callers or the admin token.
 
 from __future__ import annotations
 
+import dataclasses
 import urllib.parse
 
 from loraplane.api import AdapterResidency
-from loraplane.sidecar.drivers.base import Capabilities, Observation, RuntimeAdapter, RuntimeInfo
+from loraplane.sidecar.drivers.base import Capabilities, Observation, RuntimeAdapter
 from loraplane.sidecar.drivers.vllm import VllmDriver, lora_requests, pod_load
 
 
@@ -25,31 +26,19 @@ class EngineDriver(VllmDriver):
         listing = (await self._call("GET", "/admin/adapters")).json()
         samples = await self.scrape()
         limits = self._limits
-        info = RuntimeInfo(
+        info = dataclasses.replace(
+            limits,
             base_model=str(listing.get("base_model", "")),
             instance=self._instance(samples),
             base_model_digest=listing.get("base_model_digest") or limits.base_model_digest,
             max_lora_rank=listing.get("max_lora_rank") or limits.max_lora_rank,
             max_loras=listing.get("max_loras") or limits.max_loras,
             max_cpu_loras=listing.get("max_cpu_loras") or limits.max_cpu_loras,
-            target_modules=limits.target_modules,
-            dtypes=limits.dtypes,
         )
         adapters = {}
         for raw in listing.get("adapters", []):
             held = AdapterResidency.model_validate(raw)
-            adapters[held.served_name] = RuntimeAdapter(
-                served_name=held.served_name,
-                tier=held.tier,
-                digest=held.digest,
-                bytes=held.bytes,
-                pinned=held.pinned,
-                in_flight=held.in_flight,
-                hits=held.hits,
-                loads=held.loads,
-                evictions=held.evictions,
-                last_access=held.last_access,
-            )
+            adapters[held.served_name] = RuntimeAdapter(**held.model_dump(exclude={"error", "error_reason"}))
         running, waiting = lora_requests(samples)
         for name in running | waiting:
             if name in adapters and adapters[name].in_flight == 0:

@@ -11,6 +11,7 @@ vLLM has no tier control and no pin over HTTP, and does not say which adapters s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -120,16 +121,7 @@ class VllmDriver(RuntimeDriver):
         samples = await self.scrape()
         base = next((m["id"] for m in models if not m.get("parent")), "")
         limits = self._limits
-        info = RuntimeInfo(
-            base_model=base,
-            instance=self._instance(samples),
-            base_model_digest=limits.base_model_digest,
-            max_lora_rank=limits.max_lora_rank,
-            max_loras=limits.max_loras,
-            max_cpu_loras=limits.max_cpu_loras,
-            target_modules=limits.target_modules,
-            dtypes=limits.dtypes,
-        )
+        info = dataclasses.replace(limits, base_model=base, instance=self._instance(samples))
         names = [m["id"] for m in models if m.get("parent")]
         running, waiting = lora_requests(samples)
         now = self._clock()
