@@ -88,6 +88,25 @@ class ResourceType:
         return out
 
 
+    def discovery(self) -> dict[str, Any]:
+        """Its ``APIResourceDiscovery`` entry (aggregated discovery, ``apidiscovery.k8s.io/v2``)."""
+        kind = {"group": self.group, "version": self.version, "kind": self.kind}
+        entry: dict[str, Any] = {
+            "resource": self.plural,
+            "responseKind": kind,
+            "scope": "Namespaced" if self.namespaced else "Cluster",
+            "singularResource": self.singular,
+            "verbs": VERBS,
+        }
+        if self.short_names:
+            entry["shortNames"] = self.short_names
+        if self.categories:
+            entry["categories"] = self.categories
+        if self.status_subresource:
+            entry["subresources"] = [{"subresource": "status", "responseKind": kind, "verbs": ["get", "patch", "update"]}]
+        return entry
+
+
 def _list_meta(*merge_keys: tuple[tuple[str, ...], str | None]) -> PatchMeta:
     meta: PatchMeta = {("metadata", "finalizers"): None, ("metadata", "ownerReferences"): "uid"}
     meta.update(dict(merge_keys))

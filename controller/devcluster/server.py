@@ -23,6 +23,7 @@ from loraplane.controller.devcluster.resources import ResourceType
 
 KUBERNETES_VERSION = ("1", "32")
 TABLE_CONTENT_TYPE = "application/json;as=Table;v=v1;g=meta.k8s.io"
+DISCOVERY_CONTENT_TYPE = "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
 _PATCH_TYPES = {
     "application/merge-patch+json": "merge",
     "application/json-patch+json": "json",
@@ -135,6 +136,9 @@ class ApiServer:
                           "compiler": "", "platform": "linux/amd64"})
         if parts[:1] == ["openapi"]:
             return self._openapi(request, parts[1:])
+        if parts in (["api"], ["apis"]) and "as=APIGroupDiscoveryList" in request.headers.get("accept", "") \
+                and "v=v2;" in request.headers.get("accept", "") + ";":
+            return self._aggregated_discovery(core=parts == ["api"])
         if parts == ["api"]:
             return _json({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
                 {"clientCIDR": "0.0.0.0/0", "serverAddress": request.url.netloc}]})
@@ -158,6 +162,18 @@ class ApiServer:
             return _json({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": resources[0].api_version,
                           "resources": [r for rt in resources for r in rt.api_resources()]})
         return await self._resource(request, self._target(group, version, rest))
+
+    def _aggregated_discovery(self, core: bool) -> Response:
+        """``/api`` or ``/apis`` as one ``APIGroupDiscoveryList`` (what kubectl asks for first)."""
+        items = [
+            {"metadata": {"name": group} if group else {},
+             "versions": [{"version": v, "freshness": "Current",
+                           "resources": [rt.discovery() for rt in self.cluster.resources_of(group, v)]}
+                          for v in versions]}
+            for group, versions in self.cluster.group_versions().items() if (group == "") == core
+        ]
+        return _json({"kind": "APIGroupDiscoveryList", "apiVersion": "apidiscovery.k8s.io/v2", "metadata": {},
+                      "items": items}, content_type=DISCOVERY_CONTENT_TYPE)
 
     def _api_group(self, group: str) -> dict[str, Any]:
         versions = [{"groupVersion": f"{group}/{v}", "version": v} for v in self.cluster.group_versions()[group]]

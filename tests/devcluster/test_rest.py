@@ -58,6 +58,20 @@ def test_discovery_lists_builtin_and_crd_kinds(http: httpx.Client) -> None:
     assert http.get("/apis/nope.example/v1").status_code == 404
 
 
+def test_aggregated_discovery_in_one_request(http: httpx.Client) -> None:
+    accept = {"Accept": "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList,application/json"}
+    response = http.get("/apis", headers=accept)
+    assert response.headers["content-type"] == "application/json;g=apidiscovery.k8s.io;v=v2;as=APIGroupDiscoveryList"
+    groups = {g["metadata"]["name"]: g for g in response.json()["items"]}
+    [version] = groups["loraplane.io"]["versions"]
+    [resource] = version["resources"]
+    assert resource["responseKind"] == {"group": "loraplane.io", "version": "v1alpha1", "kind": "AdapterRevision"}
+    assert resource["scope"] == "Namespaced" and resource["subresources"][0]["subresource"] == "status"
+    core = http.get("/api", headers=accept).json()["items"]
+    assert [v["version"] for v in core[0]["versions"]] == ["v1"]
+    assert http.get("/apis").json()["kind"] == "APIGroupList"  # plain clients still get the legacy document
+
+
 def test_openapi_v3_advertises_field_validation_and_the_crd_schema(http: httpx.Client) -> None:
     index = http.get("/openapi/v3").json()["paths"]
     doc = http.get(index["apis/loraplane.io/v1alpha1"]["serverRelativeURL"]).json()
