@@ -390,11 +390,10 @@ class Cluster:
         if not isinstance(body, dict):
             raise e.bad_request("the request body must be a JSON object")
         obj = copy.deepcopy(body)
-        if obj.get("apiVersion", rt.api_version) != rt.api_version or obj.get("kind", rt.kind) != rt.kind:
-            raise e.bad_request(f"the API version in the data ({obj.get('apiVersion')}) does not match the expected "
-                                f"API version ({rt.api_version})" if obj.get("kind", rt.kind) == rt.kind else
-                                f"the kind in the data ({obj.get('kind')}) does not match the expected kind ({rt.kind})")
-        obj["apiVersion"], obj["kind"] = rt.api_version, rt.kind
+        for field_name, expected in (("kind", rt.kind), ("apiVersion", rt.api_version)):
+            if obj.setdefault(field_name, expected) != expected:
+                raise e.bad_request(f"the {field_name} in the data ({obj[field_name]}) does not match the expected "
+                                    f"{field_name} ({expected})")
         if not isinstance(obj.get("metadata", {}), dict):
             raise e.bad_request("metadata must be an object")
         return obj

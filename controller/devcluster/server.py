@@ -47,9 +47,14 @@ class ServerConfig:
     max_body_bytes: int = 3 * 1024 * 1024
 
 
+def _warning_header(text: str) -> str:
+    """One RFC 7234 warning as the API server sends it: ``299 - "<text>"`` with the text escaped."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"')
+    return f'299 - "{escaped}"'
+
+
 def _json(data: Any, status: int = 200, content_type: str = "application/json", warnings: list[str] | None = None) -> Response:
-    headers = {"Warning": ", ".join(f'299 - "{w.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                                    for w in warnings)} if warnings else None
+    headers = {"Warning": ", ".join(_warning_header(w) for w in warnings)} if warnings else None
     return Response(orjson.dumps(data), status_code=status, media_type=content_type, headers=headers)
 
 
