@@ -123,7 +123,6 @@ class Reconciler:
         self.status: dict[str, AdapterStatus] = {}
         self.loaded: dict[str, LoadRecord] = {}
         self.evicted: set[str] = set()
-        self.timings: dict[str, StageTimings] = {}
         self.changed = asyncio.Event()
         self._task_action: dict[str, Action] = {}
         self._keep: frozenset[str] = frozenset()
@@ -195,10 +194,8 @@ class Reconciler:
         for name, held in observation.adapters.items():
             if name in wanted or held.tier is Tier.ABSENT:
                 continue
-            if held.pinned and self.driver.capabilities.pin:
-                actions[name] = (Action.UNPIN, None)
-            elif held.tier is not Tier.DISK or held.digest is not None or name in self.loaded:
-                actions[name] = (Action.UNLOAD, None)
+            pin = held.pinned and self.driver.capabilities.pin
+            actions[name] = (Action.UNPIN if pin else Action.UNLOAD, None)
         return actions
 
     # --- running ----------------------------------------------------------------------------------------------
@@ -310,12 +307,10 @@ class Reconciler:
             await driver.set_pinned(name, action is Action.PIN)
         elif action is Action.ACTIVATE:
             assert target is not None
-            timings = self.timings.setdefault(name, StageTimings())
             self.metrics.cache_hits.labels(Tier.CPU.value if held and held.tier is Tier.CPU else Tier.DISK.value).inc()
             start = time.perf_counter()
             await driver.activate(name)
-            timings.h2d = time.perf_counter() - start
-            self.metrics.h2d.observe(timings.h2d)
+            self.metrics.h2d.observe(time.perf_counter() - start)
             self._count_promotion(name)
         else:
             assert target is not None
@@ -330,9 +325,7 @@ class Reconciler:
                 self._removed_by_us.add(name)
             start = time.perf_counter()
             await driver.load(name, entry.path)
-            timings = self.timings.setdefault(name, StageTimings())
-            timings.disk_load = time.perf_counter() - start
-            self.metrics.disk_load.observe(timings.disk_load)
+            self.metrics.disk_load.observe(time.perf_counter() - start)
             self.loaded[name] = LoadRecord(target.cache_key, entry.artifact_digest, entry.adapter_digest)
             self._count_promotion(name)
 
@@ -349,7 +342,6 @@ class Reconciler:
             timings = StageTimings()
             keep = set(self._keep)
             entry = await asyncio.to_thread(self.cache.fetch, target, keep, timings)
-            self.timings[target.served_name] = timings
             for stage, histogram in (("resolve", self.metrics.resolve), ("download", self.metrics.download),
                                      ("verify", self.metrics.verify)):
                 value = getattr(timings, stage)
