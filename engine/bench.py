@@ -129,7 +129,8 @@ async def run(options: argparse.Namespace) -> dict[str, object]:
             write_adapter(paths[f"bench-{i:02d}@v1"], config, options.rank, seed=i)
         common = dict(model=options.model, dtype=options.dtype, device=options.device, max_lora_rank=options.rank,
                       max_num_seqs=max(16, options.batch), lora_modules=paths)
-        prompt = [256, *b"The quick brown fox jumps over the lazy dog. " * 2]
+        text = b"The quick brown fox jumps over the lazy dog. " * (1 + options.prompt_tokens // 45)
+        prompt = [256, *text[: options.prompt_tokens - 1]]
 
         rss = await _rss_across_unload(common, paths)  # first: no earlier engine's freed memory to reuse
         tier_engine = build(EngineOptions(max_loras=2, max_cpu_loras=4, **common))
@@ -171,6 +172,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--model", default="small", choices=sorted(PRESETS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (short: TTFT is mostly the adapter's tier)")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--trials", type=int, default=15)
     parser.add_argument("--batch", type=int, default=8, help="sequences (and distinct adapters) in the decode runs")
