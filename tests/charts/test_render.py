@@ -69,6 +69,12 @@ def _adapter_revisions() -> list[dict[str, Any]]:
     return out
 
 
+def _picker_config() -> dict[str, Any]:
+    """The picker's packaged default config, as a user would start a custom one."""
+    config: dict[str, Any] = yaml.safe_load(PICKER_DEFAULT_CONFIG.read_text())
+    return config
+
+
 def matrix_values(runtime: str, redis: str, gateway: str) -> dict[str, Any]:
     """Chart values for one cell of the matrix (monitoring and GitOps revisions on in every other cell)."""
     extras = (list(RUNTIMES).index(runtime) + list(GATEWAYS).index(gateway)) % 2 == 0
@@ -79,6 +85,7 @@ def matrix_values(runtime: str, redis: str, gateway: str) -> dict[str, Any]:
         "serviceMonitor": {"enabled": extras},
         "grafanaDashboard": {"enabled": extras},
         "adapterRevisions": _adapter_revisions() if extras else [],
+        "picker": {"config": _picker_config() if extras else {}},
     }
 
 
@@ -335,7 +342,7 @@ def _check_flags_parse(rendered: Rendered) -> None:
                 parsed = parser.parse_args(args)
             except (argparse.ArgumentError, SystemExit) as exc:
                 pytest.fail(f"{name}/{c['name']}: {command} rejects {args}: {exc}")
-            if command == "loraplane-picker":
+            if command == "loraplane-picker" and parsed.config is not None:
                 EndpointPickerConfig.from_yaml(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
             if command == "loraplane-sidecar":
                 assert all(getattr(parsed, f) for f in ("pool", "pod", "runtime_url", "redis_url", "cache_dir"))
@@ -402,19 +409,27 @@ def test_defaults_give_a_working_cpu_demo(render: RenderFn) -> None:
     pool = rendered.of_kind("InferencePool")[0]
     assert pool["metadata"]["name"] == f"{RELEASE}-loraplane"
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailClose"
-    config = yaml.safe_load(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
-    assert config == yaml.safe_load(PICKER_DEFAULT_CONFIG.read_text()), "values.yaml drifted from the picker's default"
+    picker = rendered.get("Deployment", name_of("picker"))["spec"]["template"]["spec"]["containers"][0]
+    assert "--config" not in _flags(picker["args"]), "no picker.config: the picker's packaged default"
+    assert name_of("picker") not in rendered.names("ConfigMap")
 
 
 def test_picker_config_and_pool_settings_come_from_values(render: RenderFn) -> None:
-    rendered = render({"pool": {"name": "llama3-8b", "failureMode": "FailOpen"},
-                       "picker": {"config": {"saturationDetector": {"queueThreshold": 9}}}})
+    custom = _picker_config()
+    custom["saturationDetector"]["queueThreshold"] = 9
+    rendered = render({"pool": {"name": "llama3-8b", "failureMode": "FailOpen"}, "picker": {"config": custom}})
     pool = rendered.get("InferencePool", "llama3-8b")
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
-    config = EndpointPickerConfig.from_yaml(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
+    config_map = rendered.get("ConfigMap", name_of("picker"))
+    config = EndpointPickerConfig.from_yaml(config_map["data"]["config.yaml"])
     assert config.saturation_detector.queue_threshold == 9
-    picker = rendered.get("Deployment", name_of("picker"))["spec"]["template"]
-    assert _flags(picker["spec"]["containers"][0]["args"])["--pool"] == "llama3-8b"
+    picker = rendered.get("Deployment", name_of("picker"))["spec"]["template"]["spec"]
+    (mount,) = [m for m in picker["containers"][0]["volumeMounts"] if m["name"] == "config"]
+    (volume,) = [v for v in picker["volumes"] if v["name"] == "config"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    flags = _flags(picker["containers"][0]["args"])
+    assert flags["--config"] == f"{mount['mountPath']}/config.yaml"
+    assert flags["--pool"] == "llama3-8b"
     sidecar = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]["spec"]["initContainers"][0]
     assert _flags(sidecar["args"])["--pool"] == "llama3-8b"
 
