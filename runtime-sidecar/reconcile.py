@@ -220,11 +220,10 @@ class Reconciler:
             elif status.wanted_since is None:
                 status.wanted_since = now
         busy = self.busy()
-        removing = any(a.removes for a, _ in planned.values()) or any(
-            self._task_action.get(n, Action.FETCH).removes for n in busy
-        )
+        removing = any(self._task_action[n].removes for n in busy)
         started = []
-        for name, (action, t) in planned.items():
+        # removals first: an activation waits while an unload or offload is freeing a slot
+        for name, (action, t) in sorted(planned.items(), key=lambda item: not item[1][0].removes):
             if name in busy:
                 continue
             status = self.status.setdefault(name, AdapterStatus())
@@ -236,9 +235,10 @@ class Reconciler:
                 status.reason = "RequestsInFlight"
                 continue
             if action is Action.ACTIVATE and removing:
-                continue  # let unloads and offloads free slots first
+                continue
             self._start(name, action, t, observation, held)
             started.append((name, action))
+            removing = removing or action.removes
         return started
 
     def _start(

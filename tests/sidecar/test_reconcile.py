@@ -170,3 +170,20 @@ def test_evictions_are_counted_only_when_unasked(tmp_path: Path) -> None:
     after = observe(held("a@v1", Tier.CPU), held("c@v1", Tier.GPU))
     assert sorted(r.note_evictions(before, after)) == ["a@v1", "b@v1"]
     assert r.evicted == {"a@v1", "b@v1"}
+
+
+def test_activation_waits_for_a_running_unload_but_not_for_a_blocked_one(tmp_path: Path, target) -> None:
+    async def run() -> None:
+        r = make_reconciler(tmp_path)
+        gpu = target(Tier.GPU)
+        cached(r, gpu)
+        free = observe(held(gpu, Tier.CPU, r), held("old@v1", Tier.GPU))
+        assert r.step(state(gpu), free) == [("old@v1", Action.UNLOAD)]
+        await r.drain()
+        r2 = make_reconciler(tmp_path)
+        cached(r2, gpu)
+        blocked = observe(held(gpu, Tier.CPU, r2), held("old@v1", Tier.GPU, in_flight=1))
+        assert r2.step(state(gpu), blocked) == [(gpu.served_name, Action.ACTIVATE)]
+        await r2.drain()
+
+    asyncio.run(run())
