@@ -9,7 +9,7 @@ import pytest
 
 from loraplane.api import Tier
 from loraplane.engine.app import EngineOptions
-from tests.engine.conftest import GeneratedAdapter, completion, inprocess
+from tests.engine.helpers import GeneratedAdapter, completion, inprocess
 
 REMOTE = ("10.1.2.3", 50000)
 TOKEN = "s3cret-token"

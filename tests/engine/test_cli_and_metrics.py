@@ -14,7 +14,7 @@ from loraplane.engine.app import EngineOptions
 from loraplane.engine.cli import main as engine_main
 from loraplane.engine.core import SamplingParams
 from loraplane.kernels.peft import load_peft_adapter
-from tests.engine.conftest import GeneratedAdapter, completion, inprocess
+from tests.engine.helpers import GeneratedAdapter, completion, inprocess
 
 
 def test_make_adapters_writes_real_peft_dirs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from loraplane.api import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
 from loraplane.engine.app import EngineOptions
-from tests.engine.conftest import EngineProcess, GeneratedAdapter, completion, inprocess
+from tests.engine.helpers import EngineProcess, GeneratedAdapter, completion, inprocess
 
 pytestmark = pytest.mark.slow
 REQUESTS = 48

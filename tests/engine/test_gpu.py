@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplane.engine.app import EngineOptions
-from tests.engine.conftest import GeneratedAdapter, completion, inprocess
+from tests.engine.helpers import GeneratedAdapter, completion, inprocess
 
 pytestmark = pytest.mark.gpu
 

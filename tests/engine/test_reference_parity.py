@@ -16,7 +16,7 @@ import torch
 from loraplane.api import ADAPTER_DIGEST_HEADER, adapter_digest
 from loraplane.engine.model import KVCache, LlamaModel, SequenceChunk, read_checkpoint
 from loraplane.kernels import BatchPlanner
-from tests.engine.conftest import EngineProcess
+from tests.engine.helpers import EngineProcess
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

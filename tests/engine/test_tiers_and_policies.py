@@ -14,7 +14,8 @@ from loraplane.engine.core import Engine, Request, SamplingParams
 from loraplane.engine.model import PRESETS, LlamaModel, seeded_weights
 from loraplane.engine.policies import KeepScorePolicy, LruPolicy
 from loraplane.engine.tiers import AdapterState, AdapterTiers
-from tests.engine.conftest import GeneratedAdapter, completion, inprocess
+from loraplane.kernels.peft import PeftAdapter
+from tests.engine.helpers import GeneratedAdapter, completion, inprocess
 
 
 class FakeClock:
@@ -70,7 +71,7 @@ def test_keep_score_ranks_frequency_priority_and_fresh_loads() -> None:
 
 
 @pytest.fixture
-def tiers_and_weights(tiny_adapters: list[GeneratedAdapter]) -> tuple[AdapterTiers, list[tuple[AdapterState, object]]]:
+def tiers_and_weights(tiny_adapters: list[GeneratedAdapter]) -> tuple[AdapterTiers, list[tuple[AdapterState, PeftAdapter]]]:
     config = PRESETS["tiny"]
     model = LlamaModel(config, seeded_weights(config, 0), max_loras=1, max_lora_rank=16)
     tiers = AdapterTiers(model, max_loras=1, max_cpu_loras=2, max_lora_rank=16, policy=LruPolicy(), clock=FakeClock())
@@ -129,7 +130,7 @@ async def test_a_step_never_holds_more_adapters_than_slots(tiny_adapters: list[G
         distinct_per_step.append(len({int(s) for s in plan.token_slots.tolist() if s >= 0}))  # type: ignore[attr-defined]
         return forward(*args, **kwargs)  # type: ignore[arg-type]
 
-    built.engine.model.forward = recording_forward  # type: ignore[method-assign]
+    built.engine.model.forward = recording_forward  # type: ignore[method-assign,assignment]
     async with built.app.router.lifespan_context(built.app):
         submitted = [built.engine.submit([256, 72, 105], SamplingParams(max_tokens=4, temperature=0),
                                          built.engine.tiers.registered[a.name]) for a in adapters * 2]

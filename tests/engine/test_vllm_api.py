@@ -10,7 +10,7 @@ import pytest
 
 from loraplane.api import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
 from loraplane.engine.app import EngineOptions
-from tests.engine.conftest import GeneratedAdapter, completion, inprocess
+from tests.engine.helpers import GeneratedAdapter, completion, inprocess
 
 LOADED = "claims-assistant@v18"
 
@@ -138,7 +138,7 @@ async def test_a_failed_step_fails_its_requests_not_the_engine() -> None:
             model.forward = healthy  # type: ignore[method-assign]
             raise RuntimeError("device lost")
 
-        model.forward = broken  # type: ignore[method-assign]
+        model.forward = broken  # type: ignore[method-assign,assignment]
         failed = await http.post("/v1/completions", json=completion("tiny", "hi"))
         recovered = await http.post("/v1/completions", json=completion("tiny", "hi"))
     assert failed.status_code == 500
