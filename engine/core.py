@@ -10,6 +10,7 @@ more distinct adapters than slots.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -139,10 +140,8 @@ class Engine:
                 task.cancel()
         for task in [self._task, *self._loading.values()]:
             if task is not None:
-                try:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-                except (asyncio.CancelledError, Exception):
-                    pass
 
     # --- adapters -----------------------------------------------------------------------------------------------
     async def read_adapter(self, name: str, path: Path) -> tuple[AdapterState, PeftAdapter]:

@@ -144,3 +144,20 @@ async def test_a_failed_step_fails_its_requests_not_the_engine() -> None:
     assert failed.status_code == 500
     assert "device lost" in failed.json()["error"]["message"]
     assert recovered.status_code == 200
+
+
+async def test_seeded_sampling_repeats_and_stop_strings_cut() -> None:
+    async with inprocess(EngineOptions()) as (_, http):
+        async def sample(seed: int) -> list[int]:
+            body = {"model": "tiny", "prompt": "once upon", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9,
+                    "seed": seed, "return_token_ids": True, "ignore_eos": True}
+            return (await http.post("/v1/completions", json=body)).json()["choices"][0]["token_ids"]
+
+        first, again, other = await sample(7), await sample(7), await sample(8)
+        greedy = (await http.post("/v1/completions", json=completion("tiny", "once upon", 12, ignore_eos=True))).json()
+        text = greedy["choices"][0]["text"]
+        stop = text[3:5]
+        cut = (await http.post("/v1/completions", json=completion("tiny", "once upon", 12, ignore_eos=True, stop=[stop]))).json()
+    assert first == again and first != other
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["text"] == text[: text.find(stop)]
