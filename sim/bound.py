@@ -2,8 +2,13 @@
 
 Any routing, placement and eviction serves each request from a GPU slot of some pod; all pods' slots together are
 one cache of ``pods x max_loras`` entries. Belady (evict the adapter whose next use is farthest away) is the fewest
-loads such a cache can do on the request sequence, so it bounds every policy's cold starts from below when requests
-are served in arrival order.
+loads such a cache can do on a request sequence, prefetching included.
+
+On the arrival order this is the issue's bound, exact for any policy that serves requests in arrival order. A
+queueing system may serve them in another order (vLLM skips a request whose adapter has no slot and serves later
+ones of running adapters first), so under overload it can batch the requests of one adapter and load less often
+than the arrival-order bound. Belady on a run's own admission order is a lower bound on that run's loads without
+any assumption; the simulator reports both.
 """
 
 from __future__ import annotations

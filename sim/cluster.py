@@ -171,6 +171,8 @@ class SimResult:
     ttft: array  # seconds
     tier: bytearray  # L0..L3: the coldest tier the request's adapter came from
     pod: array
+    #: request ids in the order pods admitted them (the order adapters were really needed in)
+    admitted: array = field(default_factory=lambda: array("i"))
     gpu_loads: int = 0
     demand_loads: int = 0
     load_times: list[float] = field(default_factory=list)
@@ -422,6 +424,7 @@ class Simulator:
             pod.kv_reserved += need_kv
             prefill_tokens += n_in
             admitted.append(rid)
+            res.admitted.append(rid)
             left = waiting_adapters[a] - 1
             if left:
                 waiting_adapters[a] = left

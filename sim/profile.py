@@ -144,44 +144,45 @@ def from_bench(
 ) -> Profile:
     """A profile calibrated from ``loraplane bench engine --json`` (and ``bench sidecar --json``) output.
 
-    Uses: ``ttft_ms.{L0,L1,L2}`` (load costs are the TTFT differences to L0), ``decode_tokens_per_s.{base,
-    1_adapter, 8_adapters}`` (step time and LoRA overheads) and, when given, the sidecar's ``stages_ms`` entries
-    whose names start with ``L3`` or ``download`` (the download cost). Fields a bench does not measure (batch
-    limits, KV capacity, prefill rate, adapter size) come from ``base``.
+    From the engine bench: load costs are the TTFT differences ``ttft_ms.L1 - L0`` (host -> device) and
+    ``L2 - L1`` (disk read + parse); a decode step of ``decode_batch`` sequences takes ``1000 * batch / tokens_per_s``
+    for ``base``, ``1_adapter`` and ``<batch>_adapters``, which gives the base step and the LoRA costs; the prefill
+    rate is what is left of ``ttft_ms.L0`` after one step, per ``prompt_tokens``. From the sidecar bench: the L3
+    stages ``resolve + download + verify + unpack`` give the download cost, ``adapter_bytes`` the adapter size.
+    Batch limits and KV capacity are not measured and come from ``base``.
     """
     l0 = _number(engine, "ttft_ms", "L0")
     l1 = _number(engine, "ttft_ms", "L1")
     l2 = _number(engine, "ttft_ms", "L2")
     if not l0 <= l1 <= l2:
         raise ProfileError(f"bench TTFTs must satisfy L0 <= L1 <= L2, got {l0}, {l1}, {l2}")
-    base_tps = _number(engine, "decode_tokens_per_s", "base")
-    one_tps = _number(engine, "decode_tokens_per_s", "1_adapter")
-    eight_tps = _number(engine, "decode_tokens_per_s", "8_adapters")
-    if min(base_tps, one_tps, eight_tps) <= 0:
-        raise ProfileError("decode_tokens_per_s must be positive")
-    step = 1000.0 / base_tps
-    one = max(0.0, 1000.0 / one_tps - step)
-    eight = max(one, 1000.0 / eight_tps - step)
+    batch = int(_number(engine, "decode_batch"))
+    prompt = _number(engine, "prompt_tokens")
+    rates = [_number(engine, "decode_tokens_per_s", key) for key in ("base", "1_adapter", f"{batch}_adapters")]
+    if batch < 2 or prompt < 1 or min(rates) <= 0:
+        raise ProfileError("need decode_batch >= 2, prompt_tokens >= 1 and positive decode rates")
+    base_step, one, many = (1000.0 * batch / r for r in rates)
+    per_adapter = max(0.0, (many - one) / (batch - 1))
     nbytes = base.default_adapter_bytes
     download_ms = base.download_ms(nbytes)
     if sidecar is not None:
-        stages = sidecar.get("stages_ms")
-        if not isinstance(stages, dict):
-            raise ProfileError("sidecar bench output lacks stages_ms")
-        picked = [
-            _number(stages, key) for key in stages if key.lower().startswith(("l3", "download")) and key != "L3_total"
-        ]
-        if picked:
-            download_ms = sum(picked)
+        nbytes = int(_number(sidecar, "adapter_bytes"))
+        l3 = sidecar.get("stages_ms", {}).get("L3") if isinstance(sidecar.get("stages_ms"), dict) else None
+        if not isinstance(l3, dict) or "download" not in l3:
+            raise ProfileError("sidecar bench output lacks stages_ms.L3.download")
+        download_ms = sum(
+            _number(l3, stage) for stage in ("resolve", "download", "verify", "unpack") if stage in l3
+        )
     return replace(
         base,
         name=name,
         step_overhead_ms=0.0,
-        decode_base_ms=step,
+        decode_base_ms=base_step,
         decode_per_seq_ms=0.0,
-        lora_base_ms=max(0.0, one - (eight - one) / 7),
-        lora_per_adapter_ms=(eight - one) / 7,
-        # all of a load's cost is fixed: the bench measured one adapter size
+        lora_base_ms=max(0.0, one - base_step - per_adapter),
+        lora_per_adapter_ms=per_adapter,
+        prefill_per_token_ms=max(0.0, l0 - base_step) / prompt,
+        # the benches measured one adapter size: every load cost is a fixed cost
         h2d_fixed_ms=l1 - l0,
         h2d_ms_per_mb=0.0,
         disk_fixed_ms=l2 - l1,
@@ -189,6 +190,7 @@ def from_bench(
         parse_ms_per_mb=0.0,
         download_fixed_ms=download_ms,
         download_ms_per_mb=0.0,
+        default_adapter_bytes=nbytes,
     )
 
 
