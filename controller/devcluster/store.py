@@ -4,11 +4,12 @@ watches, change subscribers, and a JSON snapshot form."""
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 #: (namespace, name); the namespace is "" for cluster-scoped objects.
 Key = tuple[str, str]
@@ -32,6 +33,12 @@ class Subscription:
 
     storage: str
     queue: asyncio.Queue[Change] = field(default_factory=asyncio.Queue)
+
+
+def clone(obj: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a JSON object (a JSON round trip: several times faster than ``copy.deepcopy``)."""
+    copied: dict[str, Any] = orjson.loads(orjson.dumps(obj))
+    return copied
 
 
 def key_of(obj: dict[str, Any]) -> Key:
@@ -60,12 +67,12 @@ class Store:
     def get(self, storage: str, key: Key) -> dict[str, Any] | None:
         """A copy of one object, None when absent."""
         obj = self._objects[storage].get(key)
-        return copy.deepcopy(obj) if obj is not None else None
+        return clone(obj) if obj is not None else None
 
     def items(self, storage: str, namespace: str | None = None) -> list[dict[str, Any]]:
         """Copies of the objects of a storage (of one namespace when given), sorted by namespace and name."""
         objects = self._objects[storage]
-        return [copy.deepcopy(objects[k]) for k in sorted(objects) if namespace is None or k[0] == namespace]
+        return [clone(objects[k]) for k in sorted(objects) if namespace is None or k[0] == namespace]
 
     def count(self, storage: str, namespace: str | None = None) -> int:
         """How many objects a storage holds (in one namespace when given)."""
@@ -79,16 +86,16 @@ class Store:
         obj["metadata"]["resourceVersion"] = str(self.revision)
         self._objects[storage][key] = obj
         self._record(Change("MODIFIED" if prev is not None else "ADDED", storage, self.revision, obj, prev))
-        return copy.deepcopy(obj)
+        return clone(obj)
 
     def remove(self, storage: str, key: Key) -> dict[str, Any]:
         """Delete an object; returns its last state stamped with the deletion's resourceVersion."""
         prev = self._objects[storage].pop(key)
         self.revision += 1
-        last = copy.deepcopy(prev)
+        last = clone(prev)
         last["metadata"]["resourceVersion"] = str(self.revision)
         self._record(Change("DELETED", storage, self.revision, last, prev))
-        return copy.deepcopy(last)
+        return clone(last)
 
     def _record(self, change: Change) -> None:
         self._history.append(change)
