@@ -65,15 +65,22 @@ def _static_cluster(name: str, port: int, http2: bool = False) -> dict[str, Any]
     return cluster
 
 
+#: response header naming the upstream that served (for tests and debugging; ``upstream_header=True``)
+UPSTREAM_HEADER = "x-gateway-upstream"
+
+
 def _bootstrap(listen_port: int, admin_port: int, http_filters: list[dict[str, Any]], cluster: str,
-               clusters: list[dict[str, Any]]) -> dict[str, Any]:
+               clusters: list[dict[str, Any]], upstream_header: bool = False) -> dict[str, Any]:
     route = {"cluster": cluster, "timeout": "60s"}
+    virtual_host: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}
+    if upstream_header:
+        virtual_host["response_headers_to_add"] = [
+            {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}
+        ]
     manager = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
-        "route_config": {
-            "virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}]
-        },
+        "route_config": {"virtual_hosts": [virtual_host]},
         "http_filters": [
             *http_filters,
             {"name": "envoy.filters.http.router",
@@ -95,7 +102,7 @@ def _bootstrap(listen_port: int, admin_port: int, http_filters: list[dict[str, A
 
 
 def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: ExtProcModes | None = None,
-                  message_timeout: str = "5s") -> dict[str, Any]:
+                  message_timeout: str = "5s", upstream_header: bool = False) -> dict[str, Any]:
     """Envoy with the ext_proc filter calling the picker and an ``ORIGINAL_DST`` pool cluster."""
     modes = modes or ExtProcModes()
     ext_proc: dict[str, Any] = {
@@ -116,7 +123,8 @@ def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: Ex
         "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
     }
     filters = [{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}]
-    return _bootstrap(listen_port, admin_port, filters, "pool", [pool, _static_cluster("picker", picker_port, http2=True)])
+    clusters = [pool, _static_cluster("picker", picker_port, http2=True)]
+    return _bootstrap(listen_port, admin_port, filters, "pool", clusters, upstream_header)
 
 
 def direct_config(listen_port: int, backend_port: int, admin_port: int) -> dict[str, Any]:

@@ -109,6 +109,25 @@ def staleness_filter(_params: FilterParameters) -> Filter:
     return lambda _request, pool, _cycle: pool.fresh
 
 
+def residency_filter(_params: FilterParameters) -> Filter:
+    """Keep endpoints holding the exact revision at some tier (GPU, CPU or disk): the ones that can serve it.
+
+    Runtimes serve only adapters they have registered, so a pod where the revision is absent would answer 404.
+    Base-model requests keep all endpoints. Pair with ``failOpen: true`` for runtimes that load on demand.
+    """
+
+    def run(request: SchedulingRequest, pool: PoolSnapshot, _cycle: Cycle) -> BoolArray | None:
+        if request.served_name is None:
+            return None
+        mask = np.zeros(pool.size, dtype=np.bool_)
+        entry = pool.lookup(request.served_name, request.digest)
+        if entry is not None:
+            mask[entry.indices] = True
+        return mask
+
+    return run
+
+
 class SaturationFilterParameters(FilterParameters):
     """Keep endpoints with utilisation <= 1 + headroom."""
 
@@ -195,6 +214,7 @@ FILTERS: Mapping[str, tuple[type[FilterParameters], Callable[[Any], Filter]]] = 
     "subset-hint-filter": (FilterParameters, subset_hint_filter),
     "ready-filter": (FilterParameters, ready_filter),
     "staleness-filter": (FilterParameters, staleness_filter),
+    "residency-filter": (FilterParameters, residency_filter),
     "saturation-filter": (SaturationFilterParameters, saturation_filter),
 }
 

@@ -267,15 +267,15 @@ class Scheduler:
         if request.served_name is None:
             return Decision(endpoints, indices, Outcome.BASE, Tier.GPU)
         entry = pool.lookup(request.served_name, request.digest)
-        level = entry.level_of.get(indices[0]) if entry is not None else None
-        if level == 0:
-            return Decision(endpoints, indices, Outcome.WARM_GPU, Tier.GPU)
-        if level == 1:
-            return Decision(endpoints, indices, Outcome.WARM_CPU, Tier.CPU)
-        tier = Tier.DISK if level == 2 else Tier.ABSENT
-        if entry is not None and bool(np.any((entry.levels <= 1) & (util[entry.indices] >= 1.0))):
-            return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier)
-        return Decision(endpoints, indices, Outcome.COLD, tier)
+        level = entry.level_of.get(indices[0], 3) if entry is not None else 3
+        tier = _TIER_OF_LEVEL[level]
+        if entry is not None and bool(np.any((entry.levels < level) & (util[entry.indices] >= 1.0))):
+            return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier)  # a warmer pod was saturated
+        outcome = Outcome.WARM_GPU if level == 0 else Outcome.WARM_CPU if level == 1 else Outcome.COLD
+        return Decision(endpoints, indices, outcome, tier)
+
+
+_TIER_OF_LEVEL = {t.level: t for t in Tier}
 
 
 def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.Generator) -> IntArray:

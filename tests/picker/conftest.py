@@ -49,7 +49,8 @@ def route_table(canary_weight: int = 0) -> RouteTable:
 def reports(now: float, warm_pod: int = 1, **load: int) -> list[ResidencyReport]:
     out = []
     for i, address in enumerate(ADDRESSES):
-        adapters = [AdapterResidency(served_name="claims@v1", tier=Tier.GPU, digest=DIGEST_V1)] if i == warm_pod else []
+        tier = Tier.GPU if i == warm_pod else Tier.CPU if i == 2 else None
+        adapters = [AdapterResidency(served_name="claims@v1", tier=tier, digest=DIGEST_V1)] if tier else []
         out.append(ResidencyReport(pool=POOL, pod=f"pod-{i}", address=address, heartbeat_at=now, ttl_seconds=60,
                                    adapters=adapters, load=PodLoad(**load)))
     return out

@@ -62,20 +62,23 @@ def test_a_different_digest_is_not_warm(scheduler: Scheduler) -> None:
     assert scheduler.schedule(request(), pool, np.random.default_rng(0)).outcome is Outcome.COLD
 
 
+ON_DISK = {ADAPTER: (Tier.DISK, DIGEST_A)}
+
+
 def test_saturated_warm_pod_spills_to_least_loaded(scheduler: Scheduler) -> None:
-    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2), pod(3)])
-    pool.in_flight[:] = [16, 5, 2]  # pod 1 at its in-flight threshold
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2, ON_DISK), pod(3, ON_DISK), pod(4)])
+    pool.in_flight[:] = [16, 5, 2, 0]  # pod 1 at its in-flight threshold; pod 4 cannot serve the revision
     decision = scheduler.schedule(request(), pool, np.random.default_rng(0))
     assert decision.endpoints[0] == "10.0.0.3:8000"
     assert decision.outcome is Outcome.SPILLED_SATURATED
     # queue depth or KV utilisation saturate too
     for load in ({"queue_depth": 5}, {"kv_utilization": 0.85}):
-        pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}, **load), pod(2)])
+        pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}, **load), pod(2, ON_DISK)])
         assert scheduler.schedule(request(), pool, np.random.default_rng(0)).endpoints[0] == "10.0.0.2:8000"
 
 
 def test_when_everything_is_saturated_load_wins_and_sheddable_is_refused(scheduler: Scheduler) -> None:
-    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2), pod(3)])
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2, ON_DISK), pod(3, ON_DISK)])
     pool.in_flight[:] = [40, 30, 20]
     decision = scheduler.schedule(request(), pool, np.random.default_rng(0))
     assert decision.endpoints[0] == "10.0.0.3:8000"  # fail-open saturation filter, no affinity
@@ -128,6 +131,13 @@ def test_subset_hint_restricts_candidates(scheduler: Scheduler) -> None:
     with pytest.raises(NoEndpointError) as info:
         scheduler.schedule(request(subset=frozenset()), pool, np.random.default_rng(0))
     assert info.value.status == 503
+
+
+def test_only_pods_holding_the_revision_serve_it_unless_none_does(scheduler: Scheduler) -> None:
+    pool = PoolSnapshot([pod(1), pod(2, ON_DISK), pod(3)])
+    assert scheduler.schedule(request(), pool, np.random.default_rng(0)).endpoints == ("10.0.0.2:8000",)
+    nowhere = PoolSnapshot([pod(1), pod(2)])
+    assert len(scheduler.schedule(request(), nowhere, np.random.default_rng(0)).endpoints) == 2  # fail open
 
 
 def test_not_ready_endpoints_are_never_picked(scheduler: Scheduler) -> None:
