@@ -22,7 +22,14 @@ import pytest
 import redis
 
 from e2e.fixtures.picker import Gateway, gateway
-from e2e.fixtures.processes import LOOPBACK, ManagedProcess, RedisServer, free_port, start_redis, wait_for_port
+from e2e.fixtures.processes import (
+    LOOPBACK,
+    ManagedProcess,
+    RedisServer,
+    free_port,
+    start_redis,
+    wait_for_port,
+)
 from loraplane.api import (
     SERVED_ADAPTER_HEADER,
     AdapterTarget,
