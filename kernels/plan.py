@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -9,6 +10,10 @@ import torch
 
 #: Segments at most this long use the decode (row-vector) path; longer ones the grouped-GEMM prefill path.
 DECODE_MAX_SEGMENT = 8
+#: Runs of consecutive same-slot rows at least this long on average are used as segments in place (one slot may
+#: then have several segments) instead of gathering all rows of a slot together: re-reading an adapter's A/B per
+#: run costs less than gathering and scattering the rows (measured: docs/kernels.md).
+RUN_MIN_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,11 @@ class BatchPlan:
 
     * ``token_slots``: per-token slot index (int32, -1 = no LoRA), ``[num_tokens]``.
     * ``sorted_tokens``: token indices of LoRA rows, sorted stably by slot (int64, ``[num_lora_tokens]``).
-    * ``segments``: one per active slot (ascending), ranges over ``sorted_tokens``.
+    * ``segments``: ranges over ``sorted_tokens``, ordered by slot; one per active slot, or (``contiguous`` plans
+      of long runs, e.g. prefill sequences) one per run of consecutive rows, so a slot may have several.
     * ``contiguous``: every segment's rows are consecutive input rows (``Segment.row ..``): no gather/scatter.
-    * ``active_slots``, ``counts``, ``starts``: the segments as tensors (int32) for device kernels.
+    * ``active_slots``, ``counts``, ``starts``: per distinct slot, its rows and first position in ``sorted_tokens``.
+    * ``segment_slots``, ``segment_starts``, ``segment_rows``: the segments as int32 tensors for device kernels.
     * ``no_lora``: nothing to do; ops return at once.
     * ``mode``: ``"decode"`` when every segment is at most ``DECODE_MAX_SEGMENT`` rows, else ``"prefill"``.
     """
@@ -50,6 +57,9 @@ class BatchPlan:
     active_slots: torch.Tensor
     counts: torch.Tensor
     starts: torch.Tensor
+    segment_slots: torch.Tensor
+    segment_starts: torch.Tensor
+    segment_rows: torch.Tensor
     contiguous: bool
     mode: str
 
@@ -70,17 +80,20 @@ class BatchPlan:
 
     def to(self, device: torch.device | str) -> BatchPlan:
         """The same plan with its tensors on ``device`` (done once per step, not per layer)."""
-        return BatchPlan(
-            num_tokens=self.num_tokens,
-            token_slots=self.token_slots.to(device, non_blocking=True),
-            sorted_tokens=self.sorted_tokens.to(device, non_blocking=True),
-            segments=self.segments,
-            active_slots=self.active_slots.to(device, non_blocking=True),
-            counts=self.counts.to(device, non_blocking=True),
-            starts=self.starts.to(device, non_blocking=True),
-            contiguous=self.contiguous,
-            mode=self.mode,
-        )
+        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in _TENSOR_FIELDS}
+        return dataclasses.replace(self, **moved)
+
+
+_TENSOR_FIELDS = (
+    "token_slots",
+    "sorted_tokens",
+    "active_slots",
+    "counts",
+    "starts",
+    "segment_slots",
+    "segment_starts",
+    "segment_rows",
+)
 
 
 class BatchPlanner:
@@ -96,9 +109,8 @@ class BatchPlanner:
         self.num_slots = num_slots
         self._slots = torch.empty(max_tokens, dtype=torch.int32)
         self._sorted = torch.empty(max_tokens, dtype=torch.int64)
-        self._active = torch.empty(num_slots, dtype=torch.int32)
-        self._counts = torch.empty(num_slots, dtype=torch.int32)
-        self._starts = torch.empty(num_slots, dtype=torch.int32)
+        # rows: active_slots, counts, starts (per slot); segment_slots, segment_starts, segment_rows (per segment)
+        self._meta = torch.empty(6, max_tokens, dtype=torch.int32)
 
     def plan(self, token_slots: Sequence[int] | torch.Tensor) -> BatchPlan:
         """Plan a batch from each token's slot index (-1 = no LoRA)."""
@@ -109,15 +121,21 @@ class BatchPlanner:
         bad = [s for s in slots_list if not -1 <= s < self.num_slots]
         if bad:
             raise ValueError(f"slot indices must be -1 or in [0, {self.num_slots}), got {bad[:5]}")
-        runs = _runs(slots_list)
-        lora_runs = [run for run in runs if run.slot >= 0]
-        distinct = {run.slot for run in lora_runs}
-        contiguous = len(distinct) == len(lora_runs)
-        if contiguous:  # every slot's rows are already consecutive: sort the runs, not the tokens
-            order = [i for run in sorted(lora_runs, key=lambda r: r.slot) for i in range(run.start, run.end)]
+        runs = [run for run in _runs(slots_list) if run.slot >= 0]
+        lora_rows = sum(run.rows for run in runs)
+        distinct = {run.slot for run in runs}
+        contiguous = len(distinct) == len(runs) or lora_rows >= RUN_MIN_ROWS * len(runs)
+        if contiguous:  # use the runs in place, ordered by slot: sort the runs, not the tokens
+            runs.sort(key=lambda run: run.slot)
+            order = [i for run in runs for i in range(run.start, run.end)]
+            segments, position = [], 0
+            for run in runs:
+                segments.append(Segment(run.slot, position, position + run.rows, run.start))
+                position += run.rows
         else:
             order = sorted((i for i, s in enumerate(slots_list) if s >= 0), key=slots_list.__getitem__)
-        return self._fill(slots_list, order, _segments(order, slots_list), contiguous)
+            segments = _segments(order, slots_list)
+        return self._fill(slots_list, order, segments, contiguous)
 
     def plan_decode(self, groups: DecodeGroups) -> BatchPlan:
         """Plan a decode step whose rows are laid out in ``groups.order()`` (no sort: the groups are kept)."""
@@ -134,21 +152,35 @@ class BatchPlanner:
         sorted_tokens = self._sorted[: len(order)]
         if order:
             sorted_tokens.copy_(torch.tensor(order, dtype=torch.int64))
-        n = len(segments)
-        active, counts, starts = self._active[:n], self._counts[:n], self._starts[:n]
-        if n:
-            active.copy_(torch.tensor([seg.slot for seg in segments], dtype=torch.int32))
-            counts.copy_(torch.tensor([seg.rows for seg in segments], dtype=torch.int32))
-            starts.copy_(torch.tensor([seg.start for seg in segments], dtype=torch.int32))
+        per_slot: dict[int, list[int]] = {}  # slot -> [rows, first position]
+        for seg in segments:
+            per_slot.setdefault(seg.slot, [0, seg.start])[0] += seg.rows
+        meta = [
+            list(per_slot),
+            [rows for rows, _ in per_slot.values()],
+            [first for _, first in per_slot.values()],
+            [seg.slot for seg in segments],
+            [seg.start for seg in segments],
+            [seg.rows for seg in segments],
+        ]
+        views = []
+        for row, values in enumerate(meta):
+            view = self._meta[row, : len(values)]
+            if values:
+                view.copy_(torch.tensor(values, dtype=torch.int32))
+            views.append(view)
         longest = max((seg.rows for seg in segments), default=0)
         return BatchPlan(
             num_tokens=num_tokens,
             token_slots=token_slots,
             sorted_tokens=sorted_tokens,
             segments=tuple(segments),
-            active_slots=active,
-            counts=counts,
-            starts=starts,
+            active_slots=views[0],
+            counts=views[1],
+            starts=views[2],
+            segment_slots=views[3],
+            segment_starts=views[4],
+            segment_rows=views[5],
             contiguous=contiguous,
             mode="decode" if longest <= DECODE_MAX_SEGMENT else "prefill",
         )

@@ -122,6 +122,7 @@ class LoraSlots:
             scaled_b = b.to(self.device, torch.float32) * s
             self.lora_b[slot, :rank, offset : offset + self.out_slices[index]] = scaled_b.t().to(self.dtype)
         self.ranks[slot] = max(ranks)
+        self.version += 1
 
     def clear(self, slot: int) -> None:
         """Zero ``slot`` (an empty slot contributes nothing even if a plan points at it)."""

@@ -1,24 +1,28 @@
 """The reference backend: vectorised torch ops, any device.
 
-One matmul pair per active slot (segment), never a loop over rows. A plan whose segments are consecutive input rows
-is computed in place on row slices; otherwise the LoRA rows are gathered once, computed, and scattered back once.
+One matmul pair per segment (an active slot, or a long run of one slot's rows), never a loop over rows. A plan
+whose segments are consecutive input rows is computed in place on row slices; otherwise the LoRA rows are gathered
+once into a reused workspace, computed, and scattered back once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
 
 import torch
 
-from loraplane.kernels.plan import BatchPlan, Segment
+from loraplane.kernels.plan import BatchPlan
 from loraplane.kernels.slots import LoraSlots
 
 #: ``exact``: each segment multiplies only its adapter's own rank (S-LoRA's MBGMV); ``padded``: the slot rank.
 RANK_MODES = ("exact", "padded")
 
+#: Per slot: ``(A^T [d_in, n_slices * rank], [(column slice, B^T [rank, width]) per output slice])``, or None.
+_SlotViews = tuple[torch.Tensor, list[tuple[slice, slice, torch.Tensor]]] | None
+
 
 class TorchBackend:
-    """Shrink / expand / fused delta with torch matmuls, one pair per active slot."""
+    """Shrink / expand / fused delta with torch matmuls, one pair per segment (not thread-safe: workspaces)."""
 
     name = "torch"
 
@@ -26,6 +30,10 @@ class TorchBackend:
         if rank_mode not in RANK_MODES:
             raise ValueError(f"rank_mode must be one of {RANK_MODES}")
         self.rank_mode = rank_mode
+        self._views_cache: weakref.WeakKeyDictionary[LoraSlots, tuple[int, list[_SlotViews]]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._workspace: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 
     def shrink(self, x: torch.Tensor, slots: LoraSlots, plan: BatchPlan) -> torch.Tensor:
         """``t[T, n_slices * rank_pad]`` (float32) = x A^T per row's slot; rows without LoRA are zero."""
@@ -33,58 +41,112 @@ class TorchBackend:
         if plan.no_lora:
             return out
         a_all = slots.lora_a[:, :, : slots.d_in]
-
-        def segment(dst: torch.Tensor, src: torch.Tensor, seg: Segment) -> None:
-            dst.copy_(_mm_f32(src, a_all[seg.slot].t()))
-
-        _per_segment(plan, x, out, segment, accumulate=False)
+        src, dst = self._operands(plan, x, out, out.shape[1])
+        for seg in plan.segments:
+            rows = _rows(plan, seg.start, seg.row, seg.rows)
+            dst[rows] = _mm_f32(src[rows], a_all[seg.slot].t())
+        if not plan.contiguous:
+            out.index_copy_(0, plan.sorted_tokens, dst)
         return out
 
     def expand(self, y: torch.Tensor, t: torch.Tensor, slots: LoraSlots, plan: BatchPlan) -> None:
         """``y[:, slice] += t[:, slice ranks] B_slice^T`` per row's slot; rows without LoRA untouched."""
         if plan.no_lora:
             return
-
-        def segment(dst: torch.Tensor, src: torch.Tensor, seg: Segment) -> None:
-            self._expand_segment(dst, src, slots, seg.slot)
-
-        _per_segment(plan, t, y, segment, accumulate=True)
+        views = self._views(slots)
+        src, dst = self._operands(plan, t, y, y.shape[1])
+        for seg in plan.segments:
+            slot_views = views[seg.slot]
+            if slot_views is not None:
+                rows = _rows(plan, seg.start, seg.row, seg.rows)
+                _expand_rows(dst[rows], src[rows], slot_views[1])
+        self._scatter(plan, y, dst)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, slots: LoraSlots, plan: BatchPlan) -> None:
-        """Fused ``y += x A^T B^T`` per row's slot; the [rows x r] intermediate lives only per segment."""
+        """Fused ``y += x A^T B^T`` per segment; the [rows x r] intermediate lives only per segment."""
         if plan.no_lora:
             return
-        a_all = slots.lora_a[:, :, : slots.d_in]
-        single = slots.n_slices == 1
-
-        def segment(dst: torch.Tensor, src: torch.Tensor, seg: Segment) -> None:
-            rank = self._rank(slots, seg.slot)
-            if rank == 0:
-                return
-            a = a_all[seg.slot, :rank] if single else a_all[seg.slot]
-            if src.dtype == torch.float32 and single:
-                dst.addmm_(torch.mm(src, a.t()), slots.lora_b[seg.slot, :rank, : slots.d_out])
-                return
-            self._expand_segment(dst, _mm_f32(src, a.t()), slots, seg.slot)
-
-        _per_segment(plan, x, y, segment, accumulate=True)
-
-    def _rank(self, slots: LoraSlots, slot: int) -> int:
-        rank = slots.ranks[slot]
-        return rank if self.rank_mode == "exact" or rank == 0 else slots.rank_pad
-
-    def _expand_segment(self, dst: torch.Tensor, t: torch.Tensor, slots: LoraSlots, slot: int) -> None:
-        rank = self._rank(slots, slot)
-        if rank == 0:
-            return
-        for index, (offset, width) in enumerate(zip(slots.slice_offsets, slots.out_slices, strict=True)):
-            first = index * slots.rank_pad
-            b = slots.slice_b(slot, index, rank)
-            out = dst[:, offset : offset + width]
-            if dst.dtype == torch.float32:
-                out.addmm_(t[:, first : first + rank], b)
+        views = self._views(slots)
+        src, dst = self._operands(plan, x, y, y.shape[1])
+        single = slots.n_slices == 1 and x.dtype == torch.float32
+        for seg in plan.segments:
+            slot_views = views[seg.slot]
+            if slot_views is None:
+                continue
+            a_t, slices = slot_views
+            rows = _rows(plan, seg.start, seg.row, seg.rows)
+            if single:  # the hot path: two BLAS calls on row slices, nothing else
+                _, columns, b = slices[0]
+                dst[rows, columns].addmm_(torch.mm(src[rows], a_t), b)
             else:
-                out.add_(torch.mm(t[:, first : first + rank], b.float()).to(dst.dtype))
+                _expand_rows(dst[rows], _mm_f32(src[rows], a_t), slices)
+        self._scatter(plan, y, dst)
+
+    def _operands(
+        self, plan: BatchPlan, src: torch.Tensor, dst: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row source and destination the segments index: the tensors themselves, or gathered workspaces."""
+        if plan.contiguous:
+            return src, dst
+        n = plan.num_lora_tokens
+        index = plan.sorted_tokens
+        gathered = self._buffer(src.device, src.dtype, 0, n * src.shape[1]).view(n, src.shape[1])
+        torch.index_select(src, 0, index, out=gathered)
+        scratch = self._buffer(dst.device, dst.dtype, 1, n * width).view(n, width)
+        return gathered, scratch.zero_()
+
+    @staticmethod
+    def _scatter(plan: BatchPlan, y: torch.Tensor, dst: torch.Tensor) -> None:
+        if not plan.contiguous:
+            y.index_add_(0, plan.sorted_tokens, dst)
+
+    def _buffer(self, device: torch.device, dtype: torch.dtype, which: int, numel: int) -> torch.Tensor:
+        """A grow-only workspace (fresh large allocations cost page faults on every call)."""
+        key = (device, dtype, which)
+        buffer = self._workspace.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, device=device)
+            self._workspace[key] = buffer
+        return buffer[:numel]
+
+    def _views(self, slots: LoraSlots) -> list[_SlotViews]:
+        """Per-slot operand views at this backend's rank, cached per slots version."""
+        cached = self._views_cache.get(slots)
+        if cached is not None and cached[0] == slots.version:
+            return cached[1]
+        views: list[_SlotViews] = []
+        for slot in range(slots.num_slots):
+            rank = slots.ranks[slot] if self.rank_mode == "exact" else slots.rank_pad * (slots.ranks[slot] > 0)
+            if rank == 0:
+                views.append(None)
+                continue
+            if slots.n_slices == 1:
+                a_t = slots.lora_a[slot, :rank, : slots.d_in].t()
+            else:  # shrink every slice at once (padded ranks); expand reads each slice's first `rank` columns
+                a_t = slots.lora_a[slot, :, : slots.d_in].t()
+            slices = []
+            for index, (offset, width) in enumerate(zip(slots.slice_offsets, slots.out_slices, strict=True)):
+                first = index * slots.rank_pad if slots.n_slices > 1 else 0
+                slices.append((slice(first, first + rank), slice(offset, offset + width), slots.slice_b(slot, index, rank)))
+            views.append((a_t, slices))
+        self._views_cache[slots] = (slots.version, views)
+        return views
+
+
+def _rows(plan: BatchPlan, start: int, row: int, count: int) -> slice:
+    """A segment's rows in the operands: input rows when contiguous, gathered positions otherwise."""
+    first = row if plan.contiguous else start
+    return slice(first, first + count)
+
+
+def _expand_rows(dst: torch.Tensor, t: torch.Tensor, slices: list[tuple[slice, slice, torch.Tensor]]) -> None:
+    """``dst[:, columns] += t[:, ranks] B^T`` for each output slice, float32 accumulate, one rounding."""
+    for ranks, columns, b in slices:
+        out = dst[:, columns]
+        if dst.dtype == torch.float32:
+            out.addmm_(t[:, ranks], b)
+        else:
+            out.add_(torch.mm(t[:, ranks], b.float()).to(dst.dtype))
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -92,27 +154,3 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.mm(a, b)
     return torch.mm(a.float(), b.float())
-
-
-def _per_segment(
-    plan: BatchPlan,
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    segment: Callable[[torch.Tensor, torch.Tensor, Segment], None],
-    accumulate: bool,
-) -> None:
-    """Run ``segment(dst_rows, src_rows, seg)`` for every segment, on row slices or through one gather/scatter."""
-    if plan.contiguous:
-        for seg in plan.segments:
-            rows = slice(seg.row, seg.row + seg.rows)
-            segment(dst[rows], src[rows], seg)
-        return
-    index = plan.sorted_tokens.to(src.device)
-    gathered = src.index_select(0, index)
-    dst_sorted = torch.zeros(index.numel(), dst.shape[1], dtype=dst.dtype, device=dst.device)
-    for seg in plan.segments:
-        segment(dst_sorted[seg.start : seg.end], gathered[seg.start : seg.end], seg)
-    if accumulate:
-        dst.index_add_(0, index, dst_sorted)
-    else:
-        dst.index_copy_(0, index, dst_sorted)

@@ -28,15 +28,25 @@ def test_plan_sorts_stably_and_counts(token_slots: list[int]) -> None:
         assert seg.row == rows[0]
         if plan.contiguous:
             assert rows == list(range(seg.row, seg.row + seg.rows))
-    assert plan.active_slots.tolist() == sorted({s for s in token_slots if s >= 0})
-    assert plan.counts.tolist() == [token_slots.count(s) for s in plan.active_slots.tolist()]
-    assert plan.starts.tolist() == [seg.start for seg in plan.segments]
+    active = sorted({s for s in token_slots if s >= 0})
+    assert plan.active_slots.tolist() == active
+    assert plan.counts.tolist() == [token_slots.count(s) for s in active]
+    assert plan.starts.tolist() == [slots_in_order.index(s) for s in active]
+    assert plan.segment_slots.tolist() == [seg.slot for seg in plan.segments]
+    assert plan.segment_starts.tolist() == [seg.start for seg in plan.segments]
+    assert plan.segment_rows.tolist() == [seg.rows for seg in plan.segments]
+    if not plan.contiguous:
+        assert len(plan.segments) == len(active)
 
 
 def test_contiguous_runs_need_no_gather_and_mode_follows_segment_length() -> None:
     planner = BatchPlanner(max_tokens=64, num_slots=4)
     assert planner.plan([2, 2, -1, 0, 0, 0]).contiguous
     assert not planner.plan([2, 0, 2]).contiguous
+    # long runs (prefill sequences) are used in place: one segment per run, a slot may have several
+    long_runs = planner.plan([1] * 10 + [0] * 12 + [1] * 9)
+    assert long_runs.contiguous
+    assert [(s.slot, s.row, s.rows) for s in long_runs.segments] == [(0, 10, 12), (1, 0, 10), (1, 22, 9)]
     assert planner.plan([1] * DECODE_MAX_SEGMENT).mode == "decode"
     assert planner.plan([1] * (DECODE_MAX_SEGMENT + 1)).mode == "prefill"
     assert planner.plan(torch.tensor([-1, -1], dtype=torch.int32)).no_lora

@@ -1,0 +1,221 @@
+"""``loraplane bench kernels``: multi-LoRA op timings against a Python loop, gather+bmm and the base GEMM.
+
+Prints ONE JSON object ``{"device": ..., "cases": [...]}``. Variants of a case are timed interleaved round-robin
+after a warm-up and reported as medians, because these machines drift by up to 2x over minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from loraplane.kernels.ops import apply_lora, select_backend
+from loraplane.kernels.plan import BatchPlanner, DecodeGroups
+from loraplane.kernels.slots import LoraSlots
+from loraplane.kernels.torch_backend import TorchBackend
+
+ZIPF_EXPONENT = 1.5
+COPY_BYTES = 256 * 2**20  # well beyond the last-level cache
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark shape. ``seq_len`` > 1 makes a prefill batch of sequences of that many tokens."""
+
+    name: str
+    tokens: int
+    adapters: int
+    ranks: tuple[int, ...]
+    d_in: int = 4096
+    d_out: int = 4096
+    seq_len: int = 1
+
+
+CASES = (
+    Case("decode_64x16", tokens=64, adapters=16, ranks=(16,)),
+    Case("decode_256x64", tokens=256, adapters=64, ranks=(16,)),
+    Case("prefill_2048x8", tokens=2048, adapters=8, ranks=(16,), seq_len=128),
+    Case("mixed_ranks_8_16_64", tokens=64, adapters=16, ranks=(8, 16, 64)),
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(
+    variants: dict[str, Callable[[], object]], rounds: int, device: torch.device, warmup: int = 2
+) -> dict[str, float]:
+    """Median seconds per call of each variant, timed round-robin (one call per variant per round)."""
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    _sync(device)
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def copy_bandwidth_gbps(device: torch.device, rounds: int = 7) -> float:
+    """Measured memory copy bandwidth (bytes copied per second, in GB/s) of a buffer larger than the caches."""
+    src = torch.ones(COPY_BYTES // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_interleaved({"copy": lambda: dst.copy_(src)}, rounds, device)["copy"]
+    return COPY_BYTES / seconds / 1e9
+
+
+def zipf_token_slots(count: int, adapters: int, generator: torch.Generator) -> list[int]:
+    """``count`` draws of an adapter index with Zipf(1.5) popularity over ``adapters``."""
+    weights = torch.tensor([k**-ZIPF_EXPONENT for k in range(1, adapters + 1)])
+    return torch.multinomial(weights, count, replacement=True, generator=generator).tolist()
+
+
+def _build(case: Case, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> LoraSlots:
+    slots = LoraSlots(case.adapters, max(case.ranks), case.d_in, (case.d_out,), dtype=dtype, device=device)
+    for slot in range(case.adapters):
+        rank = case.ranks[slot % len(case.ranks)]
+        a = torch.randn(rank, case.d_in, generator=generator) / case.d_in**0.5
+        b = torch.randn(case.d_out, rank, generator=generator) / rank**0.5
+        slots.load(slot, [a], [b], 1.0)
+    return slots
+
+
+def run_case(case: Case, device: torch.device, dtype: torch.dtype, rounds: int, copy_gbps: float) -> dict:
+    """Time loop / gather_bmm / sgmv / base_gemm for one case and derive the ratios."""
+    generator = torch.Generator().manual_seed(0)
+    slots = _build(case, dtype, device, generator)
+    if case.seq_len > 1:  # prefill: whole sequences, each with one adapter, in arrival order
+        per_sequence = zipf_token_slots(case.tokens // case.seq_len, case.adapters, generator)
+        arrival = [slot for slot in per_sequence for _ in range(case.seq_len)]
+        grouped = arrival
+    else:  # decode: one token per sequence; the engine lays rows out by its DecodeGroups cache
+        arrival = zipf_token_slots(case.tokens, case.adapters, generator)
+        groups = DecodeGroups()
+        for seq, slot in enumerate(arrival):
+            groups.join(seq, slot)
+        grouped = groups.token_slots()
+    planner = BatchPlanner(max_tokens=case.tokens, num_slots=case.adapters)
+    plan = planner.plan(grouped).to(device)
+    x = torch.randn(case.tokens, case.d_in, generator=generator).to(device, dtype)
+    y = torch.zeros(case.tokens, case.d_out, dtype=dtype, device=device)
+    weight = torch.randn(case.d_out, case.d_in, generator=generator).to(device, dtype) / case.d_in**0.5
+    backend = select_backend(device)
+    a_all, b_all = slots.lora_a[:, :, : case.d_in], slots.lora_b[:, :, : case.d_out]
+    index = torch.tensor(grouped, device=device)
+
+    def loop() -> None:
+        for row, slot in enumerate(grouped):
+            rank = slots.ranks[slot]
+            y[row : row + 1].addmm_(x[row : row + 1] @ a_all[slot, :rank].t(), b_all[slot, :rank])
+
+    def gather_bmm() -> None:
+        for start in range(0, case.tokens, 256):  # chunks bound the gathered copies' memory
+            rows = slice(start, start + 256)
+            a = a_all.index_select(0, index[rows])
+            b = b_all.index_select(0, index[rows])
+            y[rows] += torch.bmm(torch.bmm(x[rows].unsqueeze(1), a.transpose(1, 2)), b).squeeze(1)
+
+    variants: dict[str, Callable[[], object]] = {
+        "loop": loop,
+        "gather_bmm": gather_bmm,
+        "sgmv": lambda: apply_lora(y, x, slots, plan, backend),
+        "base_gemm": lambda: torch.nn.functional.linear(x, weight),
+    }
+    if len(case.ranks) > 1 and backend.name == "torch":
+        variants["sgmv_rank_padded"] = lambda: apply_lora(y, x, slots, plan, TorchBackend("padded"))
+    if case.seq_len == 1:
+        unsorted_plan = planner.plan(arrival).to(device)
+        variants["sgmv_unsorted"] = lambda: apply_lora(y, x, slots, unsorted_plan, backend)
+    with torch.no_grad():
+        medians = time_interleaved(variants, rounds, device)
+    plan_seconds = time_interleaved({"plan": lambda: planner.plan(arrival)}, rounds, torch.device("cpu"))["plan"]
+    distinct = sorted(set(grouped))
+    lora_bytes = sum(slots.adapter_nbytes(slot) for slot in distinct)
+    floor_seconds = lora_bytes / (copy_gbps * 1e9)
+    sgmv = medians["sgmv"]
+    result = {
+        "name": case.name,
+        "tokens": case.tokens,
+        "adapters": case.adapters,
+        "distinct_adapters": len(distinct),
+        "rank": case.ranks[0] if len(case.ranks) == 1 else list(case.ranks),
+        "d_in": case.d_in,
+        "d_out": case.d_out,
+        "dtype": str(dtype).removeprefix("torch."),
+        "backend": backend.name,
+        "path": f"{plan.mode}/{'contiguous' if plan.contiguous else 'gathered'}",
+        **{f"{name}_ms": round(seconds * 1e3, 4) for name, seconds in medians.items()},
+        "plan_ms": round(plan_seconds * 1e3, 4),
+        "speedup_vs_loop": round(medians["loop"] / sgmv, 3),
+        "speedup_vs_gather_bmm": round(medians["gather_bmm"] / sgmv, 3),
+        "lora_overhead_vs_base": round(sgmv / medians["base_gemm"], 4),
+        "bytes_ratio": round(lora_bytes / (weight.numel() * weight.element_size()), 4),
+        "copy_gbps": round(copy_gbps, 2),
+        "floor_ratio": round(sgmv / floor_seconds, 3),
+    }
+    if device.type == "cuda":
+        result["achieved_gbps"] = round(lora_bytes / sgmv / 1e9, 2)
+        result["achieved_vs_copy"] = round(lora_bytes / sgmv / 1e9 / copy_gbps, 3)
+    return result
+
+
+def _describe(device: torch.device, threads: int) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({platform.processor() or platform.machine()}, {threads} torch threads)"
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``loraplane bench kernels``."""
+    parser = argparse.ArgumentParser(prog="loraplane bench kernels", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds (CI)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--json", action="store_true", help="print the JSON object (the only output format)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
+    parser.add_argument("--case", action="append", choices=[case.name for case in CASES], help="run only these")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    dtype = torch.float32 if device.type == "cpu" else torch.float16
+    copy_gbps = copy_bandwidth_gbps(device)
+    cases = [case for case in CASES if not args.case or case.name in args.case]
+    results = []
+    for case in cases:
+        rounds = _rounds(case, args.quick, device)
+        results.append(run_case(case, device, dtype, rounds, copy_gbps))
+    report = {
+        "device": _describe(device, torch.get_num_threads()),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "quick": args.quick,
+        "copy_gbps": round(copy_gbps, 2),
+        "cases": results,
+    }
+    print(json.dumps(report))
+    return 0
+
+
+def _rounds(case: Case, quick: bool, device: torch.device) -> int:
+    if device.type == "cuda":
+        return 20 if quick else 50
+    if case.seq_len > 1:
+        return 3 if quick else 7
+    return 25 if quick else 60
