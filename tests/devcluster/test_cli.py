@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import yaml
 from kubernetes import client, config
 
@@ -26,6 +27,7 @@ WIDGET_CRD = {
 }
 
 
+@pytest.mark.slow
 def test_snapshot_survives_a_restart(tmp_path: Path) -> None:
     snapshot = tmp_path / "state.json"
     first = start_devcluster(tmp_path / "a", ["--snapshot", str(snapshot)])
@@ -52,6 +54,7 @@ def test_snapshot_survives_a_restart(tmp_path: Path) -> None:
         second.stop()
 
 
+@pytest.mark.slow
 def test_token_and_crds_from_a_folder(tmp_path: Path) -> None:
     crds = tmp_path / "crds"
     crds.mkdir()
