@@ -3,13 +3,153 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+import redis.asyncio as aioredis
+import yaml
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from prometheus_client import start_http_server
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from loraplane.controller.kube import KubeApi
+from loraplane.controller.leader import LeaseConfig, LeaseElector
+from loraplane.controller.manager import Controller, ControllerConfig
+from loraplane.controller.metrics import ControllerMetrics
+from loraplane.controller.placement import PlacementConfig, TenantBudget
+from loraplane.controller.probe import HealthProber
+from loraplane.controller.store import RedisStore
+
+log = logging.getLogger("loraplane.controller")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class PlacementSettings(_Strict):
+    """``placement:`` in the config file (see docs/controller.md for the meaning of each)."""
+
+    replica_rate: float = Field(default=PlacementConfig.replica_rate, gt=0, alias="replicaRate")
+    stickiness: float = Field(default=PlacementConfig.stickiness, ge=0)
+    burst_ratio: float = Field(default=PlacementConfig.burst_ratio, gt=1, alias="burstRatio")
+    burst_min_rate: float = Field(default=PlacementConfig.burst_min_rate, ge=0, alias="burstMinRate")
+    burst_slots_per_pod: int = Field(default=PlacementConfig.burst_slots_per_pod, ge=0, alias="burstSlotsPerPod")
+    gold_weight: float = Field(default=PlacementConfig.gold_weight, gt=0, alias="goldWeight")
+    sheddable_weight: float = Field(default=PlacementConfig.sheddable_weight, gt=0, alias="sheddableWeight")
+
+
+class BudgetSettings(_Strict):
+    gpu_bytes: int | None = Field(default=None, ge=0, alias="gpuBytes")
+    cpu_bytes: int | None = Field(default=None, ge=0, alias="cpuBytes")
+
+
+class FileConfig(_Strict):
+    """The controller's YAML config file."""
+
+    placement: PlacementSettings = Field(default_factory=PlacementSettings)
+    tenant_budgets: dict[str, BudgetSettings] = Field(default_factory=dict, alias="tenantBudgets")
+
+    def placement_config(self) -> PlacementConfig:
+        return PlacementConfig(**self.placement.model_dump())
+
+    def budgets(self) -> dict[str, TenantBudget]:
+        return {t: TenantBudget(b.gpu_bytes, b.cpu_bytes) for t, b in self.tenant_budgets.items()}
+
+
+def load_config(path: Path | None) -> FileConfig:
+    """Parse the config file (an empty config without one); ValueError with the reason when it is invalid."""
+    if path is None:
+        return FileConfig()
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        return FileConfig.model_validate(data)
+    except (OSError, yaml.YAMLError, ValidationError) as exc:
+        raise ValueError(f"config file {path}: {exc}") from exc
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loraplane-controller", description="the loraplane AdapterRevision controller")
+    p.add_argument("--kubeconfig", type=Path, default=os.environ.get("KUBECONFIG"),
+                   help="kubeconfig file (default: $KUBECONFIG, else the in-cluster service account)")
+    p.add_argument("--namespace", help="watch only this namespace (default: all)")
+    p.add_argument("--redis-url", default=os.environ.get("LORAPLANE_REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   help="Redis holding target states, routes, reports (default: $LORAPLANE_REDIS_URL or local)")
+    p.add_argument("--config", type=Path, help="YAML with placement settings and tenant budgets (docs/controller.md)")
+    p.add_argument("--identity", default=f"{socket.gethostname()}-{os.getpid()}",
+                   help="this replica's name in the Lease (default: hostname-pid)")
+    p.add_argument("--lease-name", default="loraplane-controller")
+    p.add_argument("--lease-namespace", default="default")
+    p.add_argument("--lease-duration", type=float, default=15.0, help="seconds (default 15)")
+    p.add_argument("--renew-deadline", type=float, default=10.0, help="seconds (default 10)")
+    p.add_argument("--retry-period", type=float, default=2.0, help="seconds (default 2)")
+    p.add_argument("--no-leader-election", action="store_true",
+                   help="act without a Lease (only safe with exactly one replica)")
+    p.add_argument("--resync-seconds", type=float, default=2.0,
+                   help="reconcile at least this often, even without a change notice (default 2)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics port (default loopback)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _api_client(kubeconfig: Path | None) -> k8s.ApiClient:
+    if kubeconfig is not None:
+        return k8s_config.new_client_from_config(config_file=str(kubeconfig))
+    k8s_config.load_incluster_config()
+    return k8s.ApiClient()
+
+
+async def _serve(args: argparse.Namespace, file_config: FileConfig) -> int:
+    api_client = _api_client(args.kubeconfig)
+    redis = aioredis.from_url(args.redis_url)
+    metrics = ControllerMetrics()
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    elector = None
+    if not args.no_leader_election:
+        lease = LeaseConfig(args.lease_name, args.lease_namespace, args.lease_duration, args.renew_deadline,
+                            args.retry_period)
+        elector = LeaseElector(api_client, args.identity, lease, time.monotonic, time.time)
+    config = ControllerConfig(namespace=args.namespace, resync_seconds=args.resync_seconds,
+                              placement=file_config.placement_config(), budgets=file_config.budgets())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with httpx.AsyncClient() as http:
+        controller = Controller(KubeApi(api_client, args.identity), RedisStore(redis, time.time), HealthProber(http),
+                                elector, config, time.time, metrics)
+        log.info("loraplane-controller %s starting (namespace %s)", args.identity, args.namespace or "all")
+        try:
+            await controller.run(stop)
+        finally:
+            await controller.aclose()
+            await redis.aclose()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``loraplane-controller``."""
-    parser = argparse.ArgumentParser(prog="loraplane-controller", description="loraplane controller (not yet implemented)")
-    parser.parse_args(argv)
-    print("loraplane-controller: not yet implemented", file=sys.stderr)
-    return 2
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        file_config = load_config(args.config)
+        LeaseConfig(args.lease_name, args.lease_namespace, args.lease_duration, args.renew_deadline, args.retry_period)
+    except ValueError as exc:
+        print(f"loraplane-controller: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(args, file_config))
+    except k8s_config.ConfigException as exc:
+        print(f"loraplane-controller: no Kubernetes credentials: {exc}", file=sys.stderr)
+        return 2

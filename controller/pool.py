@@ -1,0 +1,186 @@
+"""One pool's reconcile as a pure function: revisions + reports + rates + counters -> statuses, targets, routes.
+
+``plan_pool`` runs the rollout state machine for every logical adapter of the pool, turns what each revision
+needs into placement demands, runs placement, and builds every fresh pod's ``TargetState`` adapters and the
+pool's route entries. The controller feeds it from the API server and Redis and writes back what changed; the
+benchmark feeds it synthetic pools.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from loraplane.api import (
+    AdapterRevision,
+    AdapterTarget,
+    PickerCounters,
+    RequestRates,
+    ResidencyReport,
+    RevisionCounters,
+    RouteEntry,
+    TargetState,
+)
+from loraplane.api.runtime import Tier
+from loraplane.controller.placement import (
+    AdapterDemand,
+    Placement,
+    PlacementConfig,
+    PodCapacity,
+    Rates,
+    TenantBudget,
+    place,
+)
+from loraplane.controller.rollout import (
+    AdapterPlan,
+    Observation,
+    PodObservation,
+    ProbeResult,
+    reconcile_adapter,
+)
+
+#: Adapter size assumed when neither a sidecar nor the artifact says (64 MiB: a rank-16 adapter of an 8B model).
+DEFAULT_ADAPTER_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class PoolInputs:
+    """Everything one reconcile of one pool reads."""
+
+    pool: str
+    now: datetime
+    revisions: Sequence[AdapterRevision]
+    #: fresh reports of the pool's member pods
+    reports: Sequence[ResidencyReport]
+    rates: RequestRates | None = None
+    counters: Sequence[PickerCounters] = ()
+    #: pod -> the target state the controller last wrote
+    previous_targets: Mapping[str, TargetState] = field(default_factory=dict)
+    probes: Mapping[tuple[str, str], ProbeResult] = field(default_factory=dict)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    budgets: Mapping[str, TenantBudget] = field(default_factory=dict)
+
+
+@dataclass
+class PoolPlan:
+    """What the pool should look like: per-adapter rollout outcomes, each fresh pod's targets, the routes."""
+
+    adapters: dict[tuple[str, str], AdapterPlan]
+    targets: dict[str, list[AdapterTarget]]
+    routes: dict[str, RouteEntry]
+    placement: Placement
+    base_model: str | None
+
+
+def summed_counters(counters: Sequence[PickerCounters]) -> dict[str, RevisionCounters]:
+    """Served name -> counters summed over every picker replica."""
+    total: dict[str, RevisionCounters] = {}
+    for replica in counters:
+        for name, c in replica.revisions.items():
+            t = total.setdefault(name, RevisionCounters())
+            t.requests += c.requests
+            t.errors += c.errors
+            t.ttft_seconds_sum += c.ttft_seconds_sum
+            t.ttft_count += c.ttft_count
+    return total
+
+
+def _rates_by_adapter(rates: RequestRates | None, revisions: Sequence[AdapterRevision]) -> dict[str, Rates]:
+    """Logical adapter -> its rates over all its revisions (a canary's traffic is the adapter's traffic)."""
+    if rates is None:
+        return {}
+    adapter_of = {r.served_name: r.spec.adapter for r in revisions}
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for i, window in enumerate(("5m", "1h", "24h")):
+        for served, rate in rates.windows.get(window, {}).items():  # type: ignore[call-overload]
+            if served in adapter_of:
+                sums[adapter_of[served]][i] += rate
+    return {a: Rates(*v) for a, v in sums.items()}
+
+
+def _observation(inputs: PoolInputs) -> Observation:
+    pods = [
+        PodObservation(
+            name=r.pod,
+            address=r.address,
+            ready=r.ready,
+            base_model_digest=r.base_model_digest,
+            max_lora_rank=r.max_lora_rank,
+            adapters=r.by_name(),
+        )
+        for r in inputs.reports
+    ]
+    return Observation(now=inputs.now, pods=pods, counters=summed_counters(inputs.counters), probes=inputs.probes)
+
+
+def _adapter_bytes(rev: AdapterRevision, reports: Sequence[ResidencyReport]) -> int:
+    reported = [a.bytes for r in reports for a in r.adapters if a.served_name == rev.served_name and a.bytes]
+    return max(reported, default=rev.spec.artifact.size_bytes or DEFAULT_ADAPTER_BYTES)
+
+
+def _target(rev: AdapterRevision, tier: Tier) -> AdapterTarget:
+    status = rev.status
+    return AdapterTarget(
+        served_name=rev.served_name,
+        adapter=rev.spec.adapter,
+        revision=rev.spec.revision,
+        tier=tier,
+        pinned=rev.spec.pinned and tier is Tier.GPU,
+        artifact=rev.spec.artifact,
+        lora=rev.spec.lora,
+        base_model_digest=rev.spec.base_model.digest,
+        cache_key=status.cache_key or "",
+        tenant=rev.spec.tenant,
+        priority=rev.spec.priority_class.priority,
+    )
+
+
+def plan_pool(inputs: PoolInputs) -> PoolPlan:
+    """Reconcile one pool (pure; see the module docstring)."""
+    observation = _observation(inputs)
+    groups: dict[tuple[str, str], list[AdapterRevision]] = defaultdict(list)
+    for rev in inputs.revisions:
+        groups[(rev.metadata.namespace or "default", rev.spec.adapter)].append(rev)
+    adapters = {key: reconcile_adapter(revs, observation) for key, revs in sorted(groups.items())}
+
+    rates = _rates_by_adapter(inputs.rates, inputs.revisions)
+    by_served: dict[str, AdapterRevision] = {}
+    demands = []
+    for key, outcome in adapters.items():
+        for rev in groups[key]:
+            rp = outcome.revisions[rev.metadata.name]
+            if not rp.placed:
+                continue
+            rev = rev.model_copy(update={"status": rp.status})
+            by_served[rev.served_name] = rev
+            demands.append(
+                AdapterDemand(
+                    served_name=rev.served_name,
+                    bytes=_adapter_bytes(rev, inputs.reports),
+                    rates=rates.get(rev.spec.adapter, Rates()).scaled(rp.rate_share),
+                    tenant=rev.spec.tenant,
+                    priority=rev.spec.priority_class.priority,
+                    warm_policy=rp.warm_policy,
+                    pinned=rev.spec.pinned and rp.rate_share > 0,
+                    required=rp.required,
+                    eligible=rp.eligible,
+                    min_replicas=1 if rp.rate_share > 0 else 0,
+                )
+            )
+
+    pods = [
+        PodCapacity(r.pod, r.load.max_gpu_slots, r.load.max_cpu_slots, r.load.max_gpu_bytes, r.load.max_cpu_bytes)
+        for r in inputs.reports
+        if r.ready
+    ]
+    previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
+    placement = place(pods, demands, previous, inputs.budgets, inputs.placement)
+    targets = {
+        pod: [_target(by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
+        for pod, held in placement.pods.items()
+    }
+    routes = {adapter: outcome.route for (_, adapter), outcome in adapters.items() if outcome.route is not None}
+    base_model = next((r.spec.base_model.name for r in inputs.revisions if r.spec.adapter in routes), None)
+    return PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement, base_model=base_model)

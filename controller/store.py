@@ -1,0 +1,148 @@
+"""The controller's Redis side: read what sidecars and pickers publish, write target states and routes incrementally.
+
+The controller is the only writer of ``TargetState`` and ``RouteTable`` keys. It remembers what it last wrote (read
+back from Redis when it becomes leader) and writes a key only when its content changed, bumping the key's
+``generation`` and publishing a change notice, so a reconcile that changes nothing writes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from pydantic import ValidationError
+
+from loraplane.api import (
+    SCHEMA_VERSION,
+    AdapterTarget,
+    PickerCounters,
+    RequestRates,
+    ResidencyReport,
+    RouteEntry,
+    RouteTable,
+    TargetState,
+    keys,
+)
+from loraplane.api.base import ApiModel
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=ApiModel)
+
+
+@dataclass
+class PoolReadings:
+    """What Redis says about one pool right now."""
+
+    reports: list[ResidencyReport] = field(default_factory=list)
+    rates: RequestRates | None = None
+    counters: list[PickerCounters] = field(default_factory=list)
+
+
+def _parse(model: type[M], raw: bytes | str | None, what: str) -> M | None:
+    if raw is None:
+        return None
+    try:
+        value = model.from_json(raw)
+    except ValidationError as exc:
+        log.warning("ignoring an invalid %s: %s", what, exc.errors()[:1])
+        return None
+    if getattr(value, "schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        log.warning("ignoring a %s of schema version %s", what, getattr(value, "schema_version", None))
+        return None
+    return value
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+class RedisStore:
+    """Reads a pool's reports, rates and counters; writes its target states and route table when they change."""
+
+    def __init__(self, client: aioredis.Redis, clock: Callable[[], float]) -> None:
+        self.client = client
+        self.clock = clock
+        self.targets: dict[str, dict[str, TargetState]] = {}
+        self.routes: dict[str, RouteTable | None] = {}
+        #: SET commands issued since start (target states + route tables)
+        self.writes = 0
+
+    async def read(self, pool: str) -> PoolReadings:
+        """Every report (stale ones included; the caller filters), the rates and every picker replica's counters."""
+        pods = sorted(_text(p) for p in await self.client.smembers(keys.residency_index(pool)))
+        pods = [p for p in pods if _valid_name(p)]
+        counter_keys = [k async for k in self.client.scan_iter(match=keys.picker_counters_pattern(pool), count=500)]
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.mget([keys.residency_report(pool, p) for p in pods] or [keys.residency_report(pool, "none")])
+            pipe.get(keys.request_rates(pool))
+            pipe.mget(counter_keys or [keys.picker_counters(pool, "none")])
+            raw_reports, raw_rates, raw_counters = await pipe.execute()
+        reports = [_parse(ResidencyReport, raw, "residency report") for raw in raw_reports]
+        counters = [_parse(PickerCounters, raw, "picker counters") for raw in raw_counters]
+        return PoolReadings(
+            reports=[r for r in reports if r is not None and r.pool == pool],
+            rates=_parse(RequestRates, raw_rates, "request rates"),
+            counters=[c for c in counters if c is not None],
+        )
+
+    async def load_written(self, pool: str) -> dict[str, TargetState]:
+        """Read back the target states and route table last written for ``pool`` (on becoming leader)."""
+        target_keys = [k async for k in self.client.scan_iter(match=keys.target_state_pattern(pool), count=500)]
+        raws = await self.client.mget(target_keys) if target_keys else []
+        states = [_parse(TargetState, raw, "target state") for raw in raws]
+        self.targets[pool] = {s.pod: s for s in states if s is not None and s.pool == pool}
+        self.routes[pool] = _parse(RouteTable, await self.client.get(keys.route_table(pool)), "route table")
+        return self.targets[pool]
+
+    def written_targets(self, pool: str) -> dict[str, TargetState]:
+        """The target states last written (or read back) for ``pool``."""
+        return self.targets.get(pool, {})
+
+    async def write_routes(self, pool: str, models: Mapping[str, RouteEntry], base_model: str | None) -> bool:
+        """Write the route table if its models changed; True when written."""
+        old = self.routes.get(pool)
+        if old is not None and old.models == dict(models) and old.base_model == base_model:
+            return False
+        table = RouteTable(pool=pool, generation=(old.generation + 1) if old else 1, base_model=base_model,
+                           models=dict(sorted(models.items())), updated_at=self.clock())
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(keys.route_table(pool), table.to_json())
+            pipe.publish(keys.routes_changed_channel(pool), str(table.generation))
+            await pipe.execute()
+        self.routes[pool] = table
+        self.writes += 1
+        return True
+
+    async def write_targets(self, pool: str, targets: Mapping[str, Sequence[AdapterTarget]]) -> list[str]:
+        """Write each pod's target state whose adapters changed; returns the pods written."""
+        written = self.targets.setdefault(pool, {})
+        changed = []
+        for pod, adapters in sorted(targets.items()):
+            wanted = sorted(adapters, key=lambda a: a.served_name)
+            old = written.get(pod)
+            if old is not None and old.adapters == wanted:
+                continue
+            changed.append(TargetState(pool=pool, pod=pod, generation=(old.generation + 1) if old else 1,
+                                       adapters=wanted, updated_at=self.clock()))
+        if not changed:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for state in changed:
+                pipe.set(keys.target_state(pool, state.pod), state.to_json())
+                pipe.publish(keys.target_changed_channel(pool), state.pod)
+            await pipe.execute()
+        for state in changed:
+            written[state.pod] = state
+        self.writes += len(changed)
+        return [s.pod for s in changed]
+
+
+def _valid_name(pod: str) -> bool:
+    try:
+        keys.residency_report("p", pod)
+    except ValueError:
+        return False
+    return True
