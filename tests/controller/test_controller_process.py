@@ -110,9 +110,9 @@ class Env:
     def held_now(self, served: str) -> dict[str, str]:
         return asyncio.run_coroutine_threadsafe(self.held(served), self.loop).result(5)
 
-    def events(self, name: str) -> list[tuple[str | None, str | None]]:
+    def events(self, name: str) -> list[tuple[str, str]]:
         items = k8s.CoreV1Api(self.kube).list_namespaced_event("default").items
-        return [(e.reason, e.message) for e in items if e.involved_object.name == name]
+        return [(e.reason or "", e.message or "") for e in items if e.involved_object.name == name]
 
 
 @pytest.fixture
