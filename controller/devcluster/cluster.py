@@ -119,6 +119,29 @@ def _decode_continue(token: str) -> tuple[int, Key]:
         raise e.bad_request("continue key is not valid: malformed token") from exc
 
 
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_NAME_HELP = ("name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an "
+              "alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is "
+              "'([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')")
+
+
+def _label_errors(values: dict[str, Any], check_values: bool) -> list[e.FieldError]:
+    """Kubernetes' rules for label (and annotation) keys, and for label values."""
+    field = "metadata.labels" if check_values else "metadata.annotations"
+    errors = []
+    for key, value in values.items():
+        prefix, _, name = key.rpartition("/")
+        if prefix and (len(prefix) > names.DNS1123_SUBDOMAIN_MAX or not re.fullmatch(names.DNS1123_SUBDOMAIN, prefix)):
+            errors.append(e.invalid(field, key, "prefix part " + _DNS_SUBDOMAIN_HELP))
+        if len(name) > 63 or not _QUALIFIED_NAME.fullmatch(name):
+            errors.append(e.invalid(field, key, _NAME_HELP if len(name) <= 63 else "name part must be no more than 63 characters"))
+        if check_values and value and (len(value) > 63 or not _QUALIFIED_NAME.fullmatch(value)):
+            errors.append(e.invalid(field, value, "a valid label must be an empty string or consist of alphanumeric "
+                                    "characters, '-', '_' or '.', must start and end with an alphanumeric character and "
+                                    "be no more than 63 characters"))
+    return errors
+
+
 def _crd_status(crd: dict[str, Any]) -> dict[str, Any]:
     """A CRD's status once served: names accepted, established, its storage version recorded."""
     spec, since = crd["spec"], crd["metadata"]["creationTimestamp"]
@@ -438,6 +461,8 @@ class Cluster:
             values = obj["metadata"].get(field_name)
             if values is not None and (not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values())):
                 errors.append(e.invalid(f"metadata.{field_name}", values, "must be a map of strings"))
+            elif values:
+                errors += _label_errors(values, check_values=field_name == "labels")
         if rt.storage == _CRDS:
             errors += self._crd_errors(obj)
         warnings: list[str] = []

@@ -69,11 +69,6 @@ def forbidden(field: str, detail: str) -> FieldError:
     return FieldError(field, "FieldValueForbidden", f"Forbidden: {detail}")
 
 
-def unknown_field(field: str) -> FieldError:
-    """A field the schema does not declare (only an error with ``fieldValidation=Strict``)."""
-    return FieldError(field, "FieldValueUnknown", f'unknown field "{field}"')
-
-
 class ApiError(Exception):
     """An error answered as a Kubernetes ``Status`` object."""
 

@@ -255,6 +255,15 @@ def test_adapter_revision_table_uses_printer_columns(http: httpx.Client, clock: 
     assert data["rows"][0]["cells"] == ["claims-v1", "claims", "v1", "Canary", 10, 2, 0, "Waiting", "3h5m"]
 
 
+def test_labels_follow_kubernetes_syntax(http: httpx.Client) -> None:
+    for labels in ({"bad key": "x"}, {"ok": "no spaces"}, {"Bad_Prefix/name": "x"}, {"k": "v" * 64}):
+        response = http.post("/api/v1/namespaces/default/pods", json=_pod("p", labels))
+        assert response.status_code == 422, labels
+        assert response.json()["details"]["causes"][0]["field"] == "metadata.labels"
+    fine = {"app.kubernetes.io/name": "engine", "pool": "", "x": "A-1.b_2"}
+    assert http.post("/api/v1/namespaces/default/pods", json=_pod("p", fine)).status_code == 201
+
+
 def test_label_and_field_selectors(http: httpx.Client) -> None:
     for name, labels in [("a", {"tier": "gpu", "team": "x"}), ("b", {"tier": "cpu"}), ("c", {})]:
         _create(http, "/api/v1/namespaces/default/pods", _pod(name, labels))
