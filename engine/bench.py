@@ -174,7 +174,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (short: TTFT is mostly the adapter's tier)")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--trials", type=int, default=15)
+    parser.add_argument("--trials", type=int, default=31)
     parser.add_argument("--batch", type=int, default=8, help="sequences (and distinct adapters) in the decode runs")
     parser.add_argument("--adapters", type=int, default=16, help="adapters written and loaded (tiers, RSS)")
     parser.add_argument("--decode-tokens", type=int, default=32)

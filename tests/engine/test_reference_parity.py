@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -34,6 +35,15 @@ def _hf_model(tie: bool) -> torch.nn.Module:
         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
     )
     return transformers.LlamaForCausalLM(config).eval()
+
+
+def _word_tokenizer() -> Any:
+    """A tiny word-level ``tokenizers`` tokenizer (the model directory's ``tokenizer.json``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 5, "world": 6}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer
 
 
 def _greedy(model: torch.nn.Module, prompt: Sequence[int]) -> list[int]:
@@ -74,6 +84,8 @@ def test_greedy_tokens_match_transformers_and_peft_over_http(
     hf = _hf_model(tie=False)
     model_dir = tmp_path / "hf-llama"
     hf.save_pretrained(model_dir)
+    tokenizer = _word_tokenizer()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
     base_tokens = _greedy(hf, PROMPT)
     lora_config = peft.LoraConfig(r=8, lora_alpha=24, init_lora_weights=False, lora_dropout=0.0,
                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
@@ -100,3 +112,5 @@ def test_greedy_tokens_match_transformers_and_peft_over_http(
         with_lora = http.post("/v1/completions", json={**body, "model": "reference@v1"})
         assert with_lora.json()["choices"][0]["token_ids"] == lora_tokens
         assert with_lora.headers[ADAPTER_DIGEST_HEADER] == adapter_digest(adapter_dir)
+        text = http.post("/v1/completions", json={**body, "model": "hf-llama", "prompt": "hello world unknown"})
+        assert text.json()["choices"][0]["prompt_token_ids"] == tokenizer.encode("hello world unknown").ids == [5, 6, 0]
