@@ -102,7 +102,7 @@ class HttpsFetcher:
                         continue
                     if resp.status_code != 200:
                         raise ArtifactError("HttpError", f"GET {uri}: HTTP {resp.status_code}")
-                    _pump(resp.iter_bytes(CHUNK_BYTES), sink, resolved)
+                    _pump(resp.iter_bytes(), sink, resolved)  # chunks as they arrive
                     return
             raise ArtifactError("TooManyRedirects", f"{uri}: more than 5 redirects")
 

@@ -166,4 +166,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{what} {getattr(args, what)!r} is not a DNS-1123 name")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per runtime call is noise
     return asyncio.run(serve(args))
