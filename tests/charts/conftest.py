@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,13 +62,22 @@ def helm_template(helm: str, values: dict[str, Any], tmp_path: Path, *extra: str
 RenderFn = Callable[..., Rendered]
 
 
+@pytest.fixture(scope="session")
+def _render_cache() -> dict[str, str]:
+    """helm's output per (values, arguments): tests that render the same values share one ``helm template``."""
+    return {}
+
+
 @pytest.fixture
-def render(helm_bin: str, tmp_path: Path) -> RenderFn:
+def render(helm_bin: str, tmp_path: Path, _render_cache: dict[str, str]) -> RenderFn:
     """``render(values, *helm_args)`` -> the rendered objects; fails the test with helm's message on error."""
 
     def _render(values: dict[str, Any] | None = None, *extra: str) -> Rendered:
-        result = helm_template(helm_bin, values or {}, tmp_path, *extra)
-        assert result.returncode == 0, result.stderr
-        return Rendered([o for o in yaml.safe_load_all(result.stdout) if o])
+        key = json.dumps([values or {}, extra], sort_keys=True)
+        if key not in _render_cache:
+            result = helm_template(helm_bin, values or {}, tmp_path, *extra)
+            assert result.returncode == 0, result.stderr
+            _render_cache[key] = result.stdout
+        return Rendered([o for o in yaml.safe_load_all(_render_cache[key]) if o])
 
     return _render

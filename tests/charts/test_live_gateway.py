@@ -1,0 +1,179 @@
+"""The chart's gateway wiring, run for real: the picker started with the arguments the chart gives it, Envoy with
+the bootstrap the chart renders, a real redis-server, and two loopback HTTP servers standing in the model-server
+pods' places. The pool's state is what sidecars and the controller would have written to Redis.
+
+Only two things differ from the cluster: listen addresses are loopback instead of 0.0.0.0, and Envoy reaches the
+picker at 127.0.0.1 instead of its Service's DNS name.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from e2e.fixtures.processes import ManagedProcess, RedisServer, free_port, wait_for_port
+from loraplane.api import (
+    AdapterResidency,
+    ResidencyReport,
+    RouteEntry,
+    RouteTable,
+    Tier,
+    WeightedRevision,
+    keys,
+    served_name,
+)
+from tests.charts.conftest import RenderFn, name_of
+from tests.charts.test_envoy import DESTINATION_HEADER, bootstrap
+
+POOL = "live-pool"
+ADAPTER, REVISION = "support-bot", "v3"
+SERVED = served_name(ADAPTER, REVISION)
+DIGEST = "sha256:" + "ab" * 32
+
+
+@dataclass
+class ModelServer:
+    """A loopback HTTP server in a model-server pod's place: it answers completions and records them."""
+
+    name: str
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    port: int = 0
+
+    def handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        seen = self.seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _body(self) -> bytes:
+                if self.headers.get("transfer-encoding", "").lower() != "chunked":
+                    return self.rfile.read(int(self.headers.get("content-length", 0)))
+                data = b""  # Envoy streams a body it got back from the picker in FULL_DUPLEX_STREAMED mode
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    data += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()
+                return data
+
+            def do_POST(self) -> None:
+                body = json.loads(self._body())
+                seen.append({"path": self.path, "model": body.get("model"),
+                             "destination": self.headers.get(DESTINATION_HEADER)})
+                out = json.dumps({"model": body.get("model"), "choices": [{"text": "ok"}]}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                """Quiet."""
+
+        return Handler
+
+
+@pytest.fixture
+def model_servers() -> Iterator[list[ModelServer]]:
+    """Two running model-server stand-ins."""
+    servers, threads = [], []
+    pods = [ModelServer("pod-warm"), ModelServer("pod-cold")]
+    for pod in pods:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), pod.handler())
+        pod.port = server.server_address[1]
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        servers.append(server)
+        threads.append(thread)
+    try:
+        yield pods
+    finally:
+        for server, thread in zip(servers, threads, strict=True):
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+
+
+def _write_pool_state(redis_url: str, pods: list[ModelServer]) -> None:
+    """The controller's route table and the sidecars' reports: the revision is GPU-warm on the first pod only."""
+    client = redis.Redis.from_url(redis_url)
+    now = time.time()
+    routes = RouteTable(pool=POOL, generation=1, updated_at=now, models={
+        ADAPTER: RouteEntry(revisions=[WeightedRevision(revision=REVISION, served_name=SERVED, digest=DIGEST, weight=100)]),
+    })
+    client.set(keys.route_table(POOL), routes.to_json())
+    for i, pod in enumerate(pods):
+        warm = [AdapterResidency(served_name=SERVED, tier=Tier.GPU, digest=DIGEST)] if i == 0 else []
+        report = ResidencyReport(pool=POOL, pod=pod.name, address=f"127.0.0.1:{pod.port}", heartbeat_at=now,
+                                 ttl_seconds=600, adapters=warm)
+        client.set(keys.residency_report(POOL, pod.name), report.to_json())
+        client.sadd(keys.residency_index(POOL), pod.name)
+    client.close()
+
+
+def _picker_command(render_values: dict[str, Any], render: RenderFn) -> list[str]:
+    """The picker container's command line from the chart, with loopback listen addresses."""
+    rendered = render(render_values)
+    container = rendered.get("Deployment", name_of("picker"))["spec"]["template"]["spec"]["containers"][0]
+    args = [a.replace("0.0.0.0:", "127.0.0.1:").replace("$(POD_NAME)", "picker-0") for a in container["args"]]
+    script = Path(sys.executable).with_name(container["command"][0])
+    return [str(script), *args]
+
+
+@pytest.mark.slow
+def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
+    render: RenderFn, envoy_bin: str, redis_srv: RedisServer, model_servers: list[ModelServer], tmp_path: Path
+) -> None:
+    grpc, health, metrics, listen = free_port(), free_port(), free_port(), free_port()
+    values = {
+        "pool": {"name": POOL},
+        "redis": {"bundled": False, "external": {"url": redis_srv.url}},
+        "picker": {"ports": {"grpc": grpc, "health": health, "metrics": metrics}},
+        "gateway": {"mode": "envoy", "envoy": {"port": listen, "adminPort": free_port()}},
+    }
+    _write_pool_state(redis_srv.url, model_servers)
+    command = _picker_command(values, render)
+    assert "--no-destination-fallbacks" in command
+
+    config = bootstrap(render, values)
+    picker_cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "picker")
+    address = picker_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"]["port_value"] == grpc
+    address["socket_address"]["address"] = "127.0.0.1"
+    config_path = tmp_path / "envoy.yaml"
+    config_path.write_text(json.dumps(config))
+
+    picker = ManagedProcess(command, tmp_path / "picker.log").start()
+    envoy = ManagedProcess([envoy_bin, "-c", str(config_path), "--base-id", str(listen), "--log-level", "warning"],
+                           tmp_path / "envoy.log").start()
+    try:
+        wait_for_port(grpc, proc=picker.proc)
+        wait_for_port(listen, proc=envoy.proc)
+        url = f"http://127.0.0.1:{listen}/v1/completions"
+        deadline = time.monotonic() + 20
+        while True:  # the picker answers 503 until its first Redis sync
+            response = httpx.post(url, json={"model": ADAPTER, "prompt": "hi", "max_tokens": 1}, timeout=10)
+            if response.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert response.status_code == 200, (response.status_code, response.text, picker.log_tail(), envoy.log_tail())
+        assert response.json()["model"] == ADAPTER, "the picker rewrites the served name back for the client"
+        warm, cold = model_servers
+        assert [s["model"] for s in warm.seen] == [SERVED], "the request must land on the pod where it is warm"
+        assert warm.seen[0]["destination"] == f"127.0.0.1:{warm.port}"
+        assert cold.seen == []
+
+        unknown = httpx.post(url, json={"model": "nobody", "prompt": "hi"}, timeout=10)
+        assert unknown.status_code == 404
+        assert len(warm.seen) + len(cold.seen) == 1
+    finally:
+        envoy.stop()
+        picker.stop()
