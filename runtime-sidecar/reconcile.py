@@ -25,6 +25,7 @@ from loraplane.sidecar.drivers.base import (
     Observation,
     RuntimeAdapter,
     RuntimeDriver,
+    RuntimeInfo,
     RuntimeRejected,
     RuntimeUnavailable,
 )
@@ -183,9 +184,35 @@ class Reconciler:
             return Action.PIN
         return None
 
+    @staticmethod
+    def within_capacity(target: TargetState, info: RuntimeInfo) -> tuple[dict[str, AdapterTarget], dict[str, str]]:
+        """The target clipped to the runtime's slots, and why each clipped adapter was moved down.
+
+        Asking for more GPU (or host) adapters than the runtime has slots would make every activation evict another
+        wanted adapter, forever. Pinned adapters first, then higher priority, then by name, get the slots; the rest
+        are kept one tier lower (GPU -> CPU -> disk).
+        """
+        gpu_free = info.max_loras
+        host_free = None if info.max_cpu_loras is None else max(info.max_cpu_loras, info.max_loras or 0)
+        clipped: dict[str, AdapterTarget] = {}
+        why: dict[str, str] = {}
+        for t in sorted(target.adapters, key=lambda t: (not t.pinned, -t.priority, t.served_name)):
+            tier = t.tier
+            if tier is Tier.GPU and gpu_free is not None:
+                if gpu_free <= 0:
+                    tier, why[t.served_name] = Tier.CPU, f"all {info.max_loras} GPU slots go to other target adapters"
+                gpu_free -= 1
+            if tier is not Tier.DISK and host_free is not None:
+                if host_free <= 0:
+                    tier = Tier.DISK
+                    why[t.served_name] = f"all {info.max_cpu_loras} host slots go to other target adapters"
+                host_free -= 1
+            clipped[t.served_name] = t if tier is t.tier else t.model_copy(update={"tier": tier, "pinned": False})
+        return clipped, why
+
     def plan(self, target: TargetState, observation: Observation) -> dict[str, tuple[Action, AdapterTarget | None]]:
         """The next action of every adapter that needs one (target adapters and unwanted runtime adapters)."""
-        wanted = target.by_name()
+        wanted, _ = self.within_capacity(target, observation.info)
         actions: dict[str, tuple[Action, AdapterTarget | None]] = {}
         for name, t in wanted.items():
             action = self.next_action(t, observation.adapters.get(name))
@@ -209,6 +236,7 @@ class Reconciler:
         now = self._clock()
         self._forget_stale_status(target, observation)
         planned = self.plan(target, observation)
+        _, clipped = self.within_capacity(target, observation.info)
         for name, wanted in target.by_name().items():
             status = self.status.setdefault(name, AdapterStatus(cache_key=wanted.cache_key))
             if name not in planned:
@@ -217,6 +245,8 @@ class Reconciler:
                 status.wanted_since = None
                 status.error = status.reason = None
                 status.failures = 0
+                if name in clipped:
+                    status.error, status.reason = f"kept below its target tier: {clipped[name]}", "CapacityExceeded"
             elif status.wanted_since is None:
                 status.wanted_since = now
         busy = self.busy()

@@ -187,3 +187,32 @@ def test_activation_waits_for_a_running_unload_but_not_for_a_blocked_one(tmp_pat
         await r2.drain()
 
     asyncio.run(run())
+
+
+def test_targets_beyond_the_slots_are_kept_a_tier_lower(tmp_path: Path, target) -> None:
+    """Three GPU targets on two slots would evict each other forever: the third waits in host memory."""
+    pinned = target(Tier.GPU, adapter="zeta", pinned=True)
+    important = target(Tier.GPU, adapter="beta")
+    important.priority = 10
+    ordinary = target(Tier.GPU, adapter="alpha")
+    host = target(Tier.CPU, adapter="gamma")
+    info = RuntimeInfo(base_model="tiny", max_loras=2, max_cpu_loras=3)
+    clipped, why = Reconciler.within_capacity(state(ordinary, important, pinned, host), info)
+    assert {n: t.tier for n, t in clipped.items()} == {
+        pinned.served_name: Tier.GPU, important.served_name: Tier.GPU, ordinary.served_name: Tier.CPU,
+        host.served_name: Tier.DISK,
+    }
+    assert "GPU slots" in why[ordinary.served_name] and "host slots" in why[host.served_name]
+
+    async def run() -> None:
+        r = make_reconciler(tmp_path)
+        for t in (ordinary, important, pinned):
+            cached(r, t)
+        limited = Observation(info, {t.served_name: held(t, Tier.CPU, r) for t in (ordinary, important, pinned)},
+                              PodLoad())
+        started = dict(r.step(state(ordinary, important, pinned), limited))
+        assert ordinary.served_name not in started and len(started) == 2
+        assert r.status[ordinary.served_name].reason == "CapacityExceeded"
+        await r.drain()
+
+    asyncio.run(run())
