@@ -26,6 +26,10 @@ DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease"
 PROTECTED_NAMESPACES = ("default", "kube-system", "kube-public")
 _SERVER_META = ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation")
 _DROPPED_META = ("managedFields", "selfLink")
+_OBJECT_META_FIELDS = frozenset({
+    "name", "generateName", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp",
+    "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations", "ownerReferences", "finalizers",
+    "managedFields", "selfLink"})
 _NAMESPACES = "namespaces"
 _CRDS = "customresourcedefinitions.apiextensions.k8s.io"
 _DNS_SUBDOMAIN_HELP = (
@@ -139,6 +143,26 @@ def _label_errors(values: dict[str, Any], check_values: bool) -> list[e.FieldErr
             errors.append(e.invalid(field, value, "a valid label must be an empty string or consist of alphanumeric "
                                     "characters, '-', '_' or '.', must start and end with an alphanumeric character and "
                                     "be no more than 63 characters"))
+    return errors
+
+
+def _meta_errors(rt: ResourceType, meta: dict[str, Any]) -> list[e.FieldError]:
+    """The name, label and annotation rules every kind shares."""
+    name = meta.get("name", "")
+    errors = []
+    pattern, limit, help_text = ((names.DNS1123_LABEL, names.DNS1123_LABEL_MAX, _DNS_LABEL_HELP)
+                                 if rt.storage == _NAMESPACES else
+                                 (names.DNS1123_SUBDOMAIN, names.DNS1123_SUBDOMAIN_MAX, _DNS_SUBDOMAIN_HELP))
+    if not isinstance(name, str) or not re.fullmatch(pattern, name):
+        errors.append(e.invalid("metadata.name", name, help_text))
+    elif len(name) > limit:
+        errors.append(e.too_long("metadata.name", limit))
+    for field_name in ("labels", "annotations"):
+        values = meta.get(field_name)
+        if values is not None and (not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values())):
+            errors.append(e.invalid(f"metadata.{field_name}", values, "must be a map of strings"))
+        elif values:
+            errors += _label_errors(values, check_values=field_name == "labels")
     return errors
 
 
@@ -447,38 +471,29 @@ class Cluster:
             obj.pop("status", None)
 
     def _admit(self, rt: ResourceType, obj: dict[str, Any], old: dict[str, Any] | None, field_validation: str) -> list[str]:
-        """Validate (and for custom resources prune and default) an object about to be written; its warnings."""
-        name = obj["metadata"].get("name", "")
-        errors = []
-        pattern, limit, help_text = ((names.DNS1123_LABEL, names.DNS1123_LABEL_MAX, _DNS_LABEL_HELP)
-                                     if rt.storage == _NAMESPACES else
-                                     (names.DNS1123_SUBDOMAIN, names.DNS1123_SUBDOMAIN_MAX, _DNS_SUBDOMAIN_HELP))
-        if not isinstance(name, str) or not re.fullmatch(pattern, name):
-            errors.append(e.invalid("metadata.name", name, help_text))
-        elif len(name) > limit:
-            errors.append(e.too_long("metadata.name", limit))
-        for field_name in ("labels", "annotations"):
-            values = obj["metadata"].get(field_name)
-            if values is not None and (not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values())):
-                errors.append(e.invalid(f"metadata.{field_name}", values, "must be a map of strings"))
-            elif values:
-                errors += _label_errors(values, check_values=field_name == "labels")
+        """Prune undeclared fields, default and validate an object about to be written; returns its warnings."""
+        meta = obj["metadata"]
+        unknown = [f"metadata.{key}" for key in meta if key not in _OBJECT_META_FIELDS]
+        for path in unknown:
+            del meta[path.removeprefix("metadata.")]
+        if rt.schema is not None:
+            pruned, undeclared = rt.schema.prune(obj)
+            obj.clear()
+            obj.update(pruned)
+            unknown += undeclared
+        if unknown and field_validation == "Strict":
+            fields = ", ".join(f'unknown field "{path}"' for path in unknown)
+            raise e.bad_request(f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: '
+                                f"strict decoding error: {fields}")
+        warnings = [f'unknown field "{path}"' for path in unknown] if field_validation == "Warn" else []
+        errors = _meta_errors(rt, meta)
         if rt.storage == _CRDS:
             errors += self._crd_errors(obj)
-        warnings: list[str] = []
         if rt.schema is not None and not errors:
-            pruned, unknown = rt.schema.prune(obj)
-            if unknown and field_validation == "Strict":
-                fields = ", ".join(f'unknown field "{path}"' for path in unknown)
-                raise e.bad_request(f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}: '
-                                    f"strict decoding error: {fields}")
-            if field_validation == "Warn":
-                warnings = [f'unknown field "{path}"' for path in unknown]
-            obj.clear()
-            obj.update(rt.schema.default(pruned))
+            rt.schema.default(obj)
             errors += rt.schema.validate(obj, old)
         if errors:
-            raise e.invalid_object(rt.kind, rt.group, name, errors)
+            raise e.invalid_object(rt.kind, rt.group, meta.get("name", ""), errors)
         return warnings
 
     def _crd_errors(self, crd: dict[str, Any]) -> list[e.FieldError]:

@@ -154,10 +154,9 @@ class CustomResourceSchema:
         pruned = prune(obj, self.openapi, "", unknown)
         return pruned, unknown
 
-    def default(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """The object with the schema's defaults applied."""
-        result: dict[str, Any] = apply_defaults(obj, self.openapi)
-        return result
+    def default(self, obj: dict[str, Any]) -> None:
+        """Apply the schema's defaults to the object, in place."""
+        apply_defaults(obj, self.openapi)
 
     def validate(self, obj: dict[str, Any], old: dict[str, Any] | None) -> list[e.FieldError]:
         """Schema errors, then (when there are none) the CEL rules' errors."""

@@ -128,12 +128,16 @@ def test_invalid_custom_resource_gets_kubernetes_field_errors(http: httpx.Client
 def test_unknown_fields_are_pruned_warned_or_refused(http: httpx.Client) -> None:
     body = adapter_revision("extra")
     body["spec"]["typo"] = 1
+    body["metadata"]["colour"] = "red"
     strict = http.post(f"{AR_PATH}?fieldValidation=Strict", json=body)
     assert strict.status_code == 400
-    assert 'strict decoding error: unknown field "spec.typo"' in strict.json()["message"]
+    assert strict.json()["message"] == ('AdapterRevision in version "v1alpha1" cannot be handled as a AdapterRevision: '
+                                        'strict decoding error: unknown field "metadata.colour", unknown field "spec.typo"')
     warned = http.post(AR_PATH, json=body)
     assert warned.status_code == 201
-    assert "typo" not in warned.json()["spec"]
+    assert "typo" not in warned.json()["spec"] and "colour" not in warned.json()["metadata"]
+    ignored = http.post(f"{AR_PATH}?fieldValidation=Ignore", json={**body, "metadata": {"name": "quiet"}})
+    assert ignored.status_code == 201 and "warning" not in ignored.headers
     assert 'unknown field \\"spec.typo\\"' in warned.headers["warning"]
 
 
