@@ -95,7 +95,10 @@ def host_copy(adapter: PeftAdapter, dtype: torch.dtype, pin: bool) -> PeftAdapte
 def parse_adapter(files: AdapterFiles, base: ModelConfig, max_lora_rank: int) -> PeftAdapter:
     """Parse and check an adapter against the base model (the parse stage). Raises :class:`AdapterRejectedError`."""
     try:
-        raw = json.loads(files.config)
+        try:
+            raw = json.loads(files.config)
+        except ValueError as exc:
+            raise AdapterFormatError(f"{ADAPTER_CONFIG_FILE} is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise AdapterFormatError(f"{ADAPTER_CONFIG_FILE} must hold a JSON object")
         config = PeftLoraConfig.from_dict(raw)

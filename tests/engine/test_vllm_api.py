@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,8 @@ import pytest
 
 from loraplane.api import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
 from loraplane.engine.app import EngineOptions
+from loraplane.engine.make_adapters import write_adapter
+from loraplane.engine.model import PRESETS
 from tests.engine.helpers import GeneratedAdapter, completion, inprocess
 
 LOADED = "claims-assistant@v18"
@@ -161,3 +165,32 @@ async def test_seeded_sampling_repeats_and_stop_strings_cut() -> None:
     assert first == again and first != other
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["choices"][0]["text"] == text[: text.find(stop)]
+
+
+def _bad_adapters(root: Path, good: Path) -> dict[str, str]:
+    """Adapter directories the engine must refuse, keyed by what is wrong, -> the expected message fragment."""
+    write_adapter(root / "bad-rank", PRESETS["tiny"], 32, seed=1)
+    write_adapter(root / "bad-shapes", PRESETS["small"], 8, seed=1)
+    for name, edit in (("bad-dora", {"use_dora": True}), ("bad-extra-modules", {"modules_to_save": ["lm_head"]})):
+        shutil.copytree(good, root / name, dirs_exist_ok=True)
+        config = json.loads((root / name / "adapter_config.json").read_text())
+        (root / name / "adapter_config.json").write_text(json.dumps({**config, **edit}))
+    shutil.copytree(good, root / "bad-weights", dirs_exist_ok=True)
+    (root / "bad-weights" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    shutil.copytree(good, root / "bad-config", dirs_exist_ok=True)
+    (root / "bad-config" / "adapter_config.json").write_text("{")
+    return {"bad-rank": "max_lora_rank", "bad-shapes": "do not fit", "bad-dora": "DoRA",
+            "bad-extra-modules": "modules_to_save", "bad-weights": "safetensors", "bad-config": "JSON"}
+
+
+async def test_incompatible_adapters_are_refused_with_the_reason(tiny_adapters: list[GeneratedAdapter],
+                                                                 tmp_path: Path) -> None:
+    expected = _bad_adapters(tmp_path, tiny_adapters[0].path)
+    options = EngineOptions(adapter_root=tmp_path, allow_runtime_lora_updating=True)
+    async with inprocess(options) as (built, http):
+        for directory, reason in expected.items():
+            response = await http.post("/v1/load_lora_adapter", json={"lora_name": "x@v1", "lora_path": directory})
+            assert response.status_code == 400, directory
+            assert response.json()["error"]["type"] == "BadRequestError"
+            assert reason in response.json()["error"]["message"], (directory, response.json())
+        assert built.engine.tiers.registered == {}
