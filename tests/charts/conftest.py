@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -81,3 +84,59 @@ def render(helm_bin: str, tmp_path: Path, _render_cache: dict[str, str]) -> Rend
         return Rendered([o for o in yaml.safe_load_all(_render_cache[key]) if o])
 
     return _render
+
+
+@dataclass
+class ModelServerStandIn:
+    """A loopback HTTP server in a model-server pod's place: it answers completions and records what reached it."""
+
+    name: str
+    port: int = 0
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    def handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        """The request handler class, recording into ``seen``."""
+        seen = self.seen
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _body(self) -> bytes:
+                if self.headers.get("transfer-encoding", "").lower() != "chunked":
+                    return self.rfile.read(int(self.headers.get("content-length", 0)))
+                data = b""  # Envoy streams a body it got back from the picker in FULL_DUPLEX_STREAMED mode
+                while size := int(self.rfile.readline().split(b";")[0], 16):
+                    data += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()
+                return data
+
+            def do_POST(self) -> None:
+                body = json.loads(self._body() or b"{}")
+                seen.append({"path": self.path, "model": body.get("model"),
+                             "destination": self.headers.get("x-gateway-destination-endpoint")})
+                out = json.dumps({"model": body.get("model"), "choices": [{"text": "ok"}]}).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                """Quiet."""
+
+        return Handler
+
+
+@contextlib.contextmanager
+def model_server_stand_in(name: str) -> Iterator[ModelServerStandIn]:
+    """A running ``ModelServerStandIn`` on a free loopback port, stopped afterwards."""
+    stand_in = ModelServerStandIn(name)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), stand_in.handler())
+    stand_in.port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield stand_in
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

@@ -7,9 +7,7 @@ are never forwarded, and a client cannot choose the upstream by sending ``x-gate
 
 from __future__ import annotations
 
-import http.server
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import pytest
 import yaml
 
 from e2e.fixtures.processes import ManagedProcess, free_port, wait_for_port
-from tests.charts.conftest import RenderFn, name_of
+from tests.charts.conftest import ModelServerStandIn, RenderFn, model_server_stand_in, name_of
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 
@@ -84,39 +82,11 @@ def test_bootstrap_routes_to_the_picker_and_original_dst(render: RenderFn) -> No
 # Live
 
 
-class _RecordingHandler(http.server.BaseHTTPRequestHandler):
-    """A real HTTP server standing where a model server would: it records every request that reaches it."""
-
-    seen: list[str]
-
-    def do_POST(self) -> None:
-        self.seen.append(self.path)
-        self.rfile.read(int(self.headers.get("content-length", 0)))
-        body = b'{"ok": true}'
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet."""
-
-
 @pytest.fixture
-def backend() -> Iterator[tuple[int, list[str]]]:
-    """(port, paths it received) of a loopback HTTP server."""
-    seen: list[str] = []
-    handler = type("Handler", (_RecordingHandler,), {"seen": seen})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], seen
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+def backend() -> Iterator[ModelServerStandIn]:
+    """A loopback HTTP server a spoofed destination header would name."""
+    with model_server_stand_in("backend") as server:
+        yield server
 
 
 def _run_envoy(envoy_bin: str, config: dict[str, Any], tmp_path: Path, port: int) -> ManagedProcess:
@@ -146,10 +116,10 @@ def _completion(port: int, path: str, destination: str) -> httpx.Response:
 
 @pytest.mark.slow
 def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination(
-    render: RenderFn, envoy_bin: str, tmp_path: Path, backend: tuple[int, list[str]]
+    render: RenderFn, envoy_bin: str, tmp_path: Path, backend: ModelServerStandIn
 ) -> None:
-    backend_port, seen = backend
-    spoofed = f"127.0.0.1:{backend_port}"
+    seen = backend.seen
+    spoofed = f"127.0.0.1:{backend.port}"
     for failure_mode in ("FailClose", "FailOpen"):
         config, port = _live_config(render, failure_mode)
         envoy = _run_envoy(envoy_bin, config, tmp_path, port)
@@ -174,4 +144,4 @@ def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination
         assert _completion(port, "/v1/completions", spoofed).status_code == 200
     finally:
         envoy.stop()
-    assert seen == ["/v1/completions"]
+    assert [s["path"] for s in seen] == ["/v1/completions"]

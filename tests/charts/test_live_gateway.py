@@ -8,13 +8,10 @@ picker at 127.0.0.1 instead of its Service's DNS name.
 
 from __future__ import annotations
 
-import http.server
 import json
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +30,8 @@ from loraplane.api import (
     keys,
     served_name,
 )
-from tests.charts.conftest import RenderFn, name_of
-from tests.charts.test_envoy import DESTINATION_HEADER, bootstrap
+from tests.charts.conftest import ModelServerStandIn, RenderFn, model_server_stand_in, name_of
+from tests.charts.test_envoy import bootstrap
 
 POOL = "live-pool"
 ADAPTER, REVISION = "support-bot", "v3"
@@ -42,67 +39,14 @@ SERVED = served_name(ADAPTER, REVISION)
 DIGEST = "sha256:" + "ab" * 32
 
 
-@dataclass
-class ModelServer:
-    """A loopback HTTP server in a model-server pod's place: it answers completions and records them."""
-
-    name: str
-    seen: list[dict[str, Any]] = field(default_factory=list)
-    port: int = 0
-
-    def handler(self) -> type[http.server.BaseHTTPRequestHandler]:
-        seen = self.seen
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _body(self) -> bytes:
-                if self.headers.get("transfer-encoding", "").lower() != "chunked":
-                    return self.rfile.read(int(self.headers.get("content-length", 0)))
-                data = b""  # Envoy streams a body it got back from the picker in FULL_DUPLEX_STREAMED mode
-                while size := int(self.rfile.readline().split(b";")[0], 16):
-                    data += self.rfile.read(size)
-                    self.rfile.readline()
-                self.rfile.readline()
-                return data
-
-            def do_POST(self) -> None:
-                body = json.loads(self._body())
-                seen.append({"path": self.path, "model": body.get("model"),
-                             "destination": self.headers.get(DESTINATION_HEADER)})
-                out = json.dumps({"model": body.get("model"), "choices": [{"text": "ok"}]}).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                """Quiet."""
-
-        return Handler
-
-
 @pytest.fixture
-def model_servers() -> Iterator[list[ModelServer]]:
-    """Two running model-server stand-ins."""
-    servers, threads = [], []
-    pods = [ModelServer("pod-warm"), ModelServer("pod-cold")]
-    for pod in pods:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), pod.handler())
-        pod.port = server.server_address[1]
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        servers.append(server)
-        threads.append(thread)
-    try:
-        yield pods
-    finally:
-        for server, thread in zip(servers, threads, strict=True):
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
+def model_servers() -> Iterator[list[ModelServerStandIn]]:
+    """Two running model-server stand-ins: the first will hold the revision GPU-warm."""
+    with model_server_stand_in("pod-warm") as warm, model_server_stand_in("pod-cold") as cold:
+        yield [warm, cold]
 
 
-def _write_pool_state(redis_url: str, pods: list[ModelServer]) -> None:
+def _write_pool_state(redis_url: str, pods: list[ModelServerStandIn]) -> None:
     """The controller's route table and the sidecars' reports: the revision is GPU-warm on the first pod only."""
     client = redis.Redis.from_url(redis_url)
     now = time.time()
@@ -130,7 +74,7 @@ def _picker_command(render_values: dict[str, Any], render: RenderFn) -> list[str
 
 @pytest.mark.slow
 def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
-    render: RenderFn, envoy_bin: str, redis_srv: RedisServer, model_servers: list[ModelServer], tmp_path: Path
+    render: RenderFn, envoy_bin: str, redis_srv: RedisServer, model_servers: list[ModelServerStandIn], tmp_path: Path
 ) -> None:
     grpc, health, metrics, listen = free_port(), free_port(), free_port(), free_port()
     values = {
