@@ -150,6 +150,8 @@ class _Pool:
             for p in self.caps.values()
         }
         self.held: dict[str, dict[str, Tier]] = {name: {} for name in self.caps}
+        #: served name -> pod -> tier (the same as ``held``, indexed the other way)
+        self.where: dict[str, dict[str, Tier]] = {}
         self.slots_used = {tier: dict.fromkeys(self.caps, 0) for tier in (Tier.GPU, Tier.CPU)}
         self.bytes_used = {tier: dict.fromkeys(self.caps, 0) for tier in (Tier.GPU, Tier.CPU)}
         #: pods with a free slot per tier (GPU: beyond the burst reserve), so a full pool is skipped at once
@@ -192,6 +194,7 @@ class _Pool:
     def put(self, pod: str, name: str, tier: Tier, size: int) -> None:
         self.remove(pod, name, size)
         self.held[pod][name] = tier
+        self.where.setdefault(name, {})[pod] = tier
         if tier is not Tier.DISK:
             self.slots_used[tier][pod] += 1
             self.bytes_used[tier][pod] += size
@@ -199,6 +202,7 @@ class _Pool:
 
     def remove(self, pod: str, name: str, size: int) -> None:
         tier = self.held[pod].pop(name, None)
+        self.where.get(name, {}).pop(pod, None)
         if tier is not None and tier is not Tier.DISK:
             self.slots_used[tier][pod] -= 1
             self.bytes_used[tier][pod] -= size
@@ -499,8 +503,7 @@ class _Planner:
         return found
 
     def tiers(self, e: _Entry) -> dict[str, Tier]:
-        name = e.demand.served_name
-        return {pod: held[name] for pod, held in self.pool.held.items() if name in held}
+        return dict(self.pool.where.get(e.demand.served_name, {}))
 
     def place_disk(self) -> None:
         """Every demand on at least ``min_replicas`` pods: fill up with the disk tier."""

@@ -72,6 +72,9 @@ class PoolPlan:
     routes: dict[str, RouteEntry]
     placement: Placement
     base_model: str | None
+    #: what placement was given (so a caller can compare with a from-scratch plan)
+    capacity: list[PodCapacity] = field(default_factory=list)
+    demands: list[AdapterDemand] = field(default_factory=list)
 
 
 def summed_counters(counters: Sequence[PickerCounters]) -> dict[str, RevisionCounters]:
@@ -115,9 +118,14 @@ def _observation(inputs: PoolInputs) -> Observation:
     return Observation(now=inputs.now, pods=pods, counters=summed_counters(inputs.counters), probes=inputs.probes)
 
 
-def _adapter_bytes(rev: AdapterRevision, reports: Sequence[ResidencyReport]) -> int:
-    reported = [a.bytes for r in reports for a in r.adapters if a.served_name == rev.served_name and a.bytes]
-    return max(reported, default=rev.spec.artifact.size_bytes or DEFAULT_ADAPTER_BYTES)
+def _reported_bytes(reports: Sequence[ResidencyReport]) -> dict[str, int]:
+    """Served name -> the largest size any sidecar reports for it."""
+    sizes: dict[str, int] = {}
+    for report in reports:
+        for a in report.adapters:
+            if a.bytes > sizes.get(a.served_name, 0):
+                sizes[a.served_name] = a.bytes
+    return sizes
 
 
 def _target(rev: AdapterRevision, tier: Tier) -> AdapterTarget:
@@ -146,6 +154,7 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     adapters = {key: reconcile_adapter(revs, observation) for key, revs in sorted(groups.items())}
 
     rates = _rates_by_adapter(inputs.rates, inputs.revisions)
+    sizes = _reported_bytes(inputs.reports)
     by_served: dict[str, AdapterRevision] = {}
     demands = []
     for key, outcome in adapters.items():
@@ -154,11 +163,11 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
             if not rp.placed:
                 continue
             rev = rev.model_copy(update={"status": rp.status})
-            by_served[rev.served_name] = rev
+            by_served[rp.served_name] = rev
             demands.append(
                 AdapterDemand(
-                    served_name=rev.served_name,
-                    bytes=_adapter_bytes(rev, inputs.reports),
+                    served_name=rp.served_name,
+                    bytes=sizes.get(rp.served_name) or rev.spec.artifact.size_bytes or DEFAULT_ADAPTER_BYTES,
                     rates=rates.get(rev.spec.adapter, Rates()).scaled(rp.rate_share),
                     tenant=rev.spec.tenant,
                     priority=rev.spec.priority_class.priority,
@@ -183,4 +192,5 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     }
     routes = {adapter: outcome.route for (_, adapter), outcome in adapters.items() if outcome.route is not None}
     base_model = next((r.spec.base_model.name for r in inputs.revisions if r.spec.adapter in routes), None)
-    return PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement, base_model=base_model)
+    return PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement, base_model=base_model,
+                    capacity=pods, demands=demands)

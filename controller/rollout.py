@@ -83,6 +83,15 @@ class Observation:
     counters: Mapping[str, RevisionCounters] = field(default_factory=dict)
     #: (served name, pod) -> the latest probe result
     probes: Mapping[tuple[str, str], ProbeResult] = field(default_factory=dict)
+    _compatible: dict[tuple[str, int], tuple[list[PodObservation], str]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def compatible(self, rev: AdapterRevision) -> tuple[list[PodObservation], str]:
+        """``compatible_pods`` for the revision, computed once per base model digest and rank."""
+        key = (rev.spec.base_model.digest, rev.spec.lora.rank)
+        if key not in self._compatible:
+            self._compatible[key] = compatible_pods(rev, self.pods)
+        return self._compatible[key]
 
 
 @dataclass(frozen=True)
@@ -175,16 +184,19 @@ def canary_pods(rev: AdapterRevision, eligible: Sequence[PodObservation]) -> lis
     count = target.pods if target.pods is not None else math.ceil((target.fraction or 0) * len(eligible))
     count = max(1, min(count, len(eligible)))
 
+    served = rev.served_name
+
     def rank(pod: PodObservation) -> bytes:
-        return hashlib.sha256(f"{rev.served_name}\x1f{pod.name}".encode()).digest()
+        return hashlib.sha256(f"{served}\x1f{pod.name}".encode()).digest()
 
     return sorted(sorted(eligible, key=rank)[:count], key=lambda p: p.name)
 
 
 def _counts(rev: AdapterRevision, pods: Sequence[PodObservation]) -> ResidencyCounts:
     counts = ResidencyCounts()
+    served = rev.served_name
     for pod in pods:
-        held = pod.adapters.get(rev.served_name)
+        held = pod.adapters.get(served)
         if held is not None and held.digest == rev.spec.artifact.digest:
             if held.tier is Tier.GPU:
                 counts.gpu += 1
@@ -219,14 +231,16 @@ class _AdapterReconcile:
     def __init__(self, revisions: Sequence[AdapterRevision], obs: Observation) -> None:
         self.obs = obs
         self.revs = sorted(revisions, key=lambda r: (r.metadata.creation_timestamp or obs.now, r.metadata.name))
-        self.status = {r.metadata.name: r.status.model_copy(deep=True) for r in self.revs}
+        # conditions are replaced, never edited in place, so a copy of the list is enough
+        self.status = {r.metadata.name: r.status.model_copy(update={"conditions": list(r.status.conditions)})
+                       for r in self.revs}
         self.events: list[Event] = []
         self.probes: list[ProbeRequest] = []
         self.plans: dict[str, RevisionPlan] = {}
         self.eligible: dict[str, list[PodObservation]] = {}
         self.incompatible: dict[str, str] = {}
         for r in self.revs:
-            self.eligible[r.metadata.name], self.incompatible[r.metadata.name] = compatible_pods(r, obs.pods)
+            self.eligible[r.metadata.name], self.incompatible[r.metadata.name] = obs.compatible(r)
 
     # -- transitions ---------------------------------------------------------------------------------------------
     def phase(self, rev: AdapterRevision) -> Phase:
@@ -476,18 +490,19 @@ class _AdapterReconcile:
     def plan(self, rev: AdapterRevision) -> None:
         name = rev.metadata.name
         st = self.status[name]
+        served = rev.served_name
         st.observed_generation = rev.metadata.generation
-        st.served_name = rev.served_name
+        st.served_name = served
         st.cache_key = cache_key(rev.spec.base_model.digest, rev.spec.adapter, rev.spec.revision,
                                  rev.spec.artifact.digest)
         st.residency = _counts(rev, self.obs.pods)
         eligible = self.eligible[name]
-        plan = RevisionPlan(name, rev.served_name, st, eligible=frozenset(p.name for p in eligible))
+        plan = RevisionPlan(name, served, st, eligible=frozenset(p.name for p in eligible))
         self.plans[name] = plan
         self.condition(rev, "Ready", st.traffic_weight > 0, "Serving" if st.traffic_weight else st.phase.value,
                        f"{st.traffic_weight}% of traffic")
         if rev.metadata.deletion_timestamp is not None:
-            plan.finalize = not any(rev.served_name in p.adapters for p in self.obs.pods)
+            plan.finalize = not any(served in p.adapters for p in self.obs.pods)
             return
         phase = st.phase
         if phase in (Phase.STABLE, Phase.CANARY):
@@ -502,7 +517,7 @@ class _AdapterReconcile:
             plan.required = {
                 p.name: Tier.CPU if warm else Tier.DISK
                 for p in self.obs.pods
-                if rev.served_name in p.adapters and p.name in plan.eligible
+                if served in p.adapters and p.name in plan.eligible
             }
 
 

@@ -58,6 +58,15 @@ def _json(data: Any, status: int = 200, content_type: str = "application/json", 
     return Response(orjson.dumps(data), status_code=status, media_type=content_type, headers=headers)
 
 
+def _accepts(request: Request, kind: str, group: str, version: str) -> bool:
+    """Whether the Accept header asks for ``application/json;as=<kind>;g=<group>;v=<version>``."""
+    for media_range in request.headers.get("accept", "").split(","):
+        params = dict(p.strip().partition("=")[::2] for p in media_range.split(";")[1:])
+        if params.get("as") == kind and params.get("g") == group and params.get("v") == version:
+            return True
+    return False
+
+
 def _flag(params: Any, name: str) -> bool:
     value = params.get(name)
     if value is None or value == "":
@@ -141,8 +150,10 @@ class ApiServer:
                           "compiler": "", "platform": "linux/amd64"})
         if parts[:1] == ["openapi"]:
             return self._openapi(request, parts[1:])
-        if parts in (["api"], ["apis"]) and "as=APIGroupDiscoveryList" in request.headers.get("accept", "") \
-                and "v=v2;" in request.headers.get("accept", "") + ";":
+        if not parts:
+            return _json({"paths": ["/api", "/api/v1", "/apis", "/healthz", "/livez", "/openapi/v3", "/readyz",
+                                    "/version"]})
+        if parts in (["api"], ["apis"]) and _accepts(request, "APIGroupDiscoveryList", "apidiscovery.k8s.io", "v2"):
             return self._aggregated_discovery(core=parts == ["api"])
         if parts == ["api"]:
             return _json({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": [
@@ -295,7 +306,7 @@ class ApiServer:
     def _answer(self, request: Request, rt: ResourceType, data: dict[str, Any], rows: list[dict[str, Any]],
                 list_meta: dict[str, Any]) -> Response:
         """The object or list as JSON, or as a ``Table`` when the client asks for one."""
-        if "as=Table" not in request.headers.get("accept", ""):
+        if not _accepts(request, "Table", "meta.k8s.io", "v1"):
             return _json(data)
         include = request.query_params.get("includeObject") or "Metadata"
         if include not in ("None", "Metadata", "Object"):
@@ -307,7 +318,7 @@ class ApiServer:
         params = request.query_params
         bookmarks = _flag(params, "allowWatchBookmarks")
         timeout = _number(params, "timeoutSeconds") or self.config.watch_timeout
-        as_table = "as=Table" in request.headers.get("accept", "")
+        as_table = _accepts(request, "Table", "meta.k8s.io", "v1")
         include = request.query_params.get("includeObject") or "Metadata"
         try:
             watch = self.cluster.watch(target.rt, selection, params.get("resourceVersion"), _flag(params, "sendInitialEvents"))

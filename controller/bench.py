@@ -1,0 +1,188 @@
+"""``loraplane bench controller``: reconcile time, Redis writes and placement churn at scale.
+
+A pool of ``--pods`` pods (reports in a real redis-server) and ``--revisions`` stable AdapterRevisions with Zipf
+request rates. Measured, each as one reconcile = read Redis + ``plan_pool`` + incremental writes:
+
+- ``cold``: the first reconcile (every target state and the route table are new);
+- ``idle``: the next one with nothing changed (must write nothing);
+- the reconcile after every adapter's rates moved by up to +-``--rate-change`` (10 %): ``reconcile_s`` and
+  ``redis_writes`` are this one's, ``churn_adapters_moved`` the GPU replicas it adds and ``churn_minimum`` the
+  fewest any placement with the from-scratch plan's replica counts would add (``placement.minimum_gpu_loads``).
+
+Status patches are not part of it: stable revisions whose status does not change cause none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from loraplane.api import (
+    AdapterResidency,
+    AdapterRevision,
+    PodLoad,
+    RequestRates,
+    ResidencyReport,
+    Tier,
+    keys,
+)
+from loraplane.controller.placement import Placement, gpu_loads, minimum_gpu_loads, place
+from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
+from loraplane.controller.store import RedisStore
+from loraplane.processes import start_redis
+
+POOL = "bench"
+BASE_DIGEST = "sha256:" + "b" * 64
+MB = 1 << 20
+
+
+def _revisions(n: int, rng: random.Random, now: datetime) -> list[AdapterRevision]:
+    revs = []
+    for i in range(n):
+        rank = rng.choice([8, 16, 32, 64])
+        revs.append(AdapterRevision.model_validate({
+            "metadata": {"name": f"adapter-{i:04d}-v1", "namespace": "default", "generation": 1,
+                         "creationTimestamp": now.isoformat()},
+            "spec": {
+                "adapter": f"adapter-{i:04d}", "revision": "v1", "poolRef": {"name": POOL},
+                "baseModel": {"name": "base/model", "digest": BASE_DIGEST},
+                "artifact": {"uri": f"oci://registry.local/adapter-{i:04d}:v1", "digest": f"sha256:{i + 1:064x}",
+                             "sizeBytes": rank * MB},
+                "lora": {"rank": rank, "alpha": 2 * rank, "targetModules": ["q_proj", "v_proj"]},
+                "tenant": f"tenant-{i % 20}",
+                "priorityClass": "gold" if i % 50 == 0 else "standard",
+            },
+            "status": {"phase": "Stable", "trafficWeight": 100, "phaseSince": now.isoformat()},
+        }))
+    return revs
+
+
+def _rates(revs: Sequence[AdapterRevision], rng: random.Random, top_rate: float) -> dict[str, float]:
+    order = list(range(len(revs)))
+    rng.shuffle(order)
+    return {revs[i].served_name: top_rate / (rank + 1) ** 1.1 for rank, i in enumerate(order)}
+
+
+def _request_rates(rates: dict[str, float]) -> RequestRates:
+    return RequestRates(pool=POOL, published_at=time.time(), windows={"5m": rates, "1h": rates, "24h": rates})
+
+
+def _reports(pods: int, plan: PoolPlan | None, gpu_slots: int, cpu_slots: int) -> list[ResidencyReport]:
+    """What sidecars report once they have applied ``plan`` (empty pods before the first one)."""
+    out = []
+    for p in range(pods):
+        name = f"pod-{p:02d}"
+        held = plan.targets.get(name, []) if plan else []
+        out.append(ResidencyReport(
+            pool=POOL, pod=name, address=f"10.0.0.{p}:8000", base_model_digest=BASE_DIGEST, max_lora_rank=64,
+            heartbeat_at=time.time(), ttl_seconds=600,
+            adapters=[AdapterResidency(served_name=t.served_name, tier=t.tier, digest=t.artifact.digest,
+                                       bytes=t.artifact.size_bytes or 0) for t in held],
+            load=PodLoad(max_gpu_slots=gpu_slots, max_cpu_slots=cpu_slots),
+        ))
+    return out
+
+
+async def _publish(client: aioredis.Redis, reports: list[ResidencyReport], rates: dict[str, float]) -> None:
+    async with client.pipeline(transaction=False) as pipe:
+        for r in reports:
+            pipe.set(keys.residency_report(POOL, r.pod), r.to_json())
+            pipe.sadd(keys.residency_index(POOL), r.pod)
+        pipe.set(keys.request_rates(POOL), _request_rates(rates).to_json())
+        await pipe.execute()
+
+
+async def _reconcile(store: RedisStore, revs: list[AdapterRevision]) -> tuple[float, float, int, PoolPlan]:
+    """One reconcile as the controller runs it: read, plan, write what changed; (wall s, CPU s, writes, plan)."""
+    writes = store.writes
+    started, cpu = time.perf_counter(), time.process_time()
+    readings = await store.read(POOL)
+    if POOL not in store.targets:
+        await store.load_written(POOL)
+    plan = plan_pool(PoolInputs(pool=POOL, now=datetime.now(UTC), revisions=revs, reports=readings.reports,
+                                rates=readings.rates, counters=readings.counters,
+                                previous_targets=store.written_targets(POOL)))
+    await store.write_routes(POOL, plan.routes, plan.base_model)
+    await store.write_targets(POOL, plan.targets)
+    return time.perf_counter() - started, time.process_time() - cpu, store.writes - writes, plan
+
+
+def _with_statuses(revs: list[AdapterRevision], plan: PoolPlan) -> list[AdapterRevision]:
+    """The revisions as the API server holds them after the controller patched their statuses."""
+    statuses = {name: rp.status for outcome in plan.adapters.values() for name, rp in outcome.revisions.items()}
+    return [r.model_copy(update={"status": statuses[r.metadata.name]}) for r in revs]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    now = datetime.now(UTC)
+    revs = _revisions(args.revisions, rng, now)
+    rates = _rates(revs, rng, args.top_rate)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_redis(Path(tmp))
+        client = aioredis.from_url(server.url)
+        try:
+            store = RedisStore(client, time.time)
+            await _publish(client, _reports(args.pods, None, args.gpu_slots, args.cpu_slots), rates)
+            cold_s, _, cold_writes, plan = await _reconcile(store, revs)
+            revs = _with_statuses(revs, plan)
+            await _publish(client, _reports(args.pods, plan, args.gpu_slots, args.cpu_slots), rates)
+            idle = [await _reconcile(store, revs) for _ in range(args.repeat)]
+            before = plan.placement
+            changed = {n: r * (1 + rng.uniform(-args.rate_change, args.rate_change)) for n, r in rates.items()}
+            await _publish(client, _reports(args.pods, idle[-1][3], args.gpu_slots, args.cpu_slots), changed)
+            change_s, change_cpu_s, change_writes, after_plan = await _reconcile(store, revs)
+            fresh = _fresh_placement(after_plan)
+        finally:
+            await client.aclose()
+            server.stop()
+    return {
+        "revisions": args.revisions,
+        "pods": args.pods,
+        "gpu_slots_per_pod": args.gpu_slots,
+        "cpu_slots_per_pod": args.cpu_slots,
+        "reconcile_s": round(change_s, 4),
+        "reconcile_cpu_s": round(change_cpu_s, 4),
+        "redis_writes": change_writes,
+        "cold_reconcile_s": round(cold_s, 4),
+        "cold_redis_writes": cold_writes,
+        "idle_reconcile_s": round(statistics.median(s for s, _, _, _ in idle), 4),
+        "idle_redis_writes": sum(w for _, _, w, _ in idle),
+        "rate_change": args.rate_change,
+        "churn_adapters_moved": gpu_loads(before, after_plan.placement),
+        "churn_minimum": minimum_gpu_loads(before, fresh),
+        "gpu_replicas": sum(len(p) for p in after_plan.placement.replicas(Tier.GPU).values()),
+    }
+
+
+def _fresh_placement(plan: PoolPlan) -> Placement:
+    """The from-scratch placement for the same demands (the reference for the churn minimum)."""
+    return place(plan.capacity, plan.demands)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``loraplane bench controller [--json]``."""
+    p = argparse.ArgumentParser(prog="loraplane bench controller", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    p.add_argument("--revisions", type=int, default=1000)
+    p.add_argument("--pods", type=int, default=50)
+    p.add_argument("--gpu-slots", type=int, default=8)
+    p.add_argument("--cpu-slots", type=int, default=32)
+    p.add_argument("--top-rate", type=float, default=200.0, help="requests/s of the most popular adapter")
+    p.add_argument("--rate-change", type=float, default=0.10)
+    p.add_argument("--repeat", type=int, default=3, help="idle reconciles to time")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    print(json.dumps(asyncio.run(run(args))))
+    return 0

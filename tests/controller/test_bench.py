@@ -1,0 +1,20 @@
+"""``loraplane bench controller`` at a small scale: one JSON object, incremental writes, bounded churn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loraplane.cli import main
+
+
+def test_bench_prints_one_json_object_and_writes_only_changes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "controller", "--json", "--revisions", "60", "--pods", "6", "--gpu-slots", "4"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"revisions", "pods", "reconcile_s", "redis_writes", "churn_adapters_moved", "churn_minimum"} <= set(result)
+    assert (result["revisions"], result["pods"]) == (60, 6)
+    assert result["cold_redis_writes"] == 6 + 1  # every pod's target state and the route table
+    assert result["idle_redis_writes"] == 0  # nothing changed, nothing written
+    assert result["redis_writes"] <= 6  # only pods whose targets changed
+    assert result["churn_adapters_moved"] <= 2 * max(result["churn_minimum"], 1)
