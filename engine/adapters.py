@@ -92,22 +92,27 @@ def host_copy(adapter: PeftAdapter, dtype: torch.dtype, pin: bool) -> PeftAdapte
     return PeftAdapter(adapter.config, modules)
 
 
+def _read_peft(files: AdapterFiles) -> PeftAdapter:
+    """The PEFT adapter in the raw bytes; :class:`AdapterFormatError` (with the reason) when they are not one."""
+    try:
+        raw = json.loads(files.config)
+    except ValueError as exc:
+        raise AdapterFormatError(f"{ADAPTER_CONFIG_FILE} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise AdapterFormatError(f"{ADAPTER_CONFIG_FILE} must hold a JSON object")
+    config = PeftLoraConfig.from_dict(raw)
+    try:
+        state = load_safetensors(files.weights)
+    except Exception as exc:  # safetensors raises its own error types for malformed files
+        raise AdapterFormatError(f"{ADAPTER_WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
+    return adapter_from_state_dict(config, state)
+
+
 def parse_adapter(files: AdapterFiles, base: ModelConfig, max_lora_rank: int) -> PeftAdapter:
     """Parse and check an adapter against the base model (the parse stage). Raises :class:`AdapterRejectedError`."""
     try:
-        try:
-            raw = json.loads(files.config)
-        except ValueError as exc:
-            raise AdapterFormatError(f"{ADAPTER_CONFIG_FILE} is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise AdapterFormatError(f"{ADAPTER_CONFIG_FILE} must hold a JSON object")
-        config = PeftLoraConfig.from_dict(raw)
-        try:
-            state = load_safetensors(files.weights)
-        except Exception as exc:  # safetensors raises its own error types for malformed files
-            raise AdapterFormatError(f"{ADAPTER_WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
-        adapter = adapter_from_state_dict(config, state)
-    except ValueError as exc:  # AdapterFormatError and JSON errors
+        adapter = _read_peft(files)
+    except AdapterFormatError as exc:
         raise AdapterRejectedError(str(exc)) from None
     if not adapter.modules:
         raise AdapterRejectedError(f"{ADAPTER_WEIGHTS_FILE} holds no LoRA tensors")
