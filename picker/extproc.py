@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 from envoy.config.core.v3 import base_pb2 as core
@@ -92,17 +93,17 @@ def _header_value(header: core.HeaderValue) -> str:
     return header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
 
 
-def _set_headers(pairs: Iterable[tuple[str, str]], remove: Iterable[str] = ()) -> pb.HeaderMutation:
-    return pb.HeaderMutation(
-        set_headers=[
-            core.HeaderValueOption(
-                header=core.HeaderValue(key=k, raw_value=v.encode()),
-                append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-            for k, v in pairs
-        ],
-        remove_headers=list(remove),
+@lru_cache(maxsize=8192)
+def _header_option(key: str, value: str) -> core.HeaderValueOption:
+    """A SET (overwrite or add) of one header; cached, as destinations and lengths repeat."""
+    return core.HeaderValueOption(
+        header=core.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
     )
+
+
+def _set_headers(pairs: Iterable[tuple[str, str]]) -> pb.HeaderMutation:
+    return pb.HeaderMutation(set_headers=[_header_option(k, v) for k, v in pairs])
 
 
 def immediate_response(status: int, message: str, reason: str) -> pb.ProcessingResponse:

@@ -4,7 +4,7 @@ grpcio's asyncio server spends most of a request's CPU in its per-message machin
 ``docs/picker.md``). Envoy's ext_proc client needs little of HTTP/2: bidirectional streams, flow control, PING and
 SETTINGS. This module implements exactly that on an ``asyncio.Protocol``: frames are parsed from each read, every
 reply produced by one read goes out in one write, and response headers and trailers are pre-encoded HPACK
-literals (no dynamic table on our side). Requests are decoded with ``hpack``.
+literals (no dynamic table on our side). Request headers are decoded by ``hpack_lite``.
 
 Handlers are plain objects: ``on_message(bytes) -> list[bytes]`` per gRPC message and ``on_close()`` when the
 stream ends for any reason. A handler that raises ends its stream with grpc-status INTERNAL; a malformed frame
@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from hpack import Decoder
-from hpack.exceptions import HPACKError
+from loraplane.picker.hpack_lite import HpackDecoder, HpackError
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +114,7 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.inbox = bytearray()
         self.outbox: list[bytes] = []
         self.preface_seen = False
-        self.decoder = Decoder()
+        self.decoder = HpackDecoder()
         self.streams: dict[int, _Stream] = {}
         self.peer_initial_window = 65_535
         self.peer_max_frame = 16_384
@@ -247,8 +246,8 @@ class GrpcH2Protocol(asyncio.Protocol):
 
     def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
         try:
-            headers = self.decoder.decode(block, raw=True)
-        except HPACKError as exc:
+            headers = self.decoder.decode(block)
+        except (HpackError, IndexError) as exc:
             raise _ConnectionError(0x9, f"header compression error: {exc}") from None  # COMPRESSION_ERROR
         stream = self.streams.get(stream_id)
         if stream is None:

