@@ -31,6 +31,7 @@ from e2e.fixtures.processes import (
 )
 from loraplane.api import (
     ERROR_DIGEST_MISMATCH,
+    ERROR_INCOMPATIBLE,
     AdapterTarget,
     Artifact,
     LoraSpec,
@@ -42,6 +43,7 @@ from loraplane.api import (
     keys,
     served_name,
 )
+from tests.sidecar.adapters import write_peft_dir
 
 pytestmark = pytest.mark.slow
 
@@ -256,26 +258,36 @@ def test_target_state_drives_the_engine_and_the_report_matches(engine: Engine, a
 
 
 def test_tampered_artifact_is_never_loaded(engine: Engine, adapters: dict[str, Adapter], redis_srv: RedisServer,
-                                           sidecar_factory) -> None:
+                                           https_files, tmp_path: Path, sidecar_factory) -> None:
     client = redis.Redis.from_url(redis_srv.url)
     base = engine.listing()["base_model_digest"]
     good, other = adapters["beta@v1"], adapters["delta@v1"]
     # the revision declares beta's digest, but its URI serves delta's bytes
     tampered = Adapter("beta@v2", other.uri, good.artifact_digest, good.adapter_digest)
+    # and an adapter whose tensors do not fit the model's shapes: only the engine itself can tell
+    misfit_dir = write_peft_dir(tmp_path / "misfit", rank=8, dtype="float32", modules=tuple(MODULES), hidden=32)
+    misfit_tar = tmp_path / "misfit.tar"
+    with tarfile.open(misfit_tar, "w") as tar:
+        tar.add(misfit_dir, arcname="misfit")
+    misfit = Adapter("misfit@v1", https_files.publish(misfit_tar), _sha256(misfit_tar), adapter_digest(misfit_dir))
     sidecar = sidecar_factory("pod-2", redis_srv)
-    write_target(client, "pod-2", 1, [tampered.target(Tier.GPU, base)])
+    write_target(client, "pod-2", 1, [tampered.target(Tier.GPU, base), misfit.target(Tier.CPU, base)])
 
     def refused() -> bool:
         report = read_report(client, "pod-2")
-        row = report.by_name().get("beta@v2") if report else None
-        return row is not None and row.error_reason == ERROR_DIGEST_MISMATCH
+        rows = report.by_name() if report else {}
+        return rows.get("beta@v2", rows.get("x")) is not None and rows["beta@v2"].error_reason == ERROR_DIGEST_MISMATCH \
+            and rows["misfit@v1"].error_reason == ERROR_INCOMPATIBLE
 
-    wait_until(refused, 20, "digest mismatch in the report")
-    row = read_report(client, "pod-2").by_name()["beta@v2"]
-    assert row.tier is Tier.ABSENT and "sha256" in (row.error or "")
-    assert "beta@v2" not in engine.held()
-    leftovers = [p for p in sidecar.cache_dir.rglob("*") if p.is_file()]
-    assert leftovers == [], leftovers
+    wait_until(refused, 20, "digest mismatch and incompatibility in the report")
+    rows = read_report(client, "pod-2").by_name()
+    assert rows["beta@v2"].tier is Tier.ABSENT and "sha256" in (rows["beta@v2"].error or "")
+    assert "refused" in (rows["misfit@v1"].error or "")
+    assert "beta@v2" not in engine.held() and "misfit@v1" not in engine.held()
+    # a retry may be downloading right now; no partial file stays
+    wait_until(lambda: not [p for p in (sidecar.cache_dir / "tmp").rglob("*") if p.is_file()], 10, "empty tmp/")
+    entries = [p.name for p in (sidecar.cache_dir / "adapters").iterdir()]
+    assert entries == [misfit.target(Tier.CPU, base).cache_key.removeprefix("sha256:")]  # verified, only refused
 
 
 def test_engine_restart_is_healed_without_redis_changes(engine: Engine, adapters: dict[str, Adapter],

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 _DIGEST_REASONS = frozenset({"DigestMismatch", "SizeMismatch", "ArtifactTooLarge"})
 #: Failures that mean "this adapter cannot run here" (final for the revision).
 _INCOMPATIBLE_REASONS = frozenset({
-    "InvalidArtifact", "BaseModelMismatch", "RankTooLarge", "UnknownTargetModules", "DtypeUnsupported",
+    ERROR_INCOMPATIBLE, "InvalidArtifact", "BaseModelMismatch", "RankTooLarge", "UnknownTargetModules", "DtypeUnsupported",
     "RankMismatch", "TargetModulesMismatch", "DtypeMismatch",
 })
 
@@ -286,7 +286,10 @@ class Reconciler:
         except (ActionFailed, ArtifactError, compat.Incompatible) as exc:
             self._failed(status, name, action, exc.reason, str(exc))
         except RuntimeRejected as exc:
-            self._failed(status, name, action, f"{action.value.capitalize()}Rejected", str(exc))
+            # a 400 on load is the runtime's own compatibility check (modules, shapes, rank): final for the revision
+            refused = action in (Action.LOAD, Action.RELOAD) and exc.status == 400
+            reason = ERROR_INCOMPATIBLE if refused else f"{action.value.capitalize()}Rejected"
+            self._failed(status, name, action, reason, f"the runtime refused it: {exc}")
         except RuntimeUnavailable as exc:
             self._failed(status, name, action, "RuntimeUnavailable", str(exc))
         except Exception as exc:
@@ -305,7 +308,9 @@ class Reconciler:
         if final is not None and final != reason:
             message, reason = f"{reason}: {message}", final
         status.failures += 1
-        status.not_before = self._clock() + self.backoff.delay(status.failures)
+        # final reasons are retried only at the slowest pace: the bytes or the runtime will not change soon
+        delay = self.backoff.cap_s if final else self.backoff.delay(status.failures)
+        status.not_before = self._clock() + delay
         status.error, status.reason = f"{action.value} failed: {message}", reason
         self.metrics.action_failures.labels(reason).inc()
         log.warning("%s %s failed (%s, attempt %d): %s", action.value, name, reason, status.failures, message)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,7 @@ def test_digest_mismatch_is_final_and_named(tmp_path: Path, target) -> None:
         await r.drain()
         status = r.status[t.served_name]
         assert status.reason == "DigestMismatch" and r.cache.entries() == {}
+        assert status.not_before - time.monotonic() > 7.0  # final: retried only at the backoff cap (8 s)
 
         bad_rank = target(Tier.CPU, revision="v2", rank=32)
         r.step(state(bad_rank), observe())
