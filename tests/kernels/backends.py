@@ -1,12 +1,32 @@
-"""The backends every parametrised kernel test runs on (CPU-runnable forms of each)."""
+"""The backends every parametrised kernel test runs on, in the form that runs on this machine."""
 
 from __future__ import annotations
 
+import torch
+
 from loraplane.kernels import Backend, get_backend
 
-BACKENDS = ["torch"]
+from .ascend_ops import AscendTestBackend
+
+BACKENDS = ["torch", "triton", "ascend"]
+
+
+def backend_device(name: str) -> torch.device:
+    """Where the backend's tensors live here: Triton on CUDA when present, else interpreted on CPU."""
+    if name == "triton" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
 
 
 def backend_instance(name: str) -> Backend:
-    """The backend called ``name``, in the form that runs on this machine's CPU."""
+    """The backend called ``name``; ``ascend`` calls the test-registered ops with vLLM-Ascend's schemas.
+
+    On CPU, Triton runs with 16-wide K/N blocks so the tiny test shapes still loop over K, N tiles and N splits.
+    """
+    if name == "ascend":
+        return AscendTestBackend()
+    if name == "triton" and not torch.cuda.is_available():
+        from loraplane.kernels.triton_backend import TritonBackend
+
+        return TritonBackend(block_k=16, block_n=16, target_programs=8)
     return get_backend(name)
