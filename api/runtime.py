@@ -100,6 +100,12 @@ class AdapterResidency(ApiModel):
         "sidecar reports it only after checking that the runtime's own content digest "
         "(loraplane.api.adapter_digest, also on every response header) equals that of the verified cache entry",
     )
+    adapter_digest: str | None = Field(
+        default=None,
+        description="that content digest (loraplane.api.adapter_digest of the loaded PEFT files), as the runtime "
+        "stamps it on responses (x-loraplane-adapter-digest); lets the controller's health probe and tests check "
+        "that a response came from the verified revision",
+    )
     bytes: int = Field(default=0, ge=0, description="adapter weight bytes at its tier")
     pinned: bool = False
     in_flight: int = Field(default=0, ge=0)
