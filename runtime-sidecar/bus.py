@@ -9,6 +9,7 @@ empty the pods); only a TargetState with an empty adapter list does that.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -125,7 +126,8 @@ class RedisBus:
                 log.debug("target subscription lost: %s", exc)
                 await _sleep_or_stop(stop, self._backoff.delay(failures))
             finally:
-                await pubsub.aclose()
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()
 
     async def close(self) -> None:
         """Close the connections."""
