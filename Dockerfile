@@ -44,6 +44,6 @@ RUN set -eu; \
 # Non-root; the chart also runs every container with a read-only root filesystem (writable: /tmp, the cache dir).
 USER 10001:10001
 WORKDIR /tmp
-# engine 8000 | picker gRPC 9002, health 9003, metrics 9090 | controller 9091/9092 | sidecar metrics 9100
-EXPOSE 8000 9002 9003 9090 9091 9092 9100
+# engine 8000 | picker gRPC 9002, health 9003, metrics 9090 | controller metrics 9091 | sidecar metrics 9100
+EXPOSE 8000 9002 9003 9090 9091 9100
 CMD ["loraplane", "--help"]

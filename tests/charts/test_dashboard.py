@@ -8,6 +8,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from loraplane.controller.metrics import ControllerMetrics
 from loraplane.engine.metrics import EngineMetrics
 from loraplane.picker.telemetry import PickerMetrics
 from loraplane.sidecar.metrics import SidecarMetrics
@@ -24,6 +25,7 @@ def _exported() -> dict[str, str]:
         SidecarMetrics(reexport_residency=True).registry,
         PickerMetrics().registry,
         EngineMetrics("tiny").registry,
+        ControllerMetrics().registry,
     ]
     return {family.name: family.type for registry in registries for family in registry.collect()}
 
@@ -48,7 +50,7 @@ def test_dashboard_covers_residency_loads_evictions_latency_and_decisions() -> N
     for needed in ("adapter_resident_count", "adapter_cache_hits_total", "adapter_cache_misses_total",
                    "adapter_disk_load_seconds_bucket", "adapter_h2d_seconds_bucket", "adapter_evictions_total",
                    "adapter_thrash_ratio", "loraplane_engine_time_to_first_token_seconds_bucket",
-                   "loraplane_picker_decisions_total"):
+                   "loraplane_picker_decisions_total", "loraplane_controller_leader"):
         assert needed in queried, f"no panel shows {needed}"
 
 

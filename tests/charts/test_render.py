@@ -20,6 +20,7 @@ from kubernetes_validate import utils as kv_utils
 from referencing import Registry, Resource
 
 from loraplane.api import crd
+from loraplane.controller.cli import load_config
 from loraplane.picker.scheduler import EndpointPickerConfig
 from tests.charts.conftest import CHART, NAMESPACE, RELEASE, Rendered, RenderFn, helm_template, name_of
 from tests.charts.custom_kinds import CUSTOM_KINDS, validate_custom
@@ -35,9 +36,13 @@ PARSERS = {
     "loraplane-picker": "loraplane.picker.cli:parser",
     "loraplane-sidecar": "loraplane.sidecar.cli:build_parser",
     "loraplane-engine": "loraplane.engine.cli:parser",
+    "loraplane-controller": "loraplane.controller.cli:_parser",
 }
 #: What the kubelet puts in for $(VAR) references, for parsing.
-KUBELET_VARS = {"POD_NAME": "lp-model-server-0", "POD_IP": "10.1.2.3", "LORAPLANE_REDIS_PASSWORD": "secret"}
+KUBELET_VARS = {"POD_NAME": "lp-model-server-0", "POD_IP": "10.1.2.3", "POD_NAMESPACE": NAMESPACE,
+                "LORAPLANE_REDIS_PASSWORD": "secret"}
+#: A controller config file as a user would write one (docs/controller.md).
+CONTROLLER_CONFIG = {"placement": {"stickiness": 0.5}, "tenantBudgets": {"claims": {"gpuBytes": 2 << 30}}}
 
 RUNTIMES = {
     "engine": {"runtime": "engine"},
@@ -86,6 +91,7 @@ def matrix_values(runtime: str, redis: str, gateway: str) -> dict[str, Any]:
         "grafanaDashboard": {"enabled": extras},
         "adapterRevisions": _adapter_revisions() if extras else [],
         "picker": {"config": _picker_config() if extras else {}},
+        "controller": {"config": CONTROLLER_CONFIG if extras else {}},
     }
 
 
@@ -328,7 +334,7 @@ def _parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _check_flags_parse(rendered: Rendered) -> None:
+def _check_flags_parse(rendered: Rendered, tmp_path: Path) -> None:
     """Every loraplane container's arguments parse with that component's own parser."""
     for name, pod in _pod_specs(rendered).items():
         for c in _containers(pod):
@@ -344,12 +350,19 @@ def _check_flags_parse(rendered: Rendered) -> None:
                 pytest.fail(f"{name}/{c['name']}: {command} rejects {args}: {exc}")
             if command == "loraplane-picker" and parsed.config is not None:
                 EndpointPickerConfig.from_yaml(rendered.get("ConfigMap", name_of("picker"))["data"]["config.yaml"])
+            if command == "loraplane-controller":
+                assert parsed.namespace == parsed.lease_namespace == NAMESPACE and not parsed.no_leader_election
+                if parsed.config is not None:
+                    config_file = tmp_path / "controller.yaml"
+                    config_file.write_text(rendered.get("ConfigMap", name_of("controller"))["data"]["config.yaml"])
+                    load_config(config_file)
             if command == "loraplane-sidecar":
                 assert all(getattr(parsed, f) for f in ("pool", "pod", "runtime_url", "redis_url", "cache_dir"))
 
 
 @pytest.mark.parametrize(("runtime", "redis", "gateway"), MATRIX, ids=["-".join(c) for c in MATRIX])
-def test_matrix_renders_valid_consistent_manifests(render: RenderFn, runtime: str, redis: str, gateway: str) -> None:
+def test_matrix_renders_valid_consistent_manifests(render: RenderFn, tmp_path: Path, runtime: str, redis: str,
+                                                   gateway: str) -> None:
     values = matrix_values(runtime, redis, gateway)
     rendered = render(values)
     _validate_schemas(rendered)
@@ -361,7 +374,7 @@ def test_matrix_renders_valid_consistent_manifests(render: RenderFn, runtime: st
     _check_network_policies(rendered, values)
     _check_rbac(rendered)
     _check_gateway(rendered, values)
-    _check_flags_parse(rendered)
+    _check_flags_parse(rendered, tmp_path)
     assert len(rendered.of_kind("AdapterRevision")) == len(values["adapterRevisions"])
     for revision in rendered.of_kind("AdapterRevision"):
         assert revision["metadata"]["namespace"] == NAMESPACE
