@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-address", default="127.0.0.1:9090", help="Prometheus /metrics address ('' = none)")
     p.add_argument("--endpoint", action="append", type=_endpoint, metavar="POD=IP:PORT",
                    help="static pool member (repeat); default: every pod whose sidecar reports")
+    p.add_argument("--inference-pool", help="follow this InferencePool's ready pods through the Kubernetes API")
+    p.add_argument("--namespace", default="default", help="namespace of --inference-pool")
+    p.add_argument("--kubeconfig", type=Path, help="kubeconfig for --inference-pool (default: in-cluster config)")
     p.add_argument("--replica", default=_default_replica(), help="this replica's name in published counters")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--session-header", default="x-session-id", help="header keeping a user on one canary side")
@@ -77,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         seed=args.seed,
         transport=args.transport,
+        inference_pool=args.inference_pool,
+        namespace=args.namespace,
+        kubeconfig=args.kubeconfig,
         resync_seconds=args.resync_seconds,
         publish_seconds=args.publish_seconds,
     )

@@ -17,8 +17,10 @@ import redis.asyncio as aioredis
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+from kubernetes import client as k8s
 from prometheus_client import start_http_server
 
+from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
 from loraplane.picker.h2grpc import GrpcStatusError, Routes, start_server
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
@@ -47,6 +49,11 @@ class ServerOptions:
     endpoints: Sequence[tuple[str, str]] | None = None
     settings: PickerSettings = field(default_factory=PickerSettings)
     seed: int | None = None
+    #: follow this InferencePool's ready pods through the Kubernetes API (membership; reports still come from Redis)
+    inference_pool: str | None = None
+    namespace: str = "default"
+    #: kubeconfig file; None: in-cluster config
+    kubeconfig: Path | None = None
     #: "h2": the picker's own HTTP/2 gRPC transport (fast path); "grpcio": grpcio's asyncio server
     transport: str = "h2"
     resync_seconds: float = 5.0
@@ -147,14 +154,17 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
             loop.add_signal_handler(sig, stop.set)
     log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
     tasks = [asyncio.create_task(coro) for coro in (sync.run(), sync.expire_stale(), sync.publish_forever())]
+    discovery = _start_discovery(options, state)
     try:
-        while not state.synced and not stop.is_set():
+        while not (state.synced and (discovery is None or discovery.synced)) and not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.05)
         await health.set(state.synced)
         await stop.wait()
     finally:
         await health.set(False)
+        if discovery is not None:
+            discovery.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -162,6 +172,22 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
             await sync.publish_once()
         await stop_serving()
         await client.aclose()
+
+
+def _start_discovery(options: ServerOptions, state: PoolState) -> PoolDiscovery | None:
+    if options.inference_pool is None:
+        return None
+    from kubernetes import config as kube_config
+
+    if options.kubeconfig is not None:
+        api_client = kube_config.new_client_from_config(str(options.kubeconfig))
+    else:
+        kube_config.load_incluster_config()
+        api_client = k8s.ApiClient()
+    state.set_endpoints([])  # nothing is routable until the pool's pods are known
+    discovery = PoolDiscovery(api_client, options.namespace, options.inference_pool, state.set_endpoints)
+    discovery.start()
+    return discovery
 
 
 async def _start_transport(

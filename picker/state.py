@@ -53,6 +53,11 @@ class PoolState:
         """Use a new route table (None: nothing is routable)."""
         self.resolver = RouteResolver(table)
 
+    def set_endpoints(self, endpoints: Sequence[tuple[str, str]] | None) -> None:
+        """Fix pool membership to these (pod, address) pairs (None: the reporting pods) and rebuild."""
+        self.endpoints = endpoints
+        self.rebuild()
+
     def set_report(self, report: ResidencyReport) -> None:
         """Store a pod's latest report."""
         self.reports[report.pod] = report

@@ -1,0 +1,85 @@
+"""Endpoint discovery in Kubernetes: the ready pods an ``InferencePool`` (``inference.networking.k8s.io/v1``) selects.
+
+Two list + watch informers (the controller's ``Informer``: resourceVersion, bookmarks, relist on 410 Gone) keep the
+pool object and the namespace's pods current; every change recomputes the members and hands them to the picker's
+``PoolState`` when they differ. A member is a pod matching ``spec.selector.matchLabels``, not being deleted, with
+a pod IP and a ``Ready=True`` condition, addressed at ``spec.targetPorts[0].number``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kubernetes import client as k8s
+
+from loraplane.controller.kube import POOL_GROUP, POOL_PLURAL, POOL_VERSION, Informer, Key
+
+Members = list[tuple[str, str]]
+
+
+def _ready(pod: Mapping[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def pool_endpoints(pools: Mapping[Key, Mapping[str, Any]], pods: Mapping[Key, Mapping[str, Any]],
+                   namespace: str, pool: str) -> Members | None:
+    """(pod name, ip:port) of the pool's ready members, sorted; None when the InferencePool does not exist."""
+    obj = pools.get((namespace, pool))
+    if obj is None:
+        return None
+    spec = obj.get("spec") or {}
+    labels = (spec.get("selector") or {}).get("matchLabels") or {}
+    ports = spec.get("targetPorts") or []
+    if not labels or not ports:
+        return []
+    port = ports[0].get("number")
+    members = []
+    for (ns, name), pod in pods.items():
+        meta = pod.get("metadata", {})
+        ip = pod.get("status", {}).get("podIP")
+        if ns != namespace or meta.get("deletionTimestamp") or not ip or not _ready(pod):
+            continue
+        if all(meta.get("labels", {}).get(k) == v for k, v in labels.items()):
+            members.append((name, f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"))
+    return sorted(members)
+
+
+class PoolDiscovery:
+    """Follows one InferencePool and its pods; calls ``on_members`` whenever the member list changes."""
+
+    def __init__(self, api_client: k8s.ApiClient, namespace: str, pool: str,
+                 on_members: Callable[[Members], None]) -> None:
+        """Watch ``namespace`` for InferencePool ``pool`` and its pods."""
+        custom, core = k8s.CustomObjectsApi(api_client), k8s.CoreV1Api(api_client)
+        self.namespace = namespace
+        self.pool = pool
+        self.on_members = on_members
+        self.members: Members | None = None
+        self.pools = Informer("inferencepools", custom.list_namespaced_custom_object,
+                              (POOL_GROUP, POOL_VERSION, namespace, POOL_PLURAL), self._changed)
+        self.pods = Informer("pods", core.list_namespaced_pod, (namespace,), self._changed)
+
+    @property
+    def synced(self) -> bool:
+        """Both caches have been listed at least once."""
+        return self.pools.synced.is_set() and self.pods.synced.is_set()
+
+    def start(self) -> None:
+        """Start both informers (call on the event loop)."""
+        self.pools.start()
+        self.pods.start()
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self.pools.stop()
+        self.pods.stop()
+
+    def _changed(self) -> None:
+        if not self.synced:
+            return
+        members = pool_endpoints(self.pools.items, self.pods.items, self.namespace, self.pool) or []
+        if members != self.members:
+            self.members = members
+            self.on_members(members)
