@@ -14,6 +14,7 @@ from kubernetes import config as kube_config
 from e2e.fixtures.devcluster import DevCluster
 from loraplane.picker.discovery import Members, PoolDiscovery, pool_endpoints
 
+
 def pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
             "spec": {"containers": [{"name": "server", "image": "vllm"}]}}
