@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from e2e.fixtures.processes import ManagedProcess, RedisServer, free_port, wait_for_port
 from loraplane.api import (
@@ -72,6 +74,17 @@ def _picker_command(render_values: dict[str, Any], render: RenderFn) -> list[str
     return [str(script), *args]
 
 
+def _check_probes(render: RenderFn, values: dict[str, Any], health_port: int) -> None:
+    """The picker answers the gRPC health services the chart's probes ask for, on the port they ask."""
+    container = render(values).get("Deployment", name_of("picker"))["spec"]["template"]["spec"]["containers"][0]
+    with grpc.insecure_channel(f"127.0.0.1:{health_port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert container[probe]["grpc"]["port"] == health_port
+            request = health_pb2.HealthCheckRequest(service=container[probe]["grpc"]["service"])
+            assert stub.Check(request, timeout=5).status == health_pb2.HealthCheckResponse.SERVING, probe
+
+
 @pytest.mark.slow
 def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
     render: RenderFn, envoy_bin: str, redis_srv: RedisServer, model_servers: list[ModelServerStandIn], tmp_path: Path
@@ -118,6 +131,7 @@ def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
         unknown = httpx.post(url, json={"model": "nobody", "prompt": "hi"}, timeout=10)
         assert unknown.status_code == 404
         assert len(warm.seen) + len(cold.seen) == 1
+        _check_probes(render, values, health)
     finally:
         envoy.stop()
         picker.stop()
