@@ -229,7 +229,7 @@ class Controller:
         async def run() -> None:
             try:
                 async with self._probe_slots:
-                    self.probe_results[key] = await self.prober.probe(rev, request.address)
+                    self.probe_results[key] = await self.prober.probe(rev, request.address, request.expected_digest)
             finally:
                 self._probing.pop(key, None)
                 self.wake()

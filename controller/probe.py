@@ -1,7 +1,8 @@
 """The health probe: a real completion sent straight to one canary pod, bypassing the gateway.
 
-It passes when the pod answers 200, the response says the revision's own served name and artifact digest answered
-(``x-loraplane-served-adapter`` / ``x-loraplane-adapter-digest``), and the first byte of the streamed response
+It passes when the pod answers 200, the response says the revision's own served name answered
+(``x-loraplane-served-adapter``) with the content digest the pod's sidecar reported for the verified artifact
+(``x-loraplane-adapter-digest`` = ``AdapterResidency.adapter_digest``), and the first byte of the streamed response
 arrives within the revision's TTFT bound. The address comes from the pod's sidecar report, never from a client.
 """
 
@@ -33,8 +34,8 @@ class HealthProber:
     def _result(self, ok: bool, message: str, ttft_ms: float | None = None) -> ProbeResult:
         return ProbeResult(at=datetime.fromtimestamp(self.wall_clock(), UTC), ok=ok, message=message, ttft_ms=ttft_ms)
 
-    async def probe(self, rev: AdapterRevision, address: str) -> ProbeResult:
-        """Probe ``rev`` on the model server at ``address`` (``host:port``)."""
+    async def probe(self, rev: AdapterRevision, address: str, expected_digest: str) -> ProbeResult:
+        """Probe ``rev`` on the model server at ``address`` (``host:port``); responses must carry ``expected_digest``."""
         spec = rev.spec.rollout.health_probe
         body = {"model": rev.served_name, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "stream": True}
         started = self.monotonic()
@@ -53,8 +54,8 @@ class HealthProber:
             return self._result(False, f"request failed: {type(exc).__name__}: {exc}")
         if served != rev.served_name:
             return self._result(False, f"answered by {served!r}, not {rev.served_name!r}", ttft_ms)
-        if digest != rev.spec.artifact.digest:
-            return self._result(False, f"served digest {digest} does not match {rev.spec.artifact.digest}", ttft_ms)
+        if digest != expected_digest:
+            return self._result(False, f"served digest {digest} is not the verified {expected_digest}", ttft_ms)
         if ttft_ms is None or ttft_ms > spec.ttft_bound_ms:
             shown = "no body" if ttft_ms is None else f"{ttft_ms:.0f} ms"
             return self._result(False, f"TTFT {shown} over the {spec.ttft_bound_ms:.0f} ms bound", ttft_ms)

@@ -106,11 +106,13 @@ class Event:
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    """Send the revision's health probe to this pod."""
+    """Send the revision's health probe to this pod; the response must carry ``expected_digest``."""
 
     served_name: str
     pod: str
     address: str
+    #: the content digest the pod's sidecar reports for the verified revision (else the artifact digest)
+    expected_digest: str
 
 
 @dataclass
@@ -317,7 +319,8 @@ class _AdapterReconcile:
                 pending.append(pod.name)
                 held = pod.adapters.get(rev.served_name)
                 if held is not None and held.tier is Tier.GPU and held.digest == rev.spec.artifact.digest:
-                    self.probes.append(ProbeRequest(rev.served_name, pod.name, pod.address))
+                    expected = held.adapter_digest or rev.spec.artifact.digest
+                    self.probes.append(ProbeRequest(rev.served_name, pod.name, pod.address, expected))
             elif not result.ok:
                 return _fail(Phase.ROLLED_BACK, "ProbeFailed", f"{pod.name}: {result.message}")
         if pending:

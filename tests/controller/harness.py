@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -48,6 +49,11 @@ from loraplane.controller.probe import HealthProber
 from loraplane.controller.store import RedisStore
 
 POOL = "pool"
+
+
+def content_digest(artifact_digest: str) -> str:
+    """The digest a runtime stamps on responses: of the unpacked files, so not the artifact's own."""
+    return "sha256:" + hashlib.sha256(artifact_digest.encode()).hexdigest()
 FAST_LEASE = LeaseConfig(lease_duration=2.0, renew_deadline=1.5, retry_period=0.2)
 
 
@@ -96,9 +102,9 @@ class ScriptedPods:
                     adapters.append(AdapterResidency(served_name=t.served_name, tier="absent", error="digest mismatch",
                                                      error_reason="DigestMismatch"))
                     continue
-                self.digests[t.served_name] = t.artifact.digest
+                self.digests[t.served_name] = content_digest(t.artifact.digest)
                 adapters.append(AdapterResidency(served_name=t.served_name, tier=t.tier, digest=t.artifact.digest,
-                                                 bytes=1 << 20))
+                                                 adapter_digest=self.digests[t.served_name], bytes=1 << 20))
             report = ResidencyReport(
                 pool=POOL, pod=pod, address=f"127.0.0.1:{self.port}", base_model_digest=self.base_digest,
                 max_lora_rank=64, target_generation=target.generation if target else None, heartbeat_at=time.time(),

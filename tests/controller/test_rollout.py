@@ -372,3 +372,13 @@ def test_residency_counts_only_matching_digests() -> None:
     step(world, [rev], apply=False)
     assert (rev.status.residency.gpu, rev.status.residency.cpu) == (1, 1)
     assert rev.status.served_name == "claims@v1" and rev.status.cache_key and rev.status.observed_generation == 1
+
+
+def test_probe_expects_the_content_digest_the_sidecar_reports() -> None:
+    world = World()
+    revs = [revision("v1", n=1)]
+    _drive(world, revs, Phase.PROBING, "claims-v1")
+    pod = canary_pods(revs[0], world.observe().pods)[0].name
+    world.hold(pod, revs[0], Tier.GPU, adapter_digest=digest(4242))
+    plan = step(world, revs)
+    assert [(p.pod, p.expected_digest) for p in plan.probes] == [(pod, digest(4242))]
