@@ -153,3 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except k8s_config.ConfigException as exc:
         print(f"loraplane-controller: no Kubernetes credentials: {exc}", file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -111,8 +111,8 @@ class ProbeRequest:
     served_name: str
     pod: str
     address: str
-    #: the content digest the pod's sidecar reports for the verified revision (else the artifact digest)
-    expected_digest: str
+    #: the content digest the pod's sidecar reports for the verified revision; None: it reports none (vLLM)
+    expected_digest: str | None
 
 
 @dataclass
@@ -319,8 +319,7 @@ class _AdapterReconcile:
                 pending.append(pod.name)
                 held = pod.adapters.get(rev.served_name)
                 if held is not None and held.tier is Tier.GPU and held.digest == rev.spec.artifact.digest:
-                    expected = held.adapter_digest or rev.spec.artifact.digest
-                    self.probes.append(ProbeRequest(rev.served_name, pod.name, pod.address, expected))
+                    self.probes.append(ProbeRequest(rev.served_name, pod.name, pod.address, held.adapter_digest))
             elif not result.ok:
                 return _fail(Phase.ROLLED_BACK, "ProbeFailed", f"{pod.name}: {result.message}")
         if pending:

@@ -68,6 +68,13 @@ async def test_probe_checks_status_identity_digest_and_ttft(address: str, mode: 
     assert result.ok is ok and needle in result.message, result
 
 
+async def test_without_a_reported_content_digest_the_digest_is_not_checked(address: str) -> None:
+    rev = revision("v1", n=1)
+    async with httpx.AsyncClient(headers={"x-test-mode": "wrong-digest"}) as client:
+        result = await HealthProber(client).probe(rev, address, None)
+    assert result.ok and "digest not reported by the sidecar" in result.message
+
+
 async def test_unreachable_pod_fails_the_probe() -> None:
     rev = revision("v1", n=1, rollout={"healthProbe": {"timeoutSeconds": 2}})
     async with httpx.AsyncClient() as client:
