@@ -19,7 +19,7 @@ from loraplane.api import validation as names
 from loraplane.controller.devcluster import errors as e
 from loraplane.controller.devcluster import patch as patches
 from loraplane.controller.devcluster.resources import ResourceType, builtin_types, custom_resource_types
-from loraplane.controller.devcluster.schema import rule_errors
+from loraplane.controller.devcluster.schema import schema_errors
 from loraplane.controller.devcluster.store import Change, Key, Store, Subscription
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
@@ -157,6 +157,9 @@ def _meta_errors(rt: ResourceType, meta: dict[str, Any]) -> list[e.FieldError]:
         errors.append(e.invalid("metadata.name", name, help_text))
     elif len(name) > limit:
         errors.append(e.too_long("metadata.name", limit))
+    finalizers = meta.get("finalizers")
+    if finalizers is not None and (not isinstance(finalizers, list) or not all(isinstance(f, str) for f in finalizers)):
+        errors.append(e.invalid("metadata.finalizers", finalizers, "must be a list of strings"))
     for field_name in ("labels", "annotations"):
         values = meta.get(field_name)
         if values is not None and (not isinstance(values, dict) or not all(isinstance(v, str) for v in values.values())):
@@ -292,7 +295,7 @@ class Cluster:
         meta = obj.setdefault("metadata", {})
         self._place(rt, meta, namespace)
         if not meta.get("name"):
-            if not meta.get("generateName"):
+            if not isinstance(meta.get("generateName"), str) or not meta["generateName"]:
                 raise e.invalid_object(rt.kind, rt.group, "", [e.required("metadata.name", "name or generateName is required")])
             meta["name"] = meta["generateName"] + "".join(self.rng.choice("bcdfghjklmnpqrstvwxz2456789") for _ in range(5))
         for key in (*_SERVER_META, *_DROPPED_META, "resourceVersion"):
@@ -338,9 +341,7 @@ class Cluster:
                     "application/json-patch+json, application/merge-patch+json")
         except patches.PatchError as exc:
             raise e.ApiError(422, "Invalid", f"the server rejected our request due to an error in our request: {exc}") from exc
-        if not isinstance(new, dict):
-            raise e.bad_request("the patch must leave an object")
-        return self._replace(rt, old, new, subresource, dry_run, field_validation)
+        return self._replace(rt, old, self._decoded(rt, new), subresource, dry_run, field_validation)
 
     def _replace(self, rt: ResourceType, old: dict[str, Any], new: dict[str, Any], subresource: str, dry_run: bool,
                  field_validation: str) -> tuple[dict[str, Any], list[str]]:
@@ -397,6 +398,8 @@ class Cluster:
         old = rt.from_storage(self._stored(rt, namespace, name))
         meta = old["metadata"]
         pre = (options or {}).get("preconditions") or {}
+        if not isinstance(pre, dict):
+            raise e.bad_request("preconditions must be an object")
         if pre.get("uid") and pre["uid"] != meta.get("uid"):
             raise e.conflict(rt.plural, rt.group, name, f"Precondition failed: UID in precondition: {pre['uid']}, "
                              f"UID in object meta: {meta.get('uid')}")
@@ -487,43 +490,27 @@ class Cluster:
                                 f"strict decoding error: {fields}")
         warnings = [f'unknown field "{path}"' for path in unknown] if field_validation == "Warn" else []
         errors = _meta_errors(rt, meta)
-        if rt.storage == _CRDS:
-            errors += self._crd_errors(obj)
         if rt.schema is not None and not errors:
             rt.schema.default(obj)
             errors += rt.schema.validate(obj, old)
+        if rt.storage == _CRDS and not errors:
+            errors += self._crd_errors(obj)
         if errors:
             raise e.invalid_object(rt.kind, rt.group, meta.get("name", ""), errors)
         return warnings
 
     def _crd_errors(self, crd: dict[str, Any]) -> list[e.FieldError]:
-        spec = crd.get("spec")
-        if not isinstance(spec, dict):
-            return [e.required("spec")]
+        """What the CRD schema cannot say: the name, one storage version, valid schemas and CEL rules."""
+        spec = crd["spec"]
         errors = []
-        group, names_ = spec.get("group"), spec.get("names") or {}
-        for field_name in ("plural", "kind"):
-            if not names_.get(field_name):
-                errors.append(e.required(f"spec.names.{field_name}"))
-        if not group:
-            errors.append(e.required("spec.group"))
-        if spec.get("scope") not in ("Namespaced", "Cluster"):
-            errors.append(e.not_supported("spec.scope", spec.get("scope"), ["Cluster", "Namespaced"]))
-        expected = f"{names_.get('plural')}.{group}"
-        if crd["metadata"].get("name") != expected:
-            errors.append(e.invalid("metadata.name", crd["metadata"].get("name"),
-                                    "must be spec.names.plural+\".\"+spec.group"))
-        versions = spec.get("versions")
-        if not isinstance(versions, list) or not versions:
-            return [*errors, e.required("spec.versions", "must have exactly one version marked as storage version")]
-        if sum(1 for v in versions if isinstance(v, dict) and v.get("storage")) != 1:
-            errors.append(e.invalid("spec.versions", len(versions), "must have exactly one version marked as storage version"))
-        for i, version in enumerate(versions):
-            schema = ((version or {}).get("schema") or {}).get("openAPIV3Schema")
-            if not isinstance(version, dict) or not version.get("name"):
-                errors.append(e.required(f"spec.versions[{i}].name"))
-            elif isinstance(schema, dict):
-                errors += rule_errors(schema, f"spec.versions[{i}].schema.openAPIV3Schema")
+        if crd["metadata"].get("name") != f"{spec['names']['plural']}.{spec['group']}":
+            errors.append(e.invalid("metadata.name", crd["metadata"].get("name"), 'must be spec.names.plural+"."+spec.group'))
+        if sum(1 for v in spec["versions"] if v["storage"]) != 1:
+            errors.append(e.invalid("spec.versions", len(spec["versions"]), "must have exactly one version marked as storage version"))
+        for i, version in enumerate(spec["versions"]):
+            schema = (version.get("schema") or {}).get("openAPIV3Schema")
+            if schema is not None:
+                errors += schema_errors(schema, f"spec.versions[{i}].schema.openAPIV3Schema")
         return errors
 
     def _serve_crd(self, crd: dict[str, Any]) -> None:

@@ -25,6 +25,55 @@ _CONDITION = {
 }
 
 
+_STRING = {"type": "string"}
+_NAME = {"type": "string", "minLength": 1}
+_STRINGS = {"type": "array", "items": _STRING}
+_OPEN = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+
+#: The shape of a CustomResourceDefinition, as far as the devcluster reads it (everything else is kept as sent).
+CRD_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "A CustomResourceDefinition: the devcluster serves the kind it defines.",
+    "required": ["spec"],
+    "properties": {
+        "apiVersion": _STRING,
+        "kind": _STRING,
+        "metadata": {"type": "object"},
+        "spec": {
+            "type": "object",
+            "required": ["group", "names", "scope", "versions"],
+            "x-kubernetes-preserve-unknown-fields": True,
+            "properties": {
+                "group": _NAME,
+                "scope": {"type": "string", "enum": ["Cluster", "Namespaced"]},
+                "names": {"type": "object", "required": ["plural", "kind"], "properties": {
+                    "plural": _NAME, "singular": _STRING, "kind": _NAME, "listKind": _STRING,
+                    "shortNames": _STRINGS, "categories": _STRINGS}},
+                "versions": {"type": "array", "minItems": 1, "items": {
+                    "type": "object",
+                    "required": ["name", "served", "storage"],
+                    "x-kubernetes-preserve-unknown-fields": True,
+                    "properties": {
+                        "name": _NAME,
+                        "served": {"type": "boolean"},
+                        "storage": {"type": "boolean"},
+                        "schema": {"type": "object", "properties": {"openAPIV3Schema": _OPEN}},
+                        "subresources": _OPEN,
+                        "additionalPrinterColumns": {"type": "array", "items": {
+                            "type": "object", "required": ["name", "type", "jsonPath"],
+                            "properties": {"name": _STRING, "type": _STRING, "format": _STRING, "description": _STRING,
+                                           "priority": {"type": "integer"}, "jsonPath": _STRING}}},
+                        "selectableFields": {"type": "array", "items": {
+                            "type": "object", "required": ["jsonPath"], "properties": {"jsonPath": _STRING}}},
+                    },
+                }},
+            },
+        },
+        "status": _OPEN,
+    },
+}
+
+
 def inference_pool_crd() -> dict[str, Any]:
     """The Gateway API Inference Extension ``InferencePool`` (``inference.networking.k8s.io/v1``) CRD."""
     spec_schema = {

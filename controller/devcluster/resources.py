@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Any
 
 from loraplane.controller.devcluster import tables
+from loraplane.controller.devcluster.crds import CRD_SCHEMA
 from loraplane.controller.devcluster.patch import PatchMeta
 from loraplane.controller.devcluster.schema import CustomResourceSchema
 from loraplane.controller.devcluster.tables import Column
@@ -37,7 +38,7 @@ class ResourceType:
     status_subresource: bool = False
     #: storage key shared by every version of the same objects (``events`` and ``events.events.k8s.io`` share one).
     storage: str = ""
-    #: the schema of a custom resource (None for built-in kinds, which are not schema-validated).
+    #: the validation schema (custom resources and CRDs; other built-in kinds are not schema-validated).
     schema: CustomResourceSchema | None = None
     #: the kind's openAPIV3Schema for the OpenAPI documents (``kubectl explain``).
     openapi: dict[str, Any] | None = None
@@ -197,7 +198,8 @@ def builtin_types() -> list[ResourceType]:
                      patch_meta=_list_meta()),
         ResourceType("apiextensions.k8s.io", "v1", "CustomResourceDefinition", "customresourcedefinitions",
                      "customresourcedefinition", False, tables.CRD_COLUMNS, short_names=["crd", "crds"],
-                     categories=["api-extensions"], status_subresource=True),
+                     categories=["api-extensions"], status_subresource=True, schema=CustomResourceSchema(CRD_SCHEMA),
+                     openapi=CRD_SCHEMA),
     ]
 
 

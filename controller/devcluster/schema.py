@@ -38,21 +38,42 @@ def _join(path: str, key: str | int) -> str:
     return f"{path}.{key}" if path else key
 
 
-def rule_errors(schema: dict[str, Any], path: str = "openAPIV3Schema") -> list[e.FieldError]:
-    """Rules in the schema that fall outside the supported CEL subset (the CRD is refused with these)."""
+def rule_errors(schema: Any, path: str = "openAPIV3Schema") -> list[e.FieldError]:
+    """What makes a schema unusable here: nodes that are not structural (a subschema that is not an object) and
+    CEL rules outside the supported subset (the CRD is refused with these)."""
+    if not isinstance(schema, dict):
+        return [e.invalid(path, schema, "must be a schema object (structural schemas only)")]
     out: list[e.FieldError] = []
-    for index, rule in enumerate(schema.get("x-kubernetes-validations", [])):
+    rules = schema.get("x-kubernetes-validations", [])
+    if not isinstance(rules, list) or not all(isinstance(r, dict) and isinstance(r.get("rule"), str) for r in rules):
+        return [e.invalid(f"{path}.x-kubernetes-validations", rules, "must be a list of {rule, message}")]
+    for index, rule in enumerate(rules):
         try:
-            _compiled(rule.get("rule", ""))
+            _compiled(rule["rule"])
         except CelError as exc:
-            out.append(e.invalid(f"{path}.x-kubernetes-validations[{index}].rule", rule.get("rule", ""),
+            out.append(e.invalid(f"{path}.x-kubernetes-validations[{index}].rule", rule["rule"],
                                  f"compilation failed: {exc} (see docs/devcluster.md for the supported CEL subset)"))
-    for name, sub in schema.get("properties", {}).items():
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict):
+        return [*out, e.invalid(f"{path}.properties", properties, "must be an object")]
+    for name, sub in properties.items():
         out += rule_errors(sub, f"{path}.properties[{name}]")
-    for key in ("items", "additionalProperties"):
-        if isinstance(schema.get(key), dict):
-            out += rule_errors(schema[key], f"{path}.{key}")
+    if "items" in schema:
+        out += rule_errors(schema["items"], f"{path}.items")
+    if not isinstance(schema.get("additionalProperties", True), bool):
+        out += rule_errors(schema["additionalProperties"], f"{path}.additionalProperties")
     return out
+
+
+def schema_errors(schema: dict[str, Any], path: str) -> list[e.FieldError]:
+    """Why an openAPIV3Schema cannot be used: not a valid schema, or CEL rules outside the supported subset."""
+    json_schema = to_json_schema(schema)
+    try:
+        jsonschema.validators.validator_for(json_schema, default=jsonschema.Draft202012Validator).check_schema(json_schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in exc.absolute_path)
+        return [e.invalid(f"{path}{where}", exc.instance, f"invalid schema: {exc.message}")]
+    return rule_errors(schema, path)
 
 
 def prune(value: Any, schema: dict[str, Any], path: str, unknown: list[str]) -> Any:

@@ -55,6 +55,7 @@ def test_discovery_lists_builtin_and_crd_kinds(http: httpx.Client) -> None:
     core = {r["name"] for r in http.get("/api/v1").json()["resources"]}
     assert {"pods", "pods/status", "namespaces", "events"} <= core
     assert http.get("/version").json()["major"] == "1"
+    assert "/apis" in http.get("/").json()["paths"]
     assert http.get("/apis/nope.example/v1").status_code == 404
 
 
@@ -368,7 +369,7 @@ def test_creating_a_crd_serves_its_kind_and_deleting_it_removes_it(http: httpx.C
     assert http.get("/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.example.com").status_code == 404
 
 
-def test_crd_with_cel_outside_the_subset_is_refused(http: httpx.Client) -> None:
+def test_crd_with_cel_outside_the_subset_or_a_broken_schema_is_refused(http: httpx.Client) -> None:
     crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
            "metadata": {"name": "gadgets.example.com"},
            "spec": {"group": "example.com", "scope": "Namespaced", "names": {"kind": "Gadget", "plural": "gadgets"},
@@ -377,6 +378,15 @@ def test_crd_with_cel_outside_the_subset_is_refused(http: httpx.Client) -> None:
     refused = http.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=crd)
     assert refused.status_code == 422
     assert "compilation failed" in refused.json()["message"]
+    schema = crd["spec"]["versions"][0]["schema"]
+    for broken in ({"type": "object", "properties": {"a": True}}, {"type": 5}, {"type": "object", "items": []}):
+        schema["openAPIV3Schema"] = broken
+        response = http.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=crd)
+        assert response.status_code == 422, broken
+    crd["spec"]["versions"] = "v1"
+    assert http.post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", json=crd).json()["details"]["causes"] == [
+        {"reason": "FieldValueInvalid", "field": "spec.versions",
+         "message": 'Invalid value: "string": spec.versions in body must be of type array: "string"'}]
 
 
 def test_inference_pool_crd_validates_and_defaults(http: httpx.Client) -> None:
