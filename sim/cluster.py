@@ -87,6 +87,7 @@ class Pod:
         self.cpu: set[int] = set()
         self.disk: set[int] = set(disk)
         self.disk_used = 0
+        self.download_free_at = 0.0
         self.downloading: set[int] = set()
         #: bumped whenever an adapter changes tier here (lets readers cache what they derive from the tiers)
         self.residency_version = 0
@@ -288,9 +289,8 @@ class Simulator:
             res.tier[rid] = L0 if a in pod.gpu else L1 if a in pod.cpu else L2 if a in pod.disk else L3
             pod.waiting.append(rid)
             pod.waiting_adapters[a] = pod.waiting_adapters.get(a, 0) + 1
-            if a not in pod.disk and a not in pod.downloading:
-                pod.downloading.add(a)
-                self._push(next_arrival + self._download_s[a], _DOWNLOAD, pod.index, a)
+            if a not in pod.disk:
+                self._download(pod, a)
             self._wake(pod, next_arrival, a)
             if self.progress is not None and i % report_every == 0:
                 self.progress(i)
@@ -477,6 +477,14 @@ class Simulator:
             res.thrash_reloads += 1
         return self._load_s[a][1 if from_cpu else 2]
 
+    def _download(self, pod: Pod, a: int) -> None:
+        """Fetch ``a`` to ``pod``'s disk unless already under way; a pod fetches one artifact at a time."""
+        if a in pod.downloading:
+            return
+        pod.downloading.add(a)
+        pod.download_free_at = max(self.now, pod.download_free_at) + self._download_s[a]
+        self._push(pod.download_free_at, _DOWNLOAD, pod.index, a)
+
     def _downloaded(self, pod: Pod, a: int) -> None:
         """``a`` is on ``pod``'s disk; older disk-only adapters leave while the cache is over its budget."""
         pod.downloading.discard(a)
@@ -504,9 +512,7 @@ class Simulator:
         if adapter in pod.gpu or adapter in pod.prefetch_queue:
             return
         if adapter not in pod.disk:
-            if adapter not in pod.downloading:
-                pod.downloading.add(adapter)
-                self._push(self.now + self._download_s[adapter], _DOWNLOAD, pod.index, adapter)
+            self._download(pod, adapter)
             return
         pod.prefetch_queue.append(adapter)
         self._wake(pod, self.now)
@@ -526,3 +532,8 @@ class Simulator:
         pod.cpu.add(adapter)
         pod.loaded_at.setdefault(adapter, self.now)
         pod.residency_version += 1
+
+    def stage_disk(self, pod: Pod, adapter: int) -> None:
+        """Ask ``pod`` to have ``adapter`` on local disk (fetched in the background)."""
+        if adapter not in pod.disk:
+            self._download(pod, adapter)

@@ -172,7 +172,10 @@ class PickerRouter:
 
 
 class ControllerPlacement:
-    """The controller's placement on the rates the picker would publish, applied as sidecars apply targets."""
+    """The controller's placement on the rates the picker would publish, applied as sidecars apply targets.
+
+    Every adapter of the trace is a registered revision from the start (demand with zero rate until traffic comes),
+    so the placement's disk floor stages each one on some pod before its first request."""
 
     def __init__(self, trace: Trace, config: SimConfig, period_s: float = PLACEMENT_PERIOD_S) -> None:
         self.period_s = period_s
@@ -208,7 +211,6 @@ class ControllerPlacement:
                 priority=tr.tenants[a.tenant].priority,
             )
             for i, a in enumerate(tr.adapters)
-            if h24[i] > 0
         ]
         plan = place(self._pods, demands, previous=self._previous, config=self._config)
         self._previous = plan
@@ -218,6 +220,8 @@ class ControllerPlacement:
                     sim.prefetch(pod, self._index[name])
                 elif tier is Tier.CPU:
                     sim.stage_cpu(pod, self._index[name])
+                else:
+                    sim.stage_disk(pod, self._index[name])
 
 
 @dataclass

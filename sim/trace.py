@@ -309,6 +309,20 @@ def rollout(requests: int, seed: int, adapter_bytes: int, rate: float = 40.0) ->
     return _assemble("rollout", tenants, v1 + v2, [(times, chosen)], rng, Lengths())
 
 
+def rates_trace(rates: dict[str, float], nbytes: dict[str, int], requests: int, seed: int) -> Trace:
+    """Poisson traffic at the given per-adapter rates (requests/s), one tenant per adapter, every adapter on disk."""
+    names = [n for n, r in rates.items() if r > 0]
+    if not names:
+        raise TraceError("traffic has no adapter with a positive rate")
+    rng = np.random.default_rng(seed)
+    weights = np.array([rates[n] for n in names])
+    tenants = [Tenant(n.partition("@")[0]) for n in names]
+    adapters = [Adapter(n, i, nbytes[n]) for i, n in enumerate(names)]
+    times = poisson_arrivals(rng, requests, float(weights.sum()))
+    chosen = rng.choice(len(names), size=requests, p=weights / weights.sum())
+    return _assemble("planned-traffic", tenants, adapters, [(times, chosen)], rng, Lengths())
+
+
 SCENARIOS: dict[str, Callable[[int, int, int], Trace]] = {
     "gie-multilora": gie_multilora,
     "hot-plus-burst": hot_plus_burst,
