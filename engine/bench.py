@@ -178,7 +178,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--batch", type=int, default=8, help="sequences (and distinct adapters) in the decode runs")
     parser.add_argument("--adapters", type=int, default=16, help="adapters written and loaded (tiers, RSS)")
     parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (default 1, as loraplane-engine's --torch-threads)")
     args = parser.parse_args(list(argv))
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -9,6 +9,8 @@ requests in flight. Every method runs on the engine's event loop under its lock 
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -19,6 +21,27 @@ from loraplane.engine.adapters import host_copy
 from loraplane.engine.model import LlamaModel
 from loraplane.engine.policies import EvictionPolicy
 from loraplane.kernels.peft import PeftAdapter
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc
+        return None
+
+
+_LIBC = _load_libc() if sys.platform.startswith("linux") else None
+
+
+def return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``) so RSS falls after an unload.
+
+    Adapter tensors are small enough to live on the malloc heap, which glibc otherwise keeps: measured, RSS did
+    not fall at all after unloading 18 MiB of adapters, and fell back to the pre-load figure with the trim.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 @dataclass(eq=False)
@@ -225,6 +248,7 @@ class AdapterTiers:
         if adapter.weights is not None:
             self.host.remove(adapter)
             adapter.weights = None
+            return_freed_memory()
 
     def bytes_by_tier(self) -> dict[Tier, int]:
         """Adapter weight bytes held at each tier (a slot-resident adapter counts in GPU and CPU)."""
