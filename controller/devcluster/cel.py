@@ -147,13 +147,17 @@ class _Parser:
 
     def arguments(self) -> list[tuple[Any, ...]]:
         self.take("(")
-        args: list[tuple[Any, ...]] = []
-        while self.peek() != ")":
-            args.append(self.conditional())
-            if self.peek() != ")":
+        return self.sequence(")")
+
+    def sequence(self, close: str) -> list[tuple[Any, ...]]:
+        """Comma-separated expressions up to and including ``close``."""
+        items: list[tuple[Any, ...]] = []
+        while self.peek() != close:
+            items.append(self.conditional())
+            if self.peek() != close:
                 self.take(",")
-        self.take(")")
-        return args
+        self.take(close)
+        return items
 
     def primary(self) -> tuple[Any, ...]:
         kind, text = self.take()
@@ -168,13 +172,7 @@ class _Parser:
             self.take(")")
             return node
         if text == "[":
-            items: list[tuple[Any, ...]] = []
-            while self.peek() != "]":
-                items.append(self.conditional())
-                if self.peek() != "]":
-                    self.take(",")
-            self.take("]")
-            return ("list", items)
+            return ("list", self.sequence("]"))
         if kind != "ident":
             raise CelError(f"unexpected {text!r}")
         if text in ("true", "false", "null"):

@@ -69,40 +69,27 @@ class ResourceType:
         scoped = ("metadata.name", "metadata.namespace") if self.namespaced else ("metadata.name",)
         return scoped + self.field_labels
 
+    def _aliases(self) -> dict[str, list[str]]:
+        """Short names and categories, when there are any (both discovery formats omit empty ones)."""
+        out = {"shortNames": self.short_names, "categories": self.categories}
+        return {k: v for k, v in out.items() if v}
+
     def api_resources(self) -> list[dict[str, Any]]:
         """Its entries of an ``APIResourceList`` (the resource and its subresources)."""
-        main = {
-            "name": self.plural,
-            "singularName": self.singular,
-            "namespaced": self.namespaced,
-            "kind": self.kind,
-            "verbs": VERBS,
-        }
-        if self.short_names:
-            main["shortNames"] = self.short_names
-        if self.categories:
-            main["categories"] = self.categories
+        main = {"name": self.plural, "singularName": self.singular, "namespaced": self.namespaced, "kind": self.kind,
+                "verbs": VERBS, **self._aliases()}
         out = [main]
         if self.status_subresource:
             out.append({"name": f"{self.plural}/status", "singularName": "", "namespaced": self.namespaced,
                         "kind": self.kind, "verbs": ["get", "patch", "update"]})
         return out
 
-
     def discovery(self) -> dict[str, Any]:
         """Its ``APIResourceDiscovery`` entry (aggregated discovery, ``apidiscovery.k8s.io/v2``)."""
         kind = {"group": self.group, "version": self.version, "kind": self.kind}
-        entry: dict[str, Any] = {
-            "resource": self.plural,
-            "responseKind": kind,
-            "scope": "Namespaced" if self.namespaced else "Cluster",
-            "singularResource": self.singular,
-            "verbs": VERBS,
-        }
-        if self.short_names:
-            entry["shortNames"] = self.short_names
-        if self.categories:
-            entry["categories"] = self.categories
+        entry: dict[str, Any] = {"resource": self.plural, "responseKind": kind,
+                                 "scope": "Namespaced" if self.namespaced else "Cluster",
+                                 "singularResource": self.singular, "verbs": VERBS, **self._aliases()}
         if self.status_subresource:
             entry["subresources"] = [{"subresource": "status", "responseKind": kind, "verbs": ["get", "patch", "update"]}]
         return entry
