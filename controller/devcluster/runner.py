@@ -52,7 +52,10 @@ class SnapshotFile:
         """A store holding the snapshot's objects (empty when there is no snapshot yet)."""
         store = Store(history_limit)
         if self.path.exists():
-            store.restore(orjson.loads(self.path.read_bytes()))
+            try:
+                store.restore(orjson.loads(self.path.read_bytes()))
+            except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise ValueError(f"{self.path} is not a devcluster snapshot ({type(exc).__name__}: {exc})") from exc
         return store
 
     def save(self, store: Store) -> None:

@@ -13,6 +13,7 @@ import yaml
 from kubernetes import client, config
 
 from e2e.fixtures.devcluster import start_devcluster
+from loraplane.controller.devcluster import Cluster, ServerThread, SnapshotFile
 from loraplane.controller.devcluster.cli import main
 from tests.devcluster.conftest import TLS, adapter_revision
 
@@ -83,11 +84,23 @@ def test_token_and_crds_from_a_folder(tmp_path: Path) -> None:
         cluster.stop()
 
 
-def test_bad_start_up_input_is_a_clear_error(tmp_path: Path) -> None:
+def test_in_process_server_keeps_a_snapshot(tmp_path: Path) -> None:
+    snapshot = SnapshotFile(tmp_path / "state.json")
+    with ServerThread(snapshot=snapshot) as server, httpx.Client(base_url=server.url, verify=TLS) as http:
+        created = http.post("/api/v1/namespaces", json={"metadata": {"name": "kept"}}).json()
+    restored = Cluster(store=snapshot.load_store())
+    namespace = restored.get(restored.resource("", "v1", "namespaces"), None, "kept")
+    assert namespace["metadata"]["uid"] == created["metadata"]["uid"]
+    assert restored.store.revision == int(created["metadata"]["resourceVersion"])
+
+
+def test_bad_start_up_input_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     corrupt = tmp_path / "state.json"
-    corrupt.write_text("{ half a snapshot")
-    assert main(["--port", "0", "--kubeconfig", str(tmp_path / "kc"), "--snapshot", str(corrupt)]) == 1
-    assert corrupt.read_text() == "{ half a snapshot"  # nothing overwritten
+    for content in ("{ half a snapshot", "[1, 2]", '{"objects": {"pods": [{"no": "metadata"}]}}'):
+        corrupt.write_text(content)
+        assert main(["--port", "0", "--kubeconfig", str(tmp_path / "kc"), "--snapshot", str(corrupt)]) == 1
+        assert corrupt.read_text() == content  # nothing overwritten
+        assert "is not a devcluster snapshot" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
