@@ -483,3 +483,18 @@ def test_bundled_redis_command_requires_the_password(render: RenderFn) -> None:
     command = shlex.split(redis["args"][0].replace('"$LORAPLANE_REDIS_PASSWORD"', "PASSWORD"))
     assert command[:2] == ["exec", "redis-server"]
     assert command[command.index("--requirepass") + 1] == "PASSWORD"
+
+
+def test_placement_values_reach_their_pods_only(render: RenderFn) -> None:
+    gpu_nodes = {"nodeSelector": {"nvidia.com/gpu.present": "true"},
+                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}
+    rendered = render({"modelServer": {"runtime": "vllm", "model": "m", **gpu_nodes},
+                       "controller": {"affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                           {"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname"}}]}}}})
+    _validate_schemas(rendered)
+    pods = _pod_specs(rendered)
+    model_server = pods[name_of("model-server")]["spec"]
+    assert {k: model_server[k] for k in gpu_nodes} == gpu_nodes
+    assert "podAntiAffinity" in pods[name_of("controller")]["spec"]["affinity"]
+    for name in (name_of("picker"), name_of("envoy"), name_of("redis")):
+        assert not {"nodeSelector", "tolerations", "affinity"} & set(pods[name]["spec"]), name
