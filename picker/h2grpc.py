@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
+SETTINGS_HEADER_TABLE_SIZE, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x1, 0x4, 0x5
 MAX_WINDOW = (1 << 31) - 1
 OUR_MAX_FRAME = (1 << 24) - 1
 PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x1, 0x3, 0x6
@@ -114,7 +114,8 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.inbox = bytearray()
         self.outbox: list[bytes] = []
         self.preface_seen = False
-        self.decoder = HpackDecoder()
+        # we ask for a 0-byte HPACK table: then only the headers we read need decoding (see hpack_lite)
+        self.decoder = HpackDecoder(wanted=frozenset({b":path"}))
         self.streams: dict[int, _Stream] = {}
         self.peer_initial_window = 65_535
         self.peer_max_frame = 16_384
@@ -129,7 +130,8 @@ class GrpcH2Protocol(asyncio.Protocol):
         """Send our SETTINGS: large windows and frames, so the peer rarely waits on us."""
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
         assert self.transport is not None
-        settings = struct.pack(">HIHI", SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW, SETTINGS_MAX_FRAME_SIZE, OUR_MAX_FRAME)
+        settings = struct.pack(">HIHIHI", SETTINGS_HEADER_TABLE_SIZE, 0, SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW,
+                               SETTINGS_MAX_FRAME_SIZE, OUR_MAX_FRAME)
         self.transport.write(_frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65_535)))
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -79,7 +79,11 @@ def _integer(block: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
             return value, i
 
 
-def _string(block: bytes, i: int) -> tuple[bytes, int]:
+_memo: dict[bytes, bytes] = {}
+
+
+def _string(block: bytes, i: int, decode: bool = True) -> tuple[bytes, int]:
+    """A string literal (Huffman-decoded, memoised: names and paths repeat); ``decode=False`` only skips it."""
     if i >= len(block):
         raise HpackError("truncated string")
     huffman = block[i] & 0x80
@@ -88,14 +92,26 @@ def _string(block: bytes, i: int) -> tuple[bytes, int]:
     if end > len(block):
         raise HpackError("truncated string")
     data = block[i:end]
-    return (huffman_decode(data) if huffman else data), end
+    if not huffman or not decode:
+        return data, end
+    text = _memo.get(data)
+    if text is None:
+        if len(_memo) > 4096:
+            _memo.clear()
+        text = _memo[data] = huffman_decode(data)
+    return text, end
 
 
 class HpackDecoder:
     """Decodes the header blocks of one connection (the dynamic table is per connection)."""
 
-    def __init__(self, max_table_size: int = DEFAULT_TABLE_SIZE) -> None:
-        """``max_table_size`` is the SETTINGS_HEADER_TABLE_SIZE we advertised (4096 by default)."""
+    def __init__(self, max_table_size: int = DEFAULT_TABLE_SIZE, wanted: frozenset[bytes] | None = None) -> None:
+        """``max_table_size``: the largest table size update accepted (the peer starts at 4096 in any case).
+
+        ``wanted``: when set, and once the peer has shrunk the dynamic table to 0 (after our
+        SETTINGS_HEADER_TABLE_SIZE=0), values of other headers are skipped undecoded and left out.
+        """
+        self.wanted = wanted
         self.allowed_size = max_table_size
         self.max_size = max_table_size
         self.size = 0
@@ -120,17 +136,25 @@ class HpackDecoder:
             self.size -= len(name) + len(value) + 32
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        """The (name, value) pairs of one complete header block."""
+        """The (name, value) pairs of one complete header block (only ``wanted`` ones in skip mode)."""
         headers = []
+        wanted = self.wanted
         i, n = 0, len(block)
         while i < n:
             byte = block[i]
             if byte & 0x80:  # indexed field
                 index, i = _integer(block, i, 7)
-                headers.append(self._get(index))
+                field = self._get(index)
+                if wanted is None or field[0] in wanted:
+                    headers.append(field)
             elif byte & 0x40:  # literal with incremental indexing
                 index, i = _integer(block, i, 6)
                 name, i = (self._get(index)[0], i) if index else _string(block, i)
+                if self.max_size == 0 and wanted is not None:
+                    value, i = _string(block, i, name in wanted)  # nothing is kept in a 0-byte table
+                    if name in wanted:
+                        headers.append((name, value))
+                    continue
                 value, i = _string(block, i)
                 self._add(name, value)
                 headers.append((name, value))
@@ -143,6 +167,8 @@ class HpackDecoder:
             else:  # literal without indexing / never indexed
                 index, i = _integer(block, i, 4)
                 name, i = (self._get(index)[0], i) if index else _string(block, i)
-                value, i = _string(block, i)
-                headers.append((name, value))
+                keep = wanted is None or name in wanted
+                value, i = _string(block, i, keep)
+                if keep:
+                    headers.append((name, value))
         return headers

@@ -30,3 +30,13 @@ def test_decodes_what_hpack_encodes(blocks: list[list[tuple[str, str]]], huffman
 def test_malformed_blocks_are_refused(wire: bytes) -> None:
     with pytest.raises(HpackError):
         HpackDecoder().decode(wire)
+
+
+@settings(max_examples=100, deadline=None)
+@given(blocks=st.lists(header_lists, min_size=1, max_size=10))
+def test_with_a_zero_table_only_wanted_headers_are_decoded(blocks: list[list[tuple[str, str]]]) -> None:
+    encoder, decoder = Encoder(), HpackDecoder(wanted=frozenset({b":path"}))
+    encoder.header_table_size = 0  # what the peer does after our SETTINGS_HEADER_TABLE_SIZE=0
+    for headers in blocks:
+        decoded = decoder.decode(encoder.encode(headers))
+        assert decoded == [(k.encode(), v.encode()) for k, v in headers if k == ":path"]
