@@ -37,7 +37,7 @@ def _only_api_errors(call: Any) -> None:
         assert 400 <= err.code < 500, err.status()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(kind=st.sampled_from(_KINDS), body=_BODIES | _JSON, patch=_JSON,
        patch_type=st.sampled_from(["merge", "json", "strategic"]))
 def test_any_body_is_answered_with_a_status(kind: tuple[str, str, str], body: Any, patch: Any, patch_type: str) -> None:
