@@ -24,6 +24,9 @@ from loraplane.engine.core import AdapterBusyError, Engine, Request, RequestErro
 from loraplane.engine.tiers import AdapterState
 from loraplane.engine.tokenizer import chat_prompt
 
+#: Largest request body accepted (a prompt of token ids at the default limits is far smaller).
+MAX_BODY_BYTES = 4 << 20
+
 #: Headers a proxy adds: an admin call carrying one came through a proxy, so loopback says nothing about the caller.
 _PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip", "x-envoy-external-address")
 
@@ -147,9 +150,23 @@ class PriorityBody(_Body):
     priority: int = Field(ge=-100, le=100)
 
 
+async def _read_body(request: HttpRequest) -> bytes:
+    """The body, refused with 413 past :data:`MAX_BODY_BYTES` (checked while streaming it in, not after)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "BadRequestError")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", "BadRequestError")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _parse(request: HttpRequest, model: type[BodyT]) -> BodyT:
     try:
-        raw = orjson.loads(await request.body())
+        raw = orjson.loads(await _read_body(request))
     except orjson.JSONDecodeError as exc:
         raise _bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):

@@ -54,6 +54,8 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, dict[str, Any]]] = [
     ("n > 1", "/v1/completions", completion(LOADED, "hi", n=2), {"status": 400, "error_type": "BadRequestError"}),
     ("token id outside the vocabulary", "/v1/completions", completion(LOADED, [1, 99999]),
      {"status": 400, "error_type": "BadRequestError"}),
+    ("body over the size limit", "/v1/completions", b'{"prompt": "' + b"x" * (5 << 20) + b'"}',
+     {"status": 413, "error_type": "BadRequestError"}),
     ("longer than max_model_len", "/v1/completions", completion(LOADED, "hi", max_tokens=100000),
      {"status": 400, "error_type": "BadRequestError"}),
 ]
