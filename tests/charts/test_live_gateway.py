@@ -2,8 +2,9 @@
 the bootstrap the chart renders, a real redis-server, and two loopback HTTP servers standing in the model-server
 pods' places. The pool's state is what sidecars and the controller would have written to Redis.
 
-Only two things differ from the cluster: listen addresses are loopback instead of 0.0.0.0, and Envoy reaches the
-picker at 127.0.0.1 instead of its Service's DNS name.
+Only three things differ from the cluster: listen addresses are loopback instead of 0.0.0.0, Envoy reaches the
+picker at 127.0.0.1 instead of its Service's DNS name, and the picker takes its members from the sidecars' reports
+(``picker.inferencePoolDiscovery=false``) as there is no API server here.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
     values = {
         "pool": {"name": POOL},
         "redis": {"bundled": False, "external": {"url": redis_srv.url}},
-        "picker": {"ports": {"grpc": grpc, "health": health, "metrics": metrics}},
+        "picker": {"inferencePoolDiscovery": False, "ports": {"grpc": grpc, "health": health, "metrics": metrics}},
         "gateway": {"mode": "envoy", "envoy": {"port": listen, "adminPort": free_port()}},
     }
     _write_pool_state(redis_srv.url, model_servers)

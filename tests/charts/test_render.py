@@ -90,7 +90,7 @@ def matrix_values(runtime: str, redis: str, gateway: str) -> dict[str, Any]:
         "serviceMonitor": {"enabled": extras},
         "grafanaDashboard": {"enabled": extras},
         "adapterRevisions": _adapter_revisions() if extras else [],
-        "picker": {"config": _picker_config() if extras else {}},
+        "picker": {"config": _picker_config() if extras else {}, "inferencePoolDiscovery": not extras},
         "controller": {"config": CONTROLLER_CONFIG if extras else {}},
     }
 
@@ -301,19 +301,27 @@ def values_port(values: dict[str, Any]) -> int:
     return int(values["modelServer"].get("port", 8000))
 
 
-def _check_rbac(rendered: Rendered) -> None:
+def _check_rbac(rendered: Rendered, values: dict[str, Any]) -> None:
     assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
     for role in rendered.of_kind("Role"):
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-    assert rendered.names("Role") == rendered.names("RoleBinding") == {name_of("controller")}
+    api_users = {name_of("controller")} | ({name_of("picker")} if values["picker"]["inferencePoolDiscovery"] else set())
+    assert rendered.names("Role") == rendered.names("RoleBinding") == api_users
+    picker_args = _flags(rendered.get("Deployment", name_of("picker"))["spec"]["template"]["spec"]["containers"][0]["args"])
+    if values["picker"]["inferencePoolDiscovery"]:
+        assert picker_args["--inference-pool"] in rendered.names("InferencePool")
+        picker_role = rendered.get("Role", name_of("picker"))
+        assert {v for r in picker_role["rules"] for v in r["verbs"]} == {"list", "watch"}
+    else:
+        assert "--inference-pool" not in picker_args
     controller = rendered.get("Role", name_of("controller"))
     lease_rules = [r for r in controller["rules"] if "leases" in r["resources"]]
     lease_name = _flags(rendered.get("Deployment", name_of("controller"))["spec"]["template"]["spec"]["containers"][0]["args"])["--lease-name"]
     for rule in lease_rules:
         assert rule.get("resourceNames") == [lease_name] or rule["verbs"] == ["create"], rule
     sa_tokens = {sa["metadata"]["name"]: sa["automountServiceAccountToken"] for sa in rendered.of_kind("ServiceAccount")}
-    assert {name for name, mounted in sa_tokens.items() if mounted} == {name_of("controller")}
+    assert {name for name, mounted in sa_tokens.items() if mounted} == api_users
 
 
 def _check_gateway(rendered: Rendered, values: dict[str, Any]) -> None:
@@ -372,7 +380,7 @@ def test_matrix_renders_valid_consistent_manifests(render: RenderFn, tmp_path: P
     _check_model_server(rendered, values)
     _check_redis(rendered, values)
     _check_network_policies(rendered, values)
-    _check_rbac(rendered)
+    _check_rbac(rendered, values)
     _check_gateway(rendered, values)
     _check_flags_parse(rendered, tmp_path)
     assert len(rendered.of_kind("AdapterRevision")) == len(values["adapterRevisions"])
