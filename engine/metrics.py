@@ -85,7 +85,7 @@ class _StateCollector(Collector):
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (value: unix time).",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
         running = sorted({r.adapter.name for r in engine.running if r.adapter is not None})
-        waiting = sorted({r.adapter.name for r in engine.waiting if r.adapter is not None} - set(running))
+        waiting = sorted({r.adapter.name for r in engine.waiting if r.adapter is not None})  # may overlap, as in vLLM
         info.add_metric([str(tiers.max_loras), ",".join(running), ",".join(waiting)], self.clock())
         yield info
         loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "Adapters resident per level (1 = resident).",
