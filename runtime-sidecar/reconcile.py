@@ -131,16 +131,18 @@ class Reconciler:
 
     # --- identity ---------------------------------------------------------------------------------------------
 
-    def verified_digest(self, name: str, held: RuntimeAdapter) -> str | None:
-        """The artifact digest of what the runtime holds under ``name``, when the sidecar can vouch for it."""
+    def verified_digests(self, name: str, held: RuntimeAdapter) -> tuple[str, str] | None:
+        """(artifact digest, content digest) of what the runtime holds under ``name``, when the sidecar can vouch
+        for it: the runtime's content digest equals a verified cache entry's, or (runtimes without digests) the
+        sidecar loaded it itself."""
         record = self.loaded.get(name)
         if held.digest is None:
-            return record.artifact_digest if record else None
+            return (record.artifact_digest, record.adapter_digest) if record else None
         if record is not None and record.adapter_digest == held.digest:
-            return record.artifact_digest
+            return record.artifact_digest, record.adapter_digest
         entry = next((e for e in self.cache.entries().values()
                       if e.served_name == name and e.adapter_digest == held.digest), None)
-        return entry.artifact_digest if entry else None
+        return (entry.artifact_digest, entry.adapter_digest) if entry else None
 
     def _holds_target(self, target: AdapterTarget, held: RuntimeAdapter) -> bool | None:
         """True/False when the runtime does/does not hold exactly the target's revision; None when unknown yet."""

@@ -87,9 +87,9 @@ class Sidecar:
     async def _observe(self) -> Observation | None:
         try:
             observation = await self.driver.observe()
-        except RuntimeUnavailable as exc:
-            if self.ready:
-                log.warning("runtime unreachable, reporting not ready: %s", exc)
+        except Exception as exc:  # unreachable, or an answer this sidecar cannot read: not ready either way
+            if self.ready or not isinstance(exc, RuntimeUnavailable):
+                log.warning("runtime not usable, reporting not ready: %r", exc)
             self.ready = False
             return None
         previous = self.observation
@@ -150,14 +150,15 @@ class Sidecar:
             status = self.reconciler.status.get(name)
             row = AdapterResidency(served_name=name, tier=Tier.ABSENT)
             if held is not None and held.tier is not Tier.ABSENT:
+                artifact_digest, content_digest = self.reconciler.verified_digests(name, held) or (None, None)
                 row = AdapterResidency(
-                    served_name=name, tier=held.tier, digest=self.reconciler.verified_digest(name, held),
+                    served_name=name, tier=held.tier, digest=artifact_digest, adapter_digest=content_digest,
                     bytes=held.bytes or (entry.bytes if entry else 0), pinned=held.pinned, in_flight=held.in_flight,
                     hits=held.hits, loads=held.loads, evictions=held.evictions, last_access=held.last_access,
                 )
             elif entry is not None:
                 row = AdapterResidency(served_name=name, tier=Tier.DISK, digest=entry.artifact_digest,
-                                       bytes=entry.bytes)
+                                       adapter_digest=entry.adapter_digest, bytes=entry.bytes)
             if status is not None and status.error is not None:
                 row.error, row.error_reason = status.error, status.reason
             adapters.append(row)

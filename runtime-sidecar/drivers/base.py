@@ -56,7 +56,11 @@ class RuntimeInfo:
 
 @dataclass
 class RuntimeAdapter:
-    """One adapter as the runtime holds it. ``digest`` is the runtime's own, when it reports one."""
+    """One adapter as the runtime holds it.
+
+    ``digest`` is the runtime's content digest (``loraplane.api.adapter_digest`` of the files it loaded), when it
+    reports one; the sidecar maps it back to the verified artifact digest.
+    """
 
     served_name: str
     tier: Tier

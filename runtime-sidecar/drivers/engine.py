@@ -38,7 +38,12 @@ class EngineDriver(VllmDriver):
         adapters = {}
         for raw in listing.get("adapters", []):
             held = AdapterResidency.model_validate(raw)
-            adapters[held.served_name] = RuntimeAdapter(**held.model_dump(exclude={"error", "error_reason"}))
+            adapters[held.served_name] = RuntimeAdapter(
+                served_name=held.served_name, tier=held.tier,
+                digest=held.adapter_digest or held.digest,  # the engine's content digest, whichever field holds it
+                bytes=held.bytes, pinned=held.pinned, in_flight=held.in_flight, hits=held.hits, loads=held.loads,
+                evictions=held.evictions, last_access=held.last_access,
+            )
         running, waiting = lora_requests(samples)
         for name in running | waiting:
             if name in adapters and adapters[name].in_flight == 0:

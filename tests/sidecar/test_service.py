@@ -42,6 +42,7 @@ async def test_unreachable_runtime_is_reported_not_ready(tmp_path: Path, redis_s
         assert not stored.ready and stored.address == "10.0.0.1:8000"
         row = stored.by_name()[disk_target.served_name]
         assert row.tier is Tier.DISK and row.digest == disk_target.artifact.digest
+        assert row.adapter_digest == cache.get(disk_target.cache_key).adapter_digest
         assert "sidecar_runtime_ready 0.0" in metrics.render().decode()
 
         await client.delete(keys.target_state("pool-a", "pod-0"))
