@@ -36,7 +36,7 @@ static_resources:
                         - match: {path: {{ . }}}
                           route:
                             cluster: model-servers
-                            timeout: {{ $e.routeTimeout }}
+                            timeout: {{ $.Values.gateway.requestTimeout }}
                         {{- end }}
                         - match: {prefix: /}
                           direct_response: {status: 404, body: {inline_string: "not an inference path\n"}}
@@ -53,7 +53,7 @@ static_resources:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
                       grpc_service:
                         envoy_grpc: {cluster_name: picker}
-                        timeout: {{ $e.routeTimeout }}
+                        timeout: {{ .Values.gateway.requestTimeout }}
                       failure_mode_allow: {{ eq .Values.pool.failureMode "FailOpen" }}
                       message_timeout: {{ $e.pickerMessageTimeout }}
                       processing_mode:
