@@ -52,3 +52,29 @@ async def test_unreachable_runtime_is_reported_not_ready(tmp_path: Path, redis_s
         await driver.close()
         await bus.close()
         await client.aclose()
+
+
+async def test_an_unreadable_runtime_answer_means_not_ready(tmp_path: Path, redis_srv) -> None:
+    """A runtime that answers garbage (here: a plain file server) is not ready; the sidecar keeps running."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "admin").mkdir()
+    (tmp_path / "admin" / "adapters").write_text("{not json")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cache = DiskCache(tmp_path / "cache", 1 << 20, ArtifactSources(SourceConfig()))
+    driver = make_driver("engine", f"http://127.0.0.1:{server.server_address[1]}", RuntimeInfo(base_model=""))
+    bus = RedisBus(redis_srv.url, "pool-a", "pod-0")
+    sidecar = Sidecar(SidecarConfig("pool-a", "pod-0", "10.0.0.1:8000", "engine"),
+                      Reconciler(driver, cache, SidecarMetrics()), bus)
+    try:
+        assert not (await sidecar.run_once()).ready
+        assert not (await sidecar.run_once()).ready
+    finally:
+        server.shutdown()
+        server.server_close()
+        await driver.close()
+        await bus.close()
