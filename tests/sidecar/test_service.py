@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
+import threading
 import time
 from pathlib import Path
 
@@ -56,10 +59,6 @@ async def test_unreachable_runtime_is_reported_not_ready(tmp_path: Path, redis_s
 
 async def test_an_unreadable_runtime_answer_means_not_ready(tmp_path: Path, redis_srv) -> None:
     """A runtime that answers garbage (here: a plain file server) is not ready; the sidecar keeps running."""
-    import functools
-    import http.server
-    import threading
-
     (tmp_path / "admin").mkdir()
     (tmp_path / "admin" / "adapters").write_text("{not json")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
