@@ -127,10 +127,10 @@ class BatchPlanner:
         contiguous = len(distinct) == len(runs) or lora_rows >= RUN_MIN_ROWS * len(runs)
         if contiguous:  # use the runs in place, ordered by slot: sort the runs, not the tokens
             runs.sort(key=lambda run: run.slot)
-            order = [i for run in runs for i in range(run.start, run.end)]
+            order = [i for run in runs for i in range(run.row, run.row + run.rows)]
             segments, position = [], 0
             for run in runs:
-                segments.append(Segment(run.slot, position, position + run.rows, run.start))
+                segments.append(Segment(run.slot, position, position + run.rows, run.row))
                 position += run.rows
         else:
             order = sorted((i for i, s in enumerate(slots_list) if s >= 0), key=slots_list.__getitem__)
@@ -244,23 +244,13 @@ class DecodeGroups:
             row += rows
 
 
-@dataclass(frozen=True)
-class _Run:
-    slot: int
-    start: int
-    end: int
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
-
-
-def _runs(slots: list[int]) -> list[_Run]:
-    runs: list[_Run] = []
+def _runs(slots: list[int]) -> list[Segment]:
+    """Maximal runs of consecutive rows with the same slot (``start``/``end``/``row`` are row indices)."""
+    runs: list[Segment] = []
     start = 0
     for i in range(1, len(slots) + 1):
         if i == len(slots) or slots[i] != slots[start]:
-            runs.append(_Run(slots[start], start, i))
+            runs.append(Segment(slots[start], start, i, start))
             start = i
     return runs
 

@@ -38,6 +38,15 @@ def _rows_of_tile(sorted_ptr, seg_start_ptr, seg_rows_ptr, m_tiles, BLOCK_M: tl.
 
 
 @triton.jit
+def _columns_of_program(slice_ptr, n_per_program):
+    """The program's output slice, its first column and the slice's end column."""
+    slice_index = tl.program_id(2)
+    offset = tl.load(slice_ptr + 2 * slice_index)
+    end = offset + tl.load(slice_ptr + 2 * slice_index + 1)
+    return slice_index, offset + tl.program_id(1) * n_per_program, end
+
+
+@triton.jit
 def _shrink_tile(
     x_ptr, a_ptr, rows, row_mask, slot, rank_first, d_in, stride_xm, stride_as, stride_ar,
     FP32: tl.constexpr, BLOCK_M: tl.constexpr, RANK: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -108,10 +117,7 @@ def _expand_kernel(
     FP32: tl.constexpr, BLOCK_M: tl.constexpr, RANK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     segment, rows, row_mask = _rows_of_tile(sorted_ptr, seg_start_ptr, seg_rows_ptr, m_tiles, BLOCK_M)
-    slice_index = tl.program_id(2)
-    offset = tl.load(slice_ptr + 2 * slice_index)
-    width = offset + tl.load(slice_ptr + 2 * slice_index + 1)
-    column = offset + tl.program_id(1) * n_per_program
+    slice_index, column, width = _columns_of_program(slice_ptr, n_per_program)
     if (tl.sum(row_mask.to(tl.int32)) == 0) | (column >= width):
         return
     slot = tl.load(seg_slot_ptr + segment)
@@ -132,10 +138,7 @@ def _fused_kernel(
     FP32: tl.constexpr, BLOCK_M: tl.constexpr, RANK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     segment, rows, row_mask = _rows_of_tile(sorted_ptr, seg_start_ptr, seg_rows_ptr, m_tiles, BLOCK_M)
-    slice_index = tl.program_id(2)
-    offset = tl.load(slice_ptr + 2 * slice_index)
-    width = offset + tl.load(slice_ptr + 2 * slice_index + 1)
-    column = offset + tl.program_id(1) * n_per_program
+    slice_index, column, width = _columns_of_program(slice_ptr, n_per_program)
     if (tl.sum(row_mask.to(tl.int32)) == 0) | (column >= width):
         return
     slot = tl.load(seg_slot_ptr + segment)
@@ -165,9 +168,7 @@ class TritonBackend:
         t = torch.zeros(plan.num_tokens, slots.lora_a.shape[1], dtype=torch.float32, device=x.device)
         if plan.no_lora:
             return t
-        self._check(x)
-        plan = _on(plan, x.device)
-        block_m, m_tiles = self._m_tiles(plan)
+        plan, block_m, m_tiles = self._prepare(x, plan)
         grid = (len(plan.segments) * m_tiles, slots.n_slices)
         _shrink_kernel[grid](
             x, slots.lora_a, t, plan.sorted_tokens, plan.segment_slots, plan.segment_starts, plan.segment_rows,
@@ -180,9 +181,7 @@ class TritonBackend:
         """See :func:`loraplane.kernels.ops.expand`."""
         if plan.no_lora:
             return
-        self._check(y)
-        plan = _on(plan, y.device)
-        block_m, m_tiles = self._m_tiles(plan)
+        plan, block_m, m_tiles = self._prepare(y, plan)
         grid, n_per_program = self._n_grid(plan, slots, m_tiles)
         _expand_kernel[grid](
             t, slots.lora_b, y, plan.sorted_tokens, plan.segment_slots, plan.segment_starts, plan.segment_rows,
@@ -195,9 +194,7 @@ class TritonBackend:
         """See :func:`loraplane.kernels.ops.apply_lora` (one fused launch)."""
         if plan.no_lora:
             return
-        self._check(x)
-        plan = _on(plan, x.device)
-        block_m, m_tiles = self._m_tiles(plan)
+        plan, block_m, m_tiles = self._prepare(x, plan)
         grid, n_per_program = self._n_grid(plan, slots, m_tiles)
         _fused_kernel[grid](
             x, slots.lora_a, slots.lora_b, y, plan.sorted_tokens, plan.segment_slots, plan.segment_starts,
@@ -207,6 +204,13 @@ class TritonBackend:
             FP32=x.dtype == torch.float32, BLOCK_M=block_m, RANK=slots.rank_pad, BLOCK_K=self.block_k,
             BLOCK_N=self.block_n,
         )
+
+    def _prepare(self, tensor: torch.Tensor, plan: BatchPlan) -> tuple[BatchPlan, int, int]:
+        """Validate the input, move the plan next to it, and pick the row tiling."""
+        self._check(tensor)
+        plan = _on(plan, tensor.device)
+        block_m, m_tiles = self._m_tiles(plan)
+        return plan, block_m, m_tiles
 
     @staticmethod
     def _check(tensor: torch.Tensor) -> None:
