@@ -506,3 +506,18 @@ def test_placement_values_reach_their_pods_only(render: RenderFn) -> None:
     assert "podAntiAffinity" in pods[name_of("controller")]["spec"]["affinity"]
     for name in (name_of("picker"), name_of("envoy"), name_of("redis")):
         assert not {"nodeSelector", "tolerations", "affinity"} & set(pods[name]["spec"]), name
+
+
+def test_single_replica_components_get_no_blocking_disruption_budget(render: RenderFn) -> None:
+    one = {"replicas": 1}
+    rendered = render({"picker": one, "controller": one, "gateway": {"envoy": one}, "modelServer": one})
+    assert rendered.names("PodDisruptionBudget") == {name_of("model-server")}  # maxUnavailable: 1 never blocks
+    assert len(render().of_kind("PodDisruptionBudget")) == 4
+
+
+def test_clusters_without_native_sidecars_are_refused(helm_bin: str, tmp_path: Path) -> None:
+    for version, ok in (("1.28.9", False), ("1.29.0", True)):
+        result = helm_template(helm_bin, {}, tmp_path, "--kube-version", version)
+        assert (result.returncode == 0) is ok, (version, result.stderr)
+        if not ok:
+            assert "kubeVersion" in result.stderr or ">=1.29" in result.stderr, result.stderr
