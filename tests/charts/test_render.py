@@ -467,8 +467,9 @@ def test_picker_config_and_pool_settings_come_from_values(render: RenderFn) -> N
     ({"redis": {"bundled": False, "external": {"url": "redis://user:pw@redis:6379/0"}}}, "without a password"),
     ({"pool": {"failureMode": "Sometimes"}}, "pool/failureMode"),
     ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+    ({"modelServer": {"lora": {"maxLora": 2}}}, "additional properties 'maxLora' not allowed"),
 ], ids=["runtime", "vllm-model", "cpu-loras", "rank", "admin-path", "parent-refs", "peers", "redis-url",
-        "redis-password-in-url", "failure-mode", "typo"])
+        "redis-password-in-url", "failure-mode", "typo", "nested-typo"])
 def test_bad_values_fail_with_a_clear_message(helm_bin: str, tmp_path: Path, values: dict[str, Any],
                                               message: str) -> None:
     result = helm_template(helm_bin, values, tmp_path)
