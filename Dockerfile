@@ -34,9 +34,12 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     HOME=/tmp
 COPY --from=build /wheels /wheels
+# DL3013 (pin pip versions): the one requirement is the wheel built in the stage above.
+# hadolint ignore=DL3013
 RUN set -eu; \
     wheel="$(ls /wheels/loraplane-*.whl)"; \
-    pip install "${wheel}[${LORAPLANE_EXTRAS}]"; \
+    if [ -n "${LORAPLANE_EXTRAS}" ]; then wheel="${wheel}[${LORAPLANE_EXTRAS}]"; fi; \
+    pip install "${wheel}"; \
     rm -rf /wheels; \
     groupadd --gid 10001 loraplane; \
     useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin loraplane; \

