@@ -522,3 +522,18 @@ def test_clusters_without_native_sidecars_are_refused(helm_bin: str, tmp_path: P
         assert (result.returncode == 0) is ok, (version, result.stderr)
         if not ok:
             assert "kubeVersion" in result.stderr or ">=1.29" in result.stderr, result.stderr
+
+
+def test_model_weights_from_a_volume_and_runtime_environment(render: RenderFn) -> None:
+    weights = {"name": "models", "persistentVolumeClaim": {"claimName": "llama-weights", "readOnly": True}}
+    mount = {"name": "models", "mountPath": "/models", "readOnly": True}
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    for runtime, model in (("vllm", "/models/llama"), ("engine", "tiny")):
+        rendered = render({"modelServer": {"runtime": runtime, "model": model, "runtimeEnv": [token],
+                                           "extraVolumes": [weights], "runtimeVolumeMounts": [mount]}})
+        _validate_schemas(rendered)
+        pod = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]["spec"]
+        (runtime_container,) = pod["containers"]
+        assert weights in pod["volumes"] and mount in runtime_container["volumeMounts"]
+        assert token in runtime_container["env"]
+        assert mount not in pod["initContainers"][0]["volumeMounts"], "the sidecar does not need the weights"
