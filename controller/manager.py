@@ -102,7 +102,13 @@ class Controller:
             informer.start()
         elector_task = asyncio.ensure_future(self.elector.run(stop)) if self.elector else None
         try:
-            await asyncio.wait_for(asyncio.gather(*(i.synced.wait() for i in self.informers.values())), 60)
+            # informers retry (and log) until the API server answers; nothing is reconciled from a partial view
+            waits = [asyncio.ensure_future(i.synced.wait()) for i in self.informers.values()]
+            stopping = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([asyncio.ensure_future(asyncio.wait(waits)), stopping],
+                               return_when=asyncio.FIRST_COMPLETED)
+            for w in [*waits, stopping]:
+                w.cancel()
             while not stop.is_set():
                 await self._sleep(stop)
                 await self.reconcile_once()
@@ -142,6 +148,8 @@ class Controller:
                 log.warning("skipping AdapterRevision %s: %s", obj.get("metadata", {}).get("name"), exc.errors()[:1])
                 continue
             by_pool.setdefault(rev.spec.pool_ref.name, []).append((obj, rev))
+        live = {rev.served_name for revs in by_pool.values() for _, rev in revs}
+        self.probe_results = {k: r for k, r in self.probe_results.items() if k[0] in live}
         for pool in sorted(set(by_pool) | set(self.store.routes)):
             try:
                 await self.reconcile_pool(pool, by_pool.get(pool, []))

@@ -375,17 +375,23 @@ class _Planner:
                 heapq.heappush(heap, (-e.marginal(len(e.gpu) + 1), name))
 
     def least_loaded(self, e: _Entry) -> str | None:
+        """The least-loaded pod with room; an adapter's first GPU replica goes where it was CPU-warm if it fits.
+
+        Promoting in place never leaves the adapter on no serving pod: a first replica elsewhere would drop the CPU
+        replica while the new pod still fetches, and requests routed in between would find it nowhere.
+        """
         load = self.load
-        best: tuple[float, int, str] | None = None
+        cpu_warm = set(self.previously(e.demand.served_name, (Tier.CPU,))) if not e.gpu else set()
+        best: tuple[bool, float, int, str] | None = None
         for pod in self.pool.roomy[Tier.GPU]:
             if not self.is_eligible(e, pod) or pod in e.gpu or e.demand.served_name in self.pool.held[pod]:
                 continue
             if not self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
                 continue
-            key = (load[pod], self.pool.slots_used[Tier.GPU][pod], pod)
+            key = (pod not in cpu_warm, load[pod], self.pool.slots_used[Tier.GPU][pod], pod)
             if best is None or key < best:
                 best = key
-        return None if best is None else best[2]
+        return None if best is None else best[3]
 
     def evict_for(self, e: _Entry, only_pod: str | None, *, ignore_value: bool) -> str | None:
         """Free a GPU slot for ``e`` by dropping the least valuable replica worth less than ``e``'s next one.
@@ -448,17 +454,22 @@ class _Planner:
             heapq.heappush(self.victims, (value, name, self.versions[name]))
 
     def place_bursts(self) -> None:
-        """Give each burst one GPU replica in a reserved burst slot (prefer where it was), never evicting."""
+        """Give each burst one GPU replica in a reserved burst slot, never evicting.
+
+        It goes where it was on GPU, else where it was on CPU (promoted in place: a move would unload the CPU
+        replica while the new pod still fetches, and requests routed in between would find it nowhere).
+        """
         bursts = sorted((e for e in self.entries.values() if e.burst and not e.gpu), key=lambda e: -e.demand.rates.m5)
         for e in bursts:
             if not self.budget_allows(e, Tier.GPU):
                 continue
-            previous = set(self.previously(e.demand.served_name, (Tier.GPU,)))
+            on_gpu = set(self.previously(e.demand.served_name, (Tier.GPU,)))
+            on_cpu = set(self.previously(e.demand.served_name, (Tier.CPU,)))
             candidates = [p for p in self.eligible(e) if self.pool.fits(p, Tier.GPU, e.demand.bytes)]
             if not candidates:
                 self.notes[e.demand.served_name] = "burst: no burst slot free"
                 continue
-            pod = min(candidates, key=lambda p: (p not in previous, self.load[p], p))
+            pod = min(candidates, key=lambda p: (p not in on_gpu, p not in on_cpu, self.load[p], p))
             self.add_gpu(e, pod)
 
     def place_cpu(self) -> None:
