@@ -1,0 +1,59 @@
+"""The kernel benchmark's case runner and command line (timings are reported, never asserted)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplane.kernels.bench import Case, main, run_case, time_interleaved, zipf_token_slots
+
+FIELDS = {
+    "name", "tokens", "adapters", "rank", "d_in", "d_out", "dtype", "loop_ms", "gather_bmm_ms", "sgmv_ms",
+    "base_gemm_ms", "speedup_vs_loop", "speedup_vs_gather_bmm", "lora_overhead_vs_base", "bytes_ratio",
+    "copy_gbps", "floor_ratio", "threads", "plan_ms",
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("tiny_decode", tokens=24, adapters=4, ranks=(8,), d_in=64, d_out=48),
+        Case("tiny_prefill", tokens=64, adapters=3, ranks=(8,), d_in=64, d_out=48, seq_len=16),
+        Case("tiny_mixed", tokens=24, adapters=4, ranks=(8, 16), d_in=64, d_out=48),
+    ],
+    ids=lambda case: case.name,
+)
+def test_run_case_reports_every_field(case: Case) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls on a shared machine: a second thread only waits
+    try:
+        result = run_case(case, torch.device("cpu"), torch.float32, rounds=2, copy_gbps=5.0)
+    finally:
+        torch.set_num_threads(threads)
+    assert FIELDS <= set(result) and result["threads"] == 1
+    ratio = result["loop_ms"] / result["sgmv_ms"]
+    assert result["speedup_vs_loop"] == pytest.approx(ratio, rel=1e-2, abs=2e-3)
+    if len(case.ranks) == 1:  # distinct adapters' A/B bytes over the base weight's bytes
+        adapter_bytes = result["distinct_adapters"] * case.ranks[0] * (case.d_in + case.d_out)
+        assert result["bytes_ratio"] == pytest.approx(adapter_bytes / (case.d_in * case.d_out), rel=1e-2)
+    else:
+        assert "sgmv_rank_padded_ms" in result
+
+
+def test_zipf_popularity_is_skewed_and_timing_is_interleaved() -> None:
+    slots = zipf_token_slots(2000, 8, torch.Generator().manual_seed(0))
+    counts = [slots.count(k) for k in range(8)]
+    assert counts[0] > 2 * counts[1] > 0 and counts[0] > 10 * counts[7]
+    calls: list[str] = []
+    time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, torch.device("cpu"), 1)
+    assert calls == ["a", "b"] * 4
+
+
+def test_command_line_rejects_bad_options() -> None:
+    with pytest.raises(SystemExit):
+        main(["--threads", "0"])
+    with pytest.raises(SystemExit):
+        main(["--case", "nope"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["--device", "cuda"])
