@@ -188,11 +188,12 @@ class ControllerPlacement:
         self._history: list[tuple[float, np.ndarray]] = []
         self._counted = 0
         self._previous: PlacementPlan | None = None
+        self._start = trace.arrival[0] if len(trace) else 0.0
 
     def _rate(self, now: float, window: float) -> np.ndarray:
         start = now - window
         past = next((c for t, c in self._history if t >= start), self._history[0][1])
-        return np.asarray((self._counts - past) / max(1.0, min(window, now)))
+        return np.asarray((self._counts - past) / max(1.0, min(window, now - self._start)))
 
     def apply(self, now: float, sim: Simulator) -> None:
         """Plan on the rates so far and bring each pod's GPU / CPU targets in."""
@@ -224,6 +225,23 @@ class ControllerPlacement:
                     sim.stage_disk(pod, self._index[name])
 
 
+def picker_config_for(profile: Profile, path: Path | None = None) -> EndpointPickerConfig:
+    """The picker config loraplane runs with: the file given, else the packaged default with its saturation
+    thresholds scaled to the pod's batch capacity (in flight: a quarter of ``max_num_seqs``, waiting: a sixteenth;
+    never below the defaults, which are sized for the small reference engine)."""
+    config = EndpointPickerConfig.load(path)
+    if path is not None:
+        return config
+    default = config.saturation_detector
+    thresholds = default.model_copy(
+        update={
+            "in_flight_threshold": max(default.in_flight_threshold, profile.max_num_seqs / 4),
+            "queue_threshold": max(default.queue_threshold, profile.max_num_seqs / 16),
+        }
+    )
+    return config.model_copy(update={"saturation_detector": thresholds})
+
+
 @dataclass
 class Policy:
     """What one named policy runs: a router, an eviction policy and optionally a placement."""
@@ -238,7 +256,7 @@ def build_policy(
 ) -> Policy:
     """The named policy, ready for a ``Simulator``."""
     if name == LORAPLANE:
-        scheduler = Scheduler(EndpointPickerConfig.load(picker_config))
+        scheduler = Scheduler(picker_config_for(profile, picker_config))
         return Policy(
             PickerRouter(seed, trace, profile, scheduler),
             EngineEviction(KeepScorePolicy(), trace, profile),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import multiprocessing as mp
 import os
 import time
@@ -20,8 +21,9 @@ from loraplane.sim.policies import build_policy
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import BURST, Trace
 
-#: seconds of hot traffic kept after the burst in the no-burst run (requests still queued at the window's end
-#: finish under the same conditions; later arrivals do not change hot TTFTs inside the window)
+#: the no-burst run covers the burst window plus a warm-up before it (pods, caches and placement rates settle)
+#: and a tail after it (requests still queued at the window's end finish under the same conditions)
+NO_BURST_WARMUP_S = 300.0
 NO_BURST_TAIL_S = 60.0
 #: points of the TTFT CDF kept for plots
 CDF_POINTS = 200
@@ -38,14 +40,17 @@ class Job:
 
 
 def without_burst(trace: Trace) -> Trace:
-    """The trace minus the burst tenant, cut shortly after the burst window (all that the comparison reads)."""
+    """The trace minus the burst tenant, cut to the burst window with a warm-up and a tail (all the comparison
+    reads: hot requests inside the window)."""
     cut = trace.without_class(BURST)
     if trace.burst_window is None:
         return cut
-    end = trace.burst_window[1] + NO_BURST_TAIL_S
-    keep = sum(1 for t in cut.arrival if t < end)
+    start, end = trace.burst_window[0] - NO_BURST_WARMUP_S, trace.burst_window[1] + NO_BURST_TAIL_S
+    first = bisect.bisect_left(cut.arrival, start)
+    last = bisect.bisect_left(cut.arrival, end)
     for column in (cut.arrival, cut.adapter, cut.tenant, cut.input_tokens, cut.output_tokens):
-        del column[keep:]
+        del column[last:]
+        del column[:first]
     return cut
 
 
