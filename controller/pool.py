@@ -145,6 +145,25 @@ def _target(rev: AdapterRevision, tier: Tier) -> AdapterTarget:
     )
 
 
+def keep_until_replaced(placement: Placement, demands: Sequence[AdapterDemand],
+                        reports: Sequence[ResidencyReport]) -> Placement:
+    """Make before break: a routed revision the plan moves stays (at CPU) on the pods that serve it now until a pod
+    the plan gives it reports it loaded; otherwise requests routed in between would find it on no pod (404)."""
+    serving: dict[str, set[str]] = defaultdict(set)
+    for report in reports:
+        for held in report.adapters:
+            if held.tier in (Tier.GPU, Tier.CPU):
+                serving[held.served_name].add(report.pod)
+    pods = {pod: dict(held) for pod, held in placement.pods.items()}
+    for demand in demands:
+        now = serving.get(demand.served_name, set()) & pods.keys()
+        planned = {pod for pod, held in pods.items() if held.get(demand.served_name) in (Tier.GPU, Tier.CPU)}
+        if demand.min_replicas and now and not now & planned:
+            for pod in now:
+                pods[pod][demand.served_name] = Tier.CPU
+    return Placement(pods=pods, notes=placement.notes)
+
+
 def plan_pool(inputs: PoolInputs) -> PoolPlan:
     """Reconcile one pool (pure; see the module docstring)."""
     observation = _observation(inputs)
@@ -185,7 +204,8 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
         if r.ready
     ]
     previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
-    placement = place(pods, demands, previous, inputs.budgets, inputs.placement)
+    placement = keep_until_replaced(place(pods, demands, previous, inputs.budgets, inputs.placement), demands,
+                                    inputs.reports)
     targets = {
         pod: [_target(by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
         for pod, held in placement.pods.items()
