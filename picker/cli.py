@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-response-rewrite", action="store_true", help="leave the served name in response bodies")
     p.add_argument("--no-destination-fallbacks", action="store_true",
                    help="send one address in x-gateway-destination-endpoint (plain Envoy ORIGINAL_DST clusters)")
+    p.add_argument("--fair-share-factor", type=float,
+                   help="while the pool is saturated, refuse (429) non-gold requests of a fairness key holding more "
+                        "than this multiple of the average in-flight per key (off by default; e.g. 1.5)")
     p.add_argument("--seed", type=int, help="seed of the tie-breaking RNG")
     p.add_argument("--transport", choices=("h2", "grpcio"), default="h2",
                    help="h2: the picker's own HTTP/2 gRPC transport (least CPU); grpcio: grpcio's asyncio server")
@@ -79,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.max_body_bytes, args.session_header, not args.no_response_rewrite, not args.no_destination_fallbacks
         ),
         seed=args.seed,
+        fair_share_factor=args.fair_share_factor,
         transport=args.transport,
         inference_pool=args.inference_pool,
         namespace=args.namespace,

@@ -31,6 +31,7 @@ from loraplane.picker.body import (
     rewrite_request_model,
     rewrite_response_model,
 )
+from loraplane.picker.fairness import FairShare
 from loraplane.picker.h2grpc import GrpcStatusError
 from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.routes import Resolution, RouteResolver, UnknownModelError
@@ -87,6 +88,8 @@ class PickerContext:
     #: monotonic seconds, for decision time and TTFT
     clock: Callable[[], float]
     settings: PickerSettings = field(default_factory=PickerSettings)
+    #: per-tenant fair share under saturation; None: off
+    fairness: FairShare | None = None
 
 
 def _header_value(header: core.HeaderValue) -> str:
@@ -139,6 +142,7 @@ class Exchange:
         self.destination: str | None = None
         self.sent_at: float | None = None
         self.tenant = "none"
+        self.fairness_key: str | None = None
         self.finished = False
 
     # --- dispatch -----------------------------------------------------------------------------------------------
@@ -176,6 +180,8 @@ class Exchange:
             self.finished = True
             if self.destination is not None:
                 self.ctx.tracker.finish(self.destination)
+            if self.fairness_key is not None and self.ctx.fairness is not None:
+                self.ctx.fairness.finish(self.fairness_key)
 
     def _refuse(self, status: int, message: str, reason: str) -> pb.ProcessingResponse:
         self.ctx.metrics.count_request(self.tenant, status)
@@ -281,6 +287,13 @@ class Exchange:
         decision = ctx.scheduler.schedule(request, ctx.snapshot(), ctx.rng)
         now = ctx.clock()
         ctx.metrics.decision_seconds.observe(now - started)
+        if ctx.fairness is not None:
+            key = self.headers.get(FAIRNESS_HEADER) or request.tenant
+            if decision.saturated and request.priority <= 0 and ctx.fairness.over_share(key):
+                raise ClientError(429, f"the pool is saturated and fairness key {key!r} is above its fair share",
+                                  "rejected-fairness")
+            ctx.fairness.start(key)
+            self.fairness_key = key
         ctx.metrics.decisions[decision.outcome].inc()
         self.destination = decision.endpoints[0]
         self.sent_at = now

@@ -141,6 +141,8 @@ class Decision:
     indices: tuple[int, ...]
     outcome: Outcome
     tier: Tier
+    #: every candidate was saturated (the saturation filter failed open): the pool is under pressure
+    saturated: bool = False
 
 
 class SchedulingError(Exception):
@@ -239,7 +241,8 @@ class Scheduler:
                 cycle.candidates = narrowed
             elif not step.fail_open:
                 raise NoEndpointError(f"no endpoint left after {step.name}")
-        if request.priority < 0 and not ((util < 1.0) & cycle.candidates).any():
+        saturated = not ((util < 1.0) & cycle.candidates).any()
+        if saturated and request.priority < 0:
             raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
         scores = cache.scores
         for _name, scorer, weight in self.scorers:
@@ -247,7 +250,7 @@ class Scheduler:
             if score is not None:
                 scores = scores + weight * score
         order = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
-        return self._decide(request, pool, util, order)
+        return self._decide(request, pool, util, order, saturated)
 
     def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
         reported = reported_utilisation(pool, self.thresholds)
@@ -261,18 +264,20 @@ class Scheduler:
         self._cache = _SnapshotCache(pool, reported, everyone, scores)
         return self._cache
 
-    def _decide(self, request: SchedulingRequest, pool: PoolSnapshot, util: FloatArray, order: IntArray) -> Decision:
+    def _decide(
+        self, request: SchedulingRequest, pool: PoolSnapshot, util: FloatArray, order: IntArray, saturated: bool
+    ) -> Decision:
         indices = tuple(order.tolist())
         endpoints = tuple(pool.addresses[i] for i in indices)
         if request.served_name is None:
-            return Decision(endpoints, indices, Outcome.BASE, Tier.GPU)
+            return Decision(endpoints, indices, Outcome.BASE, Tier.GPU, saturated)
         entry = pool.lookup(request.served_name, request.digest)
         level = entry.level_of.get(indices[0], 3) if entry is not None else 3
         tier = _TIER_OF_LEVEL[level]
         if entry is not None and bool(np.any((entry.levels < level) & (util[entry.indices] >= 1.0))):
-            return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier)  # a warmer pod was saturated
+            return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier, saturated)  # a warmer pod was saturated
         outcome = Outcome.WARM_GPU if level == 0 else Outcome.WARM_CPU if level == 1 else Outcome.COLD
-        return Decision(endpoints, indices, outcome, tier)
+        return Decision(endpoints, indices, outcome, tier, saturated)
 
 
 _TIER_OF_LEVEL = {t.level: t for t in Tier}

@@ -22,6 +22,7 @@ from prometheus_client import start_http_server
 
 from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
+from loraplane.picker.fairness import FairShare
 from loraplane.picker.h2grpc import GrpcStatusError, Routes, start_server
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import InFlightTracker
@@ -49,6 +50,8 @@ class ServerOptions:
     endpoints: Sequence[tuple[str, str]] | None = None
     settings: PickerSettings = field(default_factory=PickerSettings)
     seed: int | None = None
+    #: under saturation, refuse requests of fairness keys above this multiple of the average share (None: off)
+    fair_share_factor: float | None = None
     #: follow this InferencePool's ready pods through the Kubernetes API (membership; reports still come from Redis)
     inference_pool: str | None = None
     namespace: str = "default"
@@ -137,6 +140,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         stats=stats,
         clock=time.monotonic,
         settings=options.settings,
+        fairness=FairShare(options.fair_share_factor) if options.fair_share_factor else None,
     )
     health = HealthStatus()
     await health.set(False)
