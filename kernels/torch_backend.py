@@ -46,7 +46,7 @@ class TorchBackend:
             rows = _rows(plan, seg.start, seg.row, seg.rows)
             dst[rows] = _mm_f32(src[rows], a_all[seg.slot].t())
         if not plan.contiguous:
-            out.index_copy_(0, plan.sorted_tokens, dst)
+            out.index_copy_(0, plan.sorted_tokens.to(out.device), dst)
         return out
 
     def expand(self, y: torch.Tensor, t: torch.Tensor, slots: LoraSlots, plan: BatchPlan) -> None:
@@ -89,7 +89,7 @@ class TorchBackend:
         if plan.contiguous:
             return src, dst
         n = plan.num_lora_tokens
-        index = plan.sorted_tokens
+        index = plan.sorted_tokens.to(src.device)  # a no-op once the engine moved the plan (plan.to)
         gathered = self._buffer(src.device, src.dtype, 0, n * src.shape[1]).view(n, src.shape[1])
         torch.index_select(src, 0, index, out=gathered)
         scratch = self._buffer(dst.device, dst.dtype, 1, n * width).view(n, width)
@@ -98,7 +98,7 @@ class TorchBackend:
     @staticmethod
     def _scatter(plan: BatchPlan, y: torch.Tensor, dst: torch.Tensor) -> None:
         if not plan.contiguous:
-            y.index_add_(0, plan.sorted_tokens, dst)
+            y.index_add_(0, plan.sorted_tokens.to(y.device), dst)
 
     def _buffer(self, device: torch.device, dtype: torch.dtype, which: int, numel: int) -> torch.Tensor:
         """A grow-only workspace (fresh large allocations cost page faults on every call)."""

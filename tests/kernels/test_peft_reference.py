@@ -136,3 +136,42 @@ def test_permuting_adapters_permutes_outputs_only(models) -> None:
     permutation = [3, 6, 0, 5, 2, 4, 1]
     second = _ours(ours, context, tokens[permutation], [ROWS[i] for i in permutation])
     torch.testing.assert_close(second, first[permutation], atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_conv1d_fan_in_fan_out_matches_peft_and_merges(tmp_path: Path) -> None:
+    """GPT-2 stores c_attn as a Conv1D ``[in, out]`` (PEFT's fan_in_fan_out): served and merged like PEFT."""
+    from loraplane.kernels.merge import merge_adapter, unmerge_adapter
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16)
+    base = transformers.GPT2LMHeadModel(config).eval()
+    ours = copy.deepcopy(base)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False)
+    peft_model = peft.get_peft_model(base, lora).eval()
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    peft_model.save_pretrained(str(tmp_path))
+    adapter = load_peft_adapter(tmp_path)
+    assert adapter.config.fan_in_fan_out
+    context = LoraContext(backend="torch")
+    layers = inject_lora(ours, ["c_attn"], num_slots=2, max_rank=8, context=context)
+    load_adapter(layers, 1, adapter)
+    tokens = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    context.plan = BatchPlanner(32, 2).plan([1] * 6 + [-1] * 6)
+    with torch.no_grad():
+        served = ours(input_ids=tokens).logits
+        with peft_model.disable_adapter():
+            plain = peft_model(input_ids=tokens[1:]).logits
+        torch.testing.assert_close(served[:1], peft_model(input_ids=tokens[:1]).logits, atol=1e-4, rtol=0)
+    torch.testing.assert_close(served[1:], plain, atol=1e-4, rtol=0)
+    layer = layers["transformer.h.0.attn.c_attn"]
+    original = layer.base.weight.detach().clone()
+    merge_adapter(layer.base.weight.data, layer.slots, 1, fan_in_fan_out=True)
+    context.plan = None
+    with torch.no_grad():
+        merged = ours(input_ids=tokens[:1]).logits
+    torch.testing.assert_close(merged, served[:1], atol=1e-4, rtol=0)
+    unmerge_adapter(layer.base.weight.data, layer.slots, 1, fan_in_fan_out=True)
+    torch.testing.assert_close(layer.base.weight.data, original, atol=1e-6, rtol=0)
