@@ -2,8 +2,7 @@
 
 The exchange turns each ``ProcessingRequest`` into the ``ProcessingResponse``s the GIE endpoint-picker protocol
 expects. Request bodies may arrive ``BUFFERED`` (one message) or ``FULL_DUPLEX_STREAMED`` (chunks, reassembled here
-and sent back in chunks of at most 62,000 bytes); the request headers phase may be skipped, in which case the path
-and control headers come from the request attributes. Client mistakes become ``ImmediateResponse``s (400, 404,
+and sent back in chunks of at most 62,000 bytes). Client mistakes become ``ImmediateResponse``s (400, 404,
 413, 429, 503), never stream errors.
 """
 
@@ -12,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 from envoy.config.core.v3 import base_pb2 as core
@@ -72,6 +71,11 @@ class PickerSettings:
     #: put the ordered fallback list in the destination header (GIE); off for plain Envoy ``ORIGINAL_DST``, which
     #: accepts one address only (the metadata always carries the whole list)
     destination_fallbacks: bool = True
+
+    @cached_property
+    def control_headers(self) -> frozenset[str]:
+        """The request headers the picker reads (Envoy sends names in lower case)."""
+        return frozenset({self.session_header.lower(), FAIRNESS_HEADER, OBJECTIVE_HEADER})
 
 
 @dataclass
@@ -194,8 +198,6 @@ class Exchange:
         if request.HasField("protocol_config"):
             self.request_body_mode = request.protocol_config.request_body_mode
             self.response_body_mode = request.protocol_config.response_body_mode
-        for attributes in request.attributes.values():
-            self._read_attributes(attributes)
         if SUBSET_NAMESPACE in request.metadata_context.filter_metadata:
             hint = request.metadata_context.filter_metadata[SUBSET_NAMESPACE]
             if SUBSET_KEY in hint.fields:
@@ -205,19 +207,13 @@ class Exchange:
                     v.string_value.rpartition(":")[0].strip("[]") or v.string_value for v in items if v.string_value
                 )
 
-    def _read_attributes(self, attributes: struct_pb2.Struct) -> None:
-        for key, value in attributes.fields.items():
-            if key == "request.path" and value.string_value:
-                self.headers.setdefault(":path", value.string_value)
-            elif key == "request.headers" and value.HasField("struct_value"):
-                for name, item in value.struct_value.fields.items():
-                    self.headers.setdefault(name.lower(), item.string_value)
-
     # --- request path -------------------------------------------------------------------------------------------
 
     def _on_request_headers(self, message: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        wanted = self.ctx.settings.control_headers
         for header in message.headers.headers:
-            self.headers[header.key.lower()] = _header_value(header)
+            if header.key in wanted:
+                self.headers[header.key] = _header_value(header)
         if message.end_of_stream or self.request_body_mode == NONE:
             return [self._route_without_body()]
         if self.request_body_mode == FULL_DUPLEX:
@@ -265,7 +261,7 @@ class Exchange:
 
     def _resolve(self, parsed: ParsedBody) -> Resolution:
         headers = self.headers
-        session = headers.get(self.ctx.settings.session_header) or headers.get(FAIRNESS_HEADER)
+        session = headers.get(self.ctx.settings.session_header.lower()) or headers.get(FAIRNESS_HEADER)
         try:
             route = self.ctx.resolver().resolve(parsed.model, session, self.ctx.rng)
         except UnknownModelError as exc:

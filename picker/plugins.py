@@ -44,6 +44,8 @@ class Cycle:
     #: per endpoint (whole pool): max(queue/queue_threshold, kv/kv_threshold, in_flight/in_flight_threshold);
     #: stale endpoints count as fully used (1.0). At or above 1.0 an endpoint is saturated.
     utilisation: FloatArray
+    #: utilisation < 1.0
+    unsaturated: BoolArray
 
 
 Filter = Callable[[SchedulingRequest, PoolSnapshot, Cycle], BoolArray | None]
@@ -101,12 +103,12 @@ def subset_hint_filter(_params: FilterParameters) -> Filter:
 
 def ready_filter(_params: FilterParameters) -> Filter:
     """Keep endpoints that report ready."""
-    return lambda _request, pool, _cycle: pool.ready
+    return lambda _request, pool, _cycle: None if pool.all_ready else pool.ready
 
 
 def staleness_filter(_params: FilterParameters) -> Filter:
     """Drop endpoints whose report is older than its TTL (pair with ``failOpen: true``)."""
-    return lambda _request, pool, _cycle: pool.fresh
+    return lambda _request, pool, _cycle: pool.fresh if pool.any_stale else None
 
 
 def residency_filter(_params: FilterParameters) -> Filter:
@@ -116,14 +118,20 @@ def residency_filter(_params: FilterParameters) -> Filter:
     Base-model requests keep all endpoints. Pair with ``failOpen: true`` for runtimes that load on demand.
     """
 
+    token = object()
+
     def run(request: SchedulingRequest, pool: PoolSnapshot, _cycle: Cycle) -> BoolArray | None:
         if request.served_name is None:
             return None
-        mask = np.zeros(pool.size, dtype=np.bool_)
-        entry = pool.lookup(request.served_name, request.digest)
-        if entry is not None:
-            mask[entry.indices] = True
-        return mask
+
+        def compute() -> BoolArray:
+            mask = np.zeros(pool.size, dtype=np.bool_)
+            entry = pool.lookup(request.served_name, request.digest)
+            if entry is not None:
+                mask[entry.indices] = True
+            return mask
+
+        return pool.memo((token, request.served_name, request.digest), compute)
 
     return run
 
@@ -154,15 +162,19 @@ class AffinityParameters(ApiModel):
 def residency_affinity_scorer(params: AffinityParameters) -> Scorer:
     """Tier affinity (GPU > CPU > disk > absent) that counts only on endpoints below saturation."""
     by_level = np.asarray([params.gpu, params.cpu, params.disk, 0.0], dtype=np.float64)
+    token = object()
 
     def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
         entry = pool.lookup(request.served_name, request.digest)
         if entry is None:
             return None
-        scores = np.zeros(pool.size)
-        scores[entry.indices] = by_level[entry.levels]
-        scores[cycle.utilisation >= 1.0] = 0.0
-        return scores
+
+        def tier_scores() -> FloatArray:
+            scores = np.zeros(pool.size)
+            scores[entry.indices] = by_level[entry.levels]
+            return scores
+
+        return pool.memo((token, request.served_name, request.digest), tier_scores) * cycle.unsaturated
 
     return run
 

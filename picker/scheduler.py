@@ -231,7 +231,7 @@ class Scheduler:
             raise NoEndpointError("the pool has no endpoints")
         cache = self._cache if self._cache is not None and self._cache.pool is pool else self._fill_cache(pool)
         util = utilisation(pool, self.thresholds, cache.reported_utilisation)
-        cycle = Cycle(cache.everyone, util)
+        cycle = Cycle(cache.everyone, util, util < 1.0)
         for step in self.filters:
             keep = step.run(request, pool, cycle)
             if keep is None:
@@ -241,7 +241,7 @@ class Scheduler:
                 cycle.candidates = narrowed
             elif not step.fail_open:
                 raise NoEndpointError(f"no endpoint left after {step.name}")
-        saturated = not ((util < 1.0) & cycle.candidates).any()
+        saturated = not (cycle.unsaturated & cycle.candidates).any()
         if saturated and request.priority < 0:
             raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
         scores = cache.scores
@@ -250,12 +250,12 @@ class Scheduler:
             if score is not None:
                 scores = scores + weight * score
         order = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
-        return self._decide(request, pool, util, order, saturated)
+        return self._decide(request, pool, cycle.unsaturated, order, saturated)
 
     def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
         reported = reported_utilisation(pool, self.thresholds)
         everyone = np.ones(pool.size, dtype=np.bool_)
-        whole = Cycle(everyone, reported)
+        whole = Cycle(everyone, reported, reported < 1.0)
         scores = np.zeros(pool.size)
         for _name, scorer, weight in self.snapshot_scorers:
             score = scorer(SchedulingRequest(), pool, whole)
@@ -265,7 +265,7 @@ class Scheduler:
         return self._cache
 
     def _decide(
-        self, request: SchedulingRequest, pool: PoolSnapshot, util: FloatArray, order: IntArray, saturated: bool
+        self, request: SchedulingRequest, pool: PoolSnapshot, unsaturated: BoolArray, order: IntArray, saturated: bool
     ) -> Decision:
         indices = tuple(order.tolist())
         endpoints = tuple(pool.addresses[i] for i in indices)
@@ -274,7 +274,7 @@ class Scheduler:
         entry = pool.lookup(request.served_name, request.digest)
         level = entry.level_of.get(indices[0], 3) if entry is not None else 3
         tier = _TIER_OF_LEVEL[level]
-        if entry is not None and bool(np.any((entry.levels < level) & (util[entry.indices] >= 1.0))):
+        if level > 0 and entry is not None and bool(np.any((entry.levels < level) & ~unsaturated[entry.indices])):
             return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier, saturated)  # a warmer pod was saturated
         outcome = Outcome.WARM_GPU if level == 0 else Outcome.WARM_CPU if level == 1 else Outcome.COLD
         return Decision(endpoints, indices, outcome, tier, saturated)

@@ -9,8 +9,9 @@ scheduling cycle over 1,000 endpoints costs a handful of vector operations, and 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +21,7 @@ from loraplane.api import ResidencyReport, Tier
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
 BoolArray = npt.NDArray[np.bool_]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,9 @@ class PoolSnapshot:
                 levels.append(tier.level)
                 if tier is Tier.GPU and priorities.get(name, 0) > 0:
                     self.protected_warm[i] += 1
+        self.all_ready = bool(self.ready.all())
+        self.any_stale = bool(self.stale.any())
+        self._memo: dict[Hashable, Any] = {}
         self.has_protected = bool(self.protected_warm.any())
         #: 1.0 where no gold revision is GPU-resident
         self.unprotected: FloatArray = (self.protected_warm == 0).astype(np.float64)
@@ -104,6 +109,14 @@ class PoolSnapshot:
 
     def __len__(self) -> int:
         return self.size
+
+    def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """A value derived from this snapshot alone, computed once (plugins cache per-revision vectors here)."""
+        try:
+            return cast(T, self._memo[key])
+        except KeyError:
+            value = self._memo[key] = compute()
+            return value
 
     def lookup(self, served_name: str | None, digest: str | None) -> ResidencyEntry | None:
         """Where this exact revision (name and digest) is resident, or None."""
