@@ -16,7 +16,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from loraplane.api import ResidencyReport, Tier
+from loraplane.api import AdapterResidency, ResidencyReport, Tier
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
@@ -162,8 +162,14 @@ def endpoint_from_report(report: ResidencyReport, address: str | None = None) ->
         active_tokens=load.active_tokens,
         kv_utilization=load.kv_utilization,
         recent_evictions=load.recent_evictions,
-        residency={a.served_name: (a.tier, a.digest) for a in report.adapters if a.error is None},
+        residency={a.served_name: (a.tier, a.digest) for a in report.adapters if _servable(a)},
     )
+
+
+def _servable(adapter: AdapterResidency) -> bool:
+    """A reported row the runtime can serve: no sidecar error, or one about an action on an adapter still loaded
+    (e.g. ``RequestsInFlight`` while it waits to offload: it still serves those requests and new ones)."""
+    return adapter.error is None or adapter.tier in (Tier.GPU, Tier.CPU)
 
 
 class InFlightTracker:
