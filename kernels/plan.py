@@ -115,12 +115,7 @@ class BatchPlanner:
     def plan(self, token_slots: Sequence[int] | torch.Tensor) -> BatchPlan:
         """Plan a batch from each token's slot index (-1 = no LoRA)."""
         slots_list = token_slots.tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
-        num_tokens = len(slots_list)
-        if num_tokens > self.max_tokens:
-            raise ValueError(f"{num_tokens} tokens exceed the planner's max_tokens {self.max_tokens}")
-        bad = [s for s in slots_list if not -1 <= s < self.num_slots]
-        if bad:
-            raise ValueError(f"slot indices must be -1 or in [0, {self.num_slots}), got {bad[:5]}")
+        self._validate(slots_list)
         runs = [run for run in _runs(slots_list) if run.slot >= 0]
         lora_rows = sum(run.rows for run in runs)
         distinct = {run.slot for run in runs}
@@ -140,13 +135,19 @@ class BatchPlanner:
     def plan_decode(self, groups: DecodeGroups) -> BatchPlan:
         """Plan a decode step whose rows are laid out in ``groups.order()`` (no sort: the groups are kept)."""
         slots_list = groups.token_slots()
+        self._validate(slots_list)
         order = [i for i, s in enumerate(slots_list) if s >= 0]
         return self._fill(slots_list, order, list(groups.segments()), True)
 
+    def _validate(self, slots_list: list[int]) -> None:
+        if len(slots_list) > self.max_tokens:
+            raise ValueError(f"{len(slots_list)} tokens exceed the planner's max_tokens {self.max_tokens}")
+        bad = [s for s in slots_list if not -1 <= s < self.num_slots]
+        if bad:
+            raise ValueError(f"slot indices must be -1 or in [0, {self.num_slots}), got {bad[:5]}")
+
     def _fill(self, slots_list: list[int], order: list[int], segments: list[Segment], contiguous: bool) -> BatchPlan:
         num_tokens = len(slots_list)
-        if num_tokens > self.max_tokens:
-            raise ValueError(f"{num_tokens} tokens exceed the planner's max_tokens {self.max_tokens}")
         token_slots = self._slots[:num_tokens]
         token_slots.copy_(torch.tensor(slots_list, dtype=torch.int32))
         sorted_tokens = self._sorted[: len(order)]

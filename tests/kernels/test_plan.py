@@ -60,6 +60,10 @@ def test_bad_input_is_rejected() -> None:
         planner.plan([0, 2])
     with pytest.raises(ValueError, match="slot indices"):
         planner.plan([-2])
+    groups = DecodeGroups()
+    groups.join("a", 7)
+    with pytest.raises(ValueError, match="slot indices"):
+        planner.plan_decode(groups)
 
 
 def test_decode_groups_update_incrementally_and_plan_without_sort() -> None:
