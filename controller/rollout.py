@@ -28,6 +28,7 @@ from loraplane.api import (
     RevisionCounters,
     RevisionRole,
     RouteEntry,
+    TrafficStep,
     WarmPolicy,
     WeightedRevision,
     cache_key,
@@ -270,6 +271,12 @@ class _AdapterReconcile:
         since = self.status[rev.metadata.name].phase_since
         return math.inf if since is None else (self.obs.now - since).total_seconds()
 
+    def canary_step(self, rev: AdapterRevision) -> TrafficStep | None:
+        """The canary step the status points at; None when the spec no longer has it."""
+        index = self.status[rev.metadata.name].canary_step or 0
+        steps = rev.spec.rollout.steps
+        return steps[index] if index < len(steps) else None
+
     # -- gates ---------------------------------------------------------------------------------------------------
     def gate(self, rev: AdapterRevision, stable: AdapterRevision | None) -> _Verdict:
         phase = self.phase(rev)
@@ -329,7 +336,9 @@ class _AdapterReconcile:
     def gate_canary(self, rev: AdapterRevision, stable: AdapterRevision | None) -> _Verdict:
         st = self.status[rev.metadata.name]
         steps = rev.spec.rollout.steps
-        step = steps[st.canary_step or 0]
+        step = self.canary_step(rev)
+        if step is None:  # the steps were shortened under a running canary: nothing left to wait for
+            return _advance(f"spec.rollout.steps has no step {(st.canary_step or 0) + 1} any more")
         left = step.pause_seconds - self.elapsed(rev)
         if left > 0:
             return _wait("CanaryStep", f"step {(st.canary_step or 0) + 1}/{len(steps)} at {step.weight}%: "
@@ -468,7 +477,8 @@ class _AdapterReconcile:
         weights: list[tuple[AdapterRevision, int, RevisionRole]] = []
         canary_weight = 0
         if candidate is not None and self.phase(candidate) is Phase.CANARY:
-            canary_weight = candidate.spec.rollout.steps[self.status[candidate.metadata.name].canary_step or 0].weight
+            step = self.canary_step(candidate)
+            canary_weight = step.weight if step is not None else 0
         if stable is not None:
             weights.append((stable, 100 - canary_weight if candidate and canary_weight else 100, RevisionRole.STABLE))
             if canary_weight and candidate is not None:

@@ -382,3 +382,20 @@ def test_probe_expects_the_content_digest_the_sidecar_reports() -> None:
     world.hold(pod, revs[0], Tier.GPU, adapter_digest=digest(4242))
     plan = step(world, revs)
     assert [(p.pod, p.expected_digest) for p in plan.probes] == [(pod, digest(4242))]
+
+
+def test_steps_shortened_under_a_running_canary_promote_instead_of_failing() -> None:
+    world = World()
+    revs = _stable_v1(world)
+    revs.append(revision("v2", n=2, created=10))
+    _drive(world, revs, Phase.CANARY, "claims-v2")
+    world.tick(60)
+    _healthy_traffic(world, *revs)
+    step(world, revs)
+    assert revs[1].status.canary_step == 1
+    revs[1].spec.rollout.steps = revs[1].spec.rollout.steps[:1]
+    revs[1].spec.paused = True
+    assert _weights(step(world, revs)) == {"v1": 100}  # paused on a step that no longer exists: no canary share
+    revs[1].spec.paused = False
+    plan = step(world, revs)
+    assert revs[1].status.phase is Phase.STABLE and _weights(plan) == {"v2": 100}
