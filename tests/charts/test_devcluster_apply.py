@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,15 +17,21 @@ import yaml
 
 from e2e.fixtures.devcluster import DevCluster, start_devcluster
 from loraplane.controller.devcluster.crds import inference_pool_crd
-from tests.charts.conftest import NAMESPACE, RenderFn
+from tests.charts.conftest import NAMESPACE, RenderFn, helm_template
 from tests.charts.test_render import matrix_values
 
 
-@pytest.fixture
-def bare_cluster(tmp_path: Path) -> Iterator[DevCluster]:
-    """A devcluster with no CRDs installed: the chart's CRD has to be what defines AdapterRevision."""
-    cluster = start_devcluster(tmp_path / "devcluster", ["--no-default-crds"])
+@pytest.fixture(scope="module")
+def bare_cluster(tmp_path_factory: pytest.TempPathFactory, helm_bin: str) -> Iterator[DevCluster]:
+    """A devcluster started without CRDs, then given the chart's CRD (what `helm install` applies from crds/),
+    GIE's InferencePool CRD (the documented prerequisite) and the release namespace."""
+    cluster = start_devcluster(tmp_path_factory.mktemp("devcluster"), ["--no-default-crds"])
     try:
+        result = helm_template(helm_bin, {}, tmp_path_factory.mktemp("render"), "--include-crds")
+        assert result.returncode == 0, result.stderr
+        crds = [o for o in yaml.safe_load_all(result.stdout) if o and o["kind"] == "CustomResourceDefinition"]
+        namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
+        _apply(cluster, [*crds, inference_pool_crd(), namespace])
         yield cluster
     finally:
         cluster.stop()
@@ -49,16 +54,8 @@ def _apply(cluster: DevCluster, objects: list[dict[str, Any]], check: bool = Tru
     return result.stdout + result.stderr
 
 
-def _install_crds(cluster: DevCluster, render: RenderFn) -> None:
-    """The chart's CRDs (as `helm install` would apply them) and GIE's InferencePool CRD (the documented prerequisite)."""
-    crds = render({}, "--include-crds").of_kind("CustomResourceDefinition")
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}}
-    _apply(cluster, [*crds, inference_pool_crd(), namespace])
-
-
 @pytest.mark.slow
 def test_rendered_manifests_apply_cleanly(bare_cluster: DevCluster, render: RenderFn) -> None:
-    _install_crds(bare_cluster, render)
     served = _served_kinds(bare_cluster)
     rendered = render(matrix_values("engine", "bundled", "envoy"))
     applicable = [o for o in rendered.objects if (o["apiVersion"], o["kind"]) in served]
@@ -88,10 +85,10 @@ def _is_subset(small: Any, big: Any) -> bool:
 
 @pytest.mark.slow
 def test_the_charts_crd_rejects_an_invalid_adapter_revision(bare_cluster: DevCluster, render: RenderFn) -> None:
-    _install_crds(bare_cluster, render)
     values = matrix_values("engine", "bundled", "envoy")
     values["adapterRevisions"][0]["spec"]["lora"]["rank"] = 0
-    bad = render(values).of_kind("AdapterRevision")[0]
+    values["adapterRevisions"][0]["name"] = "invalid-rank"
+    bad = render(values).get("AdapterRevision", "invalid-rank")
     out = _apply(bare_cluster, [bad], check=False)
     assert "rank" in out and "created" not in out, out
     listed = bare_cluster.kubectl("get", "adapterrevisions", "-n", NAMESPACE, "-o", "name").stdout
