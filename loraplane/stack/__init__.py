@@ -1,0 +1,102 @@
+"""``loraplane up``: the whole system on one machine, and ``loraplane up --demo``: the same with traffic and a rollout.
+
+See docs/local-stack.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+
+from loraplane.stack.services import POOL, LocalStack, StackOptions
+
+__all__ = ["POOL", "LocalStack", "StackOptions", "main"]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's flags."""
+    p = argparse.ArgumentParser(
+        prog="loraplane up",
+        description="run the embedded API server, Redis, engines with sidecars, the picker behind Envoy and the "
+        "controller on this machine until Ctrl-C",
+    )
+    p.add_argument("--workdir", type=Path, default=Path(".run"),
+                   help="kubeconfig, logs, adapter caches and artifacts go here (default ./.run)")
+    p.add_argument("--engines", type=int, default=3, help="engine pods, each with its sidecar (default 3)")
+    p.add_argument("--demo", action="store_true",
+                   help="generate adapters, apply AdapterRevisions, drive traffic, roll out a canary, print a "
+                   "summary and stop")
+    p.add_argument("--json", action="store_true",
+                   help="with --demo: print the summary as one JSON object on stdout (progress goes to stderr)")
+    return p
+
+
+class _StopSignal:
+    """Turns SIGINT/SIGTERM into an event (the previous handlers come back on ``restore``)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.event.set()
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _serve(stack: LocalStack, stop: threading.Event) -> int:
+    """Print where things are, then wait for Ctrl-C; 1 if a child died on its own."""
+    assert stack.cluster is not None
+    print(f"loraplane is up: {len(stack.engines)} engines in pool {POOL!r}\n"
+          f"  gateway (OpenAI API through Envoy): {stack.gateway_url}\n"
+          f"  kubeconfig: {stack.cluster.kubeconfig}\n"
+          f"    export KUBECONFIG={stack.cluster.kubeconfig}; kubectl get pods,inferencepools,adapterrevisions\n"
+          f"  redis: {stack.redis_url}\n"
+          f"  picker metrics: http://127.0.0.1:{stack.picker_metrics_port}/metrics\n"
+          f"  logs: {stack.logs}\n"
+          f"  pids: {json.dumps(stack.pids())}\n"
+          "Ctrl-C stops everything.", flush=True)
+    while not stop.wait(0.5):
+        dead = stack.dead()
+        if dead:
+            print(f"loraplane up: {', '.join(dead)} exited; see {stack.logs}; stopping", file=sys.stderr)
+            return 1
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``loraplane up``."""
+    args = parser().parse_args(list(argv))
+    if args.engines < 1:
+        print("loraplane up: --engines must be at least 1", file=sys.stderr)
+        return 2
+    if args.json and not args.demo:
+        print("loraplane up: --json needs --demo", file=sys.stderr)
+        return 2
+    workdir = args.workdir.resolve()
+    stop = _StopSignal()
+    stack = LocalStack(StackOptions(workdir=workdir, engines=args.engines))
+    try:
+        print(f"starting {args.engines} engines, their sidecars, Redis, the API server, the picker, Envoy and the "
+              f"controller (logs in {workdir / 'logs'}) ...", file=sys.stderr, flush=True)
+        stack.start()
+        if args.demo:
+            from loraplane.stack.demo import run_demo
+
+            return run_demo(stack, stop.event, as_json=args.json)
+        return _serve(stack, stop.event)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"loraplane up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+        stop.restore()
+        print("loraplane up: every process stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,267 @@
+"""Starting loraplane's processes on one machine: the embedded API server, Redis, engines with their sidecars, the
+picker behind Envoy, and the controller. Each runs as a real child process in its own process group, stopped by PID.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loraplane.processes import (
+    LOOPBACK,
+    ManagedProcess,
+    RedisServer,
+    envoy_binary,
+    free_port,
+    start_redis,
+    wait_for_port,
+)
+
+#: The InferencePool (and Redis key namespace) of the local stack.
+POOL = "local"
+#: Label the engine Pod objects carry; the InferencePool selects on it.
+ENGINE_LABELS = {"app": "loraplane-engine"}
+
+
+class KubectlError(AssertionError):
+    """kubectl exited non-zero (an ``AssertionError``, so test helpers that poll through kubectl retry it)."""
+
+
+@dataclass
+class DevCluster:
+    """A running ``loraplane devcluster``: its URL, the kubeconfig it wrote, and the real kubectl configured for it."""
+
+    url: str
+    kubeconfig: Path
+    process: ManagedProcess
+    workdir: Path
+
+    def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 30.0,
+                check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this cluster (its own discovery cache); raises ``KubectlError`` with ``check``."""
+        result = subprocess.run(
+            ["kubectl", "--kubeconfig", str(self.kubeconfig), "--cache-dir", str(self.workdir / "kube-cache"), *args],
+            input=stdin, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
+        )
+        if check and result.returncode != 0:
+            raise KubectlError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}{result.stdout}")
+        return result
+
+    def stop(self) -> int | None:
+        """Stop the server (SIGTERM: it saves its snapshot first, when it has one)."""
+        return self.process.stop()
+
+
+def start_devcluster(workdir: Path, extra_args: Sequence[str] = (), timeout: float = 30.0) -> DevCluster:
+    """Start ``loraplane devcluster`` on a free loopback port; returns once its kubeconfig is written."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    kubeconfig = workdir / "kubeconfig"
+    kubeconfig.unlink(missing_ok=True)
+    args = [sys.executable, "-m", "loraplane.cli", "devcluster", "--host", LOOPBACK, "--port", "0",
+            "--kubeconfig", str(kubeconfig), *extra_args]
+    process = ManagedProcess(args, workdir / "devcluster.log").start()
+    deadline = time.monotonic() + timeout
+    while not kubeconfig.exists():
+        if not process.alive():
+            raise RuntimeError(f"loraplane devcluster exited early:\n{process.log_tail()}")
+        if time.monotonic() > deadline:
+            process.stop()
+            raise TimeoutError(f"loraplane devcluster did not start in {timeout} s:\n{process.log_tail()}")
+        time.sleep(0.05)
+    url = yaml.safe_load(kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    return DevCluster(url, kubeconfig, process, workdir)
+
+
+@dataclass
+class StackOptions:
+    """What ``loraplane up`` runs."""
+
+    workdir: Path
+    engines: int = 3
+    model: str = "tiny"
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    #: seconds between sidecar heartbeats (and the controller's resync)
+    heartbeat: float = 0.5
+    #: seconds between the picker's request-rate publications (the controller's placement input)
+    publish_seconds: float = 2.0
+
+
+@dataclass
+class Engine:
+    """One engine (the model server of a pod) and its sidecar."""
+
+    pod: str
+    port: int
+    engine: ManagedProcess
+    sidecar: ManagedProcess | None = None
+
+    @property
+    def address(self) -> str:
+        """``ip:port`` as the picker routes to it."""
+        return f"{LOOPBACK}:{self.port}"
+
+
+@dataclass
+class LocalStack:
+    """The whole system on one machine. ``start()`` brings it up in dependency order, ``stop()`` stops every child."""
+
+    options: StackOptions
+    cluster: DevCluster | None = None
+    redis: RedisServer | None = None
+    engines: list[Engine] = field(default_factory=list)
+    picker: ManagedProcess | None = None
+    envoy: ManagedProcess | None = None
+    controller: ManagedProcess | None = None
+    gateway_port: int = 0
+    picker_metrics_port: int = 0
+    controller_metrics_port: int = 0
+
+    @property
+    def logs(self) -> Path:
+        """Directory of the children's log files."""
+        return self.options.workdir / "logs"
+
+    @property
+    def artifacts(self) -> Path:
+        """The only directory ``file://`` artifacts may come from (the sidecars' ``--file-root``)."""
+        return self.options.workdir / "artifacts"
+
+    @property
+    def gateway_url(self) -> str:
+        """Envoy's listener: the OpenAI-compatible endpoint clients use."""
+        return f"http://{LOOPBACK}:{self.gateway_port}"
+
+    @property
+    def redis_url(self) -> str:
+        """The bus every component shares."""
+        assert self.redis is not None, "not started"
+        return self.redis.url
+
+    def processes(self) -> list[ManagedProcess]:
+        """Every child started so far, in start order."""
+        started: list[ManagedProcess | None] = [
+            self.cluster.process if self.cluster else None, self.redis.process if self.redis else None,
+            *(e.engine for e in self.engines), *(e.sidecar for e in self.engines), self.picker, self.envoy,
+            self.controller,
+        ]
+        return [p for p in started if p is not None]
+
+    def pids(self) -> dict[str, int]:
+        """Child name -> PID (for ``--json`` and for checking that shutdown left nothing running)."""
+        return {Path(p.log_path).stem: p.pid for p in self.processes()}
+
+    def dead(self) -> list[str]:
+        """Names of children that exited on their own."""
+        return [Path(p.log_path).stem for p in self.processes() if not p.alive()]
+
+    def start(self) -> LocalStack:
+        """Start everything and wait until each piece answers; on any failure stop what was started."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        work = self.options.workdir
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.artifacts.mkdir(parents=True, exist_ok=True)
+        self.cluster = start_devcluster(work / "cluster")
+        self.redis = start_redis(self.logs)
+        for i in range(self.options.engines):
+            self.engines.append(self._start_engine(f"engine-{i}"))
+        for engine in self.engines:
+            wait_for_port(engine.port, proc=engine.engine.proc, timeout=180)
+            engine.sidecar = self._start_sidecar(engine)
+        self._apply_pool()
+        self._start_gateway()
+        self.controller_metrics_port = free_port()
+        self.controller = ManagedProcess(
+            [sys.executable, "-m", "loraplane.controller.cli", "--kubeconfig", str(self.cluster.kubeconfig),
+             "--redis-url", self.redis_url, "--identity", "local", "--no-leader-election",
+             "--resync-seconds", str(self.options.heartbeat), "--metrics-port", str(self.controller_metrics_port)],
+            self.logs / "controller.log").start()
+        wait_for_port(self.controller_metrics_port, proc=self.controller.proc, timeout=60)
+
+    def _start_engine(self, pod: str) -> Engine:
+        port = free_port()
+        cache = self.options.workdir / "pods" / pod
+        cache.mkdir(parents=True, exist_ok=True)
+        args = [sys.executable, "-m", "loraplane.engine", "--model", self.options.model, "--port", str(port),
+                "--max-loras", str(self.options.max_loras), "--max-cpu-loras", str(self.options.max_cpu_loras),
+                "--torch-threads", "1", "--adapter-root", str(cache), "--enable-lora-runtime-updating",
+                "--max-model-len", "256", "--max-num-seqs", "8"]
+        return Engine(pod, port, ManagedProcess(args, self.logs / f"{pod}.log").start())
+
+    def _start_sidecar(self, engine: Engine) -> ManagedProcess:
+        args = [sys.executable, "-m", "loraplane.sidecar", "--pool", POOL, "--pod", engine.pod, "--runtime", "engine",
+                "--runtime-url", f"http://{engine.address}", "--redis-url", self.redis_url,
+                "--cache-dir", str(self.options.workdir / "pods" / engine.pod), "--heartbeat",
+                str(self.options.heartbeat), "--report-ttl", str(max(3.0, 6 * self.options.heartbeat)),
+                "--metrics-port", "0", "--file-root", str(self.artifacts)]
+        return ManagedProcess(args, self.logs / f"sidecar-{engine.pod}.log").start()
+
+    def _apply_pool(self) -> None:
+        """The InferencePool and one Pod object per engine, so kubectl and the controller see the pool."""
+        assert self.cluster is not None
+        self.cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(pool_manifests(self.engines)))
+
+    def _start_gateway(self) -> None:
+        from loraplane.picker.envoy import picker_config
+
+        picker_port, health_port = free_port(), free_port()
+        self.picker_metrics_port = free_port()
+        self.picker = ManagedProcess(
+            [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
+             "--grpc-address", f"{LOOPBACK}:{picker_port}", "--health-address", f"{LOOPBACK}:{health_port}",
+             "--metrics-address", f"{LOOPBACK}:{self.picker_metrics_port}", "--replica", "picker-0",
+             "--no-destination-fallbacks", "--resync-seconds", "1",
+             "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING"],
+            self.logs / "picker.log").start()
+        wait_for_port(picker_port, proc=self.picker.proc, timeout=60)
+        self.gateway_port, admin_port = free_port(), free_port()
+        config = self.options.workdir / "envoy.json"
+        config.write_text(json.dumps(picker_config(self.gateway_port, picker_port, admin_port, upstream_header=True)))
+        self.envoy = ManagedProcess([envoy_binary(), "-c", str(config), "--concurrency", "1", "-l", "warning",
+                                     "--base-id", str(self.gateway_port)], self.logs / "envoy.log").start()
+        wait_for_port(self.gateway_port, proc=self.envoy.proc, timeout=60)
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop every child (the controller first, so it writes nothing while the rest goes; then all at once).
+
+        Returns each one's exit code.
+        """
+        processes = self.processes()
+        writer = [p for p in processes if p is self.controller]
+        codes = {Path(p.log_path).stem: p.stop() for p in writer}
+        rest = [p for p in processes if p is not self.controller]
+        with ThreadPoolExecutor(max_workers=max(1, len(rest))) as pool:
+            codes.update(zip((Path(p.log_path).stem for p in rest), pool.map(ManagedProcess.stop, rest), strict=True))
+        return codes
+
+
+def pool_manifests(engines: Sequence[Engine]) -> list[dict[str, Any]]:
+    """The InferencePool of the stack and a Pod object per engine (what a real cluster would hold)."""
+    pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": POOL, "namespace": "default"},
+            "spec": {"selector": {"matchLabels": ENGINE_LABELS}, "targetPorts": [{"number": engines[0].port}],
+                     "endpointPickerRef": {"name": "loraplane-picker", "port": {"number": 9002},
+                                           "failureMode": "FailClose"}}}
+    pods = [{"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": e.pod, "namespace": "default", "labels": ENGINE_LABELS},
+             "spec": {"containers": [{"name": "engine", "image": "loraplane:local",
+                                      "ports": [{"containerPort": e.port}]}]}} for e in engines]
+    return [pool, *pods]
