@@ -113,6 +113,11 @@ class AdapterResidency(ApiModel):
     loads: int = Field(default=0, ge=0)
     evictions: int = Field(default=0, ge=0)
     last_access: float | None = Field(default=None, description="unix seconds of the last request")
+    priority: int | None = Field(
+        default=None,
+        description="the tenant priority the runtime's eviction policy weighs (AdapterTarget.priority once the "
+        "sidecar has set it); None when the runtime keeps none",
+    )
     error: str | None = Field(default=None, description="why the adapter is not at its target tier")
     error_reason: str | None = Field(
         default=None,

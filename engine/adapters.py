@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from loraplane.api import ADAPTER_CONFIG_FILE, ADAPTER_FILES, ADAPTER_WEIGHTS_FILE
 from loraplane.api.adapterfiles import adapter_digest_of
-from loraplane.engine.model import LORA_MODULES, ModelConfig, module_path
+from loraplane.engine.model import LORA_MODULES, ModelConfig, module_path, single_intra_op_thread
 from loraplane.kernels.peft import (
     AdapterFormatError,
     LoraModuleWeights,
@@ -62,34 +63,138 @@ def confine(root: Path | None, requested: str) -> Path:
     return resolved
 
 
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def _identity(stat: os.stat_result) -> FileIdentity:
+    """What changes whenever a file's bytes can have changed: device, inode, size, mtime and ctime (ns).
+
+    ctime cannot be set back by an ordinary process, so an in-place rewrite that restores size and mtime is
+    still noticed.
+    """
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
+class FileDigests:
+    """sha256 of files already hashed, keyed by path and valid only while the file's identity is unchanged.
+
+    Hashing 38 MB costs about as much as reading it, so a file read back after eviction (or loaded again under
+    another name) is not hashed again when nothing about it changed; any change of :func:`_identity` means a new
+    hash of the bytes actually read. Bounded: the least recently used paths are forgotten first.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.capacity = capacity
+        self._known: OrderedDict[str, tuple[FileIdentity, str]] = OrderedDict()
+
+    def read(self, path: Path) -> tuple[torch.Tensor, str]:
+        """The file's bytes (one read, into a uint8 tensor that parsed tensors can view) and their hex sha256."""
+        with path.open("rb", buffering=0) as f:
+            before = _identity(os.fstat(f.fileno()))
+            size = before[2]
+            data = torch.empty(size, dtype=torch.uint8)
+            view = data.numpy().data
+            filled = 0
+            while filled < size and (n := f.readinto(view[filled:])):
+                filled += n
+            if filled < size or f.read(1):
+                raise OSError(f"{path.name} changed size while being read")
+            unchanged = _identity(os.fstat(f.fileno())) == before
+        key = str(path)
+        known = self._known.get(key)
+        if unchanged and known is not None and known[0] == before:
+            self._known.move_to_end(key)
+            return data, known[1]
+        digest = hashlib.sha256(view).hexdigest()
+        if unchanged:
+            self._known[key] = (before, digest)
+            self._known.move_to_end(key)
+            while len(self._known) > self.capacity:
+                self._known.popitem(last=False)
+        return data, digest
+
+
 @dataclass(frozen=True)
 class AdapterFiles:
-    """The raw bytes of an adapter as read from disk, and their digest."""
+    """The raw bytes of an adapter as read from disk (the weights as a uint8 tensor), and their digest."""
 
     config: bytes
-    weights: bytes
+    weights: torch.Tensor
     digest: str
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both files."""
+        return len(self.config) + self.weights.numel()
+
     @classmethod
-    def read(cls, adapter_dir: Path) -> AdapterFiles:
-        """Read both files (the disk-read stage)."""
-        config = (adapter_dir / ADAPTER_CONFIG_FILE).read_bytes()
-        weights = (adapter_dir / ADAPTER_WEIGHTS_FILE).read_bytes()
-        digest = adapter_digest_of(
-            {ADAPTER_CONFIG_FILE: hashlib.sha256(config).hexdigest(), ADAPTER_WEIGHTS_FILE: hashlib.sha256(weights).hexdigest()}
-        )
-        return cls(config, weights, digest)
+    def read(cls, adapter_dir: Path, digests: FileDigests | None = None) -> AdapterFiles:
+        """Read both files once each (the disk-read stage), hashing only bytes ``digests`` has not seen."""
+        digests = digests or FileDigests()
+        config, config_sha = digests.read(adapter_dir / ADAPTER_CONFIG_FILE)
+        weights, weights_sha = digests.read(adapter_dir / ADAPTER_WEIGHTS_FILE)
+        digest = adapter_digest_of({ADAPTER_CONFIG_FILE: config_sha, ADAPTER_WEIGHTS_FILE: weights_sha})
+        return cls(config.numpy().tobytes(), weights, digest)
 
 
 def host_copy(adapter: PeftAdapter, dtype: torch.dtype, pin: bool) -> PeftAdapter:
-    """The adapter's tensors in the serving dtype, contiguous, page-locked when ``pin`` (fast copies to CUDA)."""
+    """The adapter's tensors in the serving dtype, contiguous, page-locked when ``pin`` (fast copies to CUDA).
+
+    Tensors already in that form are kept as they are (views of the file's bytes: no copy).
+    """
 
     def prepare(t: torch.Tensor) -> torch.Tensor:
         t = t.to(dtype).contiguous()
         return t.pin_memory() if pin else t
 
-    modules = {name: LoraModuleWeights(prepare(m.lora_a), prepare(m.lora_b), m.scale) for name, m in adapter.modules.items()}
+    with single_intra_op_thread():
+        modules = {name: LoraModuleWeights(prepare(m.lora_a), prepare(m.lora_b), m.scale)
+                   for name, m in adapter.modules.items()}
     return PeftAdapter(adapter.config, modules)
+
+
+#: safetensors dtype names the engine serves.
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in the uint8 tensor ``data``, as views of it (no copy).
+
+    The layout is checked (header length, JSON, dtype, shape against byte range, ranges inside the data);
+    :class:`AdapterFormatError` says what is wrong. A tensor whose offset is not aligned to its element size is
+    copied out instead of viewed.
+    """
+    size = data.numel()
+    if size < 8:
+        raise AdapterFormatError("too short for a safetensors header")
+    header_len = int.from_bytes(data[:8].numpy().tobytes(), "little")
+    if header_len > size - 8:
+        raise AdapterFormatError(f"header length {header_len} exceeds the file ({size} bytes)")
+    try:
+        header = json.loads(data[8 : 8 + header_len].numpy().tobytes())
+    except ValueError as exc:
+        raise AdapterFormatError(f"the header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise AdapterFormatError("the header is not a JSON object")
+    start = 8 + header_len
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise AdapterFormatError(f"tensor {name!r}: missing or unsupported dtype, shape or data_offsets") from None
+        itemsize = dtype.itemsize
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * itemsize:
+            raise AdapterFormatError(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {shape} {info['dtype']}")
+        raw = data[start + begin : start + end]
+        if (start + begin) % itemsize:
+            raw = raw.clone()
+        tensors[name] = raw.view(dtype).view(shape)
+    return tensors
 
 
 def _read_peft(files: AdapterFiles) -> PeftAdapter:
@@ -102,8 +207,8 @@ def _read_peft(files: AdapterFiles) -> PeftAdapter:
         raise AdapterFormatError(f"{ADAPTER_CONFIG_FILE} must hold a JSON object")
     config = PeftLoraConfig.from_dict(raw)
     try:
-        state = load_safetensors(files.weights)
-    except Exception as exc:  # safetensors raises its own error types for malformed files
+        state = safetensors_views(files.weights)
+    except AdapterFormatError as exc:
         raise AdapterFormatError(f"{ADAPTER_WEIGHTS_FILE} is not a valid safetensors file: {exc}") from None
     return adapter_from_state_dict(config, state)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from loraplane.api import Tier
-from loraplane.engine.adapters import AdapterFiles, parse_adapter
+from loraplane.engine.adapters import AdapterFiles, FileDigests, host_copy, parse_adapter
 from loraplane.engine.metrics import EngineMetrics
 from loraplane.engine.model import KVCache, LlamaModel, SequenceChunk
 from loraplane.engine.tiers import AdapterState, AdapterTiers
@@ -127,6 +127,7 @@ class Engine:
         self._ids = itertools.count()
         self._eos = set(model.config.eos_token_ids)
         self._task: asyncio.Task[None] | None = None
+        self.file_digests = FileDigests()
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -145,17 +146,26 @@ class Engine:
 
     # --- adapters -----------------------------------------------------------------------------------------------
     async def read_adapter(self, name: str, path: Path) -> tuple[AdapterState, PeftAdapter]:
-        """Read and parse an adapter directory (off the event loop) into a new, unregistered state."""
+        """Read, parse and prepare an adapter for the host tier (off the event loop) as a new, unregistered state.
+
+        The disk-read stage reads each file once (hashing it unless :class:`FileDigests` knows it unchanged); the
+        parse stage views the tensors in those bytes, checks them and converts them to the serving dtype (pinned
+        on CUDA), so inserting into the host tier copies nothing.
+        """
         started = time.perf_counter()
-        files = await asyncio.to_thread(AdapterFiles.read, path)
+        files = await asyncio.to_thread(AdapterFiles.read, path, self.file_digests)
         read_done = time.perf_counter()
-        weights = await asyncio.to_thread(parse_adapter, files, self.model.config, self.tiers.max_lora_rank)
+        weights = await asyncio.to_thread(self._parse_for_host, files)
         parsed = time.perf_counter()
         self.metrics.load_stage("disk_read", read_done - started)
         self.metrics.load_stage("parse", parsed - read_done)
-        adapter = AdapterState(name=name, path=path, digest=files.digest, disk_bytes=len(files.config) + len(files.weights))
+        adapter = AdapterState(name=name, path=path, digest=files.digest, disk_bytes=files.nbytes)
         adapter.load_seconds = parsed - started
         return adapter, weights
+
+    def _parse_for_host(self, files: AdapterFiles) -> PeftAdapter:
+        weights = parse_adapter(files, self.model.config, self.tiers.max_lora_rank)
+        return host_copy(weights, self.model.dtype, pin=self.model.device.type == "cuda")
 
     async def add_adapter(self, name: str, path: Path) -> AdapterState:
         """Load an adapter into the host tier and register it (replacing one of the same name)."""

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplane.api import AdapterResidency, Tier
-from loraplane.engine.adapters import host_copy
 from loraplane.engine.model import LlamaModel
 from loraplane.engine.policies import EvictionPolicy
 from loraplane.kernels.peft import PeftAdapter
@@ -79,9 +78,10 @@ class AdapterState:
         return self.last_access if self.last_access is not None else self.tier_since
 
     def residency(self) -> AdapterResidency:
-        """The contract's view of this adapter."""
+        """The contract's view of this adapter: ``adapter_digest`` is the content digest of the files it loaded
+        (the artifact ``digest`` is known only to the sidecar)."""
         return AdapterResidency(
-            served_name=self.name, tier=self.tier, digest=self.digest,
+            served_name=self.name, tier=self.tier, adapter_digest=self.digest, priority=self.priority,
             bytes=self.nbytes if self.weights is not None else self.disk_bytes, pinned=self.pinned,
             in_flight=self.in_flight, hits=self.hits, loads=self.loads, evictions=self.evictions,
             last_access=self.last_access,
@@ -116,7 +116,6 @@ class AdapterTiers:
         self.registered: dict[str, AdapterState] = {}
         self.slots: list[AdapterState | None] = [None] * max_loras
         self.host: list[AdapterState] = []
-        self._pin_host = model.device.type == "cuda"
 
     # --- registration -------------------------------------------------------------------------------------------
     def register(self, adapter: AdapterState) -> AdapterState | None:
@@ -156,13 +155,14 @@ class AdapterTiers:
 
     # --- host tier (L1) -----------------------------------------------------------------------------------------
     def insert_host(self, adapter: AdapterState, weights: PeftAdapter, load_seconds: float) -> None:
-        """Put freshly parsed weights in the host cache, then evict down to capacity where possible.
+        """Put weights prepared for the host tier (:func:`~loraplane.engine.adapters.host_copy`) in the host cache,
+        then evict down to capacity where possible.
 
         As in newer vLLM, the new adapter goes in first: capacity may be exceeded while everything else is busy.
         """
         if adapter.weights is not None:
             return
-        adapter.weights = host_copy(weights, self.model.dtype, pin=self._pin_host)
+        adapter.weights = weights
         adapter.nbytes = adapter.weights.nbytes()
         adapter.loads += 1
         adapter.load_seconds = load_seconds

@@ -55,7 +55,7 @@ def _all_models() -> list[api.ApiModel]:
             adapters=[
                 AdapterResidency(served_name="claims@v1", tier=Tier.GPU, digest=DIGEST_A, adapter_digest=DIGEST_B,
                                  bytes=4096, pinned=True,
-                                 in_flight=2, hits=10, loads=1, evictions=0, last_access=1700000000.0),
+                                 in_flight=2, hits=10, loads=1, evictions=0, last_access=1700000000.0, priority=5),
                 AdapterResidency(served_name="claims@v2", tier=Tier.DISK, error="sha256 mismatch",
                                  error_reason=api.ERROR_DIGEST_MISMATCH),
             ],
