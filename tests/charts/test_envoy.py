@@ -22,12 +22,24 @@ from tests.charts.conftest import ModelServerStandIn, RenderFn, model_server_sta
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 
 
+def envoy_command(render: RenderFn, values: dict[str, Any], envoy_bin: str, config_path: Path) -> list[str]:
+    """The chart's Envoy container command line, with the real binary and ``config_path`` for the bootstrap."""
+    container = render(values).get("Deployment", name_of("envoy"))["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["envoy"]
+    args = list(container["args"])
+    args[args.index("-c") + 1] = str(config_path)
+    return [envoy_bin, *args]
+
+
 def bootstrap(render: RenderFn, values: dict[str, Any]) -> dict[str, Any]:
     """The Envoy bootstrap the chart renders for ``values`` (gateway.mode envoy)."""
     rendered = render({"gateway": {"mode": "envoy", **values.get("gateway", {})}, **{k: v for k, v in values.items() if k != "gateway"}})
     config_map = rendered.get("ConfigMap", name_of("envoy"))
-    deployment = rendered.get("Deployment", name_of("envoy"))
-    assert config_map["metadata"]["name"] == deployment["spec"]["template"]["spec"]["volumes"][0]["configMap"]["name"]
+    pod = rendered.get("Deployment", name_of("envoy"))["spec"]["template"]["spec"]
+    assert config_map["metadata"]["name"] == pod["volumes"][0]["configMap"]["name"]
+    mount = pod["containers"][0]["volumeMounts"][0]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("-c") + 1] == f"{mount['mountPath']}/envoy.yaml", "Envoy must read the mounted bootstrap"
     loaded: dict[str, Any] = yaml.safe_load(config_map["data"]["envoy.yaml"])
     return loaded
 
@@ -89,11 +101,12 @@ def backend() -> Iterator[ModelServerStandIn]:
         yield server
 
 
-def _run_envoy(envoy_bin: str, config: dict[str, Any], tmp_path: Path, port: int) -> ManagedProcess:
+def _run_envoy(render: RenderFn, envoy_bin: str, config: dict[str, Any], tmp_path: Path, port: int) -> ManagedProcess:
+    """Envoy as the chart runs it (its arguments), with ``config``, until it listens on ``port``."""
     path = tmp_path / f"envoy-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
-    process = ManagedProcess([envoy_bin, "-c", str(path), "--base-id", str(port), "--log-level", "warning"],
-                             tmp_path / f"envoy-{port}.log").start()
+    command = [*envoy_command(render, {"gateway": {"mode": "envoy"}}, envoy_bin, path), "--base-id", str(port)]
+    process = ManagedProcess(command, tmp_path / f"envoy-{port}.log").start()
     try:
         wait_for_port(port, proc=process.proc)
     except Exception:
@@ -122,7 +135,7 @@ def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination
     spoofed = f"127.0.0.1:{backend.port}"
     for failure_mode in ("FailClose", "FailOpen"):
         config, port = _live_config(render, failure_mode)
-        envoy = _run_envoy(envoy_bin, config, tmp_path, port)
+        envoy = _run_envoy(render, envoy_bin, config, tmp_path, port)
         try:
             ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10)
             assert ready.status_code == 200, f"{failure_mode}: readiness must not depend on the picker"
@@ -139,7 +152,7 @@ def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination
     config, port = _live_config(render, "FailOpen")
     hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.header_mutation"]
-    envoy = _run_envoy(envoy_bin, config, tmp_path, port)
+    envoy = _run_envoy(render, envoy_bin, config, tmp_path, port)
     try:
         assert _completion(port, "/v1/completions", spoofed).status_code == 200
     finally:

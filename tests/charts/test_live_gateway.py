@@ -34,7 +34,7 @@ from loraplane.api import (
     served_name,
 )
 from tests.charts.conftest import ModelServerStandIn, RenderFn, model_server_stand_in, name_of
-from tests.charts.test_envoy import bootstrap
+from tests.charts.test_envoy import bootstrap, envoy_command
 
 POOL = "live-pool"
 ADAPTER, REVISION = "support-bot", "v3"
@@ -110,7 +110,7 @@ def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
     config_path.write_text(json.dumps(config))
 
     picker = ManagedProcess(command, tmp_path / "picker.log").start()
-    envoy = ManagedProcess([envoy_bin, "-c", str(config_path), "--base-id", str(listen), "--log-level", "warning"],
+    envoy = ManagedProcess([*envoy_command(render, values, envoy_bin, config_path), "--base-id", str(listen)],
                            tmp_path / "envoy.log").start()
     try:
         wait_for_port(grpc, proc=picker.proc)
