@@ -14,6 +14,7 @@ ends the connection with GOAWAY.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -107,9 +108,10 @@ class _Stream:
 class GrpcH2Protocol(asyncio.Protocol):
     """One HTTP/2 connection from a gRPC client."""
 
-    def __init__(self, routes: Routes) -> None:
-        """Serve ``routes`` on this connection."""
+    def __init__(self, routes: Routes, connections: set[GrpcH2Protocol] | None = None) -> None:
+        """Serve ``routes`` on this connection (registered in ``connections`` while open)."""
         self.routes = routes
+        self.connections = connections if connections is not None else set()
         self.transport: asyncio.Transport | None = None
         self.inbox = bytearray()
         self.outbox: list[bytes] = []
@@ -130,6 +132,7 @@ class GrpcH2Protocol(asyncio.Protocol):
         """Send our SETTINGS: large windows and frames, so the peer rarely waits on us."""
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
         assert self.transport is not None
+        self.connections.add(self)
         settings = struct.pack(">HIHIHI", SETTINGS_HEADER_TABLE_SIZE, 0, SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW,
                                SETTINGS_MAX_FRAME_SIZE, OUR_MAX_FRAME)
         self.transport.write(_frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65_535)))
@@ -137,6 +140,7 @@ class GrpcH2Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """Close every open stream's handler."""
         self.closed = True
+        self.connections.discard(self)
         for stream_id in list(self.streams):
             self._drop(stream_id)
 
@@ -343,6 +347,12 @@ class GrpcH2Protocol(asyncio.Protocol):
             stream.handler.on_close()
             stream.handler = None
 
+    def shutdown(self) -> None:
+        """GOAWAY (no error) and close: the server is stopping."""
+        if self.transport is not None and not self.closed:
+            self.transport.write(_frame(GOAWAY, 0, 0, struct.pack(">II", 0, 0)))
+            self.transport.close()
+
     def _flush(self) -> None:
         if self.outbox and self.transport is not None and not self.closed:
             self.transport.write(b"".join(self.outbox))
@@ -363,7 +373,31 @@ def _strip_padding(flags: int, payload: bytes) -> bytes:
     return payload[1 : len(payload) - payload[0]]
 
 
-async def start_server(routes: Routes, host: str, port: int, reuse_port: bool = True) -> asyncio.Server:
+class GrpcH2Server:
+    """A listening socket and its open connections."""
+
+    def __init__(self, server: asyncio.Server, connections: set[GrpcH2Protocol]) -> None:
+        """Wrap a started ``asyncio.Server``."""
+        self.server = server
+        self.connections = connections
+
+    @property
+    def port(self) -> int:
+        """The bound port."""
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self, grace: float = 2.0) -> None:
+        """Stop accepting, send GOAWAY on every connection, and wait (at most ``grace`` s) for them to go."""
+        self.server.close()
+        for connection in list(self.connections):
+            connection.shutdown()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.server.wait_closed(), grace)
+
+
+async def start_server(routes: Routes, host: str, port: int, reuse_port: bool = True) -> GrpcH2Server:
     """Listen on ``host:port`` (port 0 picks one) and serve ``routes``."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: GrpcH2Protocol(routes), host, port, reuse_port=reuse_port)
+    connections: set[GrpcH2Protocol] = set()
+    server = await loop.create_server(lambda: GrpcH2Protocol(routes, connections), host, port, reuse_port=reuse_port)
+    return GrpcH2Server(server, connections)

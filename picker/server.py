@@ -145,17 +145,17 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     health = HealthStatus()
     await health.set(False)
     addresses = [options.grpc_address] + ([options.health_address] if options.health_address else [])
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
     stop_serving = await _start_transport(options.transport, ctx, health, addresses)
     if options.metrics_address:
         host, port = _split_host_port(options.metrics_address)
         start_http_server(port, host, registry=metrics.registry)
     client = aioredis.Redis.from_url(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
     log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
     tasks = [asyncio.create_task(coro) for coro in (sync.run(), sync.expire_stale(), sync.publish_forever())]
     discovery = _start_discovery(options, state)
@@ -205,9 +205,6 @@ async def _start_transport(
     servers = [await start_server(routes, *_split_host_port(address)) for address in addresses]
 
     async def stop() -> None:
-        for server in servers:
-            server.close()
-        for server in servers:
-            await server.wait_closed()
+        await asyncio.gather(*(server.close() for server in servers))
 
     return stop

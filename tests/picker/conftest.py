@@ -140,23 +140,17 @@ async def picker(request: pytest.FixtureRequest) -> AsyncIterator[Picker]:
     await health.set(True)
     if request.param == "h2":
         server = await start_server(h2_routes(ctx, health), "127.0.0.1", 0, reuse_port=False)
-        port = server.sockets[0].getsockname()[1]
-        stop = server.close
+        port = server.port
     else:
         grpc_server, ports = build_grpc_server(ctx, health, ["127.0.0.1:0"])
         await grpc_server.start()
         port = ports[0]
-
-        def stop() -> None:
-            pass
-
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
         yield Picker(ctx, state, health, channel)
     finally:
         await channel.close()
         if request.param == "h2":
-            stop()
-            await server.wait_closed()
+            await server.close()
         else:
             await grpc_server.stop(None)
