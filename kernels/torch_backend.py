@@ -17,7 +17,8 @@ from loraplane.kernels.slots import LoraSlots
 #: ``exact``: each segment multiplies only its adapter's own rank (S-LoRA's MBGMV); ``padded``: the slot rank.
 RANK_MODES = ("exact", "padded")
 
-#: Per slot: ``(A^T [d_in, n_slices * rank], [(column slice, B^T [rank, width]) per output slice])``, or None.
+#: Per slot, or None when empty: ``A^T [d_in, ranks]`` and per output slice ``(columns of t, columns of y,
+#: B^T [rank, width])``.
 _SlotViews = tuple[torch.Tensor, list[tuple[slice, slice, torch.Tensor]]] | None
 
 
