@@ -1,0 +1,65 @@
+"""``loraplane up --demo`` end to end: the real command, every process real, and the demo's own JSON summary checked.
+
+Asserts behaviour, not just that it ran: requests for a revision some pod holds on GPU land on such a pod, the
+picker's decisions account for every request, the canary rollout passes every phase in order and ends Stable,
+no response came from a revision the route table did not name (served-name and digest headers), the new revision
+serves all traffic afterwards, and every child process is gone once the command exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROLLOUT_ORDER = ["Verifying", "Prewarming", "Activating", "Probing", "Canary(1)", "Canary(2)", "Stable"]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "\nState:\tZ" in status.read_text()  # exited, waiting to be reaped by init
+
+
+def test_demo_scenario(tmp_path: Path) -> None:
+    workdir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "loraplane.cli", "up", "--demo", "--json", "--workdir", str(workdir)],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout)
+
+    assert result["ok"] and result["errors"] == [], result["errors"][:5]
+    assert result["wrong_revision"] == [], result["wrong_revision"][:5]
+    assert 300 <= result["requests"] <= 900
+
+    # warm requests land on warm pods
+    assert result["warm_available"] >= 200
+    assert result["warm_landed"] >= 0.95 * result["warm_available"], (result["warm_landed"], result["warm_available"])
+    assert result["ttft_by_tier"]["gpu"]["count"] >= 200
+    decisions = result["decisions"]
+    assert sum(decisions.values()) == result["requests"], decisions  # the picker decided every request
+    assert decisions.get("warm-gpu", 0) >= 0.8 * result["requests"], decisions
+
+    # the rollout passed every phase in order, traffic weights rising, and ended Stable
+    phases = [step["phase"] for step in result["rollout"]]
+    assert [p for p in phases if p in ROLLOUT_ORDER] == ROLLOUT_ORDER, phases
+    weights = {step["phase"]: step["weight"] for step in result["rollout"]}
+    assert weights["Canary(1)"] == 20 and weights["Canary(2)"] == 50 and weights["Stable"] == 100, weights
+    assert result["rollout_final_phase"] == "Stable"
+    assert result["previous_revision_phase"] in ("Retiring", "Retired")
+    assert set(result["served_after_rollout"]) == {"claims@v2"}, result["served_after_rollout"]
+
+    # the manifests went through the real kubectl, and nothing is left running
+    assert (workdir / "manifests" / "v2.yaml").exists()
+    assert "adapterrevision.loraplane.io/claims-v2 created" in done.stderr
+    assert len(result["pids"]) == 11  # API server, redis, 3 engines, 3 sidecars, picker, Envoy, controller
+    assert [name for name, pid in result["pids"].items() if not _gone(pid)] == []
