@@ -158,12 +158,20 @@ def _check_security(rendered: Rendered) -> None:
             assert c["resources"]["limits"].get("memory"), where
 
 
-def _check_references(rendered: Rendered) -> None:
+def _user_secrets(values: dict[str, Any]) -> set[str]:
+    """Secrets the values name and the user creates: Redis passwords, secretKeyRefs in extra environments."""
+    redis = values["redis"]
+    env = values["modelServer"]["runtimeEnv"] + values["modelServer"]["sidecar"]["extraEnv"]
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in env if "secretKeyRef" in e.get("valueFrom", {})}
+    return {redis["auth"]["existingSecret"], redis["external"]["passwordSecret"]["name"], *refs} - {""}
+
+
+def _check_references(rendered: Rendered, values: dict[str, Any]) -> None:
     """Selectors select something; names referred to exist; named ports are declared."""
     pods = _pod_specs(rendered)
     service_accounts = rendered.names("ServiceAccount")
     config_maps = rendered.names("ConfigMap")
-    secrets = rendered.names("Secret") | {"redis-auth"}  # the external Redis case names a user-made Secret
+    secrets = rendered.names("Secret") | _user_secrets(values)
     for workload in rendered.workloads():
         assert _matches(workload["spec"]["selector"]["matchLabels"], workload["spec"]["template"]["metadata"]["labels"])
     for name, pod in pods.items():
@@ -190,11 +198,8 @@ def _check_references(rendered: Rendered) -> None:
         assert all(s["name"] in service_accounts for s in binding["subjects"])
 
 
-DEFAULT_LORA = {"maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 16}
-
-
-def _check_pool(rendered: Rendered) -> None:
-    pool = rendered.get("InferencePool", f"{RELEASE}-loraplane")
+def _check_pool(rendered: Rendered, values: dict[str, Any]) -> None:
+    pool = rendered.get("InferencePool", values["pool"]["name"] or f"{RELEASE}-loraplane")
     model_servers = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]
     assert _matches(pool["spec"]["selector"]["matchLabels"], model_servers["metadata"]["labels"])
     # Only the model-server pods: the selector must not catch the picker, the controller or Envoy.
@@ -225,7 +230,7 @@ def _check_model_server(rendered: Rendered, values: dict[str, Any]) -> None:
     assert args["--runtime-url"] == f"http://127.0.0.1:{runtime['ports'][0]['containerPort']}"
     assert args["--cache-dir"] == cache["mountPath"]
     assert args["--runtime"] == runtime_name
-    lora = values["modelServer"].get("lora", DEFAULT_LORA)
+    lora = values["modelServer"]["lora"]
     rargs = _flags(runtime["args"])
     assert rargs["--max-loras"] == str(lora["maxLoras"])
     assert rargs["--max-cpu-loras"] == str(lora["maxCpuLoras"])
@@ -265,7 +270,8 @@ def _check_redis(rendered: Rendered, values: dict[str, Any]) -> None:
         secret = rendered.get("Secret", name_of("redis"))
         assert secret["data"]["redis-password"]
     else:
-        assert url == "rediss://:$(LORAPLANE_REDIS_PASSWORD)@redis.data.svc:6380/2"
+        scheme, _, rest = values["redis"]["external"]["url"].partition("://")
+        assert url == f"{scheme}://:$(LORAPLANE_REDIS_PASSWORD)@{rest}"
         assert not rendered.of_kind("StatefulSet") and not rendered.of_kind("Secret")
 
 
@@ -284,21 +290,16 @@ def _check_network_policies(rendered: Rendered, values: dict[str, Any]) -> None:
                 if "podSelector" in peer and "namespaceSelector" not in peer
                 and _matches(peer["podSelector"].get("matchLabels", {}), labels)}
 
-    runtime_peers = admitted(policies[name_of("model-server")], values_port(values))
+    runtime_peers = admitted(policies[name_of("model-server")], values["modelServer"]["port"])
     assert {} not in runtime_peers, "the runtime port must not be open to everyone"
     expected = {name_of("controller")} | ({name_of("envoy")} if values["gateway"]["mode"] == "envoy" else set())
     assert pods_admitted(runtime_peers) == expected
-    assert (GATEWAY_PEER in runtime_peers) == (values["gateway"]["mode"] != "envoy")
+    assert all(peer in runtime_peers for peer in values["gateway"]["clientPeers"])
     picker_peers = admitted(policies[name_of("picker")], 9002)
     assert {} not in picker_peers
     if values["redis"]["bundled"]:
         redis_peers = admitted(policies[name_of("redis")], 6379)
         assert pods_admitted(redis_peers) == {name_of(c) for c in ("picker", "controller", "model-server")}
-
-
-def values_port(values: dict[str, Any]) -> int:
-    """The model servers' inference port."""
-    return int(values["modelServer"].get("port", 8000))
 
 
 def _check_rbac(rendered: Rendered, values: dict[str, Any]) -> None:
@@ -368,15 +369,20 @@ def _check_flags_parse(rendered: Rendered, tmp_path: Path) -> None:
                 assert all(getattr(parsed, f) for f in ("pool", "pod", "runtime_url", "redis_url", "cache_dir"))
 
 
-@pytest.mark.parametrize(("runtime", "redis", "gateway"), MATRIX, ids=["-".join(c) for c in MATRIX])
-def test_matrix_renders_valid_consistent_manifests(render: RenderFn, tmp_path: Path, runtime: str, redis: str,
-                                                   gateway: str) -> None:
-    values = matrix_values(runtime, redis, gateway)
-    rendered = render(values)
+def _merged(overrides: dict[str, Any], base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``overrides`` over the chart's defaults, as Helm merges values (maps merge, everything else replaces)."""
+    out = dict(base if base is not None else yaml.safe_load((CHART / "values.yaml").read_text()))
+    for key, value in overrides.items():
+        out[key] = _merged(value, out[key]) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _check_all(rendered: Rendered, values: dict[str, Any], tmp_path: Path) -> None:
+    """Every check on one rendered set; ``values`` are the merged values it was rendered from."""
     _validate_schemas(rendered)
     _check_security(rendered)
-    _check_references(rendered)
-    _check_pool(rendered)
+    _check_references(rendered, values)
+    _check_pool(rendered, values)
     _check_model_server(rendered, values)
     _check_redis(rendered, values)
     _check_network_policies(rendered, values)
@@ -387,6 +393,20 @@ def test_matrix_renders_valid_consistent_manifests(render: RenderFn, tmp_path: P
     for revision in rendered.of_kind("AdapterRevision"):
         assert revision["metadata"]["namespace"] == NAMESPACE
         assert revision["spec"]["poolRef"]["name"] in {"llama3-8b", *rendered.names("InferencePool")}
+
+
+@pytest.mark.parametrize(("runtime", "redis", "gateway"), MATRIX, ids=["-".join(c) for c in MATRIX])
+def test_matrix_renders_valid_consistent_manifests(render: RenderFn, tmp_path: Path, runtime: str, redis: str,
+                                                   gateway: str) -> None:
+    values = matrix_values(runtime, redis, gateway)
+    _check_all(render(values), _merged(values), tmp_path)
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (CHART / "examples").glob("*.yaml")))
+def test_example_values_files_render_valid_consistent_manifests(render: RenderFn, tmp_path: Path,
+                                                                example: str) -> None:
+    values = yaml.safe_load((CHART / "examples" / example).read_text())
+    _check_all(render(values), _merged(values), tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------------------------
