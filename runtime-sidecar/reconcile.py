@@ -1,7 +1,7 @@
 """The level-triggered reconcile step: compare the target with one observation and start the next actions.
 
 Every pass looks at the whole target and the whole observation and starts at most one action per adapter (fetch,
-load, activate, offload, pin, unpin, unload); when an action ends, the next pass re-observes and goes on. So a missed
+load, activate, offload, pin, unpin, priority, unload); when an action ends, the next pass re-observes and goes on. So a missed
 notice, a crashed runtime or a restarted sidecar all heal by themselves. Actions run concurrently (bounded), each
 adapter backs off exponentially (capped, with jitter) after failures, and each adapter carries a status that says
 why it is not where the target wants it. Nothing is unloaded or offloaded while it has requests in flight.
@@ -52,6 +52,7 @@ class Action(enum.StrEnum):
     OFFLOAD = "offload"
     PIN = "pin"
     UNPIN = "unpin"
+    PRIORITY = "priority"
     UNLOAD = "unload"
 
     @property
@@ -175,6 +176,8 @@ class Reconciler:
             return None if cached else Action.FETCH
         if held is None or held.tier is Tier.ABSENT:
             return Action.LOAD
+        if caps.priority and held.priority is not None and held.priority != target.priority:
+            return Action.PRIORITY
         want_pin = target.pinned and target.tier is Tier.GPU
         if caps.pin and held.pinned and not want_pin:
             return Action.UNPIN
@@ -342,6 +345,9 @@ class Reconciler:
             self._removed_by_us.add(name)
         elif action in (Action.PIN, Action.UNPIN):
             await driver.set_pinned(name, action is Action.PIN)
+        elif action is Action.PRIORITY:
+            assert target is not None
+            await driver.set_priority(name, target.priority)
         elif action is Action.ACTIVATE:
             assert target is not None
             self.metrics.cache_hits.labels(Tier.CPU.value if held and held.tier is Tier.CPU else Tier.DISK.value).inc()
@@ -365,6 +371,8 @@ class Reconciler:
             self.metrics.disk_load.observe(time.perf_counter() - start)
             self.loaded[name] = LoadRecord(target.cache_key, entry.artifact_digest, entry.adapter_digest)
             self._count_promotion(name)
+            if driver.capabilities.priority:  # at once, so the runtime's eviction policy never weighs a default
+                await driver.set_priority(name, target.priority)
 
     def _count_promotion(self, name: str) -> None:
         after_eviction = name in self.evicted

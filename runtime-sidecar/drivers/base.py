@@ -28,12 +28,14 @@ class Capabilities:
     ``tier_control``: explicit activate (CPU -> GPU) and offload (GPU -> CPU). ``pin``: pin/unpin.
     ``reports_residency``: the runtime says which tier each adapter is in (otherwise the driver infers it).
     ``exports_residency_metrics``: the runtime's /metrics already has ``vllm:lora_adapter_loaded``.
+    ``priority``: the runtime's eviction policy takes each adapter's tenant priority (``set_priority``).
     """
 
     tier_control: bool
     pin: bool
     reports_residency: bool
     exports_residency_metrics: bool
+    priority: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,8 @@ class RuntimeAdapter:
     """One adapter as the runtime holds it.
 
     ``digest`` is the runtime's content digest (``loraplane.api.adapter_digest`` of the files it loaded), when it
-    reports one; the sidecar maps it back to the verified artifact digest.
+    reports one; the sidecar maps it back to the verified artifact digest. ``priority`` is the tenant priority the
+    runtime holds for it (None when the runtime has none).
     """
 
     served_name: str
@@ -72,6 +75,7 @@ class RuntimeAdapter:
     loads: int = 0
     evictions: int = 0
     last_access: float | None = None
+    priority: int | None = None
 
 
 @dataclass
@@ -108,6 +112,10 @@ class RuntimeDriver(ABC):
     async def set_pinned(self, served_name: str, pinned: bool) -> None:
         """Pin or unpin an adapter (only with ``pin``)."""
         raise NotImplementedError(f"the {self.kind} runtime has no pin")
+
+    async def set_priority(self, served_name: str, priority: int) -> None:
+        """Tell the runtime's eviction policy the adapter's tenant priority (only with ``priority``)."""
+        raise NotImplementedError(f"the {self.kind} runtime has no adapter priority")
 
     @abstractmethod
     async def unload(self, served_name: str) -> None:

@@ -1,7 +1,8 @@
 """The ``engine`` driver: loraplane's reference engine, with real tier control and reported residency.
 
-Loading and unloading use the same vLLM endpoints as the ``vllm`` driver; tiers, pins and the residency listing
-use the engine's admin endpoints (``GET /admin/adapters``, ``POST /admin/adapters/<name>/<action>``), which answer
+Loading and unloading use the same vLLM endpoints as the ``vllm`` driver; tiers, pins, tenant priorities and the
+residency listing (whose ``adapter_digest`` is the engine's content digest of what it loaded) use the engine's
+admin endpoints (``GET /admin/adapters``, ``POST /admin/adapters/<name>/<action>``), which answer
 loopback callers or the admin token.
 """
 
@@ -19,7 +20,8 @@ class EngineDriver(VllmDriver):
     """Drives ``loraplane-engine`` (started with dynamic LoRA loading enabled)."""
 
     kind = "engine"
-    capabilities = Capabilities(tier_control=True, pin=True, reports_residency=True, exports_residency_metrics=True)
+    capabilities = Capabilities(tier_control=True, pin=True, reports_residency=True, exports_residency_metrics=True,
+                                priority=True)
 
     async def observe(self) -> Observation:
         """The engine's own listing (tiers, digests, counters) and its /metrics."""
@@ -40,9 +42,9 @@ class EngineDriver(VllmDriver):
             held = AdapterResidency.model_validate(raw)
             adapters[held.served_name] = RuntimeAdapter(
                 served_name=held.served_name, tier=held.tier,
-                digest=held.adapter_digest or held.digest,  # the engine's content digest, whichever field holds it
-                bytes=held.bytes, pinned=held.pinned, in_flight=held.in_flight, hits=held.hits, loads=held.loads,
-                evictions=held.evictions, last_access=held.last_access,
+                digest=held.adapter_digest, bytes=held.bytes, pinned=held.pinned, in_flight=held.in_flight,
+                hits=held.hits, loads=held.loads, evictions=held.evictions, last_access=held.last_access,
+                priority=held.priority,
             )
         running, waiting = lora_requests(samples)
         for name in running | waiting:
@@ -50,8 +52,8 @@ class EngineDriver(VllmDriver):
                 adapters[name].in_flight = 1
         return Observation(info, adapters, pod_load(samples, info))
 
-    async def _admin(self, served_name: str, action: str) -> None:
-        await self._call("POST", f"/admin/adapters/{urllib.parse.quote(served_name, safe='')}/{action}")
+    async def _admin(self, served_name: str, action: str, body: dict[str, object] | None = None) -> None:
+        await self._call("POST", f"/admin/adapters/{urllib.parse.quote(served_name, safe='')}/{action}", body)
 
     async def activate(self, served_name: str) -> None:
         """Copy the adapter into a GPU slot (the engine evicts by its policy, never a busy or pinned one)."""
@@ -64,3 +66,7 @@ class EngineDriver(VllmDriver):
     async def set_pinned(self, served_name: str, pinned: bool) -> None:
         """Pin (activating first) or unpin."""
         await self._admin(served_name, "pin" if pinned else "unpin")
+
+    async def set_priority(self, served_name: str, priority: int) -> None:
+        """The tenant priority the engine's keep-score policy weighs when it picks an eviction victim."""
+        await self._admin(served_name, "priority", {"priority": priority})

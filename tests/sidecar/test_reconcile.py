@@ -74,6 +74,7 @@ def test_next_action_walks_each_tier(tmp_path: Path, target) -> None:
     assert r.next_action(cpu, held(cpu, Tier.GPU, r, pinned=True)) is Action.UNPIN
     assert r.next_action(cpu, held(cpu, Tier.GPU, r)) is Action.OFFLOAD
     assert r.next_action(cpu, held(cpu, Tier.CPU, r)) is None
+    assert r.next_action(cpu, held(cpu, Tier.CPU, r, priority=5)) is Action.PRIORITY  # the target says 0
     assert r.next_action(disk, held(disk, Tier.CPU, r)) is Action.UNLOAD
     # the runtime holds other bytes under this name: replace them
     assert r.next_action(gpu, held(gpu, Tier.GPU, digest="sha256:" + "e" * 64, pinned=True)) is Action.RELOAD
