@@ -39,6 +39,7 @@ from loraplane.controller.rollout import (
     PodObservation,
     ProbeResult,
     reconcile_adapter,
+    set_condition,
 )
 
 #: Adapter size assumed when neither a sidecar nor the artifact says (64 MiB: a rank-16 adapter of an 8B model).
@@ -164,6 +165,23 @@ def keep_until_replaced(placement: Placement, demands: Sequence[AdapterDemand],
     return Placement(pods=pods, notes=placement.notes)
 
 
+def _report_placement(
+    adapters: Mapping[tuple[str, str], AdapterPlan],
+    groups: Mapping[tuple[str, str], list[AdapterRevision]],
+    placement: Placement,
+    now: datetime,
+) -> None:
+    """Condition ``Placed`` on every placed revision: False with placement's note when it got less than it asked."""
+    for key, outcome in adapters.items():
+        for rev in groups[key]:
+            rp = outcome.revisions[rev.metadata.name]
+            if not rp.placed:
+                continue
+            note = placement.notes.get(rp.served_name)
+            set_condition(rp.status, "Placed", note is None, "Placed" if note is None else "CapacityOrBudget",
+                          note or "", now, rev.metadata.generation)
+
+
 def plan_pool(inputs: PoolInputs) -> PoolPlan:
     """Reconcile one pool (pure; see the module docstring)."""
     observation = _observation(inputs)
@@ -210,6 +228,7 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
         pod: [_target(by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
         for pod, held in placement.pods.items()
     }
+    _report_placement(adapters, groups, placement, inputs.now)
     routes = {adapter: outcome.route for (_, adapter), outcome in adapters.items() if outcome.route is not None}
     base_model = next((r.spec.base_model.name for r in inputs.revisions if r.spec.adapter in routes), None)
     return PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement, base_model=base_model,

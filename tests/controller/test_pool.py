@@ -15,6 +15,7 @@ from loraplane.api import (
 )
 from loraplane.api.runtime import AdapterResidency, Tier
 from loraplane.controller.manager import pool_members
+from loraplane.controller.placement import TenantBudget
 from loraplane.controller.pool import PoolInputs, plan_pool, summed_counters
 from tests.controller.world import BASE_DIGEST, T0, revision
 
@@ -72,3 +73,11 @@ def test_pool_members_follow_the_inference_pool_selector() -> None:
             ("other", "pod-2"): {"metadata": {"labels": {"app": "engine"}}}}
     assert pool_members(pools, pods, "pool") == {"pod-0"}
     assert pool_members(pools, pods, "missing") is None
+
+
+def test_a_budget_that_keeps_a_revision_cold_is_visible_in_its_conditions() -> None:
+    greedy = [_stable(revision("v1", adapter=f"a{i}", n=i + 1, tenant="greedy")) for i in range(3)]
+    plan = plan_pool(PoolInputs(pool="pool", now=T0, revisions=greedy, reports=[_report("pod-0", gpu=4)],
+                                budgets={"greedy": TenantBudget(gpu_bytes=0)}))
+    conditions = {c.type: c for c in plan.adapters[("default", "a0")].revisions["a0-v1"].status.conditions}
+    assert conditions["Placed"].status == "False" and "budget" in conditions["Placed"].message
