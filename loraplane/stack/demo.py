@@ -51,6 +51,8 @@ RANK = 8
 TARGETS = ("q_proj", "v_proj")
 GROUP_PATH = "/apis/loraplane.io/v1alpha1/namespaces/default/adapterrevisions"
 UPSTREAM_HEADER = "x-gateway-upstream"
+#: the traffic phases (``RequestRecord.phase``)
+HOT_PHASE, BURST_PHASE, ROLLOUT_PHASE = "hot adapters", "hot + burst of tail", f"{ROLLED}@v2 canary + hot"
 
 
 @dataclass
@@ -253,7 +255,7 @@ class Demo:
     async def _wait_stable(self, http: httpx.AsyncClient, names: list[str], within: float) -> None:
         deadline = time.monotonic() + within
         with self._progress() as progress:
-            task = progress.add_task("first revisions becoming Stable", total=len(names), stats="")
+            task = progress.add_task("revisions becoming Stable", total=len(names), stats="")
             while True:
                 phases = await self._phases(http)
                 stable = sum(phases.get(n) == "Stable" for n in names)
@@ -351,14 +353,14 @@ class Demo:
                     mine = [r for r in self.records if r.phase == phase]
                     warm = sum(r.tier_before == "gpu" for r in mine)
                     errors = sum(r.status != 200 for r in mine)
-                    progress.update(task, advance=1, stats=f"warm {warm}  other {len(mine) - warm - errors}  "
+                    progress.update(task, advance=1, stats=f"warm {warm} other {len(mine) - warm - errors} "
                                                            f"errors {errors}")
 
             await asyncio.gather(*(worker() for _ in range(self.plan.concurrency)))
 
     def _progress(self) -> Progress:
-        return Progress(TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("{task.fields[stats]}"), console=self.console, transient=False)
+        return Progress(TextColumn("{task.description:<26}"), BarColumn(bar_width=16), MofNCompleteColumn(),
+                        TimeElapsedColumn(), TextColumn("{task.fields[stats]}"), console=self.console)
 
     def _hot(self) -> str:
         return self.rng.choice(HOT)
@@ -390,8 +392,8 @@ class Demo:
             await self._wait_stable(http, [m["metadata"]["name"] for m in manifests], within=240)
             decisions_before = await self._decisions(http)
 
-            await self._drive(http, "hot traffic", self.plan.hot_requests, self._hot)
-            await self._drive(http, "hot + burst of tail adapters", self.plan.burst_requests, self._hot_or_burst)
+            await self._drive(http, HOT_PHASE, self.plan.hot_requests, self._hot)
+            await self._drive(http, BURST_PHASE, self.plan.burst_requests, self._hot_or_burst)
 
             new = manifest(self.artifacts[served_name(ROLLED, "v2")], base_model, base_digest, "gpu-preferred")
             self.console.print(f"[bold]canary rollout[/]: kubectl apply {new['metadata']['name']}")
@@ -399,7 +401,7 @@ class Demo:
             applied_at = time.monotonic()
             done = asyncio.Event()
             follower = asyncio.create_task(self._follow_rollout(http, new["metadata"]["name"], applied_at, done))
-            await self._drive(http, f"rollout of {ROLLED}@v2 under hot traffic", None, self._hot, until=done,
+            await self._drive(http, ROLLOUT_PHASE, None, self._hot, until=done,
                               after=self.plan.after_rollout_requests, within=self.plan.rollout_timeout_s)
             done.set()
             await follower
@@ -418,7 +420,7 @@ class Demo:
         warm_available = [r for r in ok if r.warm_somewhere]
         wrong = [asdict(r) for r in ok if not r.named or not r.digest_ok]
         last_phase = self.timeline[-1].phase if self.timeline else "Pending"
-        final_stage = [r for r in self.records if r.phase.startswith("rollout")][-self.plan.after_rollout_requests:]
+        final_stage = [r for r in self.records if r.phase == ROLLOUT_PHASE][-self.plan.after_rollout_requests:]
         return DemoResult(
             requests=len(self.records),
             errors=[f"{r.model}: {r.status} {r.served}" for r in self.records if r.status != 200],
@@ -440,20 +442,20 @@ class Demo:
 
 def render(result: DemoResult, console: Console) -> None:
     """The final tables: TTFT by tier, picker decisions, rollout timeline, checks."""
-    ttft = Table(title="time to first byte through Envoy (ms)")
-    for column in ("serving pod held the revision at", "requests", "p50", "p95", "mean"):
+    ttft = Table(title="time to first byte through Envoy, ms")
+    for column in ("serving pod held it in", "requests", "p50", "p95", "mean"):
         ttft.add_column(column, justify="right")
-    labels = {"gpu": "GPU slot (warm)", "cpu": "host cache (activated on request)", "cold": "disk / not loaded (cold)"}
+    labels = {"gpu": "GPU slot (warm)", "cpu": "host cache", "cold": "disk / nowhere (cold)"}
     for tier, summary in result.ttft_by_tier.items():
         ttft.add_row(labels[tier], str(summary.count), *(f"{v:.1f}" if v is not None else "-" for v in
                                                           (summary.p50_ms, summary.p95_ms, summary.mean_ms)))
-    decisions = Table(title="picker decisions by tier (loraplane_picker_decisions_total)")
+    decisions = Table(title="picker decisions", caption="loraplane_picker_decisions_total")
     decisions.add_column("outcome")
     decisions.add_column("decisions", justify="right")
     for outcome, count in sorted(result.decisions.items(), key=lambda kv: -kv[1]):
         decisions.add_row(outcome, str(count))
-    timeline = Table(title=f"rollout of {ROLLED}@v2 (kubectl get adapterrevisions -w)")
-    for column in ("phase", "entered at (s)", "traffic weight %"):
+    timeline = Table(title=f"rollout of {ROLLED}@v2")
+    for column in ("phase", "entered at s", "weight %"):
         timeline.add_column(column, justify="right")
     for step in result.rollout:
         timeline.add_row(step.phase, f"{step.at_s:.1f}", str(step.weight))
