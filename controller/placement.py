@@ -15,7 +15,8 @@ The plan, in order:
 3. one-off bursts (5 min rate far above the 1 h / 24 h rates) get a replica in the reserved burst slots only, so
    they never evict a hot adapter;
 4. adapters without a GPU replica but with traffic or a ``cpu`` / ``gpu-preferred`` warm policy get a CPU replica;
-5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
+5. a revision that loses its GPU or CPU place on a pod is demoted to CPU there if room is left, not dropped;
+6. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
 Tenant budgets cap the bytes a tenant holds at the GPU and CPU tiers across the pool.
 """
@@ -513,6 +514,28 @@ class _Planner:
             heapq.heappush(by_use, item)
         return found
 
+    def keep_demoted(self) -> None:
+        """A served revision that leaves a pod's GPU or CPU tier stays there at CPU while CPU room allows.
+
+        Demotion instead of a drop: the pod keeps serving it (from host memory) for requests already routed there,
+        and it is the cheapest copy to warm up again. Only for demands that must be held somewhere
+        (``min_replicas`` > 0); best-scored first.
+        """
+        candidates = []
+        for name, was in self.previous_by_name.items():
+            e = self.entries.get(name)
+            if e is None or e.demand.min_replicas == 0:
+                continue
+            for pod, tier in was.items():
+                if tier in (Tier.GPU, Tier.CPU) and pod in self.pool.caps and name not in self.pool.held[pod]:
+                    if self.is_eligible(e, pod):
+                        candidates.append((-e.score, name, pod))
+        for _, name, pod in sorted(candidates):
+            e = self.entries[name]
+            if self.pool.fits(pod, Tier.CPU, e.demand.bytes) and self.budget_allows(e, Tier.CPU):
+                self.pool.put(pod, name, Tier.CPU, e.demand.bytes)
+                self.charge(e, Tier.CPU, +1)
+
     def tiers(self, e: _Entry) -> dict[str, Tier]:
         return dict(self.pool.where.get(e.demand.served_name, {}))
 
@@ -541,6 +564,7 @@ class _Planner:
         self.add_gpu_replicas()
         self.place_bursts()
         self.place_cpu()
+        self.keep_demoted()
         self.place_disk()
         pods = {pod: dict(sorted(held.items())) for pod, held in sorted(self.pool.held.items())}
         return Placement(pods=pods, notes=self.notes)

@@ -240,3 +240,14 @@ def test_invariants_hold_for_any_input(
         rounds.append(place(pods, demands, previous=rounds[-1]))
         _assert_capacity(pods, demands, rounds[-1])
     assert rounds[-1].pods == rounds[-2].pods, [r.pods for r in rounds]
+
+
+def test_a_replica_pushed_off_the_gpu_is_demoted_to_cpu_not_dropped() -> None:
+    pods = _pods(2, gpu=1, cpu=2)
+    hot = _demand("hot@v1", 6.0)
+    before = place(pods, [hot], config=PlacementConfig(burst_slots_per_pod=0))
+    assert before.replicas(Tier.GPU)["hot@v1"] == {"pod-0", "pod-1"}
+    canary = _demand("hot@v2", 0.0, required={"pod-0": Tier.GPU}, warm_policy=WarmPolicy.ON_DEMAND, min_replicas=0)
+    after = place(pods, [hot, canary], previous=before, config=PlacementConfig(burst_slots_per_pod=0))
+    assert after.pods["pod-0"] == {"hot@v2": Tier.GPU, "hot@v1": Tier.CPU}  # still served there, from host memory
+    assert after.pods["pod-1"] == {"hot@v1": Tier.GPU}
