@@ -23,6 +23,9 @@ IntArray = npt.NDArray[np.intp]
 BoolArray = npt.NDArray[np.bool_]
 T = TypeVar("T")
 
+#: Memory a snapshot's memo may hold (entries are whole-pool vectors of 1-8 bytes per endpoint).
+MEMO_BYTES = 4 << 20
+
 
 @dataclass(frozen=True, slots=True)
 class EndpointState:
@@ -98,6 +101,7 @@ class PoolSnapshot:
         self.all_ready = bool(self.ready.all())
         self.any_stale = bool(self.stale.any())
         self._memo: dict[Hashable, Any] = {}
+        self._memo_entries = max(64, MEMO_BYTES // (8 * max(1, n)))
         self.has_protected = bool(self.protected_warm.any())
         #: 1.0 where no gold revision is GPU-resident
         self.unprotected: FloatArray = (self.protected_warm == 0).astype(np.float64)
@@ -115,6 +119,8 @@ class PoolSnapshot:
         try:
             return cast(T, self._memo[key])
         except KeyError:
+            if len(self._memo) >= self._memo_entries:
+                self._memo.clear()  # bounded: hot revisions come back at once, cold ones are not worth keeping
             value = self._memo[key] = compute()
             return value
 
