@@ -156,10 +156,14 @@ def keep_until_replaced(placement: Placement, demands: Sequence[AdapterDemand],
             if held.tier in (Tier.GPU, Tier.CPU):
                 serving[held.served_name].add(report.pod)
     pods = {pod: dict(held) for pod, held in placement.pods.items()}
+    planned_warm: dict[str, set[str]] = defaultdict(set)
+    for pod, tiers in pods.items():
+        for name, tier in tiers.items():
+            if tier in (Tier.GPU, Tier.CPU):
+                planned_warm[name].add(pod)
     for demand in demands:
         now = serving.get(demand.served_name, set()) & pods.keys()
-        planned = {pod for pod, held in pods.items() if held.get(demand.served_name) in (Tier.GPU, Tier.CPU)}
-        if demand.min_replicas and now and not now & planned:
+        if demand.min_replicas and now and not now & planned_warm[demand.served_name]:
             for pod in now:
                 pods[pod][demand.served_name] = Tier.CPU
     return Placement(pods=pods, notes=placement.notes)
