@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
+import mmap
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -75,6 +77,25 @@ def _identity(stat: os.stat_result) -> FileIdentity:
     return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
 
 
+#: Buffers from this size on are advised into huge pages.
+_HUGE_PAGE = 2 << 20
+
+
+def read_buffer(size: int) -> torch.Tensor:
+    """A writable uint8 tensor of ``size`` bytes to read a file into (parsed tensors then view it, so it lives as
+    long as they do).
+
+    Large buffers are anonymous memory advised into huge pages: reading 38 MB into fresh 4 KiB pages took 2-4x the
+    raw read (one page fault per 4 KiB), with huge pages about the raw read's time. Freed by unmapping, so host
+    memory falls as soon as the adapter's last tensor goes.
+    """
+    if size < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(size, dtype=torch.uint8)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8)
+
+
 class FileDigests:
     """sha256 of files already hashed, keyed by path and valid only while the file's identity is unchanged.
 
@@ -92,7 +113,7 @@ class FileDigests:
         with path.open("rb", buffering=0) as f:
             before = _identity(os.fstat(f.fileno()))
             size = before[2]
-            data = torch.empty(size, dtype=torch.uint8)
+            data = read_buffer(size)
             view = data.numpy().data
             filled = 0
             while filled < size and (n := f.readinto(view[filled:])):
@@ -190,7 +211,7 @@ def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
         itemsize = dtype.itemsize
         if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * itemsize:
             raise AdapterFormatError(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {shape} {info['dtype']}")
-        raw = data[start + begin : start + end]
+        raw = data.narrow(0, start + begin, end - begin)
         if (start + begin) % itemsize:
             raw = raw.clone()
         tensors[name] = raw.view(dtype).view(shape)
@@ -213,6 +234,13 @@ def _read_peft(files: AdapterFiles) -> PeftAdapter:
     return adapter_from_state_dict(config, state)
 
 
+@functools.cache
+def _lora_shapes(base: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of every projection that can take LoRA, by module path."""
+    return {module_path(layer, module): base.module_shape(module)
+            for layer in range(base.num_hidden_layers) for module in LORA_MODULES}
+
+
 def parse_adapter(files: AdapterFiles, base: ModelConfig, max_lora_rank: int) -> PeftAdapter:
     """Parse and check an adapter against the base model (the parse stage). Raises :class:`AdapterRejectedError`."""
     try:
@@ -221,8 +249,7 @@ def parse_adapter(files: AdapterFiles, base: ModelConfig, max_lora_rank: int) ->
         raise AdapterRejectedError(str(exc)) from None
     if not adapter.modules:
         raise AdapterRejectedError(f"{ADAPTER_WEIGHTS_FILE} holds no LoRA tensors")
-    shapes = {module_path(layer, module): base.module_shape(module)
-              for layer in range(base.num_hidden_layers) for module in LORA_MODULES}
+    shapes = _lora_shapes(base)
     for name, weights in adapter.modules.items():
         if name not in shapes:
             raise AdapterRejectedError(f"target module {name!r} does not exist in the base model (or cannot take LoRA)")
