@@ -51,4 +51,39 @@ def test_up_runs_until_ctrl_c_and_leaves_nothing_running(tmp_path: Path) -> None
             os.killpg(up.pid, signal.SIGKILL)
             up.wait()
     assert [name for name, pid in pids.items() if not _gone(pid)] == []
+    assert _running_with(workdir) == []
     assert "every process stopped" in Path(log.name).read_text()
+
+
+def _running_with(path: Path) -> list[str]:
+    """Command lines of live processes that name ``path`` (every child of the stack names its work dir but the
+    picker, which is started last)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "status").read_text()
+        except OSError:
+            continue
+        if str(path) in cmdline and "\nState:\tZ" not in state:
+            found.append(cmdline)
+    return found
+
+
+def test_ctrl_c_during_start_up_stops_what_was_started(tmp_path: Path) -> None:
+    workdir = tmp_path / "run"
+    up = subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--engines", "2", "--workdir", str(workdir)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (workdir / "logs" / "engine-1.log").exists():
+            assert up.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert any("loraplane.engine" in c for c in _running_with(workdir))
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 130
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+    assert _running_with(workdir) == []

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
-from loraplane.stack.services import POOL, LocalStack, StackOptions
+from loraplane.stack.services import POOL, LocalStack, StackOptions, StartCancelled
 
 __all__ = ["POOL", "LocalStack", "StackOptions", "main"]
 
@@ -83,7 +83,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     workdir = args.workdir.resolve()
     stop = _StopSignal()
-    stack = LocalStack(StackOptions(workdir=workdir, engines=args.engines))
+    stack = LocalStack(StackOptions(workdir=workdir, engines=args.engines), cancel=stop.event)
     try:
         print(f"starting {args.engines} engines, their sidecars, Redis, the API server, the picker, Envoy and the "
               f"controller (logs in {workdir / 'logs'}) ...", file=sys.stderr, flush=True)
@@ -93,6 +93,8 @@ def main(argv: Sequence[str]) -> int:
 
             return run_demo(stack, stop.event, as_json=args.json)
         return _serve(stack, stop.event)
+    except StartCancelled:
+        return 130
     except (RuntimeError, TimeoutError) as exc:
         print(f"loraplane up: {exc}", file=sys.stderr)
         return 1

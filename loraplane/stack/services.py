@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,10 @@ from loraplane.processes import (
 POOL = "local"
 #: Label the engine Pod objects carry; the InferencePool selects on it.
 ENGINE_LABELS = {"app": "loraplane-engine"}
+
+
+class StartCancelled(RuntimeError):
+    """Ctrl-C (the stack's ``cancel`` event) arrived while the stack was starting."""
 
 
 class KubectlError(AssertionError):
@@ -127,6 +132,8 @@ class LocalStack:
     gateway_port: int = 0
     picker_metrics_port: int = 0
     controller_metrics_port: int = 0
+    #: set (e.g. by Ctrl-C) to abandon a start in progress
+    cancel: threading.Event = field(default_factory=threading.Event)
 
     @property
     def logs(self) -> Path:
@@ -184,7 +191,7 @@ class LocalStack:
         for i in range(self.options.engines):
             self.engines.append(self._start_engine(f"engine-{i}"))
         for engine in self.engines:
-            wait_for_port(engine.port, proc=engine.engine.proc, timeout=180)
+            self._wait(engine.port, engine.engine, timeout=180)
             engine.sidecar = self._start_sidecar(engine)
         self._apply_pool()
         self._start_gateway()
@@ -194,7 +201,21 @@ class LocalStack:
              "--redis-url", self.redis_url, "--identity", "local", "--no-leader-election",
              "--resync-seconds", str(self.options.heartbeat), "--metrics-port", str(self.controller_metrics_port)],
             self.logs / "controller.log").start()
-        wait_for_port(self.controller_metrics_port, proc=self.controller.proc, timeout=60)
+        self._wait(self.controller_metrics_port, self.controller)
+
+    def _wait(self, port: int, process: ManagedProcess, timeout: float = 60.0) -> None:
+        """Wait until ``process`` listens on ``port``, giving up at once when ``cancel`` is set."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.cancel.is_set():
+                raise StartCancelled("start-up interrupted")
+            try:
+                wait_for_port(port, proc=process.proc, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{Path(process.log_path).stem} is not listening on {port} after "
+                                       f"{timeout} s:\n{process.log_tail()}") from None
 
     def _start_engine(self, pod: str) -> Engine:
         port = free_port()
@@ -231,13 +252,13 @@ class LocalStack:
              "--no-destination-fallbacks", "--resync-seconds", "1",
              "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING"],
             self.logs / "picker.log").start()
-        wait_for_port(picker_port, proc=self.picker.proc, timeout=60)
+        self._wait(picker_port, self.picker)
         self.gateway_port, admin_port = free_port(), free_port()
         config = self.options.workdir / "envoy.json"
         config.write_text(json.dumps(picker_config(self.gateway_port, picker_port, admin_port, upstream_header=True)))
         self.envoy = ManagedProcess([envoy_binary(), "-c", str(config), "--concurrency", "1", "-l", "warning",
                                      "--base-id", str(self.gateway_port)], self.logs / "envoy.log").start()
-        wait_for_port(self.gateway_port, proc=self.envoy.proc, timeout=60)
+        self._wait(self.gateway_port, self.envoy)
 
     def stop(self) -> dict[str, int | None]:
         """Stop every child (the controller first, so it writes nothing while the rest goes; then all at once).
