@@ -15,6 +15,7 @@ from datetime import datetime
 
 from loraplane.api import (
     AdapterRevision,
+    AdapterRevisionStatus,
     AdapterTarget,
     PickerCounters,
     RequestRates,
@@ -129,8 +130,7 @@ def _reported_bytes(reports: Sequence[ResidencyReport]) -> dict[str, int]:
     return sizes
 
 
-def _target(rev: AdapterRevision, tier: Tier) -> AdapterTarget:
-    status = rev.status
+def _target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier) -> AdapterTarget:
     return AdapterTarget(
         served_name=rev.served_name,
         adapter=rev.spec.adapter,
@@ -196,15 +196,14 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
 
     rates = _rates_by_adapter(inputs.rates, inputs.revisions)
     sizes = _reported_bytes(inputs.reports)
-    by_served: dict[str, AdapterRevision] = {}
+    by_served: dict[str, tuple[AdapterRevision, AdapterRevisionStatus]] = {}
     demands = []
     for key, outcome in adapters.items():
         for rev in groups[key]:
             rp = outcome.revisions[rev.metadata.name]
             if not rp.placed:
                 continue
-            rev = rev.model_copy(update={"status": rp.status})
-            by_served[rp.served_name] = rev
+            by_served[rp.served_name] = (rev, rp.status)
             demands.append(
                 AdapterDemand(
                     served_name=rp.served_name,
@@ -229,7 +228,7 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     placement = keep_until_replaced(place(pods, demands, previous, inputs.budgets, inputs.placement), demands,
                                     inputs.reports)
     targets = {
-        pod: [_target(by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
+        pod: [_target(*by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
         for pod, held in placement.pods.items()
     }
     _report_placement(adapters, groups, placement, inputs.now)
