@@ -40,6 +40,10 @@ def test_up_runs_until_ctrl_c_and_leaves_nothing_running(tmp_path: Path) -> None
         assert listed.returncode == 0, listed.stderr
         assert sorted(listed.stdout.split()) == [
             "inferencepool.inference.networking.k8s.io/local", "pod/engine-0", "pod/engine-1"]
+        phases = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "--cache-dir", str(tmp_path / "kube-cache"),
+                                 "get", "pods", "-o", "jsonpath={.items[*].status.phase}"],
+                                capture_output=True, text=True, timeout=30)
+        assert phases.stdout.split() == ["Running", "Running"], phases.stderr
         models = httpx.get(f"{gateway}/v1/models", timeout=30)
         assert models.status_code == 200 and models.headers["server"] == "envoy"
         assert len(pids) == 9 and all(not _gone(pid) for pid in pids.values())
@@ -72,11 +76,11 @@ def _running_with(path: Path) -> list[str]:
 
 def test_ctrl_c_during_start_up_stops_what_was_started(tmp_path: Path) -> None:
     workdir = tmp_path / "run"
-    up = subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--engines", "2", "--workdir", str(workdir)],
+    up = subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--engines", "1", "--workdir", str(workdir)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while not (workdir / "logs" / "engine-1.log").exists():
+        while not (workdir / "logs" / "engine-0.log").exists():
             assert up.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         assert any("loraplane.engine" in c for c in _running_with(workdir))

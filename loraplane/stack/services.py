@@ -236,9 +236,13 @@ class LocalStack:
         return ManagedProcess(args, self.logs / f"sidecar-{engine.pod}.log").start()
 
     def _apply_pool(self) -> None:
-        """The InferencePool and one Pod object per engine, so kubectl and the controller see the pool."""
+        """The InferencePool and one Pod object per engine (Running and Ready: the engines listen by now), so
+        kubectl and the controller see the pool."""
         assert self.cluster is not None
         self.cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(pool_manifests(self.engines)))
+        for engine in self.engines:
+            self.cluster.kubectl("patch", "pod", engine.pod, "--subresource=status", "--type=merge",
+                                 "-p", json.dumps({"status": running_pod_status(engine)}))
 
     def _start_gateway(self) -> None:
         from loraplane.picker.envoy import picker_config
@@ -286,3 +290,12 @@ def pool_manifests(engines: Sequence[Engine]) -> list[dict[str, Any]]:
              "spec": {"containers": [{"name": "engine", "image": "loraplane:local",
                                       "ports": [{"containerPort": e.port}]}]}} for e in engines]
     return [pool, *pods]
+
+
+def running_pod_status(engine: Engine) -> dict[str, Any]:
+    """The status of a Pod whose engine is up: Running, Ready, on loopback."""
+    ready = {"type": "Ready", "status": "True"}
+    container = {"name": "engine", "ready": True, "started": True, "restartCount": 0, "image": "loraplane:local",
+                 "imageID": "", "state": {"running": {}}}
+    return {"phase": "Running", "podIP": LOOPBACK, "podIPs": [{"ip": LOOPBACK}], "hostIP": LOOPBACK,
+            "conditions": [ready, {**ready, "type": "ContainersReady"}], "containerStatuses": [container]}
