@@ -88,6 +88,8 @@ class RequestRecord:
     named: bool = True
     #: the digest header equals the content digest of the served revision's weights
     digest_ok: bool = True
+    #: why the request failed (transport error or the non-200 body)
+    error: str | None = None
 
 
 @dataclass
@@ -308,11 +310,11 @@ class Demo:
             response = await http.post(f"{self.stack.gateway_url}/v1/completions", json=body,
                                        headers={"x-session-id": f"user-{self.rng.randrange(10_000)}"})
         except httpx.HTTPError as exc:
-            return RequestRecord(phase, model, 0, named=False, digest_ok=False, served=f"{type(exc).__name__}")
+            return RequestRecord(phase, model, 0, error=f"{type(exc).__name__}: {exc}")
         ttft_ms = (time.perf_counter() - started) * 1000  # the whole head arrived: the first byte was before it
         record = RequestRecord(phase, model, response.status_code, ttft_ms=ttft_ms)
         if response.status_code != 200:
-            record.served = response.text[:160]
+            record.error = response.text[:160]
             return record
         record.served = response.headers.get(SERVED_ADAPTER_HEADER)
         record.pod = self.pod_of_address.get(response.headers.get(UPSTREAM_HEADER, ""))
@@ -423,7 +425,7 @@ class Demo:
         final_stage = [r for r in self.records if r.phase == ROLLOUT_PHASE][-self.plan.after_rollout_requests:]
         return DemoResult(
             requests=len(self.records),
-            errors=[f"{r.model}: {r.status} {r.served}" for r in self.records if r.status != 200],
+            errors=[f"{r.model}: {r.status} {r.error}" for r in self.records if r.status != 200],
             requests_by_phase=dict(Counter(r.phase for r in self.records)),
             ttft_by_tier={tier: latency_summary(values) for tier, values in by_tier.items()},
             decisions={k: after.get(k, 0) - before.get(k, 0) for k in after if after.get(k, 0) - before.get(k, 0)},
