@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton picks interpreter or compiler when a kernel is decorated, so without CUDA the interpreter must be chosen
+# before any test module imports loraplane.kernels (the engine, sidecar and sim tests import it too).
+if not os.environ.get("TRITON_INTERPRET"):
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
 
 pytest_plugins = ["e2e.fixtures.plugin"]
 

@@ -38,4 +38,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e '.[dev,gpu]'
   echo "$want" > "$stamp"
 fi
-echo "setup: ready (.venv)"
+bash scripts/install-tools.sh
+echo "setup: ready (.venv, .tools/bin)"
