@@ -8,6 +8,7 @@ import json
 import math
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,12 +102,14 @@ class FileDigests:
 
     Hashing 38 MB costs about as much as reading it, so a file read back after eviction (or loaded again under
     another name) is not hashed again when nothing about it changed; any change of :func:`_identity` means a new
-    hash of the bytes actually read. Bounded: the least recently used paths are forgotten first.
+    hash of the bytes actually read. Bounded: the least recently used paths are forgotten first. Loader threads
+    share one instance.
     """
 
     def __init__(self, capacity: int = 1024) -> None:
         self.capacity = capacity
         self._known: OrderedDict[str, tuple[FileIdentity, str]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def read(self, path: Path) -> tuple[torch.Tensor, str]:
         """The file's bytes (one read, into a uint8 tensor that parsed tensors can view) and their hex sha256."""
@@ -122,16 +125,18 @@ class FileDigests:
                 raise OSError(f"{path.name} changed size while being read")
             unchanged = _identity(os.fstat(f.fileno())) == before
         key = str(path)
-        known = self._known.get(key)
-        if unchanged and known is not None and known[0] == before:
-            self._known.move_to_end(key)
-            return data, known[1]
+        with self._lock:
+            known = self._known.get(key)
+            if unchanged and known is not None and known[0] == before:
+                self._known.move_to_end(key)
+                return data, known[1]
         digest = hashlib.sha256(view).hexdigest()
         if unchanged:
-            self._known[key] = (before, digest)
-            self._known.move_to_end(key)
-            while len(self._known) > self.capacity:
-                self._known.popitem(last=False)
+            with self._lock:
+                self._known[key] = (before, digest)
+                self._known.move_to_end(key)
+                while len(self._known) > self.capacity:
+                    self._known.popitem(last=False)
         return data, digest
 
 
