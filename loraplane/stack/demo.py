@@ -65,6 +65,8 @@ class DemoPlan:
     after_rollout_requests: int = 40
     #: the rollout phase stops sending after this many seconds even if the rollout is not done
     rollout_timeout_s: float = 180.0
+    #: requests per second at most during the rollout (its length is set by the rollout, not by a count)
+    rollout_rate: float = 12.0
     concurrency: int = 4
     max_tokens: int = 4
     seed: int = 7
@@ -327,29 +329,33 @@ class Demo:
         return record
 
     async def _drive(self, http: httpx.AsyncClient, phase: str, total: int | None, choose: Callable[[], str],
-                     until: asyncio.Event | None = None, after: int = 0, within: float = float("inf")) -> None:
+                     until: asyncio.Event | None = None, after: int = 0, within: float = float("inf"),
+                     rate: float | None = None) -> None:
         """Send ``total`` requests, or with ``until`` until it is set (at most ``within`` seconds) and then ``after``
-        more, showing a live progress bar."""
+        more, at most ``rate`` per second, showing a live progress bar."""
         sent = 0
         extra_left = after
-        deadline = time.monotonic() + within
+        started = time.monotonic()
 
-        def next_request() -> bool:
+        def next_request() -> int | None:
+            """The index of the next request to send, or None when the phase is over."""
             nonlocal sent, extra_left
-            if self.stop.is_set() or (total is not None and sent >= total) or time.monotonic() > deadline:
-                return False
+            if self.stop.is_set() or (total is not None and sent >= total) or time.monotonic() > started + within:
+                return None
             if until is not None and until.is_set():
                 if extra_left <= 0:
-                    return False
+                    return None
                 extra_left -= 1
             sent += 1
-            return True
+            return sent - 1
 
         with self._progress() as progress:
             task = progress.add_task(phase, total=total, stats="")
 
             async def worker() -> None:
-                while next_request():
+                while (index := next_request()) is not None:
+                    if rate is not None:
+                        await asyncio.sleep(max(0.0, started + index / rate - time.monotonic()))
                     record = await self._send(http, phase, choose())
                     self.records.append(record)
                     mine = [r for r in self.records if r.phase == phase]
@@ -404,7 +410,8 @@ class Demo:
             done = asyncio.Event()
             follower = asyncio.create_task(self._follow_rollout(http, new["metadata"]["name"], applied_at, done))
             await self._drive(http, ROLLOUT_PHASE, None, self._hot, until=done,
-                              after=self.plan.after_rollout_requests, within=self.plan.rollout_timeout_s)
+                              after=self.plan.after_rollout_requests, within=self.plan.rollout_timeout_s,
+                              rate=self.plan.rollout_rate)
             done.set()
             await follower
             decisions_after = await self._decisions(http)
@@ -451,7 +458,7 @@ def render(result: DemoResult, console: Console) -> None:
     for tier, summary in result.ttft_by_tier.items():
         ttft.add_row(labels[tier], str(summary.count), *(f"{v:.1f}" if v is not None else "-" for v in
                                                           (summary.p50_ms, summary.p95_ms, summary.mean_ms)))
-    decisions = Table(title="picker decisions", caption="loraplane_picker_decisions_total")
+    decisions = Table(title="picker decisions by tier")
     decisions.add_column("outcome")
     decisions.add_column("decisions", justify="right")
     for outcome, count in sorted(result.decisions.items(), key=lambda kv: -kv[1]):

@@ -92,4 +92,4 @@ def test_summary_json_and_table() -> None:
     console = Console(record=True, width=100)
     render(good, console)
     text = console.export_text()
-    assert "GPU slot (warm)" in text and "warm-gpu" in text and "Verifying" in text and "demo ok" in text
+    assert "GPU slot (warm)" in text and "decisions by tier" in text and "warm-gpu" in text and "Verifying" in text and "demo ok" in text
