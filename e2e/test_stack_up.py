@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -19,12 +22,23 @@ from e2e.test_demo import _gone
 pytestmark = pytest.mark.slow
 
 
+@contextlib.contextmanager
+def _loraplane_up(workdir: Path, engines: int, **popen: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """``loraplane up`` as a child in its own session; killed with its group if the test leaves it running."""
+    up = subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--engines", str(engines),
+                           "--workdir", str(workdir)], start_new_session=True, **popen)
+    try:
+        yield up
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+
+
 def test_up_runs_until_ctrl_c_and_leaves_nothing_running(tmp_path: Path) -> None:
     workdir = tmp_path / "run"
     log = (tmp_path / "up.out").open("w+")
-    up = subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--engines", "2", "--workdir", str(workdir)],
-                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with _loraplane_up(workdir, 2, stdout=log, stderr=subprocess.STDOUT) as up:
         deadline = time.monotonic() + 240
         while "Ctrl-C stops everything" not in (text := Path(log.name).read_text()):
             assert up.poll() is None, text
@@ -34,26 +48,21 @@ def test_up_runs_until_ctrl_c_and_leaves_nothing_running(tmp_path: Path) -> None
         kubeconfig = re.search(r"kubeconfig: (\S+)", text).group(1)  # type: ignore[union-attr]
         gateway = re.search(r"gateway \(OpenAI API through Envoy\): (\S+)", text).group(1)  # type: ignore[union-attr]
 
-        listed = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "--cache-dir", str(tmp_path / "kube-cache"),
-                                 "get", "pods,inferencepools,adapterrevisions", "-o", "name"],
-                                capture_output=True, text=True, timeout=30, env={**os.environ, "KUBECONFIG": kubeconfig})
-        assert listed.returncode == 0, listed.stderr
-        assert sorted(listed.stdout.split()) == [
+        def kubectl(*args: str) -> str:
+            done = subprocess.run(["kubectl", "--cache-dir", str(tmp_path / "kube-cache"), *args], capture_output=True,
+                                  text=True, timeout=30, env={**os.environ, "KUBECONFIG": kubeconfig})
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        assert sorted(kubectl("get", "pods,inferencepools,adapterrevisions", "-o", "name").split()) == [
             "inferencepool.inference.networking.k8s.io/local", "pod/engine-0", "pod/engine-1"]
-        phases = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "--cache-dir", str(tmp_path / "kube-cache"),
-                                 "get", "pods", "-o", "jsonpath={.items[*].status.phase}"],
-                                capture_output=True, text=True, timeout=30)
-        assert phases.stdout.split() == ["Running", "Running"], phases.stderr
+        assert kubectl("get", "pods", "-o", "jsonpath={.items[*].status.phase}").split() == ["Running", "Running"]
         models = httpx.get(f"{gateway}/v1/models", timeout=30)
         assert models.status_code == 200 and models.headers["server"] == "envoy"
         assert len(pids) == 9 and all(not _gone(pid) for pid in pids.values())
 
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
     assert [name for name, pid in pids.items() if not _gone(pid)] == []
     assert _running_with(workdir) == []
     assert "every process stopped" in Path(log.name).read_text()
@@ -76,9 +85,7 @@ def _running_with(path: Path) -> list[str]:
 
 def test_ctrl_c_during_start_up_stops_what_was_started(tmp_path: Path) -> None:
     workdir = tmp_path / "run"
-    up = subprocess.Popen([sys.executable, "-m", "loraplane.cli", "up", "--engines", "1", "--workdir", str(workdir)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
+    with _loraplane_up(workdir, 1, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as up:
         deadline = time.monotonic() + 120
         while not (workdir / "logs" / "engine-0.log").exists():
             assert up.poll() is None and time.monotonic() < deadline
@@ -86,8 +93,4 @@ def test_ctrl_c_during_start_up_stops_what_was_started(tmp_path: Path) -> None:
         assert any("loraplane.engine" in c for c in _running_with(workdir))
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 130
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
     assert _running_with(workdir) == []
