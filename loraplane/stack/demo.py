@@ -51,6 +51,8 @@ RANK = 8
 TARGETS = ("q_proj", "v_proj")
 GROUP_PATH = "/apis/loraplane.io/v1alpha1/namespaces/default/adapterrevisions"
 UPSTREAM_HEADER = "x-gateway-upstream"
+#: share of requests that may get the runtime's 404 of a just-unloaded revision (a known, documented race)
+MAX_UNLOAD_RACES = 0.02
 #: the traffic phases (``RequestRecord.phase``)
 HOT_PHASE, BURST_PHASE, ROLLOUT_PHASE = "hot adapters", "hot + burst of tail", f"{ROLLED}@v2 canary + hot"
 
@@ -137,12 +139,20 @@ class DemoResult:
 
     @property
     def ok(self) -> bool:
-        """The rollout ended Stable and nothing was served from a wrong revision."""
-        return self.rollout_final_phase == "Stable" and not self.wrong_revision and not self.errors
+        """The rollout ended Stable, nothing was served from a wrong revision, and failures were at most the rare
+        404 of a revision unloaded just after the picker routed to it (docs/controller.md, "Known limits")."""
+        unload_races = [e for e in self.errors if is_unload_race(e)]
+        return (self.rollout_final_phase == "Stable" and not self.wrong_revision
+                and len(unload_races) == len(self.errors) <= MAX_UNLOAD_RACES * self.requests)
 
     def to_json(self) -> str:
         """The summary as one JSON object."""
         return json.dumps({**asdict(self), "ok": self.ok})
+
+
+def is_unload_race(error: str) -> bool:
+    """A runtime's 404 for a revision it no longer holds (``DemoResult.errors`` entry)."""
+    return error.split(" ", 2)[1:2] == ["404"] and "does not exist" in error
 
 
 @dataclass

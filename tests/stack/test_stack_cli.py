@@ -73,9 +73,9 @@ def test_latency_summary() -> None:
     assert (summary.count, summary.p50_ms, summary.p95_ms, summary.mean_ms) == (100, 51.0, 95.0, 50.5)
 
 
-def _result(final: str, wrong: list[dict[str, object]]) -> DemoResult:
+def _result(final: str, wrong: list[dict[str, object]], errors: tuple[str, ...] = (), requests: int = 3) -> DemoResult:
     return DemoResult(
-        requests=3, errors=[], requests_by_phase={"hot adapters": 3},
+        requests=requests, errors=list(errors), requests_by_phase={"hot adapters": 3},
         ttft_by_tier={"gpu": latency_summary([10.0, 12.0]), "cpu": latency_summary([30.0]), "cold": latency_summary([])},
         decisions={"warm-gpu": 2, "warm-cpu": 1}, warm_available=2, warm_landed=2, wrong_revision=wrong,
         rollout=[RolloutStep("Verifying", 0.2, 0), RolloutStep(final, 9.0, 100 if final == "Stable" else 0)],
@@ -89,6 +89,10 @@ def test_summary_json_and_table() -> None:
     assert json.loads(good.to_json())["rollout"][1] == {"phase": "Stable", "at_s": 9.0, "weight": 100}
     assert not _result("RolledBack", []).ok
     assert not _result("Stable", [{"served": "claims@v1"}]).ok
+    race = "tail-1: 404 The model `tail-1@v1` does not exist."
+    assert _result("Stable", [], (race,), requests=100).ok  # the documented unload race, rare enough
+    assert not _result("Stable", [], (race,) * 3, requests=100).ok
+    assert not _result("Stable", [], ("tail-1: 503 no endpoint",), requests=100).ok
     console = Console(record=True, width=100)
     render(good, console)
     text = console.export_text()
