@@ -40,6 +40,7 @@ from loraplane.api import (
     keys,
     served_name,
 )
+from loraplane.picker.envoy import UPSTREAM_HEADER
 from loraplane.processes import LOOPBACK
 from loraplane.stack.services import POOL, LocalStack
 
@@ -50,7 +51,6 @@ ROLLED = "claims"
 RANK = 8
 TARGETS = ("q_proj", "v_proj")
 GROUP_PATH = "/apis/loraplane.io/v1alpha1/namespaces/default/adapterrevisions"
-UPSTREAM_HEADER = "x-gateway-upstream"
 #: share of requests that may get the runtime's 404 of a just-unloaded revision (a known, documented race)
 MAX_UNLOAD_RACES = 0.02
 #: the traffic phases (``RequestRecord.phase``)
