@@ -118,6 +118,11 @@ class AdapterResidency(ApiModel):
         description="the tenant priority the runtime's eviction policy weighs (AdapterTarget.priority once the "
         "sidecar has set it); None when the runtime keeps none",
     )
+    draining: bool = Field(
+        default=False,
+        description="leaving this pod: the sidecar will unload it (or demote it to disk) once routers had time to "
+        "see this row and its requests in flight finished; route new requests elsewhere",
+    )
     error: str | None = Field(default=None, description="why the adapter is not at its target tier")
     error_reason: str | None = Field(
         default=None,

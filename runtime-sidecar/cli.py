@@ -25,7 +25,7 @@ from loraplane.sidecar.cache import DiskCache
 from loraplane.sidecar.drivers import DRIVERS, make_driver
 from loraplane.sidecar.drivers.base import RuntimeInfo
 from loraplane.sidecar.metrics import SidecarMetrics
-from loraplane.sidecar.reconcile import Backoff, Reconciler
+from loraplane.sidecar.reconcile import DEFAULT_DRAIN_GRACE_S, Backoff, Reconciler
 from loraplane.sidecar.service import Sidecar, SidecarConfig
 
 ENV_PREFIX = "LORAPLANE_SIDECAR_"
@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("cache-bytes", "disk cache byte budget (e.g. 20G)", default="20G", type=_bytes)
     opt("heartbeat", "seconds between heartbeats (reports and resync)", default=1.0, type=float)
     opt("report-ttl", "TTL of the residency report in Redis, seconds", default=5.0, type=float)
+    opt("drain-grace", "seconds an adapter leaving the runtime is reported draining before it is unloaded "
+        "(0: unload at once)", default=DEFAULT_DRAIN_GRACE_S, type=float)
     opt("concurrency", "actions (downloads, loads) running at once", default=4, type=int)
     opt("backoff-base", "first retry delay after a failed action, seconds", default=0.5, type=float)
     opt("backoff-cap", "longest retry delay, seconds", default=60.0, type=float)
@@ -123,7 +125,7 @@ async def serve(args: argparse.Namespace) -> int:
     cache = DiskCache(Path(args.cache_dir), args.cache_bytes, sources,
                       on_evict=lambda entry: metrics.evictions.labels("disk").inc())
     reconciler = Reconciler(driver, cache, metrics, concurrency=args.concurrency,
-                            backoff=Backoff(args.backoff_base, args.backoff_cap))
+                            backoff=Backoff(args.backoff_base, args.backoff_cap), drain_grace_s=args.drain_grace)
     bus = RedisBus(args.redis_url, args.pool, args.pod)
     address = args.address or urllib.parse.urlsplit(args.runtime_url).netloc
     sidecar = Sidecar(SidecarConfig(args.pool, args.pod, address, args.runtime, args.heartbeat, args.report_ttl),

@@ -5,6 +5,10 @@ load, activate, offload, pin, unpin, priority, unload); when an action ends, the
 notice, a crashed runtime or a restarted sidecar all heal by themselves. Actions run concurrently (bounded), each
 adapter backs off exponentially (capped, with jitter) after failures, and each adapter carries a status that says
 why it is not where the target wants it. Nothing is unloaded or offloaded while it has requests in flight.
+
+An adapter leaving the runtime (out of the target, or demoted to disk) is drained first: its report row says
+``draining`` (routers stop sending it new requests), and only when that report was published, ``drain_grace_s``
+has passed since, and its requests in flight are done, is it unloaded.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from loraplane.sidecar.drivers.base import (
 from loraplane.sidecar.metrics import SidecarMetrics
 
 log = logging.getLogger(__name__)
+
+#: Seconds between publishing an adapter's ``draining`` row and unloading it: about twice what the picker needs to
+#: apply a change notice and for a request it routed just before to reach the runtime.
+DEFAULT_DRAIN_GRACE_S = 1.0
 
 #: Failures that mean "these bytes are not what the revision declares" (final for the revision).
 _DIGEST_REASONS = frozenset({"DigestMismatch", "SizeMismatch", "ArtifactTooLarge"})
@@ -95,6 +103,11 @@ class Backoff:
         return min(self.cap_s, self.base_s * 2 ** (failures - 1)) * (0.5 + self.rng.random() / 2)
 
 
+def _already_loaded(exc: RuntimeRejected) -> bool:
+    """vLLM's (and the engine's) answer to loading a name it holds: 400 "... has already been loaded ..."."""
+    return exc.status == 400 and "already been loaded" in str(exc).lower()
+
+
 class ActionFailed(Exception):
     """An action failed with a reason word for the report."""
 
@@ -114,7 +127,9 @@ class Reconciler:
         concurrency: int = 4,
         backoff: Backoff | None = None,
         clock: Callable[[], float] = time.monotonic,
+        drain_grace_s: float = DEFAULT_DRAIN_GRACE_S,
     ) -> None:
+        """``drain_grace_s`` <= 0 unloads leaving adapters at once, without announcing them as draining."""
         self.driver = driver
         self.cache = cache
         self.metrics = metrics
@@ -129,6 +144,9 @@ class Reconciler:
         self._task_action: dict[str, Action] = {}
         self._keep: frozenset[str] = frozenset()
         self._removed_by_us: set[str] = set()
+        self.drain_grace_s = drain_grace_s
+        #: adapters leaving the runtime -> when a report saying so was published (None: not yet)
+        self.draining: dict[str, float | None] = {}
 
     # --- identity ---------------------------------------------------------------------------------------------
 
@@ -230,6 +248,39 @@ class Reconciler:
             actions[name] = (Action.UNPIN if pin else Action.UNLOAD, None)
         return actions
 
+    @staticmethod
+    def leaving(wanted: dict[str, AdapterTarget], observation: Observation) -> set[str]:
+        """Adapters the runtime serves that the (clipped) target takes out of it: they are drained, then unloaded."""
+        out = set()
+        for name, held in observation.adapters.items():
+            t = wanted.get(name)
+            if held.tier is not Tier.ABSENT and (
+                t is None or (t.tier is Tier.DISK and held.tier in (Tier.GPU, Tier.CPU))
+            ):
+                out.add(name)
+        return out
+
+    def announced(self, names: set[str]) -> None:
+        """A report marking ``names`` as draining was published: their grace starts now (if not started yet)."""
+        now = self._clock()
+        for name in names:
+            if name in self.draining and self.draining[name] is None:
+                self.draining[name] = now
+
+    def _still_draining(self, name: str, now: float) -> bool:
+        """True while a leaving adapter must not be unloaded yet: not announced, or announced too recently."""
+        if name not in self.draining:
+            return False
+        since = self.draining[name]
+        return since is None or now - since < self.drain_grace_s
+
+    def drain_wait(self) -> float | None:
+        """Seconds until the next announced drain grace ends (None when none is running)."""
+        now = self._clock()
+        ends = [since + self.drain_grace_s - now for since in self.draining.values() if since is not None]
+        ends = [end for end in ends if end > 0]
+        return min(ends) if ends else None
+
     # --- running ----------------------------------------------------------------------------------------------
 
     def busy(self) -> set[str]:
@@ -241,7 +292,9 @@ class Reconciler:
         now = self._clock()
         self._forget_stale_status(target, observation)
         planned = self.plan(target, observation)
-        _, clipped = self.within_capacity(target, observation.info)
+        wanted_tiers, clipped = self.within_capacity(target, observation.info)
+        if self.drain_grace_s > 0:
+            self.draining = {n: self.draining.get(n) for n in self.leaving(wanted_tiers, observation)}
         for name, wanted in target.by_name().items():
             status = self.status.setdefault(name, AdapterStatus(cache_key=wanted.cache_key))
             if name not in planned:
@@ -255,7 +308,12 @@ class Reconciler:
             elif status.wanted_since is None:
                 status.wanted_since = now
         busy = self.busy()
-        removing = any(self._task_action[n].removes for n in busy)
+        # an activation waits while an unload or offload is freeing a slot, or while a leaving adapter that fills the
+        # last GPU slot is still draining (else the runtime would evict another wanted adapter for it)
+        removing = any(self._task_action[n].removes for n in busy) or (
+            self._gpu_full(observation)
+            and any(observation.adapters[n].tier is Tier.GPU and self._still_draining(n, now) for n in self.draining)
+        )
         started = []
         # removals first: an activation waits while an unload or offload is freeing a slot
         for name, (action, t) in sorted(planned.items(), key=lambda item: not item[1][0].removes):
@@ -265,6 +323,8 @@ class Reconciler:
             if status.not_before > now:
                 continue
             held = observation.adapters.get(name)
+            if action is Action.UNLOAD and self._still_draining(name, now):
+                continue
             if action.removes and held is not None and held.in_flight > 0:
                 status.error = f"waiting for {held.in_flight} requests in flight before {action.value}"
                 status.reason = "RequestsInFlight"
@@ -275,6 +335,11 @@ class Reconciler:
             started.append((name, action))
             removing = removing or action.removes
         return started
+
+    @staticmethod
+    def _gpu_full(observation: Observation) -> bool:
+        slots = observation.info.max_loras
+        return slots is not None and sum(h.tier is Tier.GPU for h in observation.adapters.values()) >= slots
 
     def _start(
         self, name: str, action: Action, target: AdapterTarget | None, obs: Observation, held: RuntimeAdapter | None
@@ -366,13 +431,39 @@ class Reconciler:
                 await driver.unload(name)
                 self.loaded.pop(name, None)
                 self._removed_by_us.add(name)
-            start = time.perf_counter()
-            await driver.load(name, entry.path)
-            self.metrics.disk_load.observe(time.perf_counter() - start)
+            if await self._load(name, target, entry):
+                self._count_promotion(name)
             self.loaded[name] = LoadRecord(target.cache_key, entry.artifact_digest, entry.adapter_digest)
-            self._count_promotion(name)
             if driver.capabilities.priority:  # at once, so the runtime's eviction policy never weighs a default
                 await driver.set_priority(name, target.priority)
+
+    async def _load(self, name: str, target: AdapterTarget, entry: CacheEntry) -> bool:
+        """Load the cache entry under ``name``; False when the runtime already held exactly this revision.
+
+        A runtime answering "already loaded" (HTTP 400; the observation this pass planned from predates a load that
+        just finished, or the runtime kept it across a sidecar restart) holds *something* under the name: the
+        runtime is asked again, and the adapter is adopted when it is the target's revision, else replaced.
+        """
+        driver = self.driver
+        start = time.perf_counter()
+        try:
+            await driver.load(name, entry.path)
+        except RuntimeRejected as exc:
+            if not _already_loaded(exc):
+                raise
+            held = (await driver.observe()).adapters.get(name)
+            if held is not None and self._holds_target(target, held):
+                log.info("%s was already loaded with the target's revision: adopted", name)
+                return False
+            if held is not None and held.in_flight:
+                raise ActionFailed("RequestsInFlight", f"{name} holds another revision with requests in flight") from exc
+            log.warning("%s was already loaded with other or unknown bytes: replacing them", name)
+            await driver.unload(name)
+            self._removed_by_us.add(name)
+            start = time.perf_counter()
+            await driver.load(name, entry.path)
+        self.metrics.disk_load.observe(time.perf_counter() - start)
+        return True
 
     def _count_promotion(self, name: str) -> None:
         after_eviction = name in self.evicted

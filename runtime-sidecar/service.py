@@ -126,7 +126,9 @@ class Sidecar:
             await self.bus.publish(report)
             self.metrics.reports.inc()
         except RedisUnavailable:
-            pass
+            pass  # a draining row not published starts no grace: nothing leaves until routers could know
+        else:
+            self.reconciler.announced({a.served_name for a in report.adapters if a.draining})
         self.metrics.redis_connected.set(1 if self.bus.connected else 0)
         self.last_report = report
         return report
@@ -155,6 +157,7 @@ class Sidecar:
                     served_name=name, tier=held.tier, digest=artifact_digest, adapter_digest=content_digest,
                     bytes=held.bytes or (entry.bytes if entry else 0), pinned=held.pinned, in_flight=held.in_flight,
                     hits=held.hits, loads=held.loads, evictions=held.evictions, last_access=held.last_access,
+                    draining=name in self.reconciler.draining,
                 )
             elif entry is not None:
                 row = AdapterResidency(served_name=name, tier=Tier.DISK, digest=entry.artifact_digest,
@@ -203,8 +206,10 @@ class Sidecar:
                 changed.clear()
                 await self.run_once()
                 waits = [asyncio.create_task(e.wait()) for e in (self._wake, changed, stop)]
+                drain_wait = self.reconciler.drain_wait()  # unload as soon as a drain grace ends
+                timeout = self.config.heartbeat_s if drain_wait is None else min(self.config.heartbeat_s, drain_wait)
                 try:
-                    await asyncio.wait(waits, timeout=self.config.heartbeat_s, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 finally:
                     for w in waits:
                         w.cancel()

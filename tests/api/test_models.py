@@ -58,6 +58,7 @@ def _all_models() -> list[api.ApiModel]:
                                  in_flight=2, hits=10, loads=1, evictions=0, last_access=1700000000.0, priority=5),
                 AdapterResidency(served_name="claims@v2", tier=Tier.DISK, error="sha256 mismatch",
                                  error_reason=api.ERROR_DIGEST_MISMATCH),
+                AdapterResidency(served_name="claims@v0", tier=Tier.CPU, digest=DIGEST_B, draining=True),
             ],
             load=PodLoad(queue_depth=3, running=4, active_tokens=900, kv_utilization=0.4, max_gpu_slots=4,
                          max_cpu_slots=16, max_gpu_bytes=1 << 30, max_cpu_bytes=8 << 30, recent_evictions=1),
@@ -99,6 +100,13 @@ def test_camel_case_on_the_wire_and_snake_case_accepted() -> None:
     assert wire["load"]["kvUtilization"] == 0.4
     snake = ResidencyReport.model_validate(report.model_dump())
     assert snake == report
+
+
+def test_draining_is_optional_on_the_wire() -> None:
+    """Reports from sidecars that predate ``draining`` parse as not draining; a draining row says so on the wire."""
+    row = AdapterResidency.from_json('{"servedName": "claims@v1", "tier": "gpu"}')
+    assert row.draining is False
+    assert AdapterResidency(served_name="claims@v1", tier=Tier.GPU, draining=True).to_dict()["draining"] is True
 
 
 def test_example_manifests_parse() -> None:

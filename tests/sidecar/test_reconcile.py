@@ -22,14 +22,15 @@ from tests.sidecar.adapters import BASE_DIGEST, sha256_of, target_for, write_wei
 INFO = RuntimeInfo(base_model="tiny", base_model_digest=BASE_DIGEST, max_lora_rank=16, max_loras=2, max_cpu_loras=4)
 
 
-def make_reconciler(tmp_path: Path, runtime: str = "engine", clock=None) -> Reconciler:
+def make_reconciler(tmp_path: Path, runtime: str = "engine", clock=None, drain_grace_s: float = 0.0) -> Reconciler:
     """A reconciler whose driver points at a port nobody listens on (any runtime call fails for real)."""
     (tmp_path / "artifacts").mkdir(exist_ok=True)
     driver = make_driver(runtime, f"http://127.0.0.1:{free_port()}", INFO)
     sources = ArtifactSources(SourceConfig(file_roots=(tmp_path / "artifacts",)))
     cache = DiskCache(tmp_path / f"cache-{runtime}", 1 << 30, sources)
     kwargs = {"clock": clock} if clock else {}
-    return Reconciler(driver, cache, SidecarMetrics(), backoff=Backoff(1.0, 8.0, random.Random(0)), **kwargs)
+    return Reconciler(driver, cache, SidecarMetrics(), backoff=Backoff(1.0, 8.0, random.Random(0)),
+                      drain_grace_s=drain_grace_s, **kwargs)
 
 
 def observe(*held: RuntimeAdapter) -> Observation:
@@ -217,5 +218,72 @@ def test_targets_beyond_the_slots_are_kept_a_tier_lower(tmp_path: Path, target) 
         assert ordinary.served_name not in started and len(started) == 2
         assert r.status[ordinary.served_name].reason == "CapacityExceeded"
         await r.drain()
+
+    asyncio.run(run())
+
+
+def test_a_leaving_adapter_is_unloaded_only_after_its_announced_grace_and_its_requests(tmp_path: Path) -> None:
+    """Draining: no unload before a report said so, before the grace since that report, or with requests in flight."""
+    now = [100.0]
+
+    async def run() -> None:
+        r = make_reconciler(tmp_path, clock=lambda: now[0], drain_grace_s=1.0)
+        idle = observe(held("old@v1", Tier.GPU))
+        assert r.step(state(), idle) == [] and r.draining == {"old@v1": None}
+        now[0] += 60.0
+        assert r.step(state(), idle) == []  # never announced: the grace has not even started
+        assert r.drain_wait() is None
+        r.announced({"old@v1"})
+        now[0] += 0.9
+        assert r.step(state(), idle) == []
+        assert r.drain_wait() == pytest.approx(0.1)
+        now[0] += 0.2
+        assert r.step(state(), observe(held("old@v1", Tier.GPU, in_flight=2))) == []
+        assert r.status["old@v1"].reason == "RequestsInFlight"
+        assert r.step(state(), idle) == [("old@v1", Action.UNLOAD)]
+        await r.drain()
+
+    asyncio.run(run())
+
+
+def test_draining_covers_demotion_to_disk_and_ends_when_the_target_takes_it_back(tmp_path: Path, target) -> None:
+    async def run() -> None:
+        r = make_reconciler(tmp_path, drain_grace_s=1.0)
+        disk, cpu = target(Tier.DISK), target(Tier.CPU)
+        cached(r, disk)
+        assert r.step(state(disk), observe(held(disk, Tier.CPU, r))) == []
+        assert set(r.draining) == {disk.served_name}
+        r.announced({disk.served_name})
+        assert r.step(state(cpu), observe(held(cpu, Tier.CPU, r))) == []
+        assert r.draining == {}
+        assert r.step(state(disk), observe(held(disk, Tier.DISK, r))) == []  # not in the runtime: nothing to drain
+        assert r.draining == {}
+        off = make_reconciler(tmp_path, drain_grace_s=0.0)  # 0: unload at once, never reported draining
+        assert off.step(state(), observe(held("old@v1", Tier.CPU))) == [("old@v1", Action.UNLOAD)]
+        assert off.draining == {}
+        await off.drain()
+
+    asyncio.run(run())
+
+
+def test_activation_waits_for_a_draining_adapter_only_when_it_holds_the_last_gpu_slot(tmp_path: Path, target) -> None:
+    now = [100.0]
+
+    async def run() -> None:
+        r = make_reconciler(tmp_path, clock=lambda: now[0], drain_grace_s=1.0)
+        gpu, keep = target(Tier.GPU), target(Tier.GPU, adapter="keep")
+        cached(r, gpu)
+        cached(r, keep)
+        full = observe(held(gpu, Tier.CPU, r), held("old@v1", Tier.GPU), held(keep, Tier.GPU, r))
+        assert r.step(state(gpu, keep), full) == []  # activating now would evict keep@v1 instead of old@v1
+        r.announced({"old@v1"})
+        now[0] += 1.0
+        assert r.step(state(gpu, keep), full) == [("old@v1", Action.UNLOAD)]
+        await r.drain()
+        free = observe(held(gpu, Tier.CPU, r), held("old@v1", Tier.GPU))
+        r2 = make_reconciler(tmp_path, clock=lambda: now[0], drain_grace_s=1.0)
+        cached(r2, gpu)
+        assert r2.step(state(gpu), free) == [(gpu.served_name, Action.ACTIVATE)]  # a free slot: no need to wait
+        await r2.drain()
 
     asyncio.run(run())
