@@ -115,23 +115,35 @@ def residency_filter(_params: FilterParameters) -> Filter:
     """Keep endpoints holding the exact revision at some tier (GPU, CPU or disk): the ones that can serve it.
 
     Runtimes serve only adapters they have registered, so a pod where the revision is absent would answer 404.
+    Pods draining the revision (their sidecar is about to unload it) are kept only when no remaining candidate holds
+    it otherwise: they still serve it for a moment, which beats a pod that does not have it at all.
     Base-model requests keep all endpoints. Pair with ``failOpen: true`` for runtimes that load on demand.
     """
 
-    token = object()
+    holding, holding_or_draining = object(), object()
 
-    def run(request: SchedulingRequest, pool: PoolSnapshot, _cycle: Cycle) -> BoolArray | None:
+    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> BoolArray | None:
         if request.served_name is None:
             return None
 
-        def compute() -> BoolArray:
+        def holders() -> BoolArray:
             mask = np.zeros(pool.size, dtype=np.bool_)
             entry = pool.lookup(request.served_name, request.digest)
             if entry is not None:
                 mask[entry.indices] = True
             return mask
 
-        return pool.memo((token, request.served_name, request.digest), compute)
+        mask = pool.memo((holding, request.served_name, request.digest), holders)
+        draining = pool.draining_holders(request.served_name, request.digest)
+        if draining is None or (mask & cycle.candidates).any():
+            return mask
+
+        def holders_or_draining() -> BoolArray:
+            wider = mask.copy()
+            wider[draining] = True
+            return wider
+
+        return pool.memo((holding_or_draining, request.served_name, request.digest), holders_or_draining)
 
     return run
 

@@ -3,7 +3,8 @@
 A ``PoolSnapshot`` is built from ``EndpointState`` values (the simulator makes those directly) or from the
 sidecars' ``ResidencyReport`` objects (``PoolSnapshot.from_reports``). Per-endpoint numbers are numpy arrays so a
 scheduling cycle over 1,000 endpoints costs a handful of vector operations, and residency is indexed by
-``(served name, digest)`` so the affinity lookup is one dict access. The only field that changes between rebuilds is
+``(served name, digest)`` so the affinity lookup is one dict access. Revisions a sidecar reports as draining (about to
+be unloaded from its pod) are indexed apart: never warm, and routed to only when no other pod holds them. The only field that changes between rebuilds is
 ``in_flight``, the picker's own count of requests it sent and that have not finished, kept by ``InFlightTracker``.
 """
 
@@ -42,6 +43,8 @@ class EndpointState:
     recent_evictions: int = 0
     #: served name -> (tier, digest the runtime loaded); entries without a digest never count as warm.
     residency: Mapping[str, tuple[Tier, str | None]] = field(default_factory=dict)
+    #: served names in ``residency`` that are leaving this pod (the sidecar will unload them): not resident here.
+    draining: frozenset[str] = frozenset()
 
     @property
     def ip(self) -> str:
@@ -87,11 +90,15 @@ class PoolSnapshot:
         #: GPU-resident revisions with a positive route priority (gold) on each endpoint.
         self.protected_warm: FloatArray = np.zeros(n, dtype=np.float64)
         buckets: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        leaving: dict[tuple[str, str], list[int]] = {}
         for i, endpoint in enumerate(self.endpoints):
             if endpoint.stale:
                 continue  # unknown residency is not truth
             for name, (tier, digest) in endpoint.residency.items():
                 if digest is None or tier is Tier.ABSENT:
+                    continue
+                if name in endpoint.draining:
+                    leaving.setdefault((name, digest), []).append(i)
                     continue
                 idx, levels = buckets.setdefault((name, digest), ([], []))
                 idx.append(i)
@@ -109,6 +116,10 @@ class PoolSnapshot:
         self.residency: dict[tuple[str, str], ResidencyEntry] = {
             key: ResidencyEntry(np.asarray(idx, dtype=np.intp), np.asarray(levels, dtype=np.int8), dict(zip(idx, levels, strict=True)))
             for key, (idx, levels) in buckets.items()
+        }
+        #: (served name, digest) -> endpoints that still hold it but are draining it (leaving soon)
+        self.draining: dict[tuple[str, str], IntArray] = {
+            key: np.asarray(idx, dtype=np.intp) for key, idx in leaving.items()
         }
 
     def __len__(self) -> int:
@@ -129,6 +140,12 @@ class PoolSnapshot:
         if served_name is None or digest is None:
             return None
         return self.residency.get((served_name, digest))
+
+    def draining_holders(self, served_name: str | None, digest: str | None) -> IntArray | None:
+        """Endpoints that still hold this exact revision but are draining it, or None."""
+        if served_name is None or digest is None:
+            return None
+        return self.draining.get((served_name, digest))
 
     @classmethod
     def from_reports(
@@ -169,6 +186,7 @@ def endpoint_from_report(report: ResidencyReport, address: str | None = None) ->
         kv_utilization=load.kv_utilization,
         recent_evictions=load.recent_evictions,
         residency={a.served_name: (a.tier, a.digest) for a in report.adapters if _servable(a)},
+        draining=frozenset(a.served_name for a in report.adapters if a.draining),
     )
 
 

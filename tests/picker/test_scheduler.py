@@ -140,6 +140,36 @@ def test_only_pods_holding_the_revision_serve_it_unless_none_does(scheduler: Sch
     assert len(scheduler.schedule(request(), nowhere, np.random.default_rng(0)).endpoints) == 2  # fail open
 
 
+def test_a_draining_revision_is_never_warm_and_its_pod_serves_it_only_when_no_other_holds_it(scheduler: Scheduler) -> None:
+    """A pod whose sidecar reports the revision draining is about to unload it: never warm there, and routed to
+    only when no other candidate holds the revision (it still serves it for a moment, unlike a pod without it)."""
+    leaving = {ADAPTER: (Tier.GPU, DIGEST_A)}
+    pool = PoolSnapshot([pod(1, leaving, draining=frozenset({ADAPTER})), pod(2, ON_DISK), pod(3)])
+    pool.in_flight[:] = [0, 8, 0]  # the draining pod is idler: only residency keeps requests off it
+    decision = scheduler.schedule(request(), pool, np.random.default_rng(0))
+    assert decision.endpoints == ("10.0.0.2:8000",) and decision.outcome is Outcome.COLD
+    assert pool.lookup(ADAPTER, DIGEST_A).level_of == {1: 2}  # type: ignore[union-attr]
+    only_draining = PoolSnapshot([pod(1, leaving, draining=frozenset({ADAPTER})), pod(2), pod(3)])
+    for seed in range(20):
+        decision = scheduler.schedule(request(), only_draining, np.random.default_rng(seed))
+        assert decision.endpoints == ("10.0.0.1:8000",) and decision.outcome is Outcome.COLD
+    # the other holder is not ready: the draining pod is still better than a pod without the revision
+    other_down = PoolSnapshot([pod(1, leaving, draining=frozenset({ADAPTER})), pod(2, ON_DISK, ready=False), pod(3)])
+    assert scheduler.schedule(request(), other_down, np.random.default_rng(0)).endpoints == ("10.0.0.1:8000",)
+    # a draining gold revision protects nothing
+    gold = PoolSnapshot([pod(1, {"vip@v1": (Tier.GPU, DIGEST_B)}, draining=frozenset({"vip@v1"})), pod(2)], {"vip@v1": 10})
+    assert not gold.has_protected
+
+
+def test_draining_rows_of_a_report_reach_the_snapshot(scheduler: Scheduler) -> None:
+    rows = [AdapterResidency(served_name=ADAPTER, tier=Tier.GPU, digest=DIGEST_A, draining=True)]
+    on_cpu = [AdapterResidency(served_name=ADAPTER, tier=Tier.CPU, digest=DIGEST_A)]
+    pool = PoolSnapshot.from_reports([report("a", 1, 100.0, rows), report("b", 2, 100.0, on_cpu)], now=100.5)
+    assert pool.endpoints[0].draining == {ADAPTER}
+    decision = scheduler.schedule(request(), pool, np.random.default_rng(0))
+    assert decision.endpoints == ("127.0.0.1:2",) and decision.outcome is Outcome.WARM_CPU
+
+
 def test_not_ready_endpoints_are_never_picked(scheduler: Scheduler) -> None:
     pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}, ready=False), pod(2)])
     assert scheduler.schedule(request(), pool, np.random.default_rng(0)).endpoints == ("10.0.0.2:8000",)
