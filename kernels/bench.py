@@ -103,8 +103,20 @@ def _build(case: Case, dtype: torch.dtype, device: torch.device, generator: torc
     return slots
 
 
-def run_case(case: Case, device: torch.device, dtype: torch.dtype, rounds: int, copy_gbps: float) -> dict:
-    """Time loop / gather_bmm / sgmv / base_gemm for one case and derive the ratios."""
+def run_case(
+    case: Case,
+    device: torch.device,
+    dtype: torch.dtype,
+    rounds: int,
+    copy_gbps: float,
+    threads: int | None = None,
+    cores: int = 1,
+) -> dict:
+    """Time loop / gather_bmm / sgmv / base_gemm for one case and derive the ratios.
+
+    On CPU every variant runs with ``threads`` torch threads; by default one, or ``cores`` for a case that may
+    use every core when its own ``sgmv`` call runs >= 1.3x faster on them (measured first, see ``_useful_threads``).
+    """
     generator = torch.Generator().manual_seed(0)
     slots = _build(case, dtype, device, generator)
     if case.seq_len > 1:  # prefill: whole sequences, each with one adapter, in arrival order
@@ -150,6 +162,8 @@ def run_case(case: Case, device: torch.device, dtype: torch.dtype, rounds: int, 
         unsorted_plan = planner.plan(arrival).to(device)
         variants["sgmv_unsorted"] = lambda: apply_lora(y, x, slots, unsorted_plan, backend)
     with torch.no_grad():
+        if device.type == "cpu":
+            torch.set_num_threads(threads or (_useful_threads(cores, variants["sgmv"]) if case.all_cores else 1))
         medians = time_interleaved(variants, rounds, device)
     plan_seconds = time_interleaved({"plan": lambda: planner.plan(arrival)}, rounds, torch.device("cpu"))["plan"]
     distinct = sorted(set(grouped))
@@ -213,10 +227,8 @@ def main(argv: Sequence[str]) -> int:
     cases = [case for case in CASES if not args.case or case.name in args.case]
     results = []
     for case in cases:
-        if device.type == "cpu":
-            torch.set_num_threads(args.threads or (_useful_threads(all_cores) if case.all_cores else 1))
         rounds = _rounds(case, args.quick, device)
-        results.append(run_case(case, device, dtype, rounds, copy_gbps))
+        results.append(run_case(case, device, dtype, rounds, copy_gbps, args.threads, all_cores))
     report = {
         "device": _describe(device, all_cores),
         "torch": torch.__version__,
@@ -228,21 +240,20 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _useful_threads(all_cores: int) -> int:
-    """``all_cores`` if a base-layer-sized GEMM really runs >= 1.3x faster on them, else 1.
+def _useful_threads(cores: int, op: Callable[[], object]) -> int:
+    """``cores`` if ``op`` (the case's own sgmv call) really runs >= 1.3x faster on them, else 1.
 
-    On a machine shared with other work, extra threads wait at every barrier and make everything slower.
+    Probing the op itself, not a large GEMM: on a machine shared with other work a big GEMM still gains from a
+    second thread while the op's shorter calls wait at every barrier for a descheduled thread (measured: a GEMM
+    probe chose 2 threads, then sgmv took 6-9x as long as on one; docs/kernels.md).
     """
-    if all_cores == 1:
+    if cores == 1:
         return 1
-    x, weight = torch.randn(512, 4096), torch.randn(4096, 4096)
     seconds = {}
-    for threads in (1, all_cores):
+    for threads in (1, cores):
         torch.set_num_threads(threads)
-        seconds[threads] = time_interleaved(
-            {"gemm": lambda: torch.nn.functional.linear(x, weight)}, 3, torch.device("cpu"), warmup=1
-        )["gemm"]
-    return all_cores if seconds[1] >= 1.3 * seconds[all_cores] else 1
+        seconds[threads] = time_interleaved({"op": op}, 3, torch.device("cpu"), warmup=1)["op"]
+    return cores if seconds[1] >= 1.3 * seconds[cores] else 1
 
 
 def _rounds(case: Case, quick: bool, device: torch.device) -> int:

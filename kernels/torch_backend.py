@@ -14,6 +14,13 @@ import torch
 from loraplane.kernels.plan import BatchPlan
 from loraplane.kernels.slots import LoraSlots
 
+#: On one CPU thread, a segment whose rows of ``y`` span at least ``MIN_BLOCKS`` blocks of ``Y_BLOCK_BYTES`` is
+#: added block by block, each block first read by one streaming reduction: the K=rank GEMM stalls on memory when it
+#: reads ``y`` cold and not when it finds the block in cache (measured: docs/kernels.md). Shorter segments gain
+#: nothing from it (their rows are usually still cached) and pay the extra calls.
+Y_BLOCK_BYTES = 512 * 1024
+MIN_BLOCKS = 2
+
 #: ``exact``: each segment multiplies only its adapter's own rank (S-LoRA's MBGMV); ``padded``: the slot rank.
 RANK_MODES = ("exact", "padded")
 
@@ -56,11 +63,12 @@ class TorchBackend:
             return
         views = self._views(slots)
         src, dst = self._operands(plan, t, y, y.shape[1])
+        block = _block_rows(y)
         for seg in plan.segments:
             slot_views = views[seg.slot]
             if slot_views is not None:
                 rows = _rows(plan, seg.start, seg.row, seg.rows)
-                _expand_rows(dst[rows], src[rows], slot_views[1])
+                _expand_rows(dst[rows], src[rows], slot_views[1], block)
         self._scatter(plan, y, dst)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, slots: LoraSlots, plan: BatchPlan) -> None:
@@ -70,17 +78,18 @@ class TorchBackend:
         views = self._views(slots)
         src, dst = self._operands(plan, x, y, y.shape[1])
         single = slots.n_slices == 1 and x.dtype == torch.float32
+        block = _block_rows(y)
         for seg in plan.segments:
             slot_views = views[seg.slot]
             if slot_views is None:
                 continue
             a_t, slices = slot_views
             rows = _rows(plan, seg.start, seg.row, seg.rows)
-            if single:  # the hot path: two BLAS calls on row slices, nothing else
+            if single:  # the hot path: two BLAS calls on row slices
                 _, columns, b = slices[0]
-                dst[rows, columns].addmm_(torch.mm(src[rows], a_t), b)
+                _add_product(dst[rows, columns], torch.mm(src[rows], a_t), b, block)
             else:
-                _expand_rows(dst[rows], _mm_f32(src[rows], a_t), slices)
+                _expand_rows(dst[rows], _mm_f32(src[rows], a_t), slices, block)
         self._scatter(plan, y, dst)
 
     def _operands(
@@ -140,14 +149,35 @@ def _rows(plan: BatchPlan, start: int, row: int, count: int) -> slice:
     return slice(first, first + count)
 
 
-def _expand_rows(dst: torch.Tensor, t: torch.Tensor, slices: list[tuple[slice, slice, torch.Tensor]]) -> None:
+def _expand_rows(
+    dst: torch.Tensor, t: torch.Tensor, slices: list[tuple[slice, slice, torch.Tensor]], block: int
+) -> None:
     """``dst[:, columns] += t[:, ranks] B^T`` for each output slice, float32 accumulate, one rounding."""
     for ranks, columns, b in slices:
         out = dst[:, columns]
         if dst.dtype == torch.float32:
-            out.addmm_(t[:, ranks], b)
+            _add_product(out, t[:, ranks], b, block)
         else:
             out.add_(torch.mm(t[:, ranks], b.float()).to(dst.dtype))
+
+
+def _block_rows(y: torch.Tensor) -> int:
+    """Rows of ``y`` per cache-sized block when long segments go block by block (CPU, one thread), else 0."""
+    if not y.is_cpu or torch.get_num_threads() > 1:  # more threads split a block differently per op
+        return 0
+    return max(1, Y_BLOCK_BYTES // (y.shape[1] * y.element_size()))
+
+
+def _add_product(out: torch.Tensor, t: torch.Tensor, b: torch.Tensor, block: int) -> None:
+    """``out += t b`` in place, float32; block by block (see ``Y_BLOCK_BYTES``) when ``out`` spans enough blocks."""
+    rows = out.shape[0]
+    if not block or rows < MIN_BLOCKS * block:
+        out.addmm_(t, b)
+        return
+    for first in range(0, rows, block):
+        part = out[first : first + block]
+        part.sum()  # a streaming read: brings the block into cache at full memory bandwidth
+        part.addmm_(t[first : first + block], b)
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-from loraplane.kernels import BatchPlanner, LoraSlots, apply_lora, expand, lora_delta, shrink
+from loraplane.kernels import BatchPlanner, LoraSlots, apply_lora, expand, lora_delta, shrink, torch_backend
 
 from .backends import BACKENDS, backend_device, backend_instance
 
@@ -136,6 +138,37 @@ def test_no_bleeding_between_slots(backend: str, batch: str) -> None:
     permuted = lora_delta(x[permutation], slots, planner.plan([token_slots[i] for i in permutation]), backend=impl)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-3
     torch.testing.assert_close(permuted, before[permutation], atol=tolerance, rtol=tolerance)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for the test (the torch backend's row blocks are used on one thread only)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("slices", [PACKED, SINGLE], ids=["packed", "single"])
+def test_torch_long_segments_in_row_blocks_match_reference(
+    monkeypatch: pytest.MonkeyPatch, slices: tuple[int, ...]
+) -> None:
+    """Long CPU segments add into ``y`` in row blocks (uneven last block included) with the same result."""
+    monkeypatch.setattr(torch_backend, "Y_BLOCK_BYTES", 7 * 24 * 4)  # 4 or 7 rows per block, segments of 10-40
+    adapters = _adapters(slices)
+    slots = _slots(torch.float32, adapters, slices)
+    token_slots = BATCHES["prefill_long"] + BATCHES["prefill"]
+    plan = BatchPlanner(max_tokens=128, num_slots=NUM_SLOTS).plan(token_slots)
+    assert plan.contiguous and plan.max_segment > 10
+    x = _inputs(len(token_slots), torch.float32, torch.device("cpu"))
+    expected = _reference(x, token_slots, adapters, torch.float32, sum(slices))
+    backend = torch_backend.TorchBackend()
+    tolerance = dict(atol=4e-4, rtol=1e-4)
+    torch.testing.assert_close(lora_delta(x, slots, plan, backend=backend).double(), expected, **tolerance)
+    y = torch.zeros(len(token_slots), sum(slices))
+    expand(y, shrink(x, slots, plan, backend=backend), slots, plan, backend=backend)
+    torch.testing.assert_close(y.double(), expected, **tolerance)
 
 
 def test_bad_shapes_and_dtypes_are_rejected() -> None:
