@@ -38,3 +38,13 @@ class ApiModel(BaseModel):
     def from_json(cls, data: bytes | str) -> Self:
         """Parse and validate JSON text."""
         return cls.model_validate_json(data)
+
+
+class PayloadModel(ApiModel):
+    """A payload exchanged between loraplane processes through Redis or HTTP.
+
+    Unknown fields are ignored rather than refused, so a newer writer can add an optional field without breaking
+    older readers during a rolling upgrade; an incompatible change bumps ``SCHEMA_VERSION`` instead.
+    """
+
+    model_config = ConfigDict(extra="ignore")

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from loraplane.api.adapterrevision import DnsLabel
-from loraplane.api.base import ApiModel
+from loraplane.api.base import PayloadModel
 from loraplane.api.runtime import SCHEMA_VERSION
 
 
@@ -19,7 +19,7 @@ class RevisionRole(StrEnum):
     CANARY = "canary"
 
 
-class WeightedRevision(ApiModel):
+class WeightedRevision(PayloadModel):
     """One revision a logical name routes to, with its share of the traffic in percent."""
 
     revision: DnsLabel
@@ -29,7 +29,7 @@ class WeightedRevision(ApiModel):
     role: RevisionRole = RevisionRole.STABLE
 
 
-class RouteEntry(ApiModel):
+class RouteEntry(PayloadModel):
     """How one logical model name is served."""
 
     tenant: str = "default"
@@ -48,7 +48,7 @@ class RouteEntry(ApiModel):
         return revisions
 
 
-class RouteTable(ApiModel):
+class RouteTable(PayloadModel):
     """Logical model name -> weighted revisions. Only names in this table are routable."""
 
     schema_version: int = SCHEMA_VERSION
@@ -62,7 +62,7 @@ class RouteTable(ApiModel):
 RateWindow = Literal["5m", "1h", "24h"]
 
 
-class RequestRates(ApiModel):
+class RequestRates(PayloadModel):
     """Per-served-revision request rates (requests/s) over rolling windows, published by the picker."""
 
     schema_version: int = SCHEMA_VERSION
@@ -78,7 +78,7 @@ class RequestRates(ApiModel):
         return self
 
 
-class RevisionCounters(ApiModel):
+class RevisionCounters(PayloadModel):
     """Cumulative per-revision outcome counters the picker publishes for canary analysis."""
 
     requests: int = Field(default=0, ge=0)
@@ -87,7 +87,7 @@ class RevisionCounters(ApiModel):
     ttft_count: int = Field(default=0, ge=0)
 
 
-class PickerCounters(ApiModel):
+class PickerCounters(PayloadModel):
     """All revisions' counters from one picker replica."""
 
     schema_version: int = SCHEMA_VERSION

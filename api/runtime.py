@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import Field, field_validator
 
 from loraplane.api.adapterrevision import Artifact, Digest, LoraSpec
-from loraplane.api.base import ApiModel
+from loraplane.api.base import PayloadModel
 
 #: Bumped on any incompatible change of the payloads in this module; readers refuse other versions.
 SCHEMA_VERSION = 1
@@ -37,7 +37,7 @@ _LEVELS = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.ABSENT: 3}
 TargetTier = Annotated[Tier, Field(description="gpu, cpu or disk; adapters not listed should be absent")]
 
 
-class AdapterTarget(ApiModel):
+class AdapterTarget(PayloadModel):
     """One served revision a pod should hold, and everything the sidecar needs to fetch and check it."""
 
     served_name: str = Field(min_length=3, max_length=128)
@@ -60,7 +60,7 @@ class AdapterTarget(ApiModel):
         return tier
 
 
-class TargetState(ApiModel):
+class TargetState(PayloadModel):
     """The controller's wish for one pod. Written only by the controller; ``generation`` increases on change."""
 
     schema_version: int = SCHEMA_VERSION
@@ -89,7 +89,7 @@ ERROR_DIGEST_MISMATCH = "DigestMismatch"
 ERROR_INCOMPATIBLE = "Incompatible"
 
 
-class AdapterResidency(ApiModel):
+class AdapterResidency(PayloadModel):
     """One served revision as the runtime holds it."""
 
     served_name: str
@@ -132,7 +132,7 @@ class AdapterResidency(ApiModel):
     )
 
 
-class PodLoad(ApiModel):
+class PodLoad(PayloadModel):
     """Load of one model server, scraped from its metrics (GIE model-server protocol names)."""
 
     queue_depth: int = Field(default=0, ge=0)
@@ -146,7 +146,7 @@ class PodLoad(ApiModel):
     recent_evictions: int = Field(default=0, ge=0, description="evictions in the last minute")
 
 
-class ResidencyReport(ApiModel):
+class ResidencyReport(PayloadModel):
     """A pod's heartbeat: what is warm where, and how loaded it is. Written only by that pod's sidecar."""
 
     schema_version: int = SCHEMA_VERSION

@@ -226,3 +226,13 @@ def test_priority_classes() -> None:
 def test_error_reason_is_one_camel_case_word() -> None:
     with pytest.raises(ValidationError):
         AdapterResidency(served_name="claims@v2", tier=Tier.DISK, error_reason="digest mismatch")
+
+
+def test_payloads_ignore_fields_a_newer_writer_added_but_specs_refuse_them() -> None:
+    report = _all_models()[2].to_dict()
+    report["futureField"] = 1
+    report["adapters"][0]["futureRowField"] = "x"
+    report["load"]["futureLoad"] = 2.0
+    assert ResidencyReport.model_validate(report) == _all_models()[2]
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        api.LoraSpec.model_validate({"rank": 8, "alpha": 8, "targetModules": ["q_proj"], "futureField": 1})
