@@ -249,16 +249,15 @@ class Demo:
         self.timeline: list[RolloutStep] = []
 
     # -- the cluster side ---------------------------------------------------------------------------------------
-    async def _revision_status(self, http: httpx.AsyncClient, name: str) -> dict[str, Any]:
-        response = await http.get(f"{self.cluster.url}{GROUP_PATH}/{name}")
-        response.raise_for_status()
-        status: dict[str, Any] = response.json().get("status") or {}
-        return status
-
     async def _phases(self, http: httpx.AsyncClient) -> dict[str, str]:
+        return {item["metadata"]["name"]: (item.get("status") or {}).get("phase", "")
+                for item in (await self._list(http))["items"]}
+
+    async def _list(self, http: httpx.AsyncClient) -> dict[str, Any]:
         response = await http.get(f"{self.cluster.url}{GROUP_PATH}")
         response.raise_for_status()
-        return {item["metadata"]["name"]: (item.get("status") or {}).get("phase", "") for item in response.json()["items"]}
+        listing: dict[str, Any] = response.json()
+        return listing
 
     def _apply(self, manifests: list[dict[str, Any]], name: str) -> str:
         path = self.stack.options.workdir / "manifests" / f"{name}.yaml"
@@ -283,20 +282,33 @@ class Demo:
                     raise TimeoutError(f"revisions not Stable after {within} s: {phases}")
                 await asyncio.sleep(0.3)
 
-    async def _follow_rollout(self, http: httpx.AsyncClient, name: str, applied_at: float, done: asyncio.Event) -> None:
+    async def _follow_rollout(self, http: httpx.AsyncClient, name: str, since: str, applied_at: float,
+                              done: asyncio.Event) -> None:
+        """Record every phase the revision passes through, from a watch (polling would miss short phases)."""
+        params = {"watch": "true", "fieldSelector": f"metadata.name={name}", "resourceVersion": since}
         last = None
         while not done.is_set():
-            status = await self._revision_status(http, name)
-            phase = status.get("phase") or "Pending"
-            label = f"Canary({status.get('canaryStep', 0) + 1})" if phase == "Canary" else phase
-            if label != last:
-                self.timeline.append(RolloutStep(label, round(time.monotonic() - applied_at, 2),
-                                                 int(status.get("trafficWeight") or 0)))
-                last = label
-            if phase in ("Stable", "Failed", "RolledBack"):
-                done.set()
-                return
-            await asyncio.sleep(0.2)
+            async with http.stream("GET", f"{self.cluster.url}{GROUP_PATH}", params=params,
+                                   timeout=httpx.Timeout(10, read=None)) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    obj = event.get("object") or {}
+                    params["resourceVersion"] = (obj.get("metadata") or {}).get("resourceVersion", params["resourceVersion"])
+                    if event.get("type") not in ("ADDED", "MODIFIED"):
+                        continue
+                    status = obj.get("status") or {}
+                    phase = status.get("phase") or "Pending"
+                    label = f"Canary({status.get('canaryStep', 0) + 1})" if phase == "Canary" else phase
+                    if label != last:
+                        self.timeline.append(RolloutStep(label, round(time.monotonic() - applied_at, 2),
+                                                         int(status.get("trafficWeight") or 0)))
+                        last = label
+                    if phase in ("Stable", "Failed", "RolledBack"):
+                        done.set()
+                        return
 
     # -- traffic --------------------------------------------------------------------------------------------------
     async def _observe(self, model: str) -> tuple[set[str], dict[tuple[str, str], str]]:
@@ -415,10 +427,12 @@ class Demo:
 
             new = manifest(self.artifacts[served_name(ROLLED, "v2")], base_model, base_digest, "gpu-preferred")
             self.console.print(f"[bold]canary rollout[/]: kubectl apply {new['metadata']['name']}")
+            since = (await self._list(http))["metadata"]["resourceVersion"]
             self.console.print(self._apply([new], "v2").rstrip())
             applied_at = time.monotonic()
             done = asyncio.Event()
-            follower = asyncio.create_task(self._follow_rollout(http, new["metadata"]["name"], applied_at, done))
+            follower = asyncio.create_task(self._follow_rollout(http, new["metadata"]["name"], since, applied_at,
+                                                                done))
             await self._drive(http, ROLLOUT_PHASE, None, self._hot, until=done,
                               after=self.plan.after_rollout_requests, within=self.plan.rollout_timeout_s,
                               rate=self.plan.rollout_rate)
