@@ -6,6 +6,7 @@ ResidencyReport the sidecar publishes.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -18,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import (
     LOOPBACK,
@@ -32,6 +35,7 @@ from e2e.fixtures.processes import (
 from loraplane.api import (
     ERROR_DIGEST_MISMATCH,
     ERROR_INCOMPATIBLE,
+    AdapterResidency,
     AdapterTarget,
     Artifact,
     LoraSpec,
@@ -43,6 +47,11 @@ from loraplane.api import (
     keys,
     served_name,
 )
+from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.scheduler import Scheduler
+from loraplane.picker.snapshot import InFlightTracker
+from loraplane.picker.state import PoolState, RedisSync
+from loraplane.picker.telemetry import RequestStats
 from tests.sidecar.adapters import write_peft_dir
 
 pytestmark = pytest.mark.slow
@@ -305,6 +314,61 @@ def test_engine_restart_is_healed_without_redis_changes(engine: Engine, adapters
     wait_until(lambda: holds(engine, want), 30, "target after the engine restart")
     wait_until(lambda: report_matches_listing(client, "pod-3", engine, adapters), 10, "report == listing")
     assert "sidecar_runtime_restarts_total 1.0" in sidecar.metrics()
+
+
+def test_the_picker_stops_routing_a_leaving_revision_before_the_engine_unloads_it(
+        engine: Engine, adapters: dict[str, Adapter], redis_srv: RedisServer, sidecar_factory) -> None:
+    """The drain protocol across processes: the sidecar reports the revision draining, the picker's Redis-fed state
+    and scheduler route it to another pod holding it, and only then does the engine lose it (no 404 window)."""
+    client = redis.Redis.from_url(redis_srv.url)
+    base = engine.listing()["base_model_digest"]
+    d = adapters["delta@v1"]
+    sidecar_factory("pod-6", redis_srv)  # the default drain grace (1 s)
+    write_target(client, "pod-6", 1, [d.target(Tier.CPU, base)])
+    wait_until(lambda: holds(engine, {d.name: ("cpu", False)}), 30, "target")
+    here = f"{LOOPBACK}:{engine.port}"
+    elsewhere = ResidencyReport(pool=POOL, pod="pod-7", address="10.0.0.7:8000", heartbeat_at=time.time(),
+                                ttl_seconds=600, adapters=[AdapterResidency(served_name=d.name, tier=Tier.CPU,
+                                                                            digest=d.artifact_digest)])
+    client.set(keys.residency_report(POOL, "pod-7"), elsewhere.to_json())
+    client.sadd(keys.residency_index(POOL), "pod-7")
+    request = SchedulingRequest(served_name=d.name, digest=d.artifact_digest)
+    scheduler = Scheduler.default()
+
+    async def watch() -> list[tuple[bool, bool]]:
+        """(engine holds it, the picker would route it here) samples from the target change to the unload."""
+        state = PoolState(POOL, InFlightTracker(), time.time)
+        sync = RedisSync(state, aioredis.Redis.from_url(redis_srv.url), RequestStats(time.time), "picker-0",
+                         resync_seconds=60, publish_seconds=60)
+        task = asyncio.create_task(sync.run())
+
+        def routed_here() -> bool:
+            picks = {scheduler.schedule(request, state.snapshot, np.random.default_rng(seed)).endpoints[0]
+                     for seed in range(16)}
+            return here in picks
+
+        try:
+            deadline = time.monotonic() + 30
+            while not (state.synced and len(state.snapshot) == 2 and routed_here()):  # both pods share the traffic
+                assert time.monotonic() < deadline, "the picker never routed to pod-6"
+                await asyncio.sleep(0.05)
+            write_target(client, "pod-6", 2, [])
+            samples: list[tuple[bool, bool]] = []
+            while not samples or samples[-1][0]:
+                assert time.monotonic() < deadline + 30, "never unloaded"
+                held = d.name in await asyncio.to_thread(engine.held)
+                samples.append((held, routed_here()))
+                await asyncio.sleep(0.02)
+            return samples
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await sync.client.aclose()
+
+    samples = asyncio.run(watch())
+    assert not any(routed for held, routed in samples if not held)
+    draining = [held for held, routed in samples if not routed]
+    assert draining[0] and sum(draining) >= 2, samples  # routed elsewhere before the unload
 
 
 def test_redis_outage_keeps_serving_and_report_returns(engine: Engine, adapters: dict[str, Adapter],
