@@ -18,9 +18,8 @@ import subprocess
 import sys
 import tarfile
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import yaml
 from e2e.fixtures.devcluster import DevCluster, start_devcluster
 from e2e.fixtures.picker import Gateway, start_gateway
 from e2e.fixtures.processes import LOOPBACK, ManagedProcess, free_port, start_redis, wait_for_port
+from e2e.fixtures.waiting import wait_until
 from loraplane.api import SERVED_ADAPTER_HEADER, RouteTable, keys
 from loraplane.picker.envoy import UPSTREAM_HEADER
 
@@ -44,18 +44,6 @@ MODULES = ["q_proj", "v_proj"]
 REVISIONS = ("v1", "v2", "v3", "v4", "v5")
 
 
-def _wait(predicate: Callable[[], Any], within: float, what: str) -> Any:
-    deadline = time.monotonic() + within
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (httpx.HTTPError, redis.RedisError, AssertionError) as exc:
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 @dataclass
@@ -273,13 +261,13 @@ def _scenario(stack: Stack) -> None:
 
     # v1: Stable and served
     stack.apply(manifest(stack, "v1"))
-    _wait(lambda: stack.label("v1") == "Stable", 120, "v1 stable")
+    wait_until(lambda: stack.label("v1") == "Stable", 120, "v1 stable")
     assert stack.routes() == {"v1": 100}
     traffic = Traffic(stack.gateway.url, stack.client)
     sender = threading.Thread(target=traffic.run, daemon=True)
     sender.start()
     try:
-        _wait(lambda: traffic.served_during("v1")["claims@v1"] >= 3, 60, "v1 served through Envoy")
+        wait_until(lambda: traffic.served_during("v1")["claims@v1"] >= 3, 60, "v1 served through Envoy")
 
         # v2: every phase, canary steps, promotion; v1 retiring then evicted everywhere
         stack.apply(manifest(stack, "v2"))
@@ -291,20 +279,20 @@ def _scenario(stack: Stack) -> None:
             canary_routes.append(stack.routes())
             return label == "Stable"
 
-        _wait(v2_progress, 180, "v2 stable")
+        wait_until(v2_progress, 180, "v2 stable")
         traffic.phase = "v2:Stable"
         assert {"v1": 90, "v2": 10} in canary_routes and {"v1": 50, "v2": 50} in canary_routes
         canary = traffic.served_during("v2:Canary(0)") + traffic.served_during("v2:Canary(1)")
         assert canary["claims@v2"] >= 1 and canary["claims@v1"] >= 1, canary
-        _wait(lambda: traffic.served_during("v2:Stable")["claims@v2"] >= 3, 30, "v2 served after promotion")
+        wait_until(lambda: traffic.served_during("v2:Stable")["claims@v2"] >= 3, 30, "v2 served after promotion")
         assert stack.routes() == {"v2": 100}
-        _wait(lambda: stack.label("v1") == "Retired", 60, "v1 retired")
-        _wait(lambda: stack.engine_holds("claims@v1") == [], 30, "v1 evicted from every engine")
+        wait_until(lambda: stack.label("v1") == "Retired", 60, "v1 retired")
+        wait_until(lambda: stack.engine_holds("claims@v1") == [], 30, "v1 evicted from every engine")
 
         # v3: a wrong digest stops it at Verifying; v2 keeps all traffic
         traffic.phase = "v3"
         stack.apply(manifest(stack, "v3", digest_of="v2"))
-        _wait(lambda: stack.label("v3") == "Failed", 60, "v3 failed")
+        wait_until(lambda: stack.label("v3") == "Failed", 60, "v3 failed")
         status = stack.status("v3")
         assert status["reason"] == "DigestMismatch" and status["message"].startswith("Verifying: "), status
         assert stack.routes() == {"v2": 100}
@@ -312,20 +300,20 @@ def _scenario(stack: Stack) -> None:
         traffic.phase = "v4"
         # v4: its health probe fails (TTFT bound no engine can meet): rolled back automatically
         stack.apply(manifest(stack, "v4", healthProbe={"ttftBoundMs": 0.001}))
-        _wait(lambda: stack.label("v4") == "RolledBack", 120, "v4 rolled back")
+        wait_until(lambda: stack.label("v4") == "RolledBack", 120, "v4 rolled back")
         assert stack.status("v4")["reason"] == "ProbeFailed"
         assert stack.routes() == {"v2": 100}
 
         traffic.phase = "v5"
         # v5: kill the leader mid-canary; the other replica resumes without repeating or skipping a gate
         stack.apply(manifest(stack, "v5", steps=[{"weight": 10, "pauseSeconds": 6}, {"weight": 50, "pauseSeconds": 600}]))
-        _wait(lambda: stack.label("v5") == "Canary(0)", 120, "v5 canary")
+        wait_until(lambda: stack.label("v5") == "Canary(0)", 120, "v5 canary")
         leader = stack.leader()
         killed = stack.controllers[leader].proc
         assert killed is not None
         killed.send_signal(signal.SIGKILL)
         killed.wait(10)
-        _wait(lambda: stack.label("v5") == "Canary(1)", 60, "v5 second step under the other replica")
+        wait_until(lambda: stack.label("v5") == "Canary(1)", 60, "v5 second step under the other replica")
         assert stack.leader() != leader
         events = stack.events("v5")
         assert events["GatePassed"] == 4 and events["CanaryStep"] == 2, events  # each gate once, none skipped
@@ -334,7 +322,7 @@ def _scenario(stack: Stack) -> None:
         # manual rollback during the canary: all traffic back to stable within one reconcile
         traffic.phase = "v5-rollback"
         stack.kubectl("patch", "adapterrevision", "claims-v5", "--type", "merge", "-p", '{"spec":{"rollback":true}}')
-        _wait(lambda: stack.routes() == {"v2": 100}, 3, "v2 at 100 % again")
+        wait_until(lambda: stack.routes() == {"v2": 100}, 3, "v2 at 100 % again")
         assert stack.label("v5") == "RolledBack"
     finally:
         traffic.stop.set()

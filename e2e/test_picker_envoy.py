@@ -30,6 +30,7 @@ from e2e.fixtures.processes import (
     start_redis,
     wait_for_port,
 )
+from e2e.fixtures.waiting import wait_until
 from loraplane.api import (
     SERVED_ADAPTER_HEADER,
     AdapterTarget,
@@ -111,16 +112,6 @@ def _sha256(path: Path) -> str:
     return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (httpx.HTTPError, redis.RedisError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _target(revision: Revision, tier: Tier, base_digest: str) -> AdapterTarget:
@@ -205,7 +196,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                         return False
             return True
 
-        _wait(placed, 120, "the sidecars to report the placement")
+        wait_until(placed, 120, "the sidecars to report the placement")
         _publish_routes(client, _routes(1, 0, revisions))
         gateways = gateway(work, POOL, redis_server.url, config_yaml=PICKER_CONFIG)
         gw = next(gateways)
@@ -257,7 +248,7 @@ def test_warm_pod_takes_the_traffic_until_it_saturates_then_load_wins(cluster: C
 def test_canary_weight_is_honoured_and_sticky_per_session(cluster: Cluster) -> None:
     _publish_routes(cluster.client, _routes(2, 10, cluster.revisions))
     probe = next(f"probe-{i}" for i in range(1000) if sticky_bucket("claims", f"probe-{i}") >= 90)  # a canary session
-    _wait(lambda: _completion(cluster, probe).headers[SERVED_ADAPTER_HEADER] == "claims@v2", 15, "the new route table")
+    wait_until(lambda: _completion(cluster, probe).headers[SERVED_ADAPTER_HEADER] == "claims@v2", 15, "the new route table")
 
     async def send(sessions: list[str]) -> list[httpx.Response]:
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=16)) as client:

@@ -32,6 +32,7 @@ from e2e.fixtures.processes import (
     start_redis,
     wait_for_port,
 )
+from e2e.fixtures.waiting import wait_until
 from loraplane.api import (
     ERROR_DIGEST_MISMATCH,
     ERROR_INCOMPATIBLE,
@@ -88,18 +89,6 @@ class Engine:
         self.start()
 
 
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-        except (httpx.HTTPError, redis.RedisError, KeyError) as exc:
-            last = exc
-        if last and not isinstance(last, Exception):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture(scope="module")

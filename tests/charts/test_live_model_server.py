@@ -14,7 +14,6 @@ import re
 import sys
 import tarfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 import redis
 
 from e2e.fixtures.processes import ManagedProcess, RedisServer, free_port, wait_for_port
+from e2e.fixtures.waiting import wait_until
 from loraplane.api import (
     AdapterTarget,
     Artifact,
@@ -42,18 +42,6 @@ POD = "model-server-0"
 MODULES = ["q_proj", "v_proj"]
 
 
-def _wait(predicate: Callable[[], Any], timeout: float, what: str, *logs: ManagedProcess) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except (httpx.HTTPError, redis.RedisError):
-            value = None
-        if value:
-            return value
-        time.sleep(0.2)
-    tails = "\n".join(p.log_tail() for p in logs)
-    raise AssertionError(f"timed out waiting for {what}\n{tails}")
 
 
 def _artifact(tmp_path: Path) -> tuple[Path, str]:
@@ -117,7 +105,7 @@ def test_the_charts_sidecar_loads_an_adapter_into_the_charts_engine(
             row = report.by_name().get(name) if report else None
             return report if row is not None and row.tier is Tier.GPU and row.digest == digest else None
 
-        report = _wait(warm_report, 60, "the adapter GPU-warm in the report", engine, sidecar)
+        report = wait_until(warm_report, 60, "the adapter GPU-warm in the report", engine, sidecar)
         assert report.address == f"127.0.0.1:{port}" and report.ready and report.runtime == "engine"
         held = httpx.get(f"http://127.0.0.1:{port}/admin/adapters", timeout=10).json()["adapters"]
         assert [a["served_name"] for a in held if a["tier"] == "gpu"] == [name]
