@@ -67,13 +67,6 @@ def reported_utilisation(pool: PoolSnapshot, thresholds: SaturationThresholds) -
     return util
 
 
-def utilisation(pool: PoolSnapshot, thresholds: SaturationThresholds, reported: FloatArray | None = None) -> FloatArray:
-    """Each endpoint's utilisation; >= 1.0 means saturated. ``reported`` may be a cached ``reported_utilisation``."""
-    if reported is None:
-        reported = reported_utilisation(pool, thresholds)
-    return np.maximum(reported, pool.in_flight / thresholds.in_flight_threshold)
-
-
 class _NoParameters(ApiModel):
     pass
 
@@ -135,7 +128,7 @@ def residency_filter(_params: FilterParameters) -> Filter:
 
         mask = pool.memo((holding, request.served_name, request.digest), holders)
         draining = pool.draining_holders(request.served_name, request.digest)
-        if draining is None or (mask & cycle.candidates).any():
+        if draining is None or np.count_nonzero(mask & cycle.candidates):
             return mask
 
         def holders_or_draining() -> BoolArray:
@@ -195,10 +188,10 @@ def _lower_is_better(values: FloatArray) -> FloatArray | None:
     """GIE's normalisation: (max - v) / (max - min) over the pool; all equal -> no preference (None)."""
     if not len(values):
         return None
-    low, high = values.min(), values.max()
+    low, high = np.minimum.reduce(values), np.maximum.reduce(values)  # the ufuncs: no Python wrapper per call
     if high == low:
         return None
-    return (high - values) / (high - low)
+    return (high - values) * (1.0 / (high - low))
 
 
 def _load_scorer(field_name: str) -> Callable[[_NoParameters], Scorer]:

@@ -40,9 +40,8 @@ from loraplane.picker.plugins import (
     SchedulingRequest,
     Scorer,
     reported_utilisation,
-    utilisation,
 )
-from loraplane.picker.snapshot import BoolArray, IntArray, PoolSnapshot
+from loraplane.picker.snapshot import BoolArray, PoolSnapshot
 
 PICKER_TYPE = "max-score-picker"
 
@@ -133,9 +132,12 @@ class Outcome(StrEnum):
     REJECTED = "rejected"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
-    """The scheduler's answer: ordered endpoint addresses (first = primary, then fallbacks)."""
+    """The scheduler's answer: ordered endpoint addresses (first = primary, then fallbacks).
+
+    Not frozen: a frozen dataclass's ``__init__`` costs several microseconds per decision; treat it as read-only.
+    """
 
     endpoints: tuple[str, ...]
     indices: tuple[int, ...]
@@ -175,14 +177,23 @@ class _FilterStep:
 
 @dataclass(frozen=True, slots=True)
 class _SnapshotCache:
-    """What depends only on one snapshot's reports: computed on its first request, reused until it is replaced."""
+    """What depends only on one snapshot's reports: computed on its first request, reused until it changes.
+
+    Also the per-decision scratch vectors (overwritten by every decision, never handed out), so a decision allocates
+    no whole-pool arrays of its own for utilisation and the weighted sum.
+    """
 
     pool: PoolSnapshot
+    version: int
     reported_utilisation: FloatArray
     #: all-True candidate mask (never mutated)
     everyone: BoolArray
     #: weighted sum of the snapshot-only scorers over the whole pool
     scores: FloatArray
+    utilisation: FloatArray
+    unsaturated: BoolArray
+    total: FloatArray
+    term: FloatArray
 
 
 class Scheduler:
@@ -201,6 +212,7 @@ class Scheduler:
         self.snapshot_scorers: list[tuple[str, Scorer, float]] = []
         self.max_endpoints = 1
         self._cache: _SnapshotCache | None = None
+        self._in_flight_scale = 1.0 / self.thresholds.in_flight_threshold
         for ref in chosen.plugins:
             spec = specs[ref.plugin_ref]
             if spec.type in FILTERS:
@@ -229,28 +241,37 @@ class Scheduler:
         """Pick endpoints for ``request``; raises ``NoEndpointError`` / ``PoolSaturatedError``."""
         if not pool.size:
             raise NoEndpointError("the pool has no endpoints")
-        cache = self._cache if self._cache is not None and self._cache.pool is pool else self._fill_cache(pool)
-        util = utilisation(pool, self.thresholds, cache.reported_utilisation)
-        cycle = Cycle(cache.everyone, util, util < 1.0)
+        cache = self._cache
+        if cache is None or cache.pool is not pool or cache.version != pool.version:
+            cache = self._fill_cache(pool)
+        util, unsaturated = cache.utilisation, cache.unsaturated
+        np.multiply(pool.in_flight, self._in_flight_scale, out=util)
+        np.maximum(util, cache.reported_utilisation, out=util)
+        np.less(util, 1.0, out=unsaturated)
+        cycle = Cycle(cache.everyone, util, unsaturated)
         for step in self.filters:
             keep = step.run(request, pool, cycle)
             if keep is None:
                 continue
-            narrowed = cycle.candidates & keep
-            if narrowed.any():
+            narrowed = keep if cycle.candidates is cache.everyone else cycle.candidates & keep
+            if np.count_nonzero(narrowed):
                 cycle.candidates = narrowed
             elif not step.fail_open:
                 raise NoEndpointError(f"no endpoint left after {step.name}")
-        saturated = not (cycle.unsaturated & cycle.candidates).any()
+        saturated = not np.count_nonzero(unsaturated & cycle.candidates)
         if saturated and request.priority < 0:
             raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
         scores = cache.scores
         for _name, scorer, weight in self.scorers:
             score = scorer(request, pool, cycle)
-            if score is not None:
-                scores = scores + weight * score
-        order = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
-        return self._decide(request, pool, cycle.unsaturated, order, saturated)
+            if score is None:
+                continue
+            if scores is cache.scores:
+                scores = cache.total
+                np.copyto(scores, cache.scores)
+            np.add(scores, np.multiply(score, weight, out=cache.term), out=scores)
+        indices = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
+        return self._decide(request, pool, unsaturated, indices, saturated)
 
     def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
         reported = reported_utilisation(pool, self.thresholds)
@@ -261,20 +282,25 @@ class Scheduler:
             score = scorer(SchedulingRequest(), pool, whole)
             if score is not None:
                 scores += weight * score
-        self._cache = _SnapshotCache(pool, reported, everyone, scores)
+        n = pool.size
+        self._cache = _SnapshotCache(
+            pool, pool.version, reported, everyone, scores,
+            np.empty(n), np.empty(n, dtype=np.bool_), np.empty(n), np.empty(n),
+        )
         return self._cache
 
     def _decide(
-        self, request: SchedulingRequest, pool: PoolSnapshot, unsaturated: BoolArray, order: IntArray, saturated: bool
+        self, request: SchedulingRequest, pool: PoolSnapshot, unsaturated: BoolArray, indices: tuple[int, ...],
+        saturated: bool,
     ) -> Decision:
-        indices = tuple(order.tolist())
-        endpoints = tuple(pool.addresses[i] for i in indices)
+        addresses = pool.addresses
+        endpoints = tuple([addresses[i] for i in indices])
         if request.served_name is None:
             return Decision(endpoints, indices, Outcome.BASE, Tier.GPU, saturated)
         entry = pool.lookup(request.served_name, request.digest)
         level = entry.level_of.get(indices[0], 3) if entry is not None else 3
         tier = _TIER_OF_LEVEL[level]
-        if level > 0 and entry is not None and bool(np.any((entry.levels < level) & ~unsaturated[entry.indices])):
+        if level > 0 and entry is not None and np.count_nonzero((entry.levels < level) & ~unsaturated[entry.indices]):
             return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier, saturated)  # a warmer pod was saturated
         outcome = Outcome.WARM_GPU if level == 0 else Outcome.WARM_CPU if level == 1 else Outcome.COLD
         return Decision(endpoints, indices, outcome, tier, saturated)
@@ -283,14 +309,23 @@ class Scheduler:
 _TIER_OF_LEVEL = {t.level: t for t in Tier}
 
 
-def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.Generator) -> IntArray:
+#: Up to this many candidates are ranked in plain Python (cheaper than numpy's per-call cost on short vectors);
+#: more are first narrowed with numpy to the top ``k`` and whatever ties the k-th.
+PYTHON_RANK_MAX = 32
+
+
+def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.Generator) -> tuple[int, ...]:
     """The ``k`` best candidates by score, best first; equal scores are ordered by ``rng``."""
-    indices = np.flatnonzero(candidates)
+    indices = candidates.nonzero()[0]
+    n = len(indices)
+    if n <= 1:
+        return tuple(indices.tolist())
     values = scores[indices]
-    n = len(values)
-    if n > k:
+    if n > PYTHON_RANK_MAX and n > k:
         kth = np.partition(values, n - k)[n - k]
-        keep = values >= kth
+        keep = (values >= kth).nonzero()[0]
         indices, values = indices[keep], values[keep]
-    order = np.lexsort((rng.random(len(values)), -values))
-    return indices[order[:k]]
+        if len(values) > PYTHON_RANK_MAX:  # many equal scores (e.g. an idle, uniform pool)
+            return tuple(indices[np.lexsort((rng.random(len(values)), -values))[:k]].tolist())
+    ranked = sorted(zip((-values).tolist(), rng.random(len(values)).tolist(), indices.tolist(), strict=True))
+    return tuple([index for _, _, index in ranked[:k]])

@@ -10,7 +10,7 @@ be unloaded from its pod) are indexed apart: never warm, and routed to only when
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -62,6 +62,12 @@ class ResidencyEntry:
     #: endpoint index -> tier level, for per-decision lookups without numpy
     level_of: dict[int, int]
 
+    @classmethod
+    def of(cls, level_of: dict[int, int]) -> ResidencyEntry:
+        """The entry for these endpoint indices and tier levels (in the dict's order)."""
+        return cls(np.fromiter(level_of, np.intp, len(level_of)),
+                   np.fromiter(level_of.values(), np.int8, len(level_of)), level_of)
+
 
 class PoolSnapshot:
     """Every endpoint of the pool with its load and residency, ready to be scored."""
@@ -89,38 +95,85 @@ class PoolSnapshot:
         self.in_flight: FloatArray = np.zeros(n, dtype=np.float64)
         #: GPU-resident revisions with a positive route priority (gold) on each endpoint.
         self.protected_warm: FloatArray = np.zeros(n, dtype=np.float64)
-        buckets: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+        self._priorities = priorities
+        holders: dict[tuple[str, str], dict[int, int]] = {}
         leaving: dict[tuple[str, str], list[int]] = {}
         for i, endpoint in enumerate(self.endpoints):
-            if endpoint.stale:
-                continue  # unknown residency is not truth
-            for name, (tier, digest) in endpoint.residency.items():
-                if digest is None or tier is Tier.ABSENT:
-                    continue
-                if name in endpoint.draining:
-                    leaving.setdefault((name, digest), []).append(i)
-                    continue
-                idx, levels = buckets.setdefault((name, digest), ([], []))
-                idx.append(i)
-                levels.append(tier.level)
-                if tier is Tier.GPU and priorities.get(name, 0) > 0:
-                    self.protected_warm[i] += 1
-        self.all_ready = bool(self.ready.all())
-        self.any_stale = bool(self.stale.any())
-        self._memo: dict[Hashable, Any] = {}
-        self._memo_entries = max(64, MEMO_BYTES // (8 * max(1, n)))
-        self.has_protected = bool(self.protected_warm.any())
-        #: 1.0 where no gold revision is GPU-resident
-        self.unprotected: FloatArray = (self.protected_warm == 0).astype(np.float64)
-        self.fresh: BoolArray = ~self.stale
+            for key, level, draining in _resident_rows(endpoint):
+                if draining:
+                    leaving.setdefault(key, []).append(i)
+                else:
+                    holders.setdefault(key, {})[i] = level
+            self.protected_warm[i] = self._protected_count(endpoint)
         self.residency: dict[tuple[str, str], ResidencyEntry] = {
-            key: ResidencyEntry(np.asarray(idx, dtype=np.intp), np.asarray(levels, dtype=np.int8), dict(zip(idx, levels, strict=True)))
-            for key, (idx, levels) in buckets.items()
+            key: ResidencyEntry.of(level_of) for key, level_of in holders.items()
         }
         #: (served name, digest) -> endpoints that still hold it but are draining it (leaving soon)
         self.draining: dict[tuple[str, str], IntArray] = {
             key: np.asarray(idx, dtype=np.intp) for key, idx in leaving.items()
         }
+        self._memo: dict[Hashable, Any] = {}
+        self._memo_entries = max(64, MEMO_BYTES // (8 * max(1, n)))
+        #: bumped by every in-place update, so caches keyed on the snapshot know when to recompute
+        self.version = 0
+        self._derive_flags()
+
+    def _derive_flags(self) -> None:
+        self.all_ready = bool(self.ready.all())
+        self.any_stale = bool(self.stale.any())
+        self.has_protected = bool(self.protected_warm.any())
+        #: 1.0 where no gold revision is GPU-resident
+        self.unprotected: FloatArray = (self.protected_warm == 0).astype(np.float64)
+        self.fresh: BoolArray = ~self.stale
+
+    def _protected_count(self, endpoint: EndpointState) -> int:
+        return sum(1 for (name, _), level, draining in _resident_rows(endpoint)
+                   if level == 0 and not draining and self._priorities.get(name, 0) > 0)
+
+    def update_endpoint(self, index: int, state: EndpointState) -> None:
+        """Replace endpoint ``index`` (same address) in place: load, readiness, staleness and residency.
+
+        Costs O(its residency rows) when residency changed and O(1) otherwise (plus a few whole-pool flag
+        recomputations), instead of re-indexing the pool. ``in_flight`` is kept; ``version`` is bumped.
+        """
+        old = self.endpoints[index]
+        if state.address != old.address:
+            raise ValueError(f"endpoint {index} is {old.address}, not {state.address}: build a new snapshot")
+        self.endpoints = (*self.endpoints[:index], state, *self.endpoints[index + 1:])
+        self.ready[index], self.stale[index] = state.ready, state.stale
+        self.queue_depth[index], self.running[index] = state.queue_depth, state.running
+        self.active_tokens[index], self.kv_utilization[index] = state.active_tokens, state.kv_utilization
+        self.recent_evictions[index] = state.recent_evictions
+        if (old.stale, old.residency, old.draining) != (state.stale, state.residency, state.draining):
+            self._reindex(index, old, state)
+        self._derive_flags()
+        self.version += 1
+
+    def _reindex(self, index: int, old: EndpointState, new: EndpointState) -> None:
+        rows = list(_resident_rows(new))
+        for key in {key for key, _, _ in _resident_rows(old)} | {key for key, _, _ in rows}:
+            entry = self.residency.get(key)
+            level_of = {i: level for i, level in entry.level_of.items() if i != index} if entry else {}
+            leaving = [i for i in self.draining.get(key, ()) if i != index]
+            for row_key, level, draining in rows:
+                if row_key == key:
+                    if draining:
+                        leaving.append(index)
+                    else:
+                        level_of[index] = level
+            self._set_holders(key, level_of, leaving)
+        self.protected_warm[index] = self._protected_count(new)
+        self._memo.clear()
+
+    def _set_holders(self, key: tuple[str, str], level_of: dict[int, int], leaving: list[int]) -> None:
+        if level_of:
+            self.residency[key] = ResidencyEntry.of(dict(sorted(level_of.items())))
+        else:
+            self.residency.pop(key, None)
+        if leaving:
+            self.draining[key] = np.asarray(sorted(leaving), dtype=np.intp)
+        else:
+            self.draining.pop(key, None)
 
     def __len__(self) -> int:
         return self.size
@@ -131,7 +184,7 @@ class PoolSnapshot:
             return cast(T, self._memo[key])
         except KeyError:
             if len(self._memo) >= self._memo_entries:
-                self._memo.clear()  # bounded: hot revisions come back at once, cold ones are not worth keeping
+                del self._memo[next(iter(self._memo))]  # bounded: the oldest entry goes (one at a time, no spikes)
             value = self._memo[key] = compute()
             return value
 
@@ -170,6 +223,15 @@ class PoolSnapshot:
             else:
                 states.append(endpoint_from_report(report, address))
         return cls(states, priorities)
+
+
+def _resident_rows(endpoint: EndpointState) -> Iterator[tuple[tuple[str, str], int, bool]]:
+    """((served name, digest), tier level, draining) for each residency row that counts (none when stale)."""
+    if endpoint.stale:
+        return  # unknown residency is not truth
+    for name, (tier, digest) in endpoint.residency.items():
+        if digest is not None and tier is not Tier.ABSENT:
+            yield (name, digest), tier.level, name in endpoint.draining
 
 
 def endpoint_from_report(report: ResidencyReport, address: str | None = None) -> EndpointState:
