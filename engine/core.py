@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from loraplane.api import Tier
-from loraplane.engine.adapters import AdapterFiles, FileDigests, host_copy, parse_adapter
+from loraplane.engine.adapters import AdapterFiles, FileDigests, HostBuffers, host_copy, parse_adapter
 from loraplane.engine.metrics import EngineMetrics
 from loraplane.engine.model import KVCache, LlamaModel, SequenceChunk
 from loraplane.engine.tiers import AdapterState, AdapterTiers
@@ -128,6 +128,7 @@ class Engine:
         self._eos = set(model.config.eos_token_ids)
         self._task: asyncio.Task[None] | None = None
         self.file_digests = FileDigests()
+        self.host_buffers = HostBuffers(tiers.max_cpu_loras + 1, pinned=model.device.type == "cuda")
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -148,9 +149,10 @@ class Engine:
     async def read_adapter(self, name: str, path: Path) -> tuple[AdapterState, PeftAdapter]:
         """Read, parse and prepare an adapter for the host tier (off the event loop) as a new, unregistered state.
 
-        The disk-read stage reads each file once (hashing it unless :class:`FileDigests` knows it unchanged); the
-        parse stage views the tensors in those bytes, checks them and converts them to the serving dtype (pinned
-        on CUDA), so inserting into the host tier copies nothing.
+        The disk-read stage reads each file once, the weights into a warm :class:`HostBuffers` buffer (page-locked
+        on CUDA), hashing it unless :class:`FileDigests` knows it unchanged; the parse stage views the tensors in
+        those bytes and checks them, converting only what is not in the serving dtype, so inserting into the host
+        tier copies nothing. Both run under ``torch.inference_mode``: the weights are inference tensors.
         """
         files, weights, read_seconds, parse_seconds = await asyncio.to_thread(self._read_for_host, path)
         self.metrics.load_stage("disk_read", read_seconds)
@@ -161,11 +163,12 @@ class Engine:
 
     def _read_for_host(self, path: Path) -> tuple[AdapterFiles, PeftAdapter, float, float]:
         """Both stages in one worker thread: the files, the host-ready weights, and each stage's seconds."""
-        started = time.perf_counter()
-        files = AdapterFiles.read(path, self.file_digests)
-        read_done = time.perf_counter()
-        weights = parse_adapter(files, self.model.config, self.tiers.max_lora_rank)
-        weights = host_copy(weights, self.model.dtype, pin=self.model.device.type == "cuda")
+        with torch.inference_mode():
+            started = time.perf_counter()
+            files = AdapterFiles.read(path, self.file_digests, self.host_buffers)
+            read_done = time.perf_counter()
+            weights = parse_adapter(files, self.model.config, self.tiers.max_lora_rank)
+            weights = host_copy(weights, self.model.dtype, pin=self.host_buffers.pinned)
         return files, weights, read_done - started, time.perf_counter() - read_done
 
     async def add_adapter(self, name: str, path: Path) -> AdapterState:
