@@ -23,6 +23,10 @@ from loraplane.kernels.torch_backend import TorchBackend
 
 ZIPF_EXPONENT = 1.5
 COPY_BYTES = 256 * 2**20  # well beyond the last-level cache
+#: Bytes read (untimed) before every timed call, beyond the last-level cache (CPU L3 32 MiB here, H100/H200 L2
+#: 50 MiB): every variant finds the adapters' weights in memory, as a layer does in a model whose other layers ran
+#: in between, whatever variant ran just before it (see ``cache_flusher``).
+FLUSH_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
 
 
 @dataclass(frozen=True)
@@ -36,13 +40,12 @@ class Case:
     d_in: int = 4096
     d_out: int = 4096
     seq_len: int = 1
-    all_cores: bool = False  # CPU: may use every core (decode matmuls are too small for a second thread to pay)
 
 
 CASES = (
     Case("decode_64x16", tokens=64, adapters=16, ranks=(16,)),
     Case("decode_256x64", tokens=256, adapters=64, ranks=(16,)),
-    Case("prefill_2048x8", tokens=2048, adapters=8, ranks=(16,), seq_len=128, all_cores=True),
+    Case("prefill_2048x8", tokens=2048, adapters=8, ranks=(16,), seq_len=128),
     Case("mixed_ranks_8_16_64", tokens=64, adapters=16, ranks=(8, 16, 64)),
 )
 
@@ -52,22 +55,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds per call: wall clock, and CPU time of the whole process (every thread)."""
+
+    wall: float
+    cpu: float
+
+
 def time_interleaved(
-    variants: dict[str, Callable[[], object]], rounds: int, device: torch.device, warmup: int = 2
-) -> dict[str, float]:
-    """Median seconds per call of each variant, timed round-robin (one call per variant per round)."""
-    samples: dict[str, list[float]] = {name: [] for name in variants}
+    variants: dict[str, Callable[[], object]],
+    rounds: int,
+    device: torch.device,
+    warmup: int = 2,
+    flush: Callable[[], object] | None = None,
+) -> dict[str, Timing]:
+    """Median time per call of each variant, timed round-robin (one call per variant per round).
+
+    ``flush`` (untimed) runs before every timed call, so every variant starts from the same cache state.
+    """
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
     for _ in range(warmup):
         for fn in variants.values():
             fn()
     _sync(device)
     for _ in range(rounds):
         for name, fn in variants.items():
-            start = time.perf_counter()
+            if flush is not None:
+                flush()
+                _sync(device)
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             _sync(device)
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+            samples[name].append((time.perf_counter() - start, time.process_time() - start_cpu))
+    return {
+        name: Timing(statistics.median(w for w, _ in values), statistics.median(c for _, c in values))
+        for name, values in samples.items()
+    }
 
 
 def copy_bandwidth_gbps(device: torch.device, rounds: int = 7) -> float:
@@ -82,9 +106,24 @@ def copy_bandwidth_gbps(device: torch.device, rounds: int = 7) -> float:
     for threads in settings:
         if threads:
             torch.set_num_threads(threads)
-        seconds = time_interleaved({"copy": lambda: dst.copy_(src)}, rounds, device)["copy"]
+        seconds = time_interleaved({"copy": lambda: dst.copy_(src)}, rounds, device)["copy"].wall
         best = max(best, COPY_BYTES / seconds / 1e9)
     return best
+
+
+def cache_flusher(device: torch.device, hot: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """A call that leaves the caches as a LoRA layer finds them in a model.
+
+    It reads ``FLUSH_BYTES`` (evicting everything, without leaving dirty lines), then the ``hot`` tensors: the
+    layer's input and output, which the base layer has just read and written before ``apply_lora`` runs.
+    """
+    buffer = torch.ones(FLUSH_BYTES.get(device.type, COPY_BYTES) // 4, dtype=torch.float32, device=device)
+
+    def flush() -> None:
+        for tensor in (buffer, *hot):
+            tensor.sum()
+
+    return flush
 
 
 def zipf_token_slots(count: int, adapters: int, generator: torch.Generator) -> list[int]:
@@ -114,8 +153,8 @@ def run_case(
 ) -> dict:
     """Time loop / gather_bmm / sgmv / base_gemm for one case and derive the ratios.
 
-    On CPU every variant runs with ``threads`` torch threads; by default one, or ``cores`` for a case that may
-    use every core when its own ``sgmv`` call runs >= 1.3x faster on them (measured first, see ``_useful_threads``).
+    On CPU every variant runs with the same number of torch threads: ``threads``, or by default ``cores`` when
+    the case's own ``sgmv`` call runs >= 1.3x faster on them than on one, else one (see ``_useful_threads``).
     """
     generator = torch.Generator().manual_seed(0)
     slots = _build(case, dtype, device, generator)
@@ -123,14 +162,15 @@ def run_case(
         per_sequence = zipf_token_slots(case.tokens // case.seq_len, case.adapters, generator)
         arrival = [slot for slot in per_sequence for _ in range(case.seq_len)]
         grouped = arrival
+        plan = BatchPlanner(case.tokens, case.adapters).plan(grouped).to(device)
     else:  # decode: one token per sequence; the engine lays rows out by its DecodeGroups cache
         arrival = zipf_token_slots(case.tokens, case.adapters, generator)
         groups = DecodeGroups()
         for seq, slot in enumerate(arrival):
             groups.join(seq, slot)
         grouped = groups.token_slots()
-    planner = BatchPlanner(max_tokens=case.tokens, num_slots=case.adapters)
-    plan = planner.plan(grouped).to(device)
+        plan = BatchPlanner(case.tokens, case.adapters).plan_decode(groups).to(device)
+    planner = BatchPlanner(case.tokens, case.adapters)  # a second one: a plan's tensors are its planner's buffers
     x = torch.randn(case.tokens, case.d_in, generator=generator).to(device, dtype)
     y = torch.zeros(case.tokens, case.d_out, dtype=dtype, device=device)
     weight = torch.randn(case.d_out, case.d_in, generator=generator).to(device, dtype) / case.d_in**0.5
@@ -161,11 +201,13 @@ def run_case(
     if case.seq_len == 1:
         unsorted_plan = planner.plan(arrival).to(device)
         variants["sgmv_unsorted"] = lambda: apply_lora(y, x, slots, unsorted_plan, backend)
+    flush = cache_flusher(device, (x, y))
     with torch.no_grad():
         if device.type == "cpu":
-            torch.set_num_threads(threads or (_useful_threads(cores, variants["sgmv"]) if case.all_cores else 1))
-        medians = time_interleaved(variants, rounds, device)
-    plan_seconds = time_interleaved({"plan": lambda: planner.plan(arrival)}, rounds, torch.device("cpu"))["plan"]
+            torch.set_num_threads(threads or _useful_threads(cores, variants["sgmv"], flush))
+        timings = time_interleaved(variants, rounds, device, flush=flush)
+    medians = {name: timing.wall for name, timing in timings.items()}
+    plan_seconds = time_interleaved({"plan": lambda: planner.plan(arrival)}, rounds, torch.device("cpu"))["plan"].wall
     distinct = sorted(set(grouped))
     lora_bytes = sum(slots.adapter_nbytes(slot) for slot in distinct)
     floor_seconds = lora_bytes / (copy_gbps * 1e9)
@@ -191,6 +233,9 @@ def run_case(
         "copy_gbps": round(copy_gbps, 2),
         "floor_ratio": round(sgmv / floor_seconds, 3),
     }
+    if device.type == "cpu":  # process CPU time: steadier than wall time on a machine shared with other jobs
+        result.update({f"{name}_cpu_ms": round(timing.cpu * 1e3, 4) for name, timing in timings.items()})
+        result["speedup_vs_loop_cpu"] = round(timings["loop"].cpu / timings["sgmv"].cpu, 3)
     if device.type == "cuda":
         result["achieved_gbps"] = round(lora_bytes / sgmv / 1e9, 2)
         result["achieved_vs_copy"] = round(lora_bytes / sgmv / 1e9 / copy_gbps, 3)
@@ -240,20 +285,26 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _useful_threads(cores: int, op: Callable[[], object]) -> int:
+def _useful_threads(cores: int, op: Callable[[], object], flush: Callable[[], object]) -> int:
     """``cores`` if ``op`` (the case's own sgmv call) really runs >= 1.3x faster on them, else 1.
 
     Probing the op itself, not a large GEMM: on a machine shared with other work a big GEMM still gains from a
     second thread while the op's shorter calls wait at every barrier for a descheduled thread (measured: a GEMM
-    probe chose 2 threads, then sgmv took 6-9x as long as on one; docs/kernels.md).
+    probe chose 2 threads, then sgmv took 6-9x as long as on one; docs/kernels.md). The two settings are timed
+    interleaved, so a burst of load from other jobs hits both.
     """
     if cores == 1:
         return 1
-    seconds = {}
-    for threads in (1, cores):
-        torch.set_num_threads(threads)
-        seconds[threads] = time_interleaved({"op": op}, 3, torch.device("cpu"), warmup=1)["op"]
-    return cores if seconds[1] >= 1.3 * seconds[cores] else 1
+
+    def on(threads: int) -> Callable[[], object]:
+        def call() -> object:
+            torch.set_num_threads(threads)
+            return op()
+
+        return call
+
+    timings = time_interleaved({"one": on(1), "all": on(cores)}, 5, torch.device("cpu"), warmup=1, flush=flush)
+    return cores if timings["one"].wall >= 1.3 * timings["all"].wall else 1
 
 
 def _rounds(case: Case, quick: bool, device: torch.device) -> int:

@@ -47,7 +47,8 @@ class BatchPlan:
     * ``active_slots``, ``counts``, ``starts``: per distinct slot, its rows and first position in ``sorted_tokens``.
     * ``segment_slots``, ``segment_starts``, ``segment_rows``: the segments as int32 tensors for device kernels.
     * ``no_lora``: nothing to do; ops return at once.
-    * ``mode``: ``"decode"`` when every segment is at most ``DECODE_MAX_SEGMENT`` rows, else ``"prefill"``.
+    * ``mode``: ``"decode"`` for a plan of one-token rows (:meth:`BatchPlanner.plan_decode`, whatever the
+      segment lengths) or when every segment is at most ``DECODE_MAX_SEGMENT`` rows, else ``"prefill"``.
     """
 
     num_tokens: int
@@ -130,14 +131,18 @@ class BatchPlanner:
         else:
             order = sorted((i for i, s in enumerate(slots_list) if s >= 0), key=slots_list.__getitem__)
             segments = _segments(order, slots_list)
-        return self._fill(slots_list, order, segments, contiguous)
+        return self._fill(slots_list, order, segments, contiguous, decode=False)
 
     def plan_decode(self, groups: DecodeGroups) -> BatchPlan:
-        """Plan a decode step whose rows are laid out in ``groups.order()`` (no sort: the groups are kept)."""
+        """Plan a decode step whose rows are laid out in ``groups.order()`` (no sort: the groups are kept).
+
+        Every row is one sequence's single token, so the plan's mode is ``decode`` even when a popular adapter
+        has more than ``DECODE_MAX_SEGMENT`` rows.
+        """
         slots_list = groups.token_slots()
         self._validate(slots_list)
         order = [i for i, s in enumerate(slots_list) if s >= 0]
-        return self._fill(slots_list, order, list(groups.segments()), True)
+        return self._fill(slots_list, order, list(groups.segments()), True, decode=True)
 
     def _validate(self, slots_list: list[int]) -> None:
         if len(slots_list) > self.max_tokens:
@@ -146,7 +151,9 @@ class BatchPlanner:
         if bad:
             raise ValueError(f"slot indices must be -1 or in [0, {self.num_slots}), got {bad[:5]}")
 
-    def _fill(self, slots_list: list[int], order: list[int], segments: list[Segment], contiguous: bool) -> BatchPlan:
+    def _fill(
+        self, slots_list: list[int], order: list[int], segments: list[Segment], contiguous: bool, decode: bool
+    ) -> BatchPlan:
         num_tokens = len(slots_list)
         token_slots = self._slots[:num_tokens]
         token_slots.copy_(torch.tensor(slots_list, dtype=torch.int32))
@@ -183,7 +190,7 @@ class BatchPlanner:
             segment_starts=views[4],
             segment_rows=views[5],
             contiguous=contiguous,
-            mode="decode" if longest <= DECODE_MAX_SEGMENT else "prefill",
+            mode="decode" if decode or longest <= DECODE_MAX_SEGMENT else "prefill",
         )
 
 

@@ -7,7 +7,17 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from loraplane.kernels import BatchPlanner, LoraSlots, apply_lora, expand, lora_delta, shrink, torch_backend
+from loraplane.kernels import (
+    BatchPlan,
+    BatchPlanner,
+    DecodeGroups,
+    LoraSlots,
+    apply_lora,
+    expand,
+    lora_delta,
+    shrink,
+    torch_backend,
+)
 
 from .backends import BACKENDS, backend_device, backend_instance
 
@@ -22,6 +32,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
 BATCHES = {
     "decode_contiguous": [0, 0, 1, -1, 2, 3, 3],
     "decode_unsorted": [3, -1, 0, 2, 0, 1, 3, -1, 2],
+    "decode_groups_popular": [-1, 0, 0] + [1] * 12 + [2, 3],  # DecodeGroups order: a decode plan, one long group
     "prefill": [2] * 11 + [-1] * 3 + [0] * 10,
     "prefill_unsorted": [1, 2] * 6 + [-1] + [0] * 9,
     "prefill_long": [0] * 40 + [-1] * 2 + [3] * 20,  # several row tiles per segment
@@ -63,6 +74,20 @@ def _reference(x: torch.Tensor, token_slots: list[int], adapters, dtype: torch.d
     return out
 
 
+def _plan(planner: BatchPlanner, batch: str) -> BatchPlan:
+    """The batch's plan: from ``DecodeGroups`` for ``decode_groups_*`` batches (as the engine's decode steps)."""
+    token_slots = BATCHES[batch]
+    if not batch.startswith("decode_groups"):
+        return planner.plan(token_slots)
+    groups = DecodeGroups()
+    for seq, slot in enumerate(token_slots):
+        groups.join(seq, slot)
+    assert groups.token_slots() == token_slots
+    plan = planner.plan_decode(groups)
+    assert plan.mode == "decode" and plan.max_segment > 8
+    return plan
+
+
 def _inputs(num_tokens: int, dtype: torch.dtype, device: torch.device, seed: int = 2) -> torch.Tensor:
     return torch.randn(num_tokens, D_IN, generator=torch.Generator().manual_seed(seed)).to(device, dtype)
 
@@ -78,7 +103,7 @@ def test_apply_matches_reference_and_leaves_other_rows_alone(
     adapters = _adapters(slices)
     slots = _slots(dtype, adapters, slices, device)
     token_slots = BATCHES[batch]
-    plan = BatchPlanner(max_tokens=64, num_slots=NUM_SLOTS).plan(token_slots).to(device)
+    plan = _plan(BatchPlanner(max_tokens=64, num_slots=NUM_SLOTS), batch).to(device)
     x = _inputs(len(token_slots), dtype, device)
     y0 = torch.randn(len(token_slots), sum(slices), generator=torch.Generator().manual_seed(3)).to(device, dtype)
     y = y0.clone()

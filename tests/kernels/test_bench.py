@@ -10,7 +10,7 @@ from loraplane.kernels.bench import Case, main, run_case, time_interleaved, zipf
 FIELDS = {
     "name", "tokens", "adapters", "rank", "d_in", "d_out", "dtype", "loop_ms", "gather_bmm_ms", "sgmv_ms",
     "base_gemm_ms", "speedup_vs_loop", "speedup_vs_gather_bmm", "lora_overhead_vs_base", "bytes_ratio",
-    "copy_gbps", "floor_ratio", "threads", "plan_ms",
+    "copy_gbps", "floor_ratio", "threads", "plan_ms", "path", "loop_cpu_ms", "sgmv_cpu_ms", "speedup_vs_loop_cpu",
 }
 
 
@@ -31,6 +31,7 @@ def test_run_case_reports_every_field(case: Case) -> None:
     finally:
         torch.set_num_threads(threads)
     assert FIELDS <= set(result) and result["threads"] == 1
+    assert result["path"] == ("prefill/contiguous" if case.seq_len > 1 else "decode/contiguous")
     ratio = result["loop_ms"] / result["sgmv_ms"]
     assert result["speedup_vs_loop"] == pytest.approx(ratio, rel=1e-2, abs=2e-3)
     if len(case.ranks) == 1:  # distinct adapters' A/B bytes over the base weight's bytes
@@ -45,8 +46,10 @@ def test_zipf_popularity_is_skewed_and_timing_is_interleaved() -> None:
     counts = [slots.count(k) for k in range(8)]
     assert counts[0] > 2 * counts[1] > 0 and counts[0] > 10 * counts[7]
     calls: list[str] = []
-    time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, torch.device("cpu"), 1)
-    assert calls == ["a", "b"] * 4
+    variants = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    timings = time_interleaved(variants, 3, torch.device("cpu"), 1, flush=lambda: calls.append("flush"))
+    assert calls == ["a", "b"] + ["flush", "a", "flush", "b"] * 3  # warm-up, then a flush before every timed call
+    assert set(timings) == {"a", "b"} and all(t.wall >= 0 and t.cpu >= 0 for t in timings.values())
 
 
 def test_command_line_rejects_bad_options() -> None:

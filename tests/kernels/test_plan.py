@@ -84,3 +84,7 @@ def test_decode_groups_update_incrementally_and_plan_without_sort() -> None:
     assert plan.contiguous and reference.contiguous
     assert plan.segments == reference.segments
     assert plan.sorted_tokens.tolist() == reference.sorted_tokens.tolist()
+    for seq in range(DECODE_MAX_SEGMENT):  # a popular adapter: a long group of one-token rows stays a decode plan
+        groups.join(("popular", seq), 0)
+    assert planner.plan_decode(groups).mode == "decode"
+    assert planner.plan(groups.token_slots()).mode == "prefill"
