@@ -100,6 +100,12 @@ class PlacementConfig:
     #: score multiplier for priority > 0 (gold) and < 0 (sheddable)
     gold_weight: float = 4.0
     sheddable_weight: float = 0.5
+    #: below this steady rate (requests/s) an adapter gets no planned GPU replica (pinned and required ones
+    #: excepted): it waits in host memory and the engine loads it on demand
+    gpu_min_rate: float = 0.2
+    #: GPU replicas a gold (priority > 0) adapter with traffic gets at least, so its requests always have a second
+    #: warm pod when one is busy
+    gold_min_replicas: int = 2
 
 
 @dataclass
@@ -250,6 +256,8 @@ class _Planner:
         self.notes: dict[str, str] = {}
         #: pod -> steady request rate its GPU replicas carry (an adapter's score split over its replicas)
         self.load = dict.fromkeys(self.pool.caps, 0.0)
+        #: the same, counting gold (priority > 0) adapters only
+        self.gold_load = dict.fromkeys(self.pool.caps, 0.0)
         #: (per-replica value with stickiness, served name, version): the cheapest GPU replica to evict first
         self.victims: list[tuple[float, str, int]] = []
         self.versions: dict[str, int] = {}
@@ -257,11 +265,12 @@ class _Planner:
         for d in demands:
             weight = config.gold_weight if d.priority > 0 else config.sheddable_weight if d.priority < 0 else 1.0
             rate = steady_rate(d.rates, config)
-            need = replicas_needed(rate, config)
-            if need == 0 and (d.pinned or d.warm_policy is WarmPolicy.GPU_PREFERRED):
-                need = 1
-            if d.pinned:
-                need = max(need, 1)
+            if rate >= config.gpu_min_rate:
+                need = replicas_needed(rate, config)
+                if d.priority > 0:
+                    need = max(need, config.gold_min_replicas)
+            else:  # idle or a trickle: the warm policy's floor, behind every adapter with real demand
+                need = 1 if d.pinned or d.warm_policy is WarmPolicy.GPU_PREFERRED else 0
             # a tiny positive score for idle floors keeps them behind every adapter with traffic
             score = rate * weight if rate > 0 else 1e-9 * weight
             self.entries[d.served_name] = _Entry(d, score, need, is_burst(d.rates, config))
@@ -302,12 +311,14 @@ class _Planner:
         self.bump(e)
 
     def unload_share(self, e: _Entry) -> None:
-        for pod in e.gpu:
-            self.load[pod] -= e.share
+        self.load_share(e, -1.0)
 
-    def load_share(self, e: _Entry) -> None:
+    def load_share(self, e: _Entry, sign: float = 1.0) -> None:
+        share = sign * e.share
         for pod in e.gpu:
-            self.load[pod] += e.share
+            self.load[pod] += share
+            if e.demand.priority > 0:
+                self.gold_load[pod] += share
 
     # -- steps ---------------------------------------------------------------------------------------------------
     def place_required(self) -> None:
@@ -376,20 +387,21 @@ class _Planner:
                 heapq.heappush(heap, (-e.marginal(len(e.gpu) + 1), name))
 
     def least_loaded(self, e: _Entry) -> str | None:
-        """The least-loaded pod with room; an adapter's first GPU replica goes where it was CPU-warm if it fits.
+        """The least-loaded pod with room; an adapter's first GPU replica goes where it was CPU-warm, else where it
+        was on disk, if it fits.
 
         Promoting in place never leaves the adapter on no serving pod: a first replica elsewhere would drop the CPU
         replica while the new pod still fetches, and requests routed in between would find it nowhere.
         """
         load = self.load
-        cpu_warm = set(self.previously(e.demand.served_name, (Tier.CPU,))) if not e.gpu else set()
-        best: tuple[bool, float, int, str] | None = None
+        was = self.previous_by_name.get(e.demand.served_name, {}) if not e.gpu else {}
+        best: tuple[int, float, int, str] | None = None
         for pod in self.pool.roomy[Tier.GPU]:
             if not self.is_eligible(e, pod) or pod in e.gpu or e.demand.served_name in self.pool.held[pod]:
                 continue
             if not self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
                 continue
-            key = (pod not in cpu_warm, load[pod], self.pool.slots_used[Tier.GPU][pod], pod)
+            key = (was.get(pod, Tier.ABSENT).level, load[pod], self.pool.slots_used[Tier.GPU][pod], pod)
             if best is None or key < best:
                 best = key
         return None if best is None else best[3]
@@ -455,22 +467,24 @@ class _Planner:
             heapq.heappush(self.victims, (value, name, self.versions[name]))
 
     def place_bursts(self) -> None:
-        """Give each burst one GPU replica in a reserved burst slot, never evicting.
+        """Give each burst big enough for a GPU replica one in a reserved burst slot, never evicting.
 
-        It goes where it was on GPU, else where it was on CPU (promoted in place: a move would unload the CPU
-        replica while the new pod still fetches, and requests routed in between would find it nowhere).
+        It goes where it was on GPU, else on CPU, else on disk (promoted in place: a move would unload or fetch
+        while requests are routed to the old holder), else on the pod carrying the least gold load.
         """
-        bursts = sorted((e for e in self.entries.values() if e.burst and not e.gpu), key=lambda e: -e.demand.rates.m5)
+        bursts = sorted(
+            (e for e in self.entries.values() if e.burst and not e.gpu and e.demand.rates.m5 >= self.config.gpu_min_rate),
+            key=lambda e: -e.demand.rates.m5,
+        )
         for e in bursts:
             if not self.budget_allows(e, Tier.GPU):
                 continue
-            on_gpu = set(self.previously(e.demand.served_name, (Tier.GPU,)))
-            on_cpu = set(self.previously(e.demand.served_name, (Tier.CPU,)))
+            was = self.previous_by_name.get(e.demand.served_name, {})
             candidates = [p for p in self.eligible(e) if self.pool.fits(p, Tier.GPU, e.demand.bytes)]
             if not candidates:
                 self.notes[e.demand.served_name] = "burst: no burst slot free"
                 continue
-            pod = min(candidates, key=lambda p: (p not in on_gpu, p not in on_cpu, self.load[p], p))
+            pod = min(candidates, key=lambda p: (was.get(p, Tier.ABSENT).level, self.gold_load[p], self.load[p], p))
             self.add_gpu(e, pod)
 
     def place_cpu(self) -> None:
@@ -496,11 +510,20 @@ class _Planner:
                 heapq.heappush(by_use, (self.pool.slots_used[Tier.CPU][pod], pod))
 
     def cpu_pod_for(self, e: _Entry, by_use: list[tuple[int, str]]) -> str | None:
-        """Where it was warm before if that pod has room, else the eligible pod with the fewest CPU adapters."""
-        for pod in self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU)):
-            if pod in self.pool.roomy[Tier.CPU] and self.is_eligible(e, pod):
-                if self.pool.fits(pod, Tier.CPU, e.demand.bytes):
-                    return pod
+        """A pod that already holds it (GPU, CPU, then disk: no fetch) if one has room, else, for a revision no pod
+        holds yet, the eligible pod with the fewest CPU adapters.
+
+        A held revision is never copied to another pod for its CPU replica: the fetch would cost download time and
+        disk space for a host-memory copy, and requests keep going to the holder meanwhile.
+        """
+        holders = self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK))
+        if holders:
+            was = self.previous_by_name[e.demand.served_name]
+            for pod in sorted(holders, key=lambda p: was[p].level):
+                if pod in self.pool.roomy[Tier.CPU] and self.is_eligible(e, pod):
+                    if self.pool.fits(pod, Tier.CPU, e.demand.bytes):
+                        return pod
+            return None
         skipped, found = [], None
         while by_use:
             used, pod = heapq.heappop(by_use)

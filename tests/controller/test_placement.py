@@ -74,7 +74,7 @@ def test_every_demand_is_placed_within_capacity() -> None:
 
 
 def test_hot_adapter_is_spread_over_enough_pods_for_its_rate() -> None:
-    plan = place(_pods(6), [_demand("hot@v1", 10.0), _demand("cold@v1", 0.1)], config=PlacementConfig(replica_rate=4))
+    plan = place(_pods(6), [_demand("hot@v1", 10.0), _demand("cold@v1", 0.5)], config=PlacementConfig(replica_rate=4))
     assert len(plan.replicas(Tier.GPU)["hot@v1"]) == 3  # ceil(10 / 4)
     assert len(plan.replicas(Tier.GPU)["cold@v1"]) == 1
 
@@ -251,3 +251,66 @@ def test_a_replica_pushed_off_the_gpu_is_demoted_to_cpu_not_dropped() -> None:
     after = place(pods, [hot, canary], previous=before, config=PlacementConfig(burst_slots_per_pod=0))
     assert after.pods["pod-0"] == {"hot@v2": Tier.GPU, "hot@v1": Tier.CPU}  # still served there, from host memory
     assert after.pods["pod-1"] == {"hot@v1": Tier.GPU}
+
+
+def test_a_trickle_plans_like_an_idle_adapter_its_warm_policy_sets_the_floor() -> None:
+    trickle = _demand("trickle@v1", 0.1, warm_policy=WarmPolicy.CPU)
+    demands = [_demand("hot@v1", 5.0), trickle]
+    plan = place(_pods(2), demands)
+    assert "trickle@v1" not in plan.replicas(Tier.GPU)  # below gpu_min_rate: a planned load would be wasted
+    assert list(plan.tiers_of("trickle@v1").values()) == [Tier.CPU]
+    lower = place(_pods(2), demands, config=PlacementConfig(gpu_min_rate=0.05))
+    assert len(lower.replicas(Tier.GPU)["trickle@v1"]) == 1
+    # gpu-preferred: a GPU replica only while a slot is left over; any adapter with demand takes it
+    preferred = _demand("trickle@v1", 0.1)
+    assert len(place(_pods(1, gpu=2), [preferred]).replicas(Tier.GPU)["trickle@v1"]) == 1
+    full = place(_pods(1, gpu=2), [preferred, _demand("a@v1", 0.3), _demand("b@v1", 0.3)],
+                 config=PlacementConfig(burst_slots_per_pod=0))
+    assert "trickle@v1" not in full.replicas(Tier.GPU)
+
+
+def test_a_replica_goes_to_the_pod_that_already_holds_the_revision() -> None:
+    pods = _pods(4, gpu=2, cpu=1)
+    held_on_disk = Placement(pods={"pod-0": {}, "pod-1": {}, "pod-2": {}, "pod-3": {"rare@v1": Tier.DISK}})
+    rare = _demand("rare@v1", 0.1, warm_policy=WarmPolicy.CPU)
+    plan = place(pods, [rare], previous=held_on_disk)
+    assert plan.tiers_of("rare@v1") == {"pod-3": Tier.CPU}  # not pod-0, which would have to fetch it first
+    # when its holder has no host-memory room it stays there on disk rather than being copied to another pod
+    other = _demand("other@v1", 0.15, warm_policy=WarmPolicy.CPU, eligible=frozenset({"pod-3"}))
+    plan = place(pods, [rare, other], previous=held_on_disk)
+    assert plan.tiers_of("other@v1") == {"pod-3": Tier.CPU}
+    assert plan.tiers_of("rare@v1") == {"pod-3": Tier.DISK}
+    # a first GPU replica is promoted in place too
+    wanted = _demand("rare@v1", 1.0)
+    assert place(pods, [wanted], previous=held_on_disk).tiers_of("rare@v1") == {"pod-3": Tier.GPU}
+
+
+def test_a_burst_is_promoted_where_it_is_held_and_a_small_one_gets_no_gpu_slot() -> None:
+    pods = _pods(3, gpu=3)
+    previous = Placement(pods={"pod-0": {}, "pod-1": {}, "pod-2": {"batch@v1": Tier.DISK}})
+    big = AdapterDemand("batch@v1", bytes=10 * MB, rates=Rates(m5=2.0, h1=0.1, h24=0.05))
+    assert place(pods, [big], previous=previous).tiers_of("batch@v1") == {"pod-2": Tier.GPU}
+    small = AdapterDemand("batch@v1", bytes=10 * MB, rates=Rates(m5=0.1, h1=0.001, h24=0.001),
+                          warm_policy=WarmPolicy.CPU)
+    assert is_burst(small.rates, PlacementConfig())
+    assert place(pods, [small], previous=previous).tiers_of("batch@v1") == {"pod-2": Tier.CPU}
+
+
+def test_a_burst_without_a_holder_goes_where_gold_traffic_is_lightest() -> None:
+    pods = _pods(3, gpu=2)  # one slot per pod for steady demand, one for bursts
+    gold = _demand("gold@v1", 0.5, priority=10)  # two warm pods (gold_min_replicas), score 2 -> 1 per replica
+    std = _demand("std@v1", 3.0)  # one replica carrying 3: the most loaded pod, but no gold on it
+    burst = AdapterDemand("batch@v1", bytes=10 * MB, rates=Rates(m5=2.0, h1=0.1, h24=0.05))
+    plan = place(pods, [gold, std, burst])
+    assert len(plan.replicas(Tier.GPU)["gold@v1"]) == 2
+    (std_pod,) = plan.replicas(Tier.GPU)["std@v1"]
+    assert plan.replicas(Tier.GPU)["batch@v1"] == {std_pod}
+
+
+def test_a_gold_adapter_gets_a_second_warm_pod_a_standard_one_does_not() -> None:
+    demands = [_demand("gold@v1", 1.0, priority=10), _demand("std@v1", 1.0)]
+    plan = place(_pods(4), demands)
+    assert len(plan.replicas(Tier.GPU)["gold@v1"]) == 2
+    assert len(plan.replicas(Tier.GPU)["std@v1"]) == 1
+    one = place(_pods(4), demands, config=PlacementConfig(gold_min_replicas=1))
+    assert len(one.replicas(Tier.GPU)["gold@v1"]) == 1
