@@ -8,6 +8,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import sys
 import threading
 from collections import OrderedDict
@@ -59,11 +60,16 @@ def confine(root: Path | None, requested: str) -> Path:
         raise AdapterRejectedError(f"lora_path {requested!r} is outside the adapter root")
     if not resolved.is_dir():
         raise AdapterNotFoundError(f"No adapter found for {requested}: not a directory")
-    for name in ADAPTER_FILES:
+    for name in ADAPTER_FILES:  # inside a resolved directory, only a file that is itself a link can lead elsewhere
         file = resolved / name
-        if not file.exists():
-            raise AdapterNotFoundError(f"No adapter found for {requested}: {name} is missing")
-        if not file.resolve().is_relative_to(real_root):
+        try:
+            is_link = stat.S_ISLNK(os.lstat(file).st_mode)
+            target = file.resolve(strict=True) if is_link else file
+        except (FileNotFoundError, NotADirectoryError):
+            raise AdapterNotFoundError(f"No adapter found for {requested}: {name} is missing") from None
+        except (OSError, RuntimeError) as exc:
+            raise AdapterRejectedError(f"{name} in {requested!r} cannot be resolved: {exc}") from None
+        if not target.is_relative_to(real_root):
             raise AdapterRejectedError(f"{name} in {requested!r} links outside the adapter root")
     return resolved
 
@@ -71,13 +77,13 @@ def confine(root: Path | None, requested: str) -> Path:
 FileIdentity = tuple[int, int, int, int, int]
 
 
-def _identity(stat: os.stat_result) -> FileIdentity:
+def _identity(status: os.stat_result) -> FileIdentity:
     """What changes whenever a file's bytes can have changed: device, inode, size, mtime and ctime (ns).
 
     ctime cannot be set back by an ordinary process, so an in-place rewrite that restores size and mtime is
     still noticed.
     """
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
 #: Buffers from this size on are anonymous memory advised into huge pages, and pooled.
@@ -270,7 +276,8 @@ def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
         try:
             dtype = _SAFETENSORS_DTYPES[info["dtype"]]
             shape = [int(d) for d in info["shape"]]
-            begin, end = (int(o) for o in info["data_offsets"])
+            begin, end = info["data_offsets"]
+            begin, end = int(begin), int(end)
         except (KeyError, TypeError, ValueError):
             raise AdapterFormatError(f"tensor {name!r}: missing or unsupported dtype, shape or data_offsets") from None
         itemsize = dtype.itemsize

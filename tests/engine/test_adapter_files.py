@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load as reference_load
 
 from loraplane.api import ADAPTER_WEIGHTS_FILE, adapter_digest
-from loraplane.engine.adapters import AdapterFiles, FileDigests, safetensors_views
+from loraplane.engine.adapters import AdapterFiles, FileDigests, HostBuffers, safetensors_views
 from loraplane.engine.app import EngineOptions
+from loraplane.engine.make_adapters import write_adapter
 from loraplane.engine.model import PRESETS, LlamaModel, seeded_weights, single_intra_op_thread
 from loraplane.kernels.peft import AdapterFormatError
 from tests.engine.helpers import GeneratedAdapter, inprocess
@@ -108,3 +109,58 @@ def test_slot_copies_run_on_one_thread_and_restore_the_count() -> None:
         assert torch.get_num_threads() == model.compute_threads == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_host_buffers_hand_out_only_memory_no_tensor_views_and_stay_bounded() -> None:
+    buffers = HostBuffers(capacity=2)
+    first = buffers.take(3 << 20).fill_(1)
+    kept, first_ptr = first[100:200], first.data_ptr()
+    del first
+    second = buffers.take(3 << 20).fill_(2)  # ``kept`` still views the first buffer: new memory
+    assert second.data_ptr() != first_ptr and bool((kept == 1).all())
+    second_ptr = second.data_ptr()
+    del second
+    assert buffers.take(3 << 20).data_ptr() == second_ptr  # free again: reused, nothing new
+    assert buffers.held_bytes == 2 * (4 << 20)  # two buffers, rounded up to whole 2 MiB pages
+    in_use = [buffers.take(3 << 20) for _ in range(2)]  # beyond the capacity: handed out, not kept
+    assert buffers.held_bytes == 2 * (4 << 20) and all(bool((t.fill_(3) == 3).all()) for t in in_use)
+    del kept, in_use
+    larger = buffers.take(5 << 20)  # no free buffer fits: the oldest free one makes room
+    assert buffers.held_bytes == (4 << 20) + (6 << 20) and larger.numel() == 5 << 20
+    assert buffers.take(1000).numel() == 1000  # small files: the ordinary allocator
+    assert buffers.held_bytes == (4 << 20) + (6 << 20)
+
+
+async def test_loads_reuse_the_memory_of_unloaded_adapters_and_never_memory_still_viewed(tmp_path: Path) -> None:
+    config = PRESETS["small"]  # rank 64: 4.7 MB, pooled
+    paths = {name: tmp_path / name for name in ("a", "b")}
+    for seed, path in enumerate(paths.values()):
+        write_adapter(path, config, 64, seed=seed)
+    expected = {name: reference_load((path / ADAPTER_WEIGHTS_FILE).read_bytes()) for name, path in paths.items()}
+    options = EngineOptions(model="small", max_lora_rank=64, max_loras=1, max_cpu_loras=2)
+    async with inprocess(options) as (built, _http):
+        engine = built.engine
+
+        def matches(served: str, name: str) -> bool:
+            weights = engine.tiers.registered[served].weights
+            assert weights is not None
+            return all(torch.equal(m.lora_a, expected[name][f"base_model.model.{module}.lora_A.weight"])
+                       and torch.equal(m.lora_b, expected[name][f"base_model.model.{module}.lora_B.weight"])
+                       for module, m in weights.modules.items())
+
+        await engine.add_adapter("a@v1", paths["a"])
+        await engine.add_adapter("b@v1", paths["b"])
+        held = engine.host_buffers.held_bytes
+        await engine.remove_adapter("a@v1")
+        await engine.add_adapter("a@v2", paths["a"])
+        assert engine.host_buffers.held_bytes == held  # a@v1's buffer, reused
+        assert matches("a@v2", "a") and matches("b@v1", "b")
+
+        module, weights = next(iter(engine.tiers.registered["a@v2"].weights.modules.items()))  # type: ignore[union-attr]
+        still_viewed = weights.lora_a
+        del weights
+        await engine.remove_adapter("a@v2")
+        await engine.add_adapter("b@v2", paths["b"])  # must not overwrite what ``still_viewed`` shows
+        assert engine.host_buffers.held_bytes > held
+        assert torch.equal(still_viewed, expected["a"][f"base_model.model.{module}.lora_A.weight"])
+        assert matches("b@v2", "b") and matches("b@v1", "b")
