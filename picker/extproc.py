@@ -9,18 +9,18 @@ and sent back in chunks of at most 62,000 bytes). Client mistakes become ``Immed
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
+import grpc
 import numpy as np
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from loraplane.api import PriorityClass
 from loraplane.picker.body import (
@@ -52,11 +52,16 @@ FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = pm.ProcessingMode.BUFFERED
 NONE = pm.ProcessingMode.NONE
 
-_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
-_CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
-_CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+#: Replies are wire-encoded ``ProcessingResponse``s: the constant ones are encoded once, the routed ones from cached
+#: pieces (see ``_routed``), so the hot path builds no protobuf objects.
+Wire = bytes
+
+_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
+_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
+_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse()).SerializeToString()
+_CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()
+_CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse()).SerializeToString()
+_PRIORITY_OF_OBJECTIVE = {objective.value: objective.priority for objective in PriorityClass}
 
 
 @dataclass
@@ -113,7 +118,7 @@ def _set_headers(pairs: Iterable[tuple[str, str]]) -> pb.HeaderMutation:
     return pb.HeaderMutation(set_headers=[_header_option(k, v) for k, v in pairs])
 
 
-def immediate_response(status: int, message: str, reason: str) -> pb.ProcessingResponse:
+def immediate_response(status: int, message: str, reason: str) -> Wire:
     """An ``ImmediateResponse`` in the reference EPP's wording: ``inference error: <code> - <message>``."""
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
@@ -122,17 +127,79 @@ def immediate_response(status: int, message: str, reason: str) -> pb.ProcessingR
             body=f"inference error: {status} - {message}".encode(),
             details=reason,
         )
-    )
+    ).SerializeToString()
 
 
-def _destination_metadata(value: str) -> struct_pb2.Struct:
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _key(message: type[Message], field: str) -> bytes:
+    """The wire key of a length-delimited (message or bytes) field."""
+    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
+
+
+def _field(key: bytes, *parts: bytes) -> list[bytes]:
+    """A length-delimited field holding ``parts`` concatenated, as pieces to join."""
+    return [key, _varint(sum(map(len, parts))), *parts]
+
+
+_PHASE_KEYS = {phase: _key(pb.ProcessingResponse, phase) for phase in ("request_headers", "request_body")}
+_COMMON_KEY = _key(pb.BodyResponse, "response")  # HeadersResponse.response has the same number
+assert _COMMON_KEY == _key(pb.HeadersResponse, "response")
+_BODY_MUTATION_KEY = _key(pb.CommonResponse, "body_mutation")
+_BODY_KEY = _key(pb.BodyMutation, "body")
+
+
+@lru_cache(maxsize=8192)
+def _destination_metadata(value: str) -> bytes:
+    """The ``dynamic_metadata`` field of a routed response (``envoy.lb`` -> destination), encoded."""
     metadata = struct_pb2.Struct()
     metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION_HEADER] = value
-    return metadata
+    return pb.ProcessingResponse(dynamic_metadata=metadata).SerializeToString()
+
+
+@lru_cache(maxsize=8192)
+def _routing_common(destination: str, content_length: int | None) -> bytes:
+    """The encoded ``CommonResponse`` fields of a routed response: the destination (and length) headers, clear_route_cache."""
+    pairs = [(DESTINATION_HEADER, destination)]
+    if content_length is not None:
+        pairs.append(("content-length", str(content_length)))
+    return pb.CommonResponse(header_mutation=_set_headers(pairs), clear_route_cache=True).SerializeToString()
+
+
+def _routed(phase: str, common: bytes, metadata: bytes, body: bytes | None = None) -> Wire:
+    """``ProcessingResponse{<phase>: {response: common + body_mutation{body}}, dynamic_metadata}`` on the wire.
+
+    Protobuf parsers merge repeated occurrences of a message field, so cached encoded pieces can be concatenated;
+    the body is copied once (into the joined result) instead of into a message and out again.
+    """
+    inner = [common] if body is None else [common, *_field(_BODY_MUTATION_KEY, *_field(_BODY_KEY, body))]
+    return b"".join([*_field(_PHASE_KEYS[phase], *_field(_COMMON_KEY, *inner)), metadata])
 
 
 class Exchange:
     """The state of one HTTP request as it passes through Envoy."""
+
+    __slots__ = (
+        "body",
+        "ctx",
+        "destination",
+        "fairness_key",
+        "finished",
+        "headers",
+        "request_body_mode",
+        "response_body_mode",
+        "route",
+        "sent_at",
+        "subset",
+        "tenant",
+    )
 
     def __init__(self, ctx: PickerContext) -> None:
         """Start an exchange; nothing is sent until Envoy's first message."""
@@ -151,8 +218,8 @@ class Exchange:
 
     # --- dispatch -----------------------------------------------------------------------------------------------
 
-    def handle(self, request: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
-        """The responses to one message from Envoy (possibly none while a streamed body is being collected)."""
+    def handle(self, request: pb.ProcessingRequest) -> list[Wire]:
+        """The encoded responses to one message from Envoy (none while a streamed body is being collected)."""
         try:
             self._observe_context(request)
             phase = request.WhichOneof("request")
@@ -187,7 +254,7 @@ class Exchange:
             if self.fairness_key is not None and self.ctx.fairness is not None:
                 self.ctx.fairness.finish(self.fairness_key)
 
-    def _refuse(self, status: int, message: str, reason: str) -> pb.ProcessingResponse:
+    def _refuse(self, status: int, message: str, reason: str) -> Wire:
         self.ctx.metrics.count_request(self.tenant, status)
         if status in (429, 503):
             self.ctx.metrics.decisions[Outcome.REJECTED].inc()
@@ -198,7 +265,7 @@ class Exchange:
         if request.HasField("protocol_config"):
             self.request_body_mode = request.protocol_config.request_body_mode
             self.response_body_mode = request.protocol_config.response_body_mode
-        if SUBSET_NAMESPACE in request.metadata_context.filter_metadata:
+        if request.HasField("metadata_context") and SUBSET_NAMESPACE in request.metadata_context.filter_metadata:
             hint = request.metadata_context.filter_metadata[SUBSET_NAMESPACE]
             if SUBSET_KEY in hint.fields:
                 value = hint.fields[SUBSET_KEY]
@@ -209,7 +276,7 @@ class Exchange:
 
     # --- request path -------------------------------------------------------------------------------------------
 
-    def _on_request_headers(self, message: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+    def _on_request_headers(self, message: pb.HttpHeaders) -> list[Wire]:
         wanted = self.ctx.settings.control_headers
         for header in message.headers.headers:
             if header.key in wanted:
@@ -220,44 +287,41 @@ class Exchange:
             return []  # answer once the whole body is in
         return [_CONTINUE_REQUEST_HEADERS]
 
-    def _on_request_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        self.body += message.body
+    def _on_request_body(self, message: pb.HttpBody) -> list[Wire]:
+        chunk = message.body
+        if message.end_of_stream and not self.body:
+            body = chunk  # the whole body in one message (BUFFERED): no reassembly copy
+        else:
+            self.body += chunk
+            body = bytes(self.body) if message.end_of_stream else b""
         limit = self.ctx.settings.max_body_bytes
-        if len(self.body) > limit:
+        if max(len(self.body), len(body)) > limit:
             raise ClientError(413, f"request body exceeds the limit of {limit} bytes", "body-too-large")
         if not message.end_of_stream:
             if self.request_body_mode == FULL_DUPLEX:
                 return []
             raise ClientError(400, "request body must be sent BUFFERED or FULL_DUPLEX_STREAMED")
-        return self._route_with_body()
+        return self._route_with_body(body)
 
-    def _schedule_if_pending(self) -> list[pb.ProcessingResponse]:
-        return self._route_with_body() if self.destination is None else []
+    def _schedule_if_pending(self) -> list[Wire]:
+        return self._route_with_body(bytes(self.body)) if self.destination is None else []
 
-    def _route_without_body(self) -> pb.ProcessingResponse:
+    def _route_without_body(self) -> Wire:
         decision = self._schedule(SchedulingRequest(subset=self.subset), None)
-        return pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(response=self._routing_common(decision, None)),
-            dynamic_metadata=_destination_metadata(",".join(decision.endpoints)),
-        )
+        return _routed("request_headers", self._common(decision, None), _destination_metadata(",".join(decision.endpoints)))
 
-    def _route_with_body(self) -> list[pb.ProcessingResponse]:
-        body = bytes(self.body)
+    def _route_with_body(self, body: bytes) -> list[Wire]:
         parsed = parse_body(body, self.ctx.settings.max_body_bytes)
         route = self._resolve(parsed)
         decision = self._schedule(self._scheduling_request(route), route)
         new_body = body if route.served_name is None else rewrite_request_model(body, parsed, route.served_name)
         metadata = _destination_metadata(",".join(decision.endpoints))
         if self.request_body_mode == FULL_DUPLEX:
-            head = pb.ProcessingResponse(
-                request_headers=pb.HeadersResponse(response=self._routing_common(decision, len(new_body))),
-                dynamic_metadata=metadata,
-            )
+            head = _routed("request_headers", self._common(decision, len(new_body)), metadata)
             return [head, *_streamed_body(new_body)]
-        common = self._routing_common(decision, len(new_body) if new_body is not body else None)
-        if new_body is not body:
-            common.body_mutation.body = new_body
-        return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)]
+        if new_body is body:
+            return [_routed("request_body", self._common(decision, None), metadata)]
+        return [_routed("request_body", self._common(decision, len(new_body)), metadata, new_body)]
 
     def _resolve(self, parsed: ParsedBody) -> Resolution:
         headers = self.headers
@@ -272,9 +336,9 @@ class Exchange:
 
     def _scheduling_request(self, route: Resolution) -> SchedulingRequest:
         priority = route.priority
-        objective = self.headers.get(OBJECTIVE_HEADER, "")
-        if objective in PriorityClass.__members__.values():
-            priority = min(priority, PriorityClass(objective).priority)  # a header may lower priority, never raise it
+        objective = self.headers.get(OBJECTIVE_HEADER)
+        if objective in _PRIORITY_OF_OBJECTIVE:
+            priority = min(priority, _PRIORITY_OF_OBJECTIVE[objective])  # a header may lower priority, never raise it
         return SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset)
 
     def _schedule(self, request: SchedulingRequest, route: Resolution | None) -> Decision:
@@ -298,12 +362,9 @@ class Exchange:
             ctx.stats.record_request(route.served_name)
         return decision
 
-    def _routing_common(self, decision: Decision, content_length: int | None) -> pb.CommonResponse:
+    def _common(self, decision: Decision, content_length: int | None) -> bytes:
         value = ",".join(decision.endpoints) if self.ctx.settings.destination_fallbacks else decision.endpoints[0]
-        pairs = [(DESTINATION_HEADER, value)]
-        if content_length is not None:
-            pairs.append(("content-length", str(content_length)))
-        return pb.CommonResponse(header_mutation=_set_headers(pairs), clear_route_cache=True)
+        return _routing_common(value, content_length)
 
     # --- response path ------------------------------------------------------------------------------------------
 
@@ -311,7 +372,7 @@ class Exchange:
     def _rewrites_response(self) -> bool:
         return self.ctx.settings.rewrite_response_model and self.route is not None and self.route.served_name is not None
 
-    def _on_response_headers(self, message: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+    def _on_response_headers(self, message: pb.HttpHeaders) -> list[Wire]:
         status = 0
         for header in message.headers.headers:
             if header.key == ":status":
@@ -323,12 +384,10 @@ class Exchange:
         if message.end_of_stream:
             self.close()
         if self._rewrites_response and self.response_body_mode != BUFFERED:
-            return [pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-                response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=["content-length"]))
-            ))]
+            return [_REMOVE_CONTENT_LENGTH]
         return [_CONTINUE_RESPONSE_HEADERS]
 
-    def _on_response_body(self, message: pb.HttpBody) -> list[pb.ProcessingResponse]:
+    def _on_response_body(self, message: pb.HttpBody) -> list[Wire]:
         chunk = message.body
         if message.end_of_stream:
             self.close()
@@ -345,10 +404,15 @@ class Exchange:
         common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=new))
         if self.response_body_mode == BUFFERED:
             common.header_mutation.CopyFrom(_set_headers([("content-length", str(len(new)))]))
-        return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))]
+        return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=common)).SerializeToString()]
 
 
-def _streamed_body(body: bytes, end_of_stream: bool = True, response: bool = False) -> Iterable[pb.ProcessingResponse]:
+_REMOVE_CONTENT_LENGTH = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+    response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=["content-length"]))
+)).SerializeToString()
+
+
+def _streamed_body(body: bytes, end_of_stream: bool = True, response: bool = False) -> Iterable[Wire]:
     """Body mutations for ``FULL_DUPLEX_STREAMED`` mode, at most ``MAX_BODY_CHUNK`` bytes each."""
     pieces = [body[i : i + MAX_BODY_CHUNK] for i in range(0, len(body), MAX_BODY_CHUNK)] or [b""]
     for n, piece in enumerate(pieces):
@@ -356,9 +420,10 @@ def _streamed_body(body: bytes, end_of_stream: bool = True, response: bool = Fal
             streamed_response=pb.StreamedBodyResponse(body=piece, end_of_stream=end_of_stream and n == len(pieces) - 1)
         )
         body_response = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-        yield pb.ProcessingResponse(response_body=body_response) if response else pb.ProcessingResponse(
+        message = pb.ProcessingResponse(response_body=body_response) if response else pb.ProcessingResponse(
             request_body=body_response
         )
+        yield message.SerializeToString()
 
 
 class ExtProcHandler:
@@ -369,26 +434,26 @@ class ExtProcHandler:
         self.exchange = Exchange(ctx)
 
     def on_message(self, message: bytes) -> list[bytes]:
-        """Decode a ``ProcessingRequest``, answer with serialized ``ProcessingResponse``s."""
+        """Decode a ``ProcessingRequest``, answer with encoded ``ProcessingResponse``s."""
         try:
             request = pb.ProcessingRequest.FromString(message)
         except DecodeError:
             raise GrpcStatusError(3, "not a ProcessingRequest") from None  # INVALID_ARGUMENT: Envoy's bug, not the client's
-        return [response.SerializeToString() for response in self.exchange.handle(request)]
+        return self.exchange.handle(request)
 
     def on_close(self) -> None:
         """Release the exchange's in-flight slot."""
         self.exchange.close()
 
 
-class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
+class ExtProcServicer:
     """``envoy.service.ext_proc.v3.ExternalProcessor/Process`` over grpcio's asyncio server."""
 
     def __init__(self, ctx: PickerContext) -> None:
         """Serve exchanges against ``ctx``."""
         self.ctx = ctx
 
-    async def Process(self, request_iterator, context):
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], _context: object) -> AsyncIterator[Wire]:
         """One bidirectional stream per HTTP request."""
         exchange = Exchange(self.ctx)
         try:
@@ -397,3 +462,9 @@ class ExtProcServicer(pb_grpc.ExternalProcessorServicer):
                     yield response
         finally:
             exchange.close()
+
+    def rpc_handler(self) -> grpc.GenericRpcHandler:
+        """The handler to register: requests are decoded by grpcio, replies are already encoded (no serializer)."""
+        method = grpc.stream_stream_rpc_method_handler(self.Process, request_deserializer=pb.ProcessingRequest.FromString)
+        return grpc.method_handlers_generic_handler(pb.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name,
+                                                    {"Process": method})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -14,7 +15,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import redis.asyncio as aioredis
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from kubernetes import client as k8s
@@ -112,7 +112,7 @@ def h2_routes(ctx: PickerContext, health: HealthStatus) -> Routes:
 def build_grpc_server(ctx: PickerContext, health: HealthStatus, addresses: Sequence[str]) -> tuple[grpc.aio.Server, list[int]]:
     """An asyncio gRPC server with the ext_proc and health services on ``addresses``; returns the bound ports."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 64 << 20)])
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExtProcServicer(ctx), server)
+    server.add_generic_rpc_handlers((ExtProcServicer(ctx).rpc_handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     ports = [server.add_insecure_port(address) for address in addresses]
     return server, ports
@@ -164,6 +164,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.05)
         await health.set(state.synced)
+        gc.freeze()  # start-up objects (modules, config, first snapshot) are never traversed by collections again
         await stop.wait()
     finally:
         await health.set(False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import orjson
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,7 +54,8 @@ def test_exchange_answers_every_body_with_a_route_or_a_4xx(payload: bytes) -> No
     ctx, _ = make_context()
     exchange = Exchange(ctx)
     exchange.handle(headers(REQUEST_HEADERS))
-    (response,) = exchange.handle(body(payload))
+    (encoded,) = exchange.handle(body(payload))
+    response = pb.ProcessingResponse.FromString(encoded)
     if response.WhichOneof("response") == "immediate_response":
         assert 400 <= response.immediate_response.status.code < 500
     else:

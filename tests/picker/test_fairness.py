@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from loraplane.picker.extproc import Exchange
 from loraplane.picker.fairness import FairShare
@@ -31,8 +32,8 @@ def test_fair_share_arithmetic() -> None:
 def send(ctx, key: str):  # type: ignore[no-untyped-def]
     exchange = Exchange(ctx)
     exchange.handle(headers([*REQUEST_HEADERS, ("x-gateway-inference-fairness-id", key)]))
-    (response,) = exchange.handle(body(COMPLETION))
-    return exchange, response
+    (encoded,) = exchange.handle(body(COMPLETION))
+    return exchange, pb.ProcessingResponse.FromString(encoded)
 
 
 def test_a_tenant_above_its_share_is_refused_only_while_the_pool_is_saturated() -> None:
