@@ -46,6 +46,8 @@ class PlacementSettings(_Strict):
     burst_slots_per_pod: int = Field(default=PlacementConfig.burst_slots_per_pod, ge=0, alias="burstSlotsPerPod")
     gold_weight: float = Field(default=PlacementConfig.gold_weight, gt=0, alias="goldWeight")
     sheddable_weight: float = Field(default=PlacementConfig.sheddable_weight, gt=0, alias="sheddableWeight")
+    gpu_min_rate: float = Field(default=PlacementConfig.gpu_min_rate, ge=0, alias="gpuMinRate")
+    gold_min_replicas: int = Field(default=PlacementConfig.gold_min_replicas, ge=1, alias="goldMinReplicas")
 
 
 class BudgetSettings(_Strict):
