@@ -8,13 +8,15 @@ The plan, in order:
 
 1. rollout requirements (``AdapterDemand.required``: canary pods, retiring revisions) are placed first;
 2. GPU replicas by marginal value: an adapter's k-th replica is worth ``score / k`` where the score is its steady
-   request rate (bursts excluded) times a priority weight; pinned adapters come first. Existing replicas are kept
-   while their value, raised by ``stickiness``, still earns them a slot, so a small change in rates moves few
-   adapters. Capacity is counted in slots and bytes; ``burst_slots_per_pod`` GPU slots per pod are kept free for
-   bursts;
+   request rate (bursts excluded) times a priority weight; pinned adapters come first. Below ``gpu_min_rate`` an
+   adapter plans like an idle one (its warm policy's floor); a gold one with traffic gets ``gold_min_replicas``.
+   Existing replicas are kept while their value, raised by ``stickiness``, still earns them a slot, so a small
+   change in rates moves few adapters; a first replica goes to a pod already holding the revision. Capacity is
+   counted in slots and bytes; ``burst_slots_per_pod`` GPU slots per pod are kept free for bursts;
 3. one-off bursts (5 min rate far above the 1 h / 24 h rates) get a replica in the reserved burst slots only, so
-   they never evict a hot adapter;
-4. adapters without a GPU replica but with traffic or a ``cpu`` / ``gpu-preferred`` warm policy get a CPU replica;
+   they never evict a hot adapter: where they are held, else where gold load is lightest;
+4. adapters without a GPU replica but with traffic or a ``cpu`` / ``gpu-preferred`` warm policy get a CPU replica,
+   on a pod already holding them (a held revision is never copied to another pod for it);
 5. a revision that loses its GPU or CPU place on a pod is demoted to CPU there if room is left, not dropped;
 6. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
