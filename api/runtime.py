@@ -118,6 +118,13 @@ class AdapterResidency(PayloadModel):
         description="the tenant priority the runtime's eviction policy weighs (AdapterTarget.priority once the "
         "sidecar has set it); None when the runtime keeps none",
     )
+    registered: bool | None = Field(
+        default=None,
+        description="the runtime has this revision registered under served_name, so a request for it is served now "
+        "(a `disk` row: after the runtime reads it back from its local disk); false for a row only in the sidecar's "
+        "disk cache (or absent): the runtime would answer 404 until the sidecar loads it; None from reporters that "
+        "do not say (sidecars before this field)",
+    )
     draining: bool = Field(
         default=False,
         description="leaving this pod: the sidecar will unload it (or demote it to disk) once routers had time to "

@@ -84,7 +84,7 @@ class AdapterState:
             served_name=self.name, tier=self.tier, adapter_digest=self.digest, priority=self.priority,
             bytes=self.nbytes if self.weights is not None else self.disk_bytes, pinned=self.pinned,
             in_flight=self.in_flight, hits=self.hits, loads=self.loads, evictions=self.evictions,
-            last_access=self.last_access,
+            last_access=self.last_access, registered=self.registered,
         )
 
 

@@ -150,18 +150,18 @@ class Sidecar:
             t, held = target.get(name), held_all.get(name)
             entry = entries.get(t.cache_key) if t else None
             status = self.reconciler.status.get(name)
-            row = AdapterResidency(served_name=name, tier=Tier.ABSENT)
+            row = AdapterResidency(served_name=name, tier=Tier.ABSENT, registered=False)
             if held is not None and held.tier is not Tier.ABSENT:
                 artifact_digest, content_digest = self.reconciler.verified_digests(name, held) or (None, None)
                 row = AdapterResidency(
                     served_name=name, tier=held.tier, digest=artifact_digest, adapter_digest=content_digest,
                     bytes=held.bytes or (entry.bytes if entry else 0), pinned=held.pinned, in_flight=held.in_flight,
                     hits=held.hits, loads=held.loads, evictions=held.evictions, last_access=held.last_access,
-                    draining=name in self.reconciler.draining,
+                    registered=True, draining=name in self.reconciler.draining,
                 )
             elif entry is not None:
                 row = AdapterResidency(served_name=name, tier=Tier.DISK, digest=entry.artifact_digest,
-                                       adapter_digest=entry.adapter_digest, bytes=entry.bytes)
+                                       adapter_digest=entry.adapter_digest, bytes=entry.bytes, registered=False)
             if status is not None and status.error is not None:
                 row.error, row.error_reason = status.error, status.reason
             adapters.append(row)

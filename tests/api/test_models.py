@@ -109,6 +109,13 @@ def test_draining_is_optional_on_the_wire() -> None:
     assert AdapterResidency(served_name="claims@v1", tier=Tier.GPU, draining=True).to_dict()["draining"] is True
 
 
+def test_registered_is_optional_on_the_wire() -> None:
+    """Rows from sidecars that predate ``registered`` say nothing (None); a cache-only disk row says false."""
+    assert AdapterResidency.from_json('{"servedName": "claims@v1", "tier": "disk"}').registered is None
+    wire = AdapterResidency(served_name="claims@v1", tier=Tier.DISK, registered=False).to_dict()
+    assert wire["registered"] is False and AdapterResidency.model_validate(wire).registered is False
+
+
 def test_example_manifests_parse() -> None:
     for path in EXAMPLES:
         rev = AdapterRevision.model_validate(load_yaml(path))

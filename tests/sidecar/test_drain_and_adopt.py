@@ -11,7 +11,16 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from loraplane.api import AdapterTarget, PodLoad, ResidencyReport, TargetState, Tier, cache_key, keys
+from loraplane.api import (
+    AdapterResidency,
+    AdapterTarget,
+    PodLoad,
+    ResidencyReport,
+    TargetState,
+    Tier,
+    cache_key,
+    keys,
+)
 from loraplane.engine.app import BuiltEngine
 from loraplane.engine.make_adapters import write_adapter
 from loraplane.engine.model import LORA_MODULES, PRESETS
@@ -152,3 +161,33 @@ async def test_a_refused_load_is_still_incompatible(tmp_path: Path) -> None:
         await asyncio.wait_for(reconciler.drain(), 30)
         status = reconciler.status[support.served_name]
         assert status.reason == "Incompatible" and "HTTP 400" in (status.error or ""), status.error
+
+
+async def test_a_disk_row_says_whether_the_runtime_has_the_revision_registered(tmp_path: Path, redis_srv) -> None:
+    async with engine_with_artifact(tmp_path) as (built, driver, support):
+        bus = RedisBus(redis_srv.url, POOL, POD)
+        client = aioredis.Redis.from_url(redis_srv.url)
+        try:
+            reconciler = Reconciler(driver, _cache(tmp_path), SidecarMetrics(), drain_grace_s=0.0)
+            sidecar = Sidecar(SidecarConfig(POOL, POD, "10.0.0.1:8000", "engine"), reconciler, bus)
+
+            async def row(generation: int, target: AdapterTarget) -> AdapterResidency:
+                await client.set(keys.target_state(POOL, POD), _wish(generation, target).to_json())
+                for _ in range(4):
+                    await sidecar.run_once()
+                    await reconciler.drain()
+                return (await sidecar.run_once()).by_name()[target.served_name]
+
+            loaded = await row(1, support)
+            assert (loaded.tier, loaded.registered) == (Tier.CPU, True)
+            engine = built.engine
+            async with engine.lock:  # the engine evicts it from host memory: still registered, read back on a request
+                engine.tiers.drop_host(engine.tiers.registered[support.served_name])
+            evicted = (await sidecar.run_once()).by_name()[support.served_name]
+            assert (evicted.tier, evicted.registered) == (Tier.DISK, True)
+            cached = await row(2, support.model_copy(update={"tier": Tier.DISK}))  # unloaded: only in the cache
+            assert (cached.tier, cached.registered) == (Tier.DISK, False)
+            assert support.served_name not in engine.tiers.registered
+        finally:
+            await client.aclose()
+            await bus.close()

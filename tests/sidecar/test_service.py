@@ -44,7 +44,7 @@ async def test_unreachable_runtime_is_reported_not_ready(tmp_path: Path, redis_s
         stored = ResidencyReport.from_json(await client.get(keys.residency_report("pool-a", "pod-0")))
         assert not stored.ready and stored.address == "10.0.0.1:8000"
         row = stored.by_name()[disk_target.served_name]
-        assert row.tier is Tier.DISK and row.digest == disk_target.artifact.digest
+        assert row.tier is Tier.DISK and row.digest == disk_target.artifact.digest and row.registered is False
         assert row.adapter_digest == cache.get(disk_target.cache_key).adapter_digest
         assert "sidecar_runtime_ready 0.0" in metrics.render().decode()
 
