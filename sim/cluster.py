@@ -25,6 +25,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Protocol
 
 from loraplane.api import Tier
@@ -376,25 +377,38 @@ class Simulator:
             self._schedule(pod, first_end + (k - 1) * step, k)
 
     def _admit(self, pod: Pod, now: float) -> tuple[float, int, list[int], bool]:
-        """vLLM's scheduler with LoRA: FIFO, skipping requests whose adapter cannot get a slot this step."""
+        """vLLM's scheduler with LoRA: FIFO, skipping requests whose adapter cannot get a slot this step.
+
+        Once no waiting adapter can be admitted (every one is downloading, or the batch runs ``max_loras`` adapters
+        and none of them waits) the rest of the scan would skip every request, so it stops there; only whether a
+        request ends the scan on the prefill budget is still looked up (it ends the run of identical steps)."""
         prof = self.profile
         tr = self.trace
         adapters, in_tokens, out_tokens = tr.adapter, tr.input_tokens, tr.output_tokens
         res = self.result
+        tiers = res.tier
+        admitted_log = res.admitted
         waiting, running = pod.waiting, pod.running
         running_adapters, waiting_adapters = pod.running_adapters, pod.waiting_adapters
+        gpu, downloading, max_loras = pod.gpu, pod.downloading, pod.max_loras
         stall = 0.0
         for a in pod.prefetch_queue:
             stall += self._load(pod, a, now, demand=False)
         pod.prefetch_queue.clear()
         budget = prof.max_batched_tokens
         kv_free = prof.kv_capacity_tokens - pod.kv_reserved
+        max_seqs = prof.max_num_seqs
         admitted: list[int] = []
         prefill_tokens = 0
         skipped: list[int] = []
         scanned = 0
         budget_hit = False
-        while waiting and scanned < SCAN_LIMIT and len(running) < prof.max_num_seqs:
+        stuck = _nothing_admissible(pod)
+        while waiting and scanned < SCAN_LIMIT and len(running) < max_seqs:
+            if stuck:
+                if admitted:
+                    budget_hit = _ends_on_budget(waiting, SCAN_LIMIT - scanned, in_tokens, out_tokens, budget, kv_free)
+                break
             rid = waiting[0]
             n_in = in_tokens[rid]
             need_kv = n_in + out_tokens[rid]
@@ -406,8 +420,8 @@ class Simulator:
             waiting.popleft()
             scanned += 1
             a = adapters[rid]
-            if a not in pod.gpu:
-                if (a not in running_adapters and len(running_adapters) >= pod.max_loras) or a in pod.downloading:
+            if a not in gpu:
+                if (a not in running_adapters and len(running_adapters) >= max_loras) or a in downloading:
                     skipped.append(rid)
                     continue
                 tier = L1 if a in pod.cpu else L2
@@ -416,15 +430,15 @@ class Simulator:
                     skipped.append(rid)
                     continue
                 stall += cost
-                if res.tier[rid] < tier:
-                    res.tier[rid] = tier
+                if tiers[rid] < tier:
+                    tiers[rid] = tier
             # admit
             budget -= n_in
             kv_free -= need_kv
             pod.kv_reserved += need_kv
             prefill_tokens += n_in
             admitted.append(rid)
-            res.admitted.append(rid)
+            admitted_log.append(rid)
             left = waiting_adapters[a] - 1
             if left:
                 waiting_adapters[a] = left
@@ -434,6 +448,7 @@ class Simulator:
             pod.last_use[a] = now
             pod.uses[a] = pod.uses.get(a, 0) + 1
             heapq.heappush(running, (pod.steps + out_tokens[rid], rid))
+            stuck = _nothing_admissible(pod)
         if skipped:
             waiting.extendleft(reversed(skipped))
         return stall, prefill_tokens, admitted, budget_hit
@@ -491,11 +506,13 @@ class Simulator:
         pod.disk.add(a)
         pod.disk_used += self.trace.adapters[a].nbytes
         pod.residency_version += 1
+        cpu, waiting, last_use = pod.cpu, pod.waiting_adapters, pod.last_use.get
         while pod.disk_used > self.config.disk_bytes:
-            spare = [d for d in pod.disk if d not in pod.cpu and d != a and d not in pod.waiting_adapters]
+            spare = [d for d in pod.disk if d not in cpu and d != a and d not in waiting]
             if not spare:
                 break
-            victim = min(spare, key=lambda d: pod.last_use.get(d, -1.0))
+            used = [last_use(d, -1.0) for d in spare]
+            victim = spare[used.index(min(used))]  # the least recently used; the first of equals, as min() picks
             pod.disk.discard(victim)
             pod.disk_used -= self.trace.adapters[victim].nbytes
 
@@ -537,3 +554,27 @@ class Simulator:
         """Ask ``pod`` to have ``adapter`` on local disk (fetched in the background)."""
         if adapter not in pod.disk:
             self._download(pod, adapter)
+
+
+def _nothing_admissible(pod: Pod) -> bool:
+    """True when no waiting request of ``pod`` can join the batch now: each waiting adapter is downloading, or the
+    batch already runs ``max_loras`` adapters (then every GPU slot holds a running one) and none of those waits."""
+    waiting = pod.waiting_adapters
+    if len(pod.running_adapters) >= pod.max_loras:
+        return not any(a in waiting for a in pod.gpu)
+    downloading = pod.downloading
+    return len(waiting) <= len(downloading) and all(a in downloading for a in waiting)
+
+
+def _ends_on_budget(
+    waiting: deque[int], limit: int, in_tokens: list[int], out_tokens: list[int], budget: int, kv_free: int
+) -> bool:
+    """Whether a scan over the next ``limit`` waiting requests, all of them skipped, stops on one whose prompt is
+    over the prefill budget (rather than on one over the free KV capacity, or not at all)."""
+    for rid in islice(waiting, limit):
+        n_in = in_tokens[rid]
+        if n_in > budget:
+            return True
+        if n_in + out_tokens[rid] > kv_free:
+            return False
+    return False

@@ -1,0 +1,64 @@
+"""The simulator's shortcuts change nothing: the same report for any number of worker processes, and the admission
+scan's early stop gives exactly what scanning every waiting request gives."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loraplane.sim import cluster
+from loraplane.sim.cluster import SimConfig
+from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.runner import run_all, simulate
+from loraplane.sim.trace import scenario
+from tests.sim.conftest import ADAPTER_BYTES
+
+#: a pool small enough that the trace overloads it: long queues, blocked adapters, out-of-order admission
+OVERLOADED = SimConfig(pods=2, max_loras=2, max_cpu_loras=4)
+
+
+def _without_timings(report: dict) -> dict:
+    report = {k: v for k, v in report.items() if k != "wall_s"}
+    report["policies"] = {
+        name: {k: v for k, v in entry.items() if k != "cpu_s"} for name, entry in report["policies"].items()
+    }
+    return report
+
+
+def test_the_report_is_the_same_for_any_number_of_worker_processes() -> None:
+    trace = scenario("hot-plus-burst", 1500, seed=3, adapter_bytes=ADAPTER_BYTES)
+    policies = ["loraplane", "gie-lora-affinity", "round-robin"]
+    reports = [run_all(trace, OVERLOADED, LARGE_GPU, policies, seed=3, jobs=jobs) for jobs in (1, 2, 3)]
+    assert reports[0]["policies"]["loraplane"]["cold_starts"] > 0
+    for other in reports[1:]:
+        assert _without_timings(other) == _without_timings(reports[0])
+
+
+@pytest.mark.parametrize(
+    ("policy", "name"),
+    [("gie-default", "long-tail-1k"), ("gie-lora-affinity", "long-tail-1k"), ("loraplane", "gie-multilora")],
+)
+def test_stopping_the_admission_scan_early_changes_nothing(
+    policy: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = scenario(name, 3000, seed=6, adapter_bytes=ADAPTER_BYTES)
+    fast = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6)
+    stops = 0
+    real = cluster._nothing_admissible
+
+    def counted(pod: cluster.Pod) -> bool:
+        nonlocal stops
+        stuck = real(pod)
+        stops += stuck and bool(pod.waiting)
+        return stuck
+
+    monkeypatch.setattr(cluster, "_nothing_admissible", counted)
+    counted_run = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6)
+    monkeypatch.setattr(cluster, "_nothing_admissible", lambda pod: False)
+    full = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6)
+    assert stops > 100  # the shortcut is taken, often
+    assert max(np.frombuffer(full.ttft)) > 10.0  # queues build up: the scan has skipping to do
+    for run in (fast, counted_run):
+        assert run.ttft == full.ttft
+        assert run.pod == full.pod and run.tier == full.tier and run.admitted == full.admitted
+        assert (run.gpu_loads, run.gpu_evictions, run.events) == (full.gpu_loads, full.gpu_evictions, full.events)
