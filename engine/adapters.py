@@ -12,6 +12,7 @@ import stat
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,6 +246,26 @@ def host_copy(adapter: PeftAdapter, dtype: torch.dtype, pin: bool) -> PeftAdapte
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
+class _StorageViews:
+    """Tensors of any dtype viewed at byte offsets of one uint8 tensor's storage, one ``as_strided`` each."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.storage = data.untyped_storage()
+        self.first = data.storage_offset()  # the uint8 tensor's first byte in its storage
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def view(self, dtype: torch.dtype, shape: Sequence[int], stride: Sequence[int], offset: int) -> torch.Tensor | None:
+        """The tensor at byte ``offset`` of the data; None when that is not aligned to the element size."""
+        position, itemsize = self.first + offset, dtype.itemsize
+        if position % itemsize:
+            return None
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = torch.empty(0, dtype=dtype).set_(self.storage, 0, (self.storage.nbytes() // itemsize,), (1,))
+            self._typed[dtype] = typed
+        return typed.as_strided(shape, stride, position // itemsize)
+
+
 def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file held in the uint8 tensor ``data``, as views of it (no copy).
 
@@ -267,8 +288,7 @@ def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
     if not isinstance(header, dict):
         raise AdapterFormatError("the header is not a JSON object")
     start = 8 + header_len
-    storage, first = data.untyped_storage(), data.storage_offset() + start  # tensor bytes: storage[first + offset]
-    typed: dict[torch.dtype, torch.Tensor] = {}
+    views = _StorageViews(data)
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -280,19 +300,77 @@ def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
             begin, end = int(begin), int(end)
         except (KeyError, TypeError, ValueError):
             raise AdapterFormatError(f"tensor {name!r}: missing or unsupported dtype, shape or data_offsets") from None
-        itemsize = dtype.itemsize
-        if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * itemsize:
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= size - start or end - begin != math.prod(shape) * dtype.itemsize:
             raise AdapterFormatError(f"tensor {name!r}: data_offsets {[begin, end]} do not hold {shape} {info['dtype']}")
-        if (first + begin) % itemsize:
-            tensors[name] = data.narrow(0, start + begin, end - begin).clone().view(dtype).view(shape)
-            continue
-        if dtype not in typed:
-            typed[dtype] = torch.empty(0, dtype=dtype).set_(storage, 0, (storage.nbytes() // itemsize,), (1,))
         strides = [1] * len(shape)
         for i in range(len(shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * shape[i + 1]
-        tensors[name] = typed[dtype].as_strided(shape, strides, (first + begin) // itemsize)
+        view = views.view(dtype, shape, strides, start + begin)
+        if view is None:
+            view = data.narrow(0, start + begin, end - begin).clone().view(dtype).view(shape)
+        tensors[name] = view
     return tensors
+
+
+#: One tensor viewed in a read buffer: dtype, shape, stride and byte offset from the start of the file.
+_TensorLayout = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]
+
+
+class ParsedAdapters:
+    """How adapters already parsed and accepted lie in their weights file, by content digest, so reading one back
+    (after an eviction or an unload) rebuilds the same views without the JSON header, the checks or the matching of
+    tensor names: one ``as_strided`` per tensor.
+
+    The digest names the exact bytes of both files (:class:`FileDigests` re-hashes any file that changed), so an
+    equal digest means an equal parse and an equal verdict; one instance serves one engine (one base model and rank
+    limit). Adapters with a tensor that had to be copied out (unaligned) are not remembered. Bounded (least recently
+    used first out); loader threads share one instance.
+    """
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._known: OrderedDict[str, tuple[PeftLoraConfig, list[tuple[str, _TensorLayout, _TensorLayout, float]]]]
+        self._known = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, files: AdapterFiles) -> PeftAdapter | None:
+        """The adapter in ``files`` if these bytes were parsed and accepted before (views of ``files.weights``)."""
+        with self._lock:
+            known = self._known.get(files.digest)
+            if known is None:
+                return None
+            self._known.move_to_end(files.digest)
+        config, layouts = known
+        views = _StorageViews(files.weights)
+        modules = {}
+        for module, a_layout, b_layout, scale in layouts:
+            a, b = views.view(*a_layout), views.view(*b_layout)
+            if a is None or b is None:  # this buffer starts at another alignment: parse afresh
+                return None
+            modules[module] = LoraModuleWeights(a, b, scale)
+        return PeftAdapter(config, modules)
+
+    def remember(self, files: AdapterFiles, adapter: PeftAdapter) -> None:
+        """Keep where ``adapter``'s tensors lie in ``files.weights`` (only if every one is a view of it)."""
+        storage = files.weights.untyped_storage().data_ptr()
+        first = int(files.weights.storage_offset())
+
+        def layout(t: torch.Tensor) -> _TensorLayout | None:
+            if t.untyped_storage().data_ptr() != storage:
+                return None
+            return t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset()) * t.element_size() - first
+
+        layouts = []
+        for module, weights in adapter.modules.items():
+            a, b = layout(weights.lora_a), layout(weights.lora_b)
+            if a is None or b is None:
+                return
+            layouts.append((module, a, b, weights.scale))
+        with self._lock:
+            self._known[files.digest] = (adapter.config, layouts)
+            self._known.move_to_end(files.digest)
+            while len(self._known) > self.capacity:
+                self._known.popitem(last=False)
 
 
 def _read_peft(files: AdapterFiles) -> PeftAdapter:
@@ -318,8 +396,12 @@ def _lora_shapes(base: ModelConfig) -> dict[str, tuple[int, int]]:
             for layer in range(base.num_hidden_layers) for module in LORA_MODULES}
 
 
-def parse_adapter(files: AdapterFiles, base: ModelConfig, max_lora_rank: int) -> PeftAdapter:
-    """Parse and check an adapter against the base model (the parse stage). Raises :class:`AdapterRejectedError`."""
+def parse_adapter(files: AdapterFiles, base: ModelConfig, max_lora_rank: int,
+                  parsed: ParsedAdapters | None = None) -> PeftAdapter:
+    """Parse and check an adapter against the base model (the parse stage), or rebuild it from ``parsed`` when these
+    bytes were accepted before. Raises :class:`AdapterRejectedError`."""
+    if parsed is not None and (known := parsed.get(files)) is not None:
+        return known
     try:
         adapter = _read_peft(files)
     except AdapterFormatError as exc:
@@ -338,4 +420,6 @@ def parse_adapter(files: AdapterFiles, base: ModelConfig, max_lora_rank: int) ->
             )
         if weights.rank > max_lora_rank:
             raise AdapterRejectedError(f"LoRA rank {weights.rank} is greater than max_lora_rank {max_lora_rank}")
+    if parsed is not None:
+        parsed.remember(files, adapter)
     return adapter

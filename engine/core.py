@@ -23,7 +23,14 @@ from pathlib import Path
 import torch
 
 from loraplane.api import Tier
-from loraplane.engine.adapters import AdapterFiles, FileDigests, HostBuffers, host_copy, parse_adapter
+from loraplane.engine.adapters import (
+    AdapterFiles,
+    FileDigests,
+    HostBuffers,
+    ParsedAdapters,
+    host_copy,
+    parse_adapter,
+)
 from loraplane.engine.metrics import EngineMetrics
 from loraplane.engine.model import KVCache, LlamaModel, SequenceChunk
 from loraplane.engine.tiers import AdapterState, AdapterTiers
@@ -128,6 +135,7 @@ class Engine:
         self._eos = set(model.config.eos_token_ids)
         self._task: asyncio.Task[None] | None = None
         self.file_digests = FileDigests()
+        self.parsed_adapters = ParsedAdapters()
         self.host_buffers = HostBuffers(tiers.max_cpu_loras + 1, pinned=model.device.type == "cuda")
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
@@ -167,7 +175,7 @@ class Engine:
             started = time.perf_counter()
             files = AdapterFiles.read(path, self.file_digests, self.host_buffers)
             read_done = time.perf_counter()
-            weights = parse_adapter(files, self.model.config, self.tiers.max_lora_rank)
+            weights = parse_adapter(files, self.model.config, self.tiers.max_lora_rank, self.parsed_adapters)
             weights = host_copy(weights, self.model.dtype, pin=self.host_buffers.pinned)
         return files, weights, read_done - started, time.perf_counter() - read_done
 

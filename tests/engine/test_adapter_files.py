@@ -13,7 +13,15 @@ import torch
 from safetensors.torch import load as reference_load
 
 from loraplane.api import ADAPTER_WEIGHTS_FILE, adapter_digest
-from loraplane.engine.adapters import AdapterFiles, FileDigests, HostBuffers, safetensors_views
+from loraplane.engine.adapters import (
+    AdapterFiles,
+    AdapterRejectedError,
+    FileDigests,
+    HostBuffers,
+    ParsedAdapters,
+    parse_adapter,
+    safetensors_views,
+)
 from loraplane.engine.app import EngineOptions
 from loraplane.engine.make_adapters import write_adapter
 from loraplane.engine.model import PRESETS, LlamaModel, seeded_weights, single_intra_op_thread
@@ -164,3 +172,22 @@ async def test_loads_reuse_the_memory_of_unloaded_adapters_and_never_memory_stil
         assert engine.host_buffers.held_bytes > held
         assert torch.equal(still_viewed, expected["a"][f"base_model.model.{module}.lora_A.weight"])
         assert matches("b@v2", "b") and matches("b@v1", "b")
+
+
+def test_a_read_back_rebuilds_an_accepted_parse_as_views_of_the_new_bytes(tiny_adapters: list[GeneratedAdapter]) -> None:
+    config, parsed, path = PRESETS["tiny"], ParsedAdapters(), tiny_adapters[1].path  # rank 16
+    refused = AdapterFiles.read(path)
+    with pytest.raises(AdapterRejectedError, match="max_lora_rank"):
+        parse_adapter(refused, config, 8, parsed)
+    assert parsed.get(refused) is None  # a refusal is not remembered: checked again on every read
+    first = parse_adapter(refused, config, 16, parsed)
+    again_files = AdapterFiles.read(path)
+    again = parsed.get(again_files)
+    assert again is not None and again.config == first.config and again.modules.keys() == first.modules.keys()
+    storage = again_files.weights.untyped_storage().data_ptr()
+    for name, module in again.modules.items():
+        assert module.scale == first.modules[name].scale
+        for mine, theirs in ((module.lora_a, first.modules[name].lora_a), (module.lora_b, first.modules[name].lora_b)):
+            assert torch.equal(mine, theirs) and mine.untyped_storage().data_ptr() == storage  # views of the new read
+    other = AdapterFiles.read(tiny_adapters[3].path)
+    assert parsed.get(other) is None  # other bytes, other digest
