@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,7 +100,8 @@ class Pod:
         self.waiting: deque[int] = deque()
         self.running: list[tuple[int, int]] = []
         self.running_adapters: dict[int, int] = {}
-        self.waiting_adapters: dict[int, int] = {}
+        #: adapter -> its waiting requests, in arrival order (``waiting`` is in arrival order too)
+        self.waiting_adapters: dict[int, deque[int]] = {}
         self.kv_reserved = 0
         self.eviction_times: deque[float] = deque()
         self.evicted_at: dict[int, float] = {}
@@ -239,6 +241,9 @@ class Simulator:
             [p.load_ms(tier, a.nbytes) / 1e3 for tier in (Tier.GPU, Tier.CPU, Tier.DISK)] for a in trace.adapters
         ]
         self._download_s = [p.download_ms(a.nbytes) / 1e3 for a in trace.adapters]
+        #: the largest prompt and the largest KV reservation of any request (bounds for skipping a scan's checks)
+        self._max_prompt = max(trace.input_tokens, default=0)
+        self._max_kv = max(map(sum, zip(trace.input_tokens, trace.output_tokens, strict=True)), default=0)
 
     # -- events ---------------------------------------------------------------------------------------------
     def _push(self, when: float, kind: int, pod: int, arg: int) -> None:
@@ -289,7 +294,11 @@ class Simulator:
             res.pod[rid] = pod.index
             res.tier[rid] = L0 if a in pod.gpu else L1 if a in pod.cpu else L2 if a in pod.disk else L3
             pod.waiting.append(rid)
-            pod.waiting_adapters[a] = pod.waiting_adapters.get(a, 0) + 1
+            queued = pod.waiting_adapters.get(a)
+            if queued is None:
+                pod.waiting_adapters[a] = deque((rid,))
+            else:
+                queued.append(rid)
             if a not in pod.disk:
                 self._download(pod, a)
             self._wake(pod, next_arrival, a)
@@ -379,15 +388,14 @@ class Simulator:
     def _admit(self, pod: Pod, now: float) -> tuple[float, int, list[int], bool]:
         """vLLM's scheduler with LoRA: FIFO, skipping requests whose adapter cannot get a slot this step.
 
-        Once no waiting adapter can be admitted (every one is downloading, or the batch runs ``max_loras`` adapters
-        and none of them waits) the rest of the scan would skip every request, so it stops there; only whether a
-        request ends the scan on the prefill budget is still looked up (it ends the run of identical steps)."""
+        The scan looks at up to ``SCAN_LIMIT`` waiting requests in order. Runs of requests that would be skipped
+        (``_next_admissible``) are passed over in one move, after checking that none of them ends the scan on the
+        prefill budget or the free KV capacity, as looking at each in turn would."""
         prof = self.profile
         tr = self.trace
         adapters, in_tokens, out_tokens = tr.adapter, tr.input_tokens, tr.output_tokens
         res = self.result
-        tiers = res.tier
-        admitted_log = res.admitted
+        tiers, admitted_log = res.tier, res.admitted
         waiting, running = pod.waiting, pod.running
         running_adapters, waiting_adapters = pod.running_adapters, pod.waiting_adapters
         gpu, downloading, max_loras = pod.gpu, pod.downloading, pod.max_loras
@@ -400,16 +408,21 @@ class Simulator:
         max_seqs = prof.max_num_seqs
         admitted: list[int] = []
         prefill_tokens = 0
-        skipped: list[int] = []
-        scanned = 0
+        pos = 0  # waiting[:pos] were looked at in this step and skipped
+        left = SCAN_LIMIT  # how many more the scan may look at
         budget_hit = False
-        stuck = _nothing_admissible(pod)
-        while waiting and scanned < SCAN_LIMIT and len(running) < max_seqs:
-            if stuck:
-                if admitted:
-                    budget_hit = _ends_on_budget(waiting, SCAN_LIMIT - scanned, in_tokens, out_tokens, budget, kv_free)
-                break
-            rid = waiting[0]
+        while pos < len(waiting) and left and len(running) < max_seqs:
+            stop = min(len(waiting), pos + left)
+            jump = _next_admissible(pod, pos, stop)
+            if jump > pos:
+                ends = self._scan_ends(waiting, pos, jump, budget, kv_free, bool(admitted), bool(admitted or running))
+                if ends is not None:
+                    budget_hit = ends
+                    break
+                left -= jump - pos
+                pos = jump
+                continue
+            rid = waiting[pos]
             n_in = in_tokens[rid]
             need_kv = n_in + out_tokens[rid]
             if admitted and n_in > budget:
@@ -417,41 +430,53 @@ class Simulator:
                 break
             if need_kv > kv_free and (admitted or running):
                 break
-            waiting.popleft()
-            scanned += 1
+            left -= 1
             a = adapters[rid]
             if a not in gpu:
                 if (a not in running_adapters and len(running_adapters) >= max_loras) or a in downloading:
-                    skipped.append(rid)
+                    pos += 1
                     continue
                 tier = L1 if a in pod.cpu else L2
                 cost = self._load(pod, a, now, demand=True)
                 if cost < 0:
-                    skipped.append(rid)
+                    pos += 1
                     continue
                 stall += cost
                 if tiers[rid] < tier:
                     tiers[rid] = tier
             # admit
+            del waiting[pos]
+            queued = waiting_adapters[a]
+            queued.popleft()  # its oldest: an adapter's earlier requests were admitted or it would be skipped too
+            if not queued:
+                del waiting_adapters[a]
             budget -= n_in
             kv_free -= need_kv
             pod.kv_reserved += need_kv
             prefill_tokens += n_in
             admitted.append(rid)
             admitted_log.append(rid)
-            left = waiting_adapters[a] - 1
-            if left:
-                waiting_adapters[a] = left
-            else:
-                del waiting_adapters[a]
             running_adapters[a] = running_adapters.get(a, 0) + 1
             pod.last_use[a] = now
             pod.uses[a] = pod.uses.get(a, 0) + 1
             heapq.heappush(running, (pod.steps + out_tokens[rid], rid))
-            stuck = _nothing_admissible(pod)
-        if skipped:
-            waiting.extendleft(reversed(skipped))
         return stall, prefill_tokens, admitted, budget_hit
+
+    def _scan_ends(
+        self, waiting: deque[int], start: int, stop: int, budget: int, kv_free: int, admitted: bool, kv_binds: bool
+    ) -> bool | None:
+        """Whether one of ``waiting[start:stop]``, looked at in order, ends the scan: ``True`` on the prefill budget
+        (only once something was admitted), ``False`` on the free KV capacity (``kv_binds``), ``None`` if none does."""
+        if (not admitted or self._max_prompt <= budget) and (not kv_binds or self._max_kv <= kv_free):
+            return None
+        in_tokens, out_tokens = self.trace.input_tokens, self.trace.output_tokens
+        for rid in islice(waiting, start, stop):
+            n_in = in_tokens[rid]
+            if admitted and n_in > budget:
+                return True
+            if kv_binds and n_in + out_tokens[rid] > kv_free:
+                return False
+        return None
 
     def _load(self, pod: Pod, a: int, now: float, demand: bool) -> float:
         """Bring ``a`` into a GPU slot of ``pod``, evicting if needed. Returns the stall in seconds, or -1 when the
@@ -556,25 +581,15 @@ class Simulator:
             self._download(pod, adapter)
 
 
-def _nothing_admissible(pod: Pod) -> bool:
-    """True when no waiting request of ``pod`` can join the batch now: each waiting adapter is downloading, or the
-    batch already runs ``max_loras`` adapters (then every GPU slot holds a running one) and none of those waits."""
+def _next_admissible(pod: Pod, start: int, stop: int) -> int:
+    """The position of the first of ``pod.waiting[start:stop]`` that the scan could admit (``stop`` if none); those
+    before it would all be skipped. When the batch runs ``max_loras`` adapters (then they fill every GPU slot) only
+    their requests can join; otherwise only requests of adapters still downloading are sure to be skipped."""
     waiting = pod.waiting_adapters
     if len(pod.running_adapters) >= pod.max_loras:
-        return not any(a in waiting for a in pod.gpu)
+        heads = [queued[0] for a in pod.gpu if (queued := waiting.get(a))]
+        return bisect_left(pod.waiting, min(heads), start, stop) if heads else stop
     downloading = pod.downloading
-    return len(waiting) <= len(downloading) and all(a in downloading for a in waiting)
-
-
-def _ends_on_budget(
-    waiting: deque[int], limit: int, in_tokens: list[int], out_tokens: list[int], budget: int, kv_free: int
-) -> bool:
-    """Whether a scan over the next ``limit`` waiting requests, all of them skipped, stops on one whose prompt is
-    over the prefill budget (rather than on one over the free KV capacity, or not at all)."""
-    for rid in islice(waiting, limit):
-        n_in = in_tokens[rid]
-        if n_in > budget:
-            return True
-        if n_in + out_tokens[rid] > kv_free:
-            return False
-    return False
+    if len(waiting) <= len(downloading) and all(a in downloading for a in waiting):
+        return stop
+    return start
