@@ -13,7 +13,6 @@ Baselines use the routers of ``loraplane.sim.baselines`` and vLLM's LRU (the eng
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 from collections.abc import Callable
@@ -123,8 +122,9 @@ class PickerRouter:
         return held
 
     def _refresh(self, now: float, pods: list[Pod]) -> PoolSnapshot:
-        """The snapshot of the latest reports: rebuilt every heartbeat; when no pod's tiers changed only the load
-        figures are replaced (the residency index is reused)."""
+        """The snapshot of the latest reports, renewed every heartbeat: rebuilt when some pod's tiers changed (one
+        pass over every residency row; ``PoolSnapshot.update_endpoint`` re-indexes all of a pod's rows, which costs
+        more once several pods changed), otherwise each pod's load figures are replaced in place."""
         snapshot = self._snapshot
         if snapshot is not None and now - self._reported_at < REPORT_S:
             return snapshot
@@ -132,34 +132,24 @@ class PickerRouter:
         versions = [p.residency_version for p in pods]
         if snapshot is None or versions != self._versions:
             self._versions = versions
-            self._snapshot = self._build(now, pods)
-            return self._snapshot
-        fresh = copy.copy(snapshot)
-        n = len(pods)
-        fresh.queue_depth = np.fromiter((len(p.waiting) for p in pods), np.float64, n)
-        fresh.running = np.fromiter((len(p.running) for p in pods), np.float64, n)
-        fresh.active_tokens = np.fromiter((p.kv_reserved for p in pods), np.float64, n)
-        fresh.kv_utilization = np.minimum(1.0, fresh.active_tokens / self._kv)
-        fresh.recent_evictions = np.fromiter((p.recent_evictions(now) for p in pods), np.float64, n)
-        fresh.in_flight = np.zeros(n)
-        self._snapshot = fresh
-        return fresh
+            snapshot = self._snapshot = PoolSnapshot([self._endpoint(now, p) for p in pods], self._priorities)
+        else:
+            for p in pods:
+                snapshot.update_endpoint(p.index, self._endpoint(now, p))
+        return snapshot
 
-    def _build(self, now: float, pods: list[Pod]) -> PoolSnapshot:
-        states = [
-            EndpointState(
-                name=f"pod-{p.index}",
-                address=f"10.0.0.{p.index + 1}:8000",
-                queue_depth=len(p.waiting),
-                running=len(p.running),
-                active_tokens=p.kv_reserved,
-                kv_utilization=min(1.0, p.kv_reserved / self._kv),
-                recent_evictions=p.recent_evictions(now),
-                residency=self._residency_of(p),
-            )
-            for p in pods
-        ]
-        return PoolSnapshot(states, self._priorities)
+    def _endpoint(self, now: float, pod: Pod) -> EndpointState:
+        """What ``pod``'s sidecar report says now."""
+        return EndpointState(
+            name=f"pod-{pod.index}",
+            address=f"10.0.0.{pod.index + 1}:8000",
+            queue_depth=len(pod.waiting),
+            running=len(pod.running),
+            active_tokens=pod.kv_reserved,
+            kv_utilization=min(1.0, pod.kv_reserved / self._kv),
+            recent_evictions=pod.recent_evictions(now),
+            residency=self._residency_of(pod),
+        )
 
     def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
         """The scheduler's primary endpoint for request ``rid``."""
@@ -189,6 +179,10 @@ class ControllerPlacement:
         self._counted = 0
         self._previous: PlacementPlan | None = None
         self._start = trace.arrival[0] if len(trace) else 0.0
+        #: each adapter's demand as of the last plan, remade only when its rates change
+        self._fixed = [(a.name, a.nbytes, trace.tenants[a.tenant].name, trace.tenants[a.tenant].priority) for a in trace.adapters]
+        self._demands = [AdapterDemand(name, nbytes, tenant=t, priority=p) for name, nbytes, t, p in self._fixed]
+        self._rates = [(0.0, 0.0, 0.0)] * len(trace.adapters)
 
     def _rate(self, now: float, window: float) -> np.ndarray:
         start = now - window
@@ -201,18 +195,13 @@ class ControllerPlacement:
         self._counts += np.bincount(self._adapters[self._counted : arrived], minlength=len(self._counts))
         self._counted = arrived
         self._history.append((now, self._counts.copy()))
-        m5, h1, h24 = self._rate(now, 300), self._rate(now, 3600), self._rate(now, 86400)
-        tr = self._trace
-        demands = [
-            AdapterDemand(
-                served_name=a.name,
-                bytes=a.nbytes,
-                rates=Rates(float(m5[i]), float(h1[i]), float(h24[i])),
-                tenant=tr.tenants[a.tenant].name,
-                priority=tr.tenants[a.tenant].priority,
-            )
-            for i, a in enumerate(tr.adapters)
-        ]
+        windows = (self._rate(now, 300), self._rate(now, 3600), self._rate(now, 86400))
+        demands, rates_of = self._demands, self._rates
+        for i, rates in enumerate(zip(*(w.tolist() for w in windows), strict=True)):
+            if rates != rates_of[i]:
+                rates_of[i] = rates
+                name, nbytes, tenant, priority = self._fixed[i]
+                demands[i] = AdapterDemand(name, nbytes, Rates(*rates), tenant, priority)
         plan = place(self._pods, demands, previous=self._previous, config=self._config)
         self._previous = plan
         for pod in sim.pods:
