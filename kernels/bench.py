@@ -24,8 +24,8 @@ from loraplane.kernels.torch_backend import TorchBackend
 ZIPF_EXPONENT = 1.5
 COPY_BYTES = 256 * 2**20  # well beyond the last-level cache
 #: Bytes read (untimed) before every timed call, beyond the last-level cache (CPU L3 32 MiB here, H100/H200 L2
-#: 50 MiB): every variant finds the adapters' weights in memory, as a layer does in a model whose other layers ran
-#: in between, whatever variant ran just before it (see ``cache_flusher``).
+#: 50 MiB): every variant finds its operands in memory, as a layer finds its adapters' weights in a model whose
+#: other layers ran in between, whatever variant ran just before it.
 FLUSH_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
 
 
@@ -111,19 +111,10 @@ def copy_bandwidth_gbps(device: torch.device, rounds: int = 7) -> float:
     return best
 
 
-def cache_flusher(device: torch.device, hot: Sequence[torch.Tensor]) -> Callable[[], None]:
-    """A call that leaves the caches as a LoRA layer finds them in a model.
-
-    It reads ``FLUSH_BYTES`` (evicting everything, without leaving dirty lines), then the ``hot`` tensors: the
-    layer's input and output, which the base layer has just read and written before ``apply_lora`` runs.
-    """
+def cache_flusher(device: torch.device) -> Callable[[], object]:
+    """A call that reads ``FLUSH_BYTES`` on ``device``: evicts the caches without leaving dirty lines behind."""
     buffer = torch.ones(FLUSH_BYTES.get(device.type, COPY_BYTES) // 4, dtype=torch.float32, device=device)
-
-    def flush() -> None:
-        for tensor in (buffer, *hot):
-            tensor.sum()
-
-    return flush
+    return buffer.sum
 
 
 def zipf_token_slots(count: int, adapters: int, generator: torch.Generator) -> list[int]:
@@ -201,7 +192,7 @@ def run_case(
     if case.seq_len == 1:
         unsorted_plan = planner.plan(arrival).to(device)
         variants["sgmv_unsorted"] = lambda: apply_lora(y, x, slots, unsorted_plan, backend)
-    flush = cache_flusher(device, (x, y))
+    flush = cache_flusher(device)
     with torch.no_grad():
         if device.type == "cpu":
             torch.set_num_threads(threads or _useful_threads(cores, variants["sgmv"], flush))
