@@ -327,5 +327,8 @@ def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.G
         indices, values = indices[keep], values[keep]
         if len(values) > PYTHON_RANK_MAX:  # many equal scores (e.g. an idle, uniform pool)
             return tuple(indices[np.lexsort((rng.random(len(values)), -values))[:k]].tolist())
-    ranked = sorted(zip((-values).tolist(), rng.random(len(values)).tolist(), indices.tolist(), strict=True))
+    scores_of = dict(zip(indices.tolist(), values.tolist(), strict=True))
+    if len(set(scores_of.values())) == len(scores_of):  # no ties: no random draw needed
+        return tuple(sorted(scores_of, key=scores_of.__getitem__, reverse=True)[:k])
+    ranked = sorted(zip((-values).tolist(), rng.random(len(values)).tolist(), scores_of, strict=True))
     return tuple([index for _, _, index in ranked[:k]])
