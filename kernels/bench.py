@@ -27,6 +27,8 @@ COPY_BYTES = 256 * 2**20  # well beyond the last-level cache
 #: 50 MiB): every variant finds its operands in memory, as a layer finds its adapters' weights in a model whose
 #: other layers ran in between, whatever variant ran just before it.
 FLUSH_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
+#: A CPU case uses every core when its sgmv call runs at least this much faster on them (see ``_useful_threads``).
+MIN_THREAD_GAIN = 1.15
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ def run_case(
     """Time loop / gather_bmm / sgmv / base_gemm for one case and derive the ratios.
 
     On CPU every variant runs with the same number of torch threads: ``threads``, or by default ``cores`` when
-    the case's own ``sgmv`` call runs >= 1.3x faster on them than on one, else one (see ``_useful_threads``).
+    the case's own ``sgmv`` call runs ``MIN_THREAD_GAIN`` times faster on them than on one, else one.
     """
     generator = torch.Generator().manual_seed(0)
     slots = _build(case, dtype, device, generator)
@@ -277,7 +279,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _useful_threads(cores: int, op: Callable[[], object], flush: Callable[[], object]) -> int:
-    """``cores`` if ``op`` (the case's own sgmv call) really runs >= 1.3x faster on them, else 1.
+    """``cores`` if ``op`` (the case's own sgmv call) runs at least ``MIN_THREAD_GAIN`` times faster on them, else 1.
 
     Probing the op itself, not a large GEMM: on a machine shared with other work a big GEMM still gains from a
     second thread while the op's shorter calls wait at every barrier for a descheduled thread (measured: a GEMM
@@ -295,7 +297,7 @@ def _useful_threads(cores: int, op: Callable[[], object], flush: Callable[[], ob
         return call
 
     timings = time_interleaved({"one": on(1), "all": on(cores)}, 5, torch.device("cpu"), warmup=1, flush=flush)
-    return cores if timings["one"].wall >= 1.3 * timings["all"].wall else 1
+    return cores if timings["one"].wall >= MIN_THREAD_GAIN * timings["all"].wall else 1
 
 
 def _rounds(case: Case, quick: bool, device: torch.device) -> int:
