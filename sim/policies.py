@@ -97,7 +97,6 @@ class PickerRouter:
         self._rng = np.random.default_rng(seed)
         self._kv = profile.kv_capacity_tokens
         names = [a.name for a in trace.adapters]
-        self._names = names
         self._digests = [adapter_digest(n) for n in names]
         prio = [trace.tenants[a.tenant].priority for a in trace.adapters]
         self._priorities = {n: p for n, p in zip(names, prio, strict=True) if p}
@@ -109,15 +108,20 @@ class PickerRouter:
         self._reported_at = -math.inf
         self._versions: list[int] = []
         self._residency: dict[int, tuple[int, dict[str, tuple[Tier, str | None]]]] = {}
+        #: tier -> per adapter, its residency row at that tier (a pod's report is made of these)
+        self._rows: dict[Tier, list[tuple[str, tuple[Tier, str | None]]]] = {
+            tier: [(n, (tier, d)) for n, d in zip(names, self._digests, strict=True)]
+            for tier in (Tier.GPU, Tier.CPU, Tier.DISK)
+        }
 
     def _residency_of(self, pod: Pod) -> dict[str, tuple[Tier, str | None]]:
         cached = self._residency.get(pod.index)
         if cached is not None and cached[0] == pod.residency_version:
             return cached[1]
-        names, digests = self._names, self._digests
-        held: dict[str, tuple[Tier, str | None]] = {names[a]: (Tier.DISK, digests[a]) for a in pod.disk}
-        held.update({names[a]: (Tier.CPU, digests[a]) for a in pod.cpu})
-        held.update({names[a]: (Tier.GPU, digests[a]) for a in pod.gpu})
+        rows = self._rows
+        held = dict(map(rows[Tier.DISK].__getitem__, pod.disk))
+        held.update(map(rows[Tier.CPU].__getitem__, pod.cpu))
+        held.update(map(rows[Tier.GPU].__getitem__, pod.gpu))
         self._residency[pod.index] = (pod.residency_version, held)
         return held
 
