@@ -220,16 +220,16 @@ class ControllerPlacement:
 
 def picker_config_for(profile: Profile, path: Path | None = None) -> EndpointPickerConfig:
     """The picker config loraplane runs with: the file given, else the packaged default with its saturation
-    thresholds scaled to the pod's batch capacity (in flight: a quarter of ``max_num_seqs``, waiting: a sixteenth;
-    never below the defaults, which are sized for the small reference engine)."""
+    thresholds scaled to the pod's batch capacity (in flight: half of ``max_num_seqs``, waiting: an eighth; never
+    below the defaults, which are sized for the small reference engine)."""
     config = EndpointPickerConfig.load(path)
     if path is not None:
         return config
     default = config.saturation_detector
     thresholds = default.model_copy(
         update={
-            "in_flight_threshold": max(default.in_flight_threshold, profile.max_num_seqs / 4),
-            "queue_threshold": max(default.queue_threshold, profile.max_num_seqs / 16),
+            "in_flight_threshold": max(default.in_flight_threshold, profile.max_num_seqs / 2),
+            "queue_threshold": max(default.queue_threshold, profile.max_num_seqs / 8),
         }
     )
     return config.model_copy(update={"saturation_detector": thresholds})
