@@ -24,6 +24,8 @@ IntArray = npt.NDArray[np.intp]
 BoolArray = npt.NDArray[np.bool_]
 T = TypeVar("T")
 
+_MISSING = object()
+
 #: Memory a snapshot's memo may hold (entries are whole-pool vectors of 1-8 bytes per endpoint).
 MEMO_BYTES = 4 << 20
 
@@ -180,13 +182,12 @@ class PoolSnapshot:
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
         """A value derived from this snapshot alone, computed once (plugins cache per-revision vectors here)."""
-        try:
-            return cast(T, self._memo[key])
-        except KeyError:
+        value = self._memo.get(key, _MISSING)  # not try/except: a miss (common with many revisions) raises nothing
+        if value is _MISSING:
             if len(self._memo) >= self._memo_entries:
                 del self._memo[next(iter(self._memo))]  # bounded: the oldest entry goes (one at a time, no spikes)
             value = self._memo[key] = compute()
-            return value
+        return cast(T, value)
 
     def lookup(self, served_name: str | None, digest: str | None) -> ResidencyEntry | None:
         """Where this exact revision (name and digest) is resident, or None."""
