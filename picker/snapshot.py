@@ -255,7 +255,10 @@ def endpoint_from_report(report: ResidencyReport, address: str | None = None) ->
 
 def _servable(adapter: AdapterResidency) -> bool:
     """A reported row the runtime can serve: no sidecar error, or one about an action on an adapter still loaded
-    (e.g. ``RequestsInFlight`` while it waits to offload: it still serves those requests and new ones)."""
+    (e.g. ``RequestsInFlight`` while it waits to offload: it still serves those requests and new ones). A row the
+    sidecar marks as not registered in the runtime (only in its disk cache) is not servable: the runtime would 404."""
+    if adapter.registered is False:
+        return False
     return adapter.error is None or adapter.tier in (Tier.GPU, Tier.CPU)
 
 

@@ -1,4 +1,5 @@
-"""A sidecar error on a row does not hide an adapter the runtime still holds (and so still serves)."""
+"""Which reported rows count as servable: a sidecar error does not hide an adapter the runtime still holds (and so
+still serves); a disk row the runtime has not registered does not count."""
 
 from __future__ import annotations
 
@@ -21,3 +22,14 @@ def test_loaded_adapters_with_an_action_error_stay_routable_but_failed_loads_do_
     ])
     residency = endpoint_from_report(report).residency
     assert residency == {"busy@v1": (Tier.GPU, DIGEST), "offload@v1": (Tier.CPU, DIGEST), "fine@v1": (Tier.DISK, DIGEST)}
+
+
+def test_disk_rows_count_only_when_the_runtime_has_them_registered() -> None:
+    rows = [
+        AdapterResidency(served_name="loaded@v1", tier=Tier.DISK, digest=DIGEST, registered=True),
+        AdapterResidency(served_name="cached@v1", tier=Tier.DISK, digest=DIGEST, registered=False),
+        AdapterResidency(served_name="older-sidecar@v1", tier=Tier.DISK, digest=DIGEST),
+    ]
+    report = ResidencyReport(pool="pool", pod="pod-0", address="10.0.0.1:8000", heartbeat_at=0.0, adapters=rows)
+    residency = endpoint_from_report(report).residency
+    assert residency == {"loaded@v1": (Tier.DISK, DIGEST), "older-sidecar@v1": (Tier.DISK, DIGEST)}
