@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=LARGE_GPU.name,
                    help=f"{', '.join(PROFILES)} or a JSON file (saved profile or bench output)")  # fmt: skip
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")
-    p.add_argument("--jobs", type=_positive, help="worker processes (default: one per CPU)")
+    p.add_argument("--jobs", type=_positive, help="worker processes (default: one per CPU it may use)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write ttft_cdf.png and cold_starts.png into DIR")
     p.add_argument("--save-trace", type=Path, metavar="CSV", help="also write the generated trace as CSV")

@@ -54,6 +54,13 @@ def without_burst(trace: Trace) -> Trace:
     return cut
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask where the OS has one (a container's cpuset), else all."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def simulate(
     trace: Trace,
     config: SimConfig,
@@ -129,7 +136,7 @@ def run_all(
     if no_burst is not None:
         work += [Job(p, no_burst=True) for p in policies]
     totals = [len(no_burst) if j.no_burst and no_burst is not None else len(trace) for j in work]
-    workers = max(1, min(jobs or os.cpu_count() or 1, len(work)))
+    workers = max(1, min(jobs or usable_cpus(), len(work)))
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
     counters = ctx.Array("q", len(work), lock=False)
     _shared["bound"] = bound

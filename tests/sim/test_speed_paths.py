@@ -3,13 +3,15 @@ scan's jumps over requests it would skip give exactly what looking at every wait
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 from loraplane.sim import cluster
 from loraplane.sim.cluster import SimConfig
 from loraplane.sim.profile import LARGE_GPU
-from loraplane.sim.runner import run_all, simulate
+from loraplane.sim.runner import run_all, simulate, usable_cpus
 from loraplane.sim.trace import scenario
 from tests.sim.conftest import ADAPTER_BYTES
 
@@ -32,6 +34,14 @@ def test_the_report_is_the_same_for_any_number_of_worker_processes() -> None:
     assert reports[0]["policies"]["loraplane"]["cold_starts"] > 0
     for other in reports[1:]:
         assert _without_timings(other) == _without_timings(reports[0])
+
+
+def test_workers_default_to_the_cpus_the_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert usable_cpus() == 2
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert usable_cpus() == 64
 
 
 @pytest.mark.parametrize(
