@@ -152,17 +152,22 @@ class PoolSnapshot:
         self.version += 1
 
     def _reindex(self, index: int, old: EndpointState, new: EndpointState) -> None:
-        rows = list(_resident_rows(new))
-        for key in {key for key, _, _ in _resident_rows(old)} | {key for key, _, _ in rows}:
+        """Re-index only the revisions whose (tier level, draining) on this endpoint changed: O(its rows)."""
+        before = {key: (level, draining) for key, level, draining in _resident_rows(old)}
+        after = {key: (level, draining) for key, level, draining in _resident_rows(new)}
+        for key in before.keys() | after.keys():
+            row = after.get(key)
+            if row == before.get(key):
+                continue
             entry = self.residency.get(key)
             level_of = {i: level for i, level in entry.level_of.items() if i != index} if entry else {}
             leaving = [i for i in self.draining.get(key, ()) if i != index]
-            for row_key, level, draining in rows:
-                if row_key == key:
-                    if draining:
-                        leaving.append(index)
-                    else:
-                        level_of[index] = level
+            if row is not None:
+                level, draining = row
+                if draining:
+                    leaving.append(index)
+                else:
+                    level_of[index] = level
             self._set_holders(key, level_of, leaving)
         self.protected_warm[index] = self._protected_count(new)
         self._memo.clear()

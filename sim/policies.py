@@ -127,8 +127,8 @@ class PickerRouter:
 
     def _refresh(self, now: float, pods: list[Pod]) -> PoolSnapshot:
         """The snapshot of the latest reports, renewed every heartbeat: rebuilt when some pod's tiers changed (one
-        pass over every residency row; ``PoolSnapshot.update_endpoint`` re-indexes all of a pod's rows, which costs
-        more once several pods changed), otherwise each pod's load figures are replaced in place."""
+        pass over every residency row; ``PoolSnapshot.update_endpoint`` builds two row maps per pod, which
+        measured no cheaper here), otherwise each pod's load figures are replaced in place."""
         snapshot = self._snapshot
         if snapshot is not None and now - self._reported_at < REPORT_S:
             return snapshot
