@@ -29,6 +29,8 @@ COPY_BYTES = 256 * 2**20  # well beyond the last-level cache
 FLUSH_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
 #: A CPU case uses every core when its sgmv call runs at least this much faster on them (see ``_useful_threads``).
 MIN_THREAD_GAIN = 1.15
+#: Interleaved (one thread, all cores) pairs of the case's sgmv call that ``_useful_threads`` times.
+THREAD_PROBE_ROUNDS = 11
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,22 @@ def time_interleaved(
 
     ``flush`` (untimed) runs before every timed call, so every variant starts from the same cache state.
     """
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    samples = interleaved_samples(variants, rounds, device, warmup, flush)
+    return {
+        name: Timing(statistics.median(t.wall for t in values), statistics.median(t.cpu for t in values))
+        for name, values in samples.items()
+    }
+
+
+def interleaved_samples(
+    variants: dict[str, Callable[[], object]],
+    rounds: int,
+    device: torch.device,
+    warmup: int = 2,
+    flush: Callable[[], object] | None = None,
+) -> dict[str, list[Timing]]:
+    """Every timed call of each variant (wall and process CPU seconds), round by round, as ``time_interleaved``."""
+    samples: dict[str, list[Timing]] = {name: [] for name in variants}
     for _ in range(warmup):
         for fn in variants.values():
             fn()
@@ -89,11 +106,8 @@ def time_interleaved(
             start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             _sync(device)
-            samples[name].append((time.perf_counter() - start, time.process_time() - start_cpu))
-    return {
-        name: Timing(statistics.median(w for w, _ in values), statistics.median(c for _, c in values))
-        for name, values in samples.items()
-    }
+            samples[name].append(Timing(time.perf_counter() - start, time.process_time() - start_cpu))
+    return samples
 
 
 def copy_bandwidth_gbps(device: torch.device, rounds: int = 7) -> float:
@@ -196,8 +210,12 @@ def run_case(
         variants["sgmv_unsorted"] = lambda: apply_lora(y, x, slots, unsorted_plan, backend)
     flush = cache_flusher(device)
     with torch.no_grad():
+        probe: dict = {}
         if device.type == "cpu":
-            torch.set_num_threads(threads or _useful_threads(cores, variants["sgmv"], flush))
+            chosen = threads
+            if chosen is None:
+                chosen, probe = _useful_threads(cores, variants["sgmv"], flush)
+            torch.set_num_threads(chosen)
         timings = time_interleaved(variants, rounds, device, flush=flush)
     medians = {name: timing.wall for name, timing in timings.items()}
     plan_seconds = time_interleaved({"plan": lambda: planner.plan(arrival)}, rounds, torch.device("cpu"))["plan"].wall
@@ -216,6 +234,7 @@ def run_case(
         "dtype": str(dtype).removeprefix("torch."),
         "backend": backend.name,
         "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        **({"thread_probe": probe} if probe else {}),
         "path": f"{plan.mode}/{'contiguous' if plan.contiguous else 'gathered'}",
         **{f"{name}_ms": round(seconds * 1e3, 4) for name, seconds in medians.items()},
         "plan_ms": round(plan_seconds * 1e3, 4),
@@ -250,7 +269,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--threads",
         type=int,
-        help="torch intra-op threads for every CPU case (default: 1 for decode cases, all cores for prefill)",
+        help="torch intra-op threads for every CPU case (default: probed per case, see docs/kernels.md)",
     )
     parser.add_argument("--case", action="append", choices=[case.name for case in CASES], help="run only these")
     args = parser.parse_args(argv)
@@ -278,16 +297,19 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _useful_threads(cores: int, op: Callable[[], object], flush: Callable[[], object]) -> int:
-    """``cores`` if ``op`` (the case's own sgmv call) runs at least ``MIN_THREAD_GAIN`` times faster on them, else 1.
+def _useful_threads(cores: int, op: Callable[[], object], flush: Callable[[], object]) -> tuple[int, dict]:
+    """(threads, what the probe measured): ``cores`` if ``op`` (the case's own sgmv call) gains from them, else 1 (rule: docs/kernels.md, Threads).
 
-    Probing the op itself, not a large GEMM: on a machine shared with other work a big GEMM still gains from a
-    second thread while the op's shorter calls wait at every barrier for a descheduled thread (measured: a GEMM
-    probe chose 2 threads, then sgmv took 6-9x as long as on one; docs/kernels.md). The two settings are timed
-    interleaved, so a burst of load from other jobs hits both.
+    One thread and all cores are timed in ``THREAD_PROBE_ROUNDS`` interleaved pairs, caches flushed before each
+    call. All cores win when (a) the fastest call on them beats the fastest on one by ``MIN_THREAD_GAIN``: the
+    minimums are what each setting costs when nothing interferes, and on a quiet machine a short burst of load
+    moved a median of 5 below the threshold in 2 of 3 runs; and (b) in at least half the pairs the all-cores call
+    was not slower: under load a second thread waits at every barrier for a descheduled one (10-100x slower), and
+    a lucky fastest call must not pick it. Probing the op itself, not a large GEMM: a GEMM gains from a second
+    thread in conditions where the op's shorter calls only wait (docs/kernels.md).
     """
     if cores == 1:
-        return 1
+        return 1, {}
 
     def on(threads: int) -> Callable[[], object]:
         def call() -> object:
@@ -296,8 +318,18 @@ def _useful_threads(cores: int, op: Callable[[], object], flush: Callable[[], ob
 
         return call
 
-    timings = time_interleaved({"one": on(1), "all": on(cores)}, 5, torch.device("cpu"), warmup=1, flush=flush)
-    return cores if timings["one"].wall >= MIN_THREAD_GAIN * timings["all"].wall else 1
+    samples = interleaved_samples({"one": on(1), "all": on(cores)}, THREAD_PROBE_ROUNDS, torch.device("cpu"), 1, flush)
+    one, every = [t.wall for t in samples["one"]], [t.wall for t in samples["all"]]
+    fastest_gain = min(one) / min(every)
+    pairs_not_slower = sum(a >= b for a, b in zip(one, every, strict=True))
+    useful = fastest_gain >= MIN_THREAD_GAIN and 2 * pairs_not_slower >= len(one)
+    probe = {
+        "one_min_ms": round(min(one) * 1e3, 4),
+        "all_min_ms": round(min(every) * 1e3, 4),
+        "fastest_gain": round(fastest_gain, 3),
+        "pairs_all_not_slower": f"{pairs_not_slower}/{len(one)}",
+    }
+    return (cores if useful else 1), probe
 
 
 def _rounds(case: Case, quick: bool, device: torch.device) -> int:

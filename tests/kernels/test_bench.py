@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from loraplane.kernels.bench import Case, main, run_case, time_interleaved, zipf_token_slots
+from loraplane.kernels.bench import Case, _useful_threads, main, run_case, time_interleaved, zipf_token_slots
 
 FIELDS = {
     "name", "tokens", "adapters", "rank", "d_in", "d_out", "dtype", "loop_ms", "gather_bmm_ms", "sgmv_ms",
@@ -60,3 +62,31 @@ def test_command_line_rejects_bad_options() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             main(["--device", "cuda"])
+
+
+@pytest.mark.parametrize(
+    ("one_thread_ms", "all_cores_ms", "expected"),
+    [
+        ([6.0], [2.0], 2),  # clearly faster on every core
+        ([2.0], [6.0], 1),  # a second thread only waits
+        ([4.0], [1.0] + [12.0] * 10, 1),  # one lucky fast call, slower in most pairs (a loaded machine)
+        ([4.0] * 3 + [30.0] + [4.0] * 7, [3.0], 2),  # a burst of load on one call does not hide the gain
+    ],
+)
+def test_thread_probe_needs_a_clear_gain_in_most_pairs(
+    one_thread_ms: list[float], all_cores_ms: list[float], expected: int
+) -> None:
+    calls = {1: 0, 2: 0}
+
+    def op() -> None:
+        threads = torch.get_num_threads()
+        pattern = one_thread_ms if threads == 1 else all_cores_ms
+        time.sleep(pattern[calls[threads] % len(pattern)] / 1e3)
+        calls[threads] += 1
+
+    threads = torch.get_num_threads()
+    try:
+        chosen, probe = _useful_threads(2, op, flush=lambda: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert chosen == expected and set(probe) == {"one_min_ms", "all_min_ms", "fastest_gain", "pairs_all_not_slower"}
