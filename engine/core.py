@@ -28,6 +28,7 @@ from loraplane.engine.adapters import (
     FileDigests,
     HostBuffers,
     ParsedAdapters,
+    confine,
     host_copy,
     parse_adapter,
 )
@@ -154,38 +155,44 @@ class Engine:
                     await task
 
     # --- adapters -----------------------------------------------------------------------------------------------
-    async def read_adapter(self, name: str, path: Path) -> tuple[AdapterState, PeftAdapter]:
+    async def read_adapter(self, name: str, path: Path | str, root: Path | None = None) -> tuple[AdapterState, PeftAdapter]:
         """Read, parse and prepare an adapter for the host tier (off the event loop) as a new, unregistered state.
 
-        The disk-read stage reads each file once, the weights into a warm :class:`HostBuffers` buffer (page-locked
-        on CUDA), hashing it unless :class:`FileDigests` knows it unchanged; the parse stage views the tensors in
-        those bytes and checks them, converting only what is not in the serving dtype, so inserting into the host
-        tier copies nothing. Both run under ``torch.inference_mode``: the weights are inference tensors.
+        With ``root``, ``path`` is as a client sent it and is first confined to ``root`` (:func:`confine`), in the
+        same worker thread: no filesystem work on the event loop, and one hop for all of it. The disk-read stage
+        reads each file once, the weights into a warm :class:`HostBuffers` buffer (page-locked on CUDA), hashing it
+        unless :class:`FileDigests` knows it unchanged; the parse stage views the tensors in those bytes and checks
+        them, converting only what is not in the serving dtype, so inserting into the host tier copies nothing. Both
+        run under ``torch.inference_mode``: the weights are inference tensors.
         """
-        files, weights, read_seconds, parse_seconds = await asyncio.to_thread(self._read_for_host, path)
+        resolved, files, weights, read_seconds, parse_seconds = await asyncio.to_thread(self._read_for_host, path, root)
         self.metrics.load_stage("disk_read", read_seconds)
         self.metrics.load_stage("parse", parse_seconds)
-        adapter = AdapterState(name=name, path=path, digest=files.digest, disk_bytes=files.nbytes)
+        adapter = AdapterState(name=name, path=resolved, digest=files.digest, disk_bytes=files.nbytes)
         adapter.load_seconds = read_seconds + parse_seconds
         return adapter, weights
 
-    def _read_for_host(self, path: Path) -> tuple[AdapterFiles, PeftAdapter, float, float]:
-        """Both stages in one worker thread: the files, the host-ready weights, and each stage's seconds."""
+    def _read_for_host(self, path: Path | str, root: Path | None) -> tuple[Path, AdapterFiles, PeftAdapter, float, float]:
+        """Confinement and both stages in one worker thread: the directory, the files, the host-ready weights, and
+        each stage's seconds."""
+        resolved = confine(root, str(path)) if root is not None else Path(path)
         with torch.inference_mode():
             started = time.perf_counter()
-            files = AdapterFiles.read(path, self.file_digests, self.host_buffers)
+            files = AdapterFiles.read(resolved, self.file_digests, self.host_buffers)
             read_done = time.perf_counter()
             weights = parse_adapter(files, self.model.config, self.tiers.max_lora_rank, self.parsed_adapters)
             weights = host_copy(weights, self.model.dtype, pin=self.host_buffers.pinned)
-        return files, weights, read_done - started, time.perf_counter() - read_done
+        return resolved, files, weights, read_done - started, time.perf_counter() - read_done
 
-    async def add_adapter(self, name: str, path: Path) -> AdapterState:
-        """Load an adapter into the host tier and register it (replacing one of the same name)."""
-        adapter, weights = await self.read_adapter(name, path)
+    async def add_adapter(self, name: str, path: Path | str, root: Path | None = None) -> AdapterState:
+        """Load an adapter into the host tier and register it (replacing one of the same name); with ``root``, the
+        path is confined to it first (:meth:`read_adapter`)."""
+        adapter, weights = await self.read_adapter(name, path, root)
         async with self.lock:
             self.tiers.register(adapter)
             self.tiers.insert_host(adapter, weights, adapter.load_seconds)
-        self._wake.set()
+            if self.waiting:  # requests may wait for the adapter this one replaces; else the step loop has nothing to do
+                self._wake.set()
         return adapter
 
     async def remove_adapter(self, name: str) -> AdapterState:

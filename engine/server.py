@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from loraplane.api import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
-from loraplane.engine.adapters import AdapterNotFoundError, AdapterRejectedError, confine
+from loraplane.engine.adapters import AdapterNotFoundError, AdapterRejectedError
 from loraplane.engine.core import AdapterBusyError, Engine, Request, RequestError, SamplingParams, TokenEvent
 from loraplane.engine.tiers import AdapterState
 from loraplane.engine.tokenizer import chat_prompt
@@ -342,9 +342,11 @@ class EngineApi:
         if name in self.engine.tiers.registered and not body.load_inplace:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the adapter "
                            "in place, set 'load_inplace' to True.", "InvalidUserInput")
+        if self.config.adapter_root is None:
+            raise ApiError(400, f"Failed to load LoRA adapter '{name}': dynamic loading is confined to --adapter-root, "
+                           "and none is configured", "BadRequestError")
         try:
-            path = confine(self.config.adapter_root, body.lora_path)
-            await self.engine.add_adapter(name, path)
+            await self.engine.add_adapter(name, body.lora_path, root=self.config.adapter_root)
         except AdapterNotFoundError as exc:
             raise ApiError(404, str(exc), "NotFoundError") from None
         except (AdapterRejectedError, OSError) as exc:
