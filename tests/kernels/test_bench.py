@@ -67,21 +67,21 @@ def test_command_line_rejects_bad_options() -> None:
 @pytest.mark.parametrize(
     ("one_thread_ms", "all_cores_ms", "expected"),
     [
-        ([6.0], [2.0], 2),  # clearly faster on every core
+        ([6.0], [5.0], 2),  # a modest gain in every pair
         ([2.0], [6.0], 1),  # a second thread only waits
-        ([4.0], [1.0] + [12.0] * 10, 1),  # one lucky fast call, slower in most pairs (a loaded machine)
-        ([4.0] * 3 + [30.0] + [4.0] * 7, [3.0], 2),  # a burst of load on one call does not hide the gain
+        ([4.0], [1.0] * 4 + [12.0] * 7, 1),  # faster on a few calls, slower in most pairs (a loaded machine)
+        ([4.0] * 3 + [30.0] * 2 + [4.0] * 6, [3.0] + [5.0] * 2 + [3.0] * 8, 2),  # load bursts on a few calls
     ],
 )
-def test_thread_probe_needs_a_clear_gain_in_most_pairs(
+def test_thread_probe_needs_all_cores_to_win_most_pairs(
     one_thread_ms: list[float], all_cores_ms: list[float], expected: int
 ) -> None:
-    calls = {1: 0, 2: 0}
+    calls = {1: -1, 2: -1}  # the warm-up call comes first
 
     def op() -> None:
         threads = torch.get_num_threads()
         pattern = one_thread_ms if threads == 1 else all_cores_ms
-        time.sleep(pattern[calls[threads] % len(pattern)] / 1e3)
+        time.sleep(pattern[max(calls[threads], 0) % len(pattern)] / 1e3)
         calls[threads] += 1
 
     threads = torch.get_num_threads()
@@ -89,4 +89,4 @@ def test_thread_probe_needs_a_clear_gain_in_most_pairs(
         chosen, probe = _useful_threads(2, op, flush=lambda: None)
     finally:
         torch.set_num_threads(threads)
-    assert chosen == expected and set(probe) == {"one_min_ms", "all_min_ms", "fastest_gain", "pairs_all_not_slower"}
+    assert chosen == expected and probe["pairs_won_by_all_cores"].endswith("/11")
