@@ -259,11 +259,15 @@ class _StorageViews:
         position, itemsize = self.first + offset, dtype.itemsize
         if position % itemsize:
             return None
+        return self.typed(dtype).as_strided(shape, stride, position // itemsize)
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole storage as one flat tensor of ``dtype``."""
         typed = self._typed.get(dtype)
         if typed is None:
-            typed = torch.empty(0, dtype=dtype).set_(self.storage, 0, (self.storage.nbytes() // itemsize,), (1,))
+            typed = torch.empty(0, dtype=dtype).set_(self.storage, 0, (self.storage.nbytes() // dtype.itemsize,), (1,))
             self._typed[dtype] = typed
-        return typed.as_strided(shape, stride, position // itemsize)
+        return typed
 
 
 def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -312,14 +316,25 @@ def safetensors_views(data: torch.Tensor) -> dict[str, torch.Tensor]:
     return tensors
 
 
-#: One tensor viewed in a read buffer: dtype, shape, stride and byte offset from the start of the file.
+#: One tensor viewed in a read buffer: dtype, shape, stride and storage offset (in elements) where it was parsed.
 _TensorLayout = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]
+
+
+@dataclass(frozen=True)
+class _KnownParse:
+    """An accepted adapter's config and its tensors' layouts, for a buffer whose file starts at storage byte
+    ``first``."""
+
+    config: PeftLoraConfig
+    first: int
+    modules: list[tuple[str, _TensorLayout, _TensorLayout, float]]
+    dtypes: frozenset[torch.dtype]
 
 
 class ParsedAdapters:
     """How adapters already parsed and accepted lie in their weights file, by content digest, so reading one back
     (after an eviction or an unload) rebuilds the same views without the JSON header, the checks or the matching of
-    tensor names: one ``as_strided`` per tensor.
+    tensor names: one ``as_strided`` per tensor, with no per-tensor alignment arithmetic.
 
     The digest names the exact bytes of both files (:class:`FileDigests` re-hashes any file that changed), so an
     equal digest means an equal parse and an equal verdict; one instance serves one engine (one base model and rank
@@ -329,8 +344,7 @@ class ParsedAdapters:
 
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
-        self._known: OrderedDict[str, tuple[PeftLoraConfig, list[tuple[str, _TensorLayout, _TensorLayout, float]]]]
-        self._known = OrderedDict()
+        self._known: OrderedDict[str, _KnownParse] = OrderedDict()
         self._lock = threading.Lock()
 
     def get(self, files: AdapterFiles) -> PeftAdapter | None:
@@ -340,25 +354,26 @@ class ParsedAdapters:
             if known is None:
                 return None
             self._known.move_to_end(files.digest)
-        config, layouts = known
+        shift = int(files.weights.storage_offset()) - known.first  # bytes; 0 for every buffer HostBuffers hands out
+        if shift % 8:  # this buffer starts at another alignment (8: the largest element size): parse afresh
+            return None
         views = _StorageViews(files.weights)
-        modules = {}
-        for module, a_layout, b_layout, scale in layouts:
-            a, b = views.view(*a_layout), views.view(*b_layout)
-            if a is None or b is None:  # this buffer starts at another alignment: parse afresh
-                return None
-            modules[module] = LoraModuleWeights(a, b, scale)
-        return PeftAdapter(config, modules)
+        typed = {dtype: views.typed(dtype) for dtype in known.dtypes}
+        modules = {
+            module: LoraModuleWeights(typed[a[0]].as_strided(a[1], a[2], a[3] + shift // a[0].itemsize),
+                                      typed[b[0]].as_strided(b[1], b[2], b[3] + shift // b[0].itemsize), scale)
+            for module, a, b, scale in known.modules
+        }
+        return PeftAdapter(known.config, modules)
 
     def remember(self, files: AdapterFiles, adapter: PeftAdapter) -> None:
         """Keep where ``adapter``'s tensors lie in ``files.weights`` (only if every one is a view of it)."""
         storage = files.weights.untyped_storage().data_ptr()
-        first = int(files.weights.storage_offset())
 
         def layout(t: torch.Tensor) -> _TensorLayout | None:
             if t.untyped_storage().data_ptr() != storage:
                 return None
-            return t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset()) * t.element_size() - first
+            return t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset())
 
         layouts = []
         for module, weights in adapter.modules.items():
@@ -366,8 +381,10 @@ class ParsedAdapters:
             if a is None or b is None:
                 return
             layouts.append((module, a, b, weights.scale))
+        dtypes = frozenset(t[0] for _, a, b, _ in layouts for t in (a, b))
+        known = _KnownParse(adapter.config, int(files.weights.storage_offset()), layouts, dtypes)
         with self._lock:
-            self._known[files.digest] = (adapter.config, layouts)
+            self._known[files.digest] = known
             self._known.move_to_end(files.digest)
             while len(self._known) > self.capacity:
                 self._known.popitem(last=False)

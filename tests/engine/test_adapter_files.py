@@ -191,3 +191,25 @@ def test_a_read_back_rebuilds_an_accepted_parse_as_views_of_the_new_bytes(tiny_a
             assert torch.equal(mine, theirs) and mine.untyped_storage().data_ptr() == storage  # views of the new read
     other = AdapterFiles.read(tiny_adapters[3].path)
     assert parsed.get(other) is None  # other bytes, other digest
+
+
+def test_a_read_back_into_a_buffer_at_another_offset_is_rebuilt_there_or_parsed_afresh(
+    tiny_adapters: list[GeneratedAdapter],
+) -> None:
+    config, parsed = PRESETS["tiny"], ParsedAdapters()
+    files = AdapterFiles.read(tiny_adapters[0].path)
+    first = parse_adapter(files, config, 16, parsed)
+    size = files.weights.numel()
+    for shift in (8, 1):
+        memory = torch.zeros(size + shift, dtype=torch.uint8)
+        memory[shift:] = files.weights
+        moved = AdapterFiles(files.config, memory[shift:], files.digest)
+        again = parsed.get(moved)
+        if shift == 1:  # not aligned the way the remembered parse was: the caller parses afresh
+            assert again is None
+            continue
+        assert again is not None
+        for name, module in again.modules.items():
+            assert torch.equal(module.lora_a, first.modules[name].lora_a)
+            assert torch.equal(module.lora_b, first.modules[name].lora_b)
+            assert module.lora_a.untyped_storage().data_ptr() == memory.untyped_storage().data_ptr()
