@@ -301,8 +301,9 @@ def _useful_threads(cores: int, op: Callable[[], object], flush: Callable[[], ob
     """(threads, what the probe measured): ``cores`` if ``op`` (the case's own sgmv call) is faster on them.
 
     One thread and all cores are timed in ``THREAD_PROBE_PAIRS`` interleaved pairs, caches flushed before each
-    call; all cores are chosen when they win at least ``MIN_PAIRS_WON`` pairs. Pairs, not one median against a
-    gain threshold: prefill gains only 1.0-1.3x from a second core here, so a median of 5 against 1.15x chose one
+    call; all cores are chosen when they win at least ``MIN_PAIRS_WON`` pairs and their median is lower too (a
+    skewed spread can win most pairs narrowly and lose the rest by far more). Pairs, not one median against a
+    gain threshold: prefill gains only 1.0-1.5x from a second core here, so a median of 5 against 1.15x chose one
     thread in 2 of 3 quiet runs, and a load burst on a few calls moves a median but wins or loses only those pairs;
     under load a second thread waits at every barrier for a descheduled one (3-100x slower) and loses most pairs.
     Probing the op itself, not a large GEMM: a GEMM gains from a second thread in conditions where the op's
@@ -326,7 +327,8 @@ def _useful_threads(cores: int, op: Callable[[], object], flush: Callable[[], ob
         "all_cores_ms": round(statistics.median(every) * 1e3, 4),
         "pairs_won_by_all_cores": f"{won}/{len(one)}",
     }
-    return (cores if won >= MIN_PAIRS_WON else 1), probe
+    faster = won >= MIN_PAIRS_WON and statistics.median(every) < statistics.median(one)
+    return (cores if faster else 1), probe
 
 
 def _rounds(case: Case, quick: bool, device: torch.device) -> int:

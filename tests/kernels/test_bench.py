@@ -71,6 +71,7 @@ def test_command_line_rejects_bad_options() -> None:
         ([2.0], [6.0], 1),  # a second thread only waits
         ([4.0], [1.0] * 4 + [12.0] * 7, 1),  # faster on a few calls, slower in most pairs (a loaded machine)
         ([4.0] * 3 + [30.0] * 2 + [4.0] * 6, [3.0] + [5.0] * 2 + [3.0] * 8, 2),  # load bursts on a few calls
+        ([5.0] * 5 + [1.0] * 6, [4.9] * 5 + [0.9] * 3 + [9.0] * 3, 1),  # wins 8 pairs narrowly, median higher
     ],
 )
 def test_thread_probe_needs_all_cores_to_win_most_pairs(
