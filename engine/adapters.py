@@ -13,6 +13,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,15 @@ def _identity(status: os.stat_result) -> FileIdentity:
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
+#: A file is read by several threads only in parts of at least this many bytes (one copy out of the page cache per
+#: thread; measured: docs/engine.md "Load path").
+PARALLEL_READ_MIN_PART = 4 << 20
+
+def default_read_threads() -> int:
+    """Threads that read one large file at once unless told otherwise: this process's CPUs, at most 4."""
+    return min(4, len(os.sched_getaffinity(0)))
+
+
 #: Buffers from this size on are anonymous memory advised into huge pages, and pooled.
 _HUGE_PAGE = 2 << 20
 
@@ -159,28 +169,33 @@ class FileDigests:
     Hashing 38 MB costs about as much as reading it, so a file read back after eviction (or loaded again under
     another name) is not hashed again when nothing about it changed; any change of :func:`_identity` means a new
     hash of the bytes actually read. Bounded: the least recently used paths are forgotten first. Loader threads
-    share one instance.
+    share one instance. With ``read_threads`` > 1 a large file is read by that many threads at once, each copying
+    its own range out of the page cache (one core's copy is the limit of a single read).
     """
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, read_threads: int = 1) -> None:
+        if read_threads < 1:
+            raise ValueError("read_threads must be at least 1")
         self.capacity = capacity
+        self.read_threads = read_threads
         self._known: OrderedDict[str, tuple[FileIdentity, str]] = OrderedDict()
         self._lock = threading.Lock()
+        self._readers = ThreadPoolExecutor(read_threads - 1, "adapter-read") if read_threads > 1 else None
 
     def read(self, path: Path, buffers: HostBuffers | None = None) -> tuple[torch.Tensor, str]:
         """The file's bytes (one read, into a uint8 tensor from ``buffers`` that parsed tensors can view) and their
         hex sha256. Without ``buffers`` the memory is fresh."""
-        with path.open("rb", buffering=0) as f:
-            before = _identity(os.fstat(f.fileno()))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            before = _identity(os.fstat(fd))
             size = before[2]
             data = (buffers or _UNPOOLED).take(size)
             view = data.numpy().data
-            filled = 0
-            while filled < size and (n := f.readinto(view[filled:])):
-                filled += n
-            if filled < size or f.read(1):
+            if not read_parallel(fd, view, size, self._readers, self.read_threads) or os.pread(fd, 1, size):
                 raise OSError(f"{path.name} changed size while being read")
-            unchanged = _identity(os.fstat(f.fileno())) == before
+            unchanged = _identity(os.fstat(fd)) == before
+        finally:
+            os.close(fd)
         key = str(path)
         with self._lock:
             known = self._known.get(key)
@@ -195,6 +210,33 @@ class FileDigests:
                 while len(self._known) > self.capacity:
                     self._known.popitem(last=False)
         return data, digest
+
+
+def read_parallel(fd: int, view: memoryview, size: int, readers: Executor | None, threads: int) -> bool:
+    """Fill ``view[:size]`` from ``fd``; False when the file ended early. A file of at least two
+    ``PARALLEL_READ_MIN_PART`` parts is split into up to ``threads`` page-aligned ranges: the calling thread reads
+    the first, ``readers`` the others, at the same time."""
+    parts = min(threads, size // PARALLEL_READ_MIN_PART)
+    if parts < 2 or readers is None:
+        return read_range(fd, view, 0, size)
+    step = -(-size // parts // mmap.PAGESIZE) * mmap.PAGESIZE
+    ranges = [(first, min(size, first + step)) for first in range(0, size, step)]
+    others = [readers.submit(read_range, fd, view, first, end) for first, end in ranges[1:]]
+    try:
+        complete = read_range(fd, view, *ranges[0])
+    finally:
+        wait(others)  # none may still write into the buffer, or read the descriptor, once this returns
+    return all([future.result() for future in others]) and complete
+
+
+def read_range(fd: int, view: memoryview, first: int, end: int) -> bool:
+    """Fill ``view[first:end]`` with the file's bytes at the same offsets; False when the file ended early."""
+    while first < end:
+        n = os.preadv(fd, [view[first:end]], first)
+        if n == 0:
+            return False
+        first += n
+    return True
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class EngineOptions:
     allow_runtime_lora_updating: bool = False
     admin_token: str | None = None
     lora_backend: str | None = None
+    load_read_threads: int = 1
 
 
 @dataclass
@@ -68,6 +69,8 @@ def build(options: EngineOptions, clock: Callable[[], float] = time.monotonic,
         raise ValueError(f"--dtype must be one of {sorted(_DTYPES)}")
     if options.eviction_policy not in POLICIES:
         raise ValueError(f"--eviction-policy must be one of {sorted(POLICIES)}")
+    if options.load_read_threads < 1:
+        raise ValueError("--load-read-threads must be at least 1")
     model_dir: Path | None = None
     if options.model in PRESETS:
         config, weights = PRESETS[options.model], seeded_weights(PRESETS[options.model], options.seed)
@@ -88,7 +91,8 @@ def build(options: EngineOptions, clock: Callable[[], float] = time.monotonic,
                          POLICIES[options.eviction_policy](), clock=wall_clock,
                          on_evict=lambda _adapter, tier: metrics.evicted(tier))
     limits = EngineLimits(options.max_num_seqs, options.max_model_len, options.max_num_batched_tokens)
-    engine = Engine(model, tiers, load_tokenizer(model_dir, config.bos_token_id), metrics, limits, clock=clock, rng=rng)
+    engine = Engine(model, tiers, load_tokenizer(model_dir, config.bos_token_id), metrics, limits, clock=clock, rng=rng,
+                    load_read_threads=options.load_read_threads)
     metrics.bind(engine, wall_clock)
     server_config = ServerConfig(name, digest, options.adapter_root, options.allow_runtime_lora_updating,
                                  options.admin_token, options.max_model_len)

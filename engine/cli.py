@@ -51,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"bearer token that lets non-loopback callers use admin endpoints (or {ADMIN_TOKEN_ENV})")
     p.add_argument("--lora-backend", default=None, help="force a loraplane.kernels backend (torch, triton, ascend)")
     p.add_argument("--torch-threads", type=int, default=1, help="intra-op CPU threads (1 lets several engines share cores)")
+    p.add_argument("--load-read-threads", type=int, default=None,
+                   help="threads that read one large adapter file at once (default: this process's CPUs, at most 4)")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -61,6 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import uvicorn
 
+    from loraplane.engine.adapters import default_read_threads
     from loraplane.engine.app import EngineOptions, build
 
     torch.set_num_threads(args.torch_threads)
@@ -73,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         allow_runtime_lora_updating=args.enable_lora_runtime_updating
         or os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None, lora_backend=args.lora_backend,
+        load_read_threads=default_read_threads() if args.load_read_threads is None else args.load_read_threads,
     )
     try:
         built = build(options)

@@ -117,6 +117,7 @@ class Engine:
         limits: EngineLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        load_read_threads: int = 1,
     ) -> None:
         self.model = model
         self.tiers = tiers
@@ -135,7 +136,7 @@ class Engine:
         self._ids = itertools.count()
         self._eos = set(model.config.eos_token_ids)
         self._task: asyncio.Task[None] | None = None
-        self.file_digests = FileDigests()
+        self.file_digests = FileDigests(read_threads=load_read_threads)
         self.parsed_adapters = ParsedAdapters()
         self.host_buffers = HostBuffers(tiers.max_cpu_loras + 1, pinned=model.device.type == "cuda")
 

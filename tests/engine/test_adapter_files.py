@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,12 +16,14 @@ from safetensors.torch import load as reference_load
 
 from loraplane.api import ADAPTER_WEIGHTS_FILE, adapter_digest
 from loraplane.engine.adapters import (
+    PARALLEL_READ_MIN_PART,
     AdapterFiles,
     AdapterRejectedError,
     FileDigests,
     HostBuffers,
     ParsedAdapters,
     parse_adapter,
+    read_parallel,
     safetensors_views,
 )
 from loraplane.engine.app import EngineOptions
@@ -50,6 +54,33 @@ def test_digests_follow_the_bytes_even_when_size_and_mtime_are_restored(tmp_path
     changed = AdapterFiles.read(adapter, digests)
     assert changed.digest == adapter_digest(adapter) != first.digest
     assert changed.weights.numpy().tobytes() == (adapter / ADAPTER_WEIGHTS_FILE).read_bytes()
+
+
+@pytest.mark.parametrize("size", [PARALLEL_READ_MIN_PART - 1, 3 * PARALLEL_READ_MIN_PART + 4097])
+def test_a_file_read_by_several_threads_is_the_file(tmp_path: Path, size: int) -> None:
+    path = tmp_path / "weights"
+    path.write_bytes(os.urandom(size))
+    digests = FileDigests(read_threads=3)
+    for buffers in (None, HostBuffers(capacity=2)):
+        data, digest = digests.read(path, buffers)
+        assert data.numpy().tobytes() == path.read_bytes()
+        assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_file_shorter_than_its_parts_is_reported_not_returned(tmp_path: Path) -> None:
+    size = 3 * PARALLEL_READ_MIN_PART
+    path = tmp_path / "short"
+    path.write_bytes(os.urandom(size - PARALLEL_READ_MIN_PART // 2))  # the last part ends early
+    view = memoryview(bytearray(size))
+    with ThreadPoolExecutor(2) as readers, path.open("rb") as f:
+        assert not read_parallel(f.fileno(), view, size, readers, 3)
+        assert read_parallel(f.fileno(), view, size - PARALLEL_READ_MIN_PART // 2, readers, 3)
+    assert bytes(view[: size - PARALLEL_READ_MIN_PART // 2]) == path.read_bytes()
+
+
+def test_read_threads_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="read_threads"):
+        FileDigests(read_threads=0)
 
 
 async def test_an_adapter_changed_on_disk_is_not_read_back_after_eviction(
