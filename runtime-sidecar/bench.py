@@ -316,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplane bench sidecar", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="medium", help="engine preset (medium: a ~40 MB rank-64 adapter)")
     parser.add_argument("--rank", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=9, help="L3, L2 and L1 rounds (medians of these)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output anyway)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
