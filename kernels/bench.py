@@ -203,7 +203,10 @@ def run_case(
         "sgmv": lambda: apply_lora(y, x, slots, plan, backend),
         "base_gemm": lambda: torch.nn.functional.linear(x, weight),
     }
-    if len(case.ranks) > 1 and backend.name == "torch":
+    if backend.name != "torch" and device.type == "cpu":  # the reference backend, side by side
+        reference = TorchBackend()
+        variants["sgmv_torch"] = lambda: apply_lora(y, x, slots, plan, reference)
+    if len(case.ranks) > 1 and device.type == "cpu":
         variants["sgmv_rank_padded"] = lambda: apply_lora(y, x, slots, plan, TorchBackend("padded"))
     if case.seq_len == 1:
         unsorted_plan = planner.plan(arrival).to(device)

@@ -23,7 +23,7 @@ import torch
 from loraplane.kernels.plan import BatchPlan
 from loraplane.kernels.slots import LoraSlots
 
-#: Environment variable that overrides automatic backend choice (``torch``, ``triton`` or ``ascend``).
+#: Environment variable that overrides automatic backend choice (``cpu``, ``torch``, ``triton`` or ``ascend``).
 BACKEND_ENV = "LORAPLANE_KERNELS_BACKEND"
 
 
@@ -45,6 +45,12 @@ def _torch_backend() -> Backend:
     return TorchBackend()
 
 
+def _cpu_backend() -> Backend:
+    from loraplane.kernels.cpu_backend import CpuBackend
+
+    return CpuBackend()
+
+
 def _triton_backend() -> Backend:
     from loraplane.kernels.triton_backend import TritonBackend
 
@@ -59,6 +65,7 @@ def _ascend_backend() -> Backend:
 
 #: Backend name -> factory. Factories import lazily so a missing triton / torch_npu only matters when chosen.
 BACKENDS: dict[str, Callable[[], Backend]] = {
+    "cpu": _cpu_backend,
     "torch": _torch_backend,
     "triton": _triton_backend,
     "ascend": _ascend_backend,
@@ -76,7 +83,8 @@ def get_backend(name: str) -> Backend:
 
 
 def default_backend_name(device: torch.device | str) -> str:
-    """``ascend`` on NPUs, ``triton`` on CUDA when triton imports, ``torch`` otherwise."""
+    """``ascend`` on NPUs, ``triton`` on CUDA when triton imports, ``cpu`` on CPUs when its C library builds,
+    ``torch`` otherwise."""
     kind = torch.device(device).type
     if kind == "npu":
         return "ascend"
@@ -86,6 +94,10 @@ def default_backend_name(device: torch.device | str) -> str:
         except ImportError:
             return "torch"
         return "triton"
+    if kind == "cpu":
+        from loraplane.kernels.cpu_backend import available
+
+        return "cpu" if available() else "torch"
     return "torch"
 
 

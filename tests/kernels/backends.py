@@ -8,7 +8,7 @@ from loraplane.kernels import Backend, get_backend
 
 from .ascend_ops import AscendTestBackend
 
-BACKENDS = ["torch", "triton", "ascend"]
+BACKENDS = ["cpu", "torch", "triton", "ascend"]
 
 
 def backend_device(name: str) -> torch.device:

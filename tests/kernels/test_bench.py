@@ -41,6 +41,7 @@ def test_run_case_reports_every_field(case: Case) -> None:
         assert result["bytes_ratio"] == pytest.approx(adapter_bytes / (case.d_in * case.d_out), rel=1e-2)
     else:
         assert "sgmv_rank_padded_ms" in result
+    assert ("sgmv_torch_ms" in result) == (result["backend"] == "cpu")
 
 
 def test_zipf_popularity_is_skewed_and_timing_is_interleaved() -> None:
