@@ -32,6 +32,8 @@ ADAPTERS = {
 SLOT_OF = {"alpha": 0, "beta": 1, "gamma": 2}
 #: Batch rows: several adapters, some rows without LoRA, one adapter on non-adjacent rows.
 ROWS = ["alpha", None, "gamma", "beta", "alpha", None, "gamma"]
+#: The CPU backends: the torch reference and the native C kernels.
+CPU_BACKENDS = ["torch", "cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -114,8 +116,10 @@ def test_saved_adapters_parse_with_patterns_and_rslora(models, tmp_path: Path) -
     assert beta.modules["model.layers.0.self_attn.k_proj"].scale == pytest.approx(8 / 2.0)
 
 
-def test_mixed_batch_matches_peft_row_alone_and_merged(models) -> None:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_mixed_batch_matches_peft_row_alone_and_merged(models, backend: str) -> None:
     peft_model, ours, context = models
+    context.backend = backend
     tokens = _tokens()
     batch = _ours(ours, context, tokens, ROWS)
     for row, name in enumerate(ROWS):
@@ -129,8 +133,10 @@ def test_mixed_batch_matches_peft_row_alone_and_merged(models) -> None:
         assert (name is None) == bool(torch.allclose(batch[row], base[row], atol=1e-4))
 
 
-def test_permuting_adapters_permutes_outputs_only(models) -> None:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_permuting_adapters_permutes_outputs_only(models, backend: str) -> None:
     _, ours, context = models
+    context.backend = backend
     tokens = _tokens()
     first = _ours(ours, context, tokens, ROWS)
     permutation = [3, 6, 0, 5, 2, 4, 1]
@@ -138,7 +144,8 @@ def test_permuting_adapters_permutes_outputs_only(models) -> None:
     torch.testing.assert_close(second, first[permutation], atol=1e-5, rtol=1e-5)
 
 
-def test_gpt2_conv1d_fan_in_fan_out_matches_peft_and_merges(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_gpt2_conv1d_fan_in_fan_out_matches_peft_and_merges(tmp_path: Path, backend: str) -> None:
     """GPT-2 stores c_attn as a Conv1D ``[in, out]`` (PEFT's fan_in_fan_out): served and merged like PEFT."""
     from loraplane.kernels.merge import merge_adapter, unmerge_adapter
 
@@ -155,7 +162,7 @@ def test_gpt2_conv1d_fan_in_fan_out_matches_peft_and_merges(tmp_path: Path) -> N
     peft_model.save_pretrained(str(tmp_path))
     adapter = load_peft_adapter(tmp_path)
     assert adapter.config.fan_in_fan_out
-    context = LoraContext(backend="torch")
+    context = LoraContext(backend=backend)
     layers = inject_lora(ours, ["c_attn"], num_slots=2, max_rank=8, context=context)
     load_adapter(layers, 1, adapter)
     tokens = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(2))
