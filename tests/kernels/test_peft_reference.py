@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,9 @@ ADAPTERS = {
 SLOT_OF = {"alpha": 0, "beta": 1, "gamma": 2}
 #: Batch rows: several adapters, some rows without LoRA, one adapter on non-adjacent rows.
 ROWS = ["alpha", None, "gamma", "beta", "alpha", None, "gamma"]
-#: The CPU backends: the torch reference and the native C kernels.
-CPU_BACKENDS = ["torch", "cpu"]
+#: The CPU backends: the torch reference and the native C kernels (where a C compiler builds them).
+NO_COMPILER = shutil.which(os.environ.get("CC") or "cc") is None
+CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(NO_COMPILER, reason="no C compiler"))]
 
 
 @pytest.fixture(scope="module")
