@@ -35,8 +35,8 @@ from loraplane.kernels.torch_backend import TorchBackend
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.c"
-#: No ``-fopenmp``: one thread per call (the engine's step is one thread; measured: docs/kernels.md).
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+#: Threads are plain pthreads, as many as torch's intra-op threads (no second OpenMP runtime next to torch's).
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread")
 COMPILE_TIMEOUT_S = 60
 CACHE_ENV = "LORAPLANE_CACHE_DIR"
 
@@ -150,7 +150,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     layer, pointer, stride = ctypes.POINTER(_Layer), ctypes.c_void_p, ctypes.c_int64
     for name in ("lp_apply_f32", "lp_shrink_f32", "lp_expand_f32"):
         function = getattr(library, name)
-        function.argtypes = [layer, pointer, stride, pointer, stride]
+        function.argtypes = [layer, pointer, stride, pointer, stride, ctypes.c_int]
         function.restype = None
     library.lp_max_width.argtypes = []
     library.lp_max_width.restype = ctypes.c_int
@@ -301,7 +301,8 @@ class CpuBackend:
         layer.segment_starts = plan.segment_starts.data_ptr()
         layer.segment_rows = plan.segment_rows.data_ptr()
         layer.sorted_tokens = plan.sorted_tokens.data_ptr()
-        function(ctypes.byref(layer), src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0))
+        threads = torch.get_num_threads()
+        function(ctypes.byref(layer), src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), threads)
 
     def _layout(self, slots: LoraSlots) -> _SlotsLayout:
         layout = self._layouts.get(slots)

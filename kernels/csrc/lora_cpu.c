@@ -13,6 +13,7 @@
  * 32-column tile of y in registers over the rank (B block reused from L1 by every 2 rows) and adds it to y once.
  * Eight-float vectors are GNU C vector extensions (one AVX register, two SSE/NEON registers elsewhere).
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -207,8 +208,19 @@ static void run_chunk(const lp_layer *L, const lp_io *io, enum op op, int slot, 
                      L->slice_widths[s], t, width, s * rank, out_rows, rows);
 }
 
-static void run(const lp_layer *L, const lp_io *io, enum op op) {
-    for (int g = 0; g < L->n_segments; g++) {
+typedef struct {
+    const lp_layer *L;
+    const lp_io *io;
+    enum op op;
+    int next_segment; /* taken atomically: a thread that falls behind (descheduled) simply takes fewer */
+} lp_work;
+
+static void *work(void *arg) {
+    lp_work *w = arg;
+    const lp_layer *L = w->L;
+    for (;;) {
+        int g = __atomic_fetch_add(&w->next_segment, 1, __ATOMIC_RELAXED);
+        if (g >= L->n_segments) return NULL;
         int slot = L->segment_slots[g];
         int rank = L->slot_ranks[slot];
         if (rank <= 0) continue;
@@ -216,27 +228,47 @@ static void run(const lp_layer *L, const lp_io *io, enum op op) {
         if (max_rows > CHUNK_ROWS) max_rows = CHUNK_ROWS;
         int64_t start = L->segment_starts[g], end = start + L->segment_rows[g];
         for (int64_t first = start; first < end; first += max_rows)
-            run_chunk(L, io, op, slot, rank, first, end - first < max_rows ? (int)(end - first) : max_rows);
+            run_chunk(L, w->io, w->op, slot, rank, first, end - first < max_rows ? (int)(end - first) : max_rows);
     }
+}
+
+/* Segments are shared out to `threads` threads (this one included); segments own disjoint rows of the output.
+ * Fewer threads when there are fewer than MIN_THREAD_ROWS rows per thread; one if a thread cannot start. */
+#define MIN_THREAD_ROWS 128
+#define MAX_THREADS 64
+
+static void run(const lp_layer *L, const lp_io *io, enum op op, int threads) {
+    lp_work w = {L, io, op, 0};
+    int64_t rows = 0;
+    for (int g = 0; g < L->n_segments; g++) rows += L->segment_rows[g];
+    if (threads > rows / MIN_THREAD_ROWS) threads = (int)(rows / MIN_THREAD_ROWS);
+    if (threads > L->n_segments) threads = L->n_segments;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    pthread_t helpers[MAX_THREADS];
+    int started = 0;
+    for (; started < threads - 1; started++)
+        if (pthread_create(&helpers[started], NULL, work, &w) != 0) break;
+    work(&w);
+    for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
 }
 
 /* The largest packed width (n_slices * rank, rounded up to 8) one row of the stack intermediate holds. */
 int lp_max_width(void) { return T_FLOATS; }
 
 /* y[row] += x[row] A^T B^T per segment's slot (rows through sorted_tokens); other rows untouched. */
-void lp_apply_f32(const lp_layer *L, const float *x, int64_t x_stride, float *y, int64_t y_stride) {
+void lp_apply_f32(const lp_layer *L, const float *x, int64_t x_stride, float *y, int64_t y_stride, int threads) {
     lp_io io = {x, x_stride, y, y_stride};
-    run(L, &io, APPLY);
+    run(L, &io, APPLY, threads);
 }
 
 /* t[row, s * rank_pad + k] = x[row] . A_s[k] for k < the slot's rank; the caller zeroes t. */
-void lp_shrink_f32(const lp_layer *L, const float *x, int64_t x_stride, float *t, int64_t t_stride) {
+void lp_shrink_f32(const lp_layer *L, const float *x, int64_t x_stride, float *t, int64_t t_stride, int threads) {
     lp_io io = {x, x_stride, t, t_stride};
-    run(L, &io, SHRINK);
+    run(L, &io, SHRINK, threads);
 }
 
 /* y[row, slice s] += t[row, s * rank_pad .. + rank] B_s^T per segment's slot. */
-void lp_expand_f32(const lp_layer *L, const float *t, int64_t t_stride, float *y, int64_t y_stride) {
+void lp_expand_f32(const lp_layer *L, const float *t, int64_t t_stride, float *y, int64_t y_stride, int threads) {
     lp_io io = {t, t_stride, y, y_stride};
-    run(L, &io, EXPAND);
+    run(L, &io, EXPAND, threads);
 }

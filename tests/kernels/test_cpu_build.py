@@ -28,7 +28,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_build_is_cached_under_a_content_key_and_reused(cache: Path, tmp_path: Path, monkeypatch) -> None:
     path = build()
     assert path.parent == cache and path.name.startswith("lora_cpu-") and path.suffix == ".so"
-    assert [p.name for p in cache.iterdir()] == [path.name]  # the temporary file was renamed, nothing left over
+    assert [p.name for p in cache.iterdir()] == [
+        path.name
+    ]  # the temporary file was renamed, nothing left over
     stamp = path.stat().st_mtime_ns
     assert build() == path and path.stat().st_mtime_ns == stamp  # a second build reuses the cached library
     changed = tmp_path / "lora_cpu.c"
@@ -66,7 +68,9 @@ def test_missing_compiler_falls_back_to_torch_with_one_warning(
 
 def test_failing_compiler_is_a_build_error(cache: Path, tmp_path: Path) -> None:
     compiler = tmp_path / "broken-cc"
-    compiler.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo broken 1.0 && exit 0\necho 'error: no' >&2\nexit 1\n")
+    compiler.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && echo broken 1.0 && exit 0\necho 'error: no' >&2\nexit 1\n"
+    )
     compiler.chmod(0o755)
     with pytest.raises(NativeBuildError, match="error: no"):
         build(str(compiler))
@@ -93,7 +97,9 @@ class _Recording(TorchBackend):
         super().expand(*args)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 def test_fp32_runs_natively_and_other_dtypes_delegate(dtype: torch.dtype) -> None:
     backend = CpuBackend()
     backend.torch = recording = _Recording()
@@ -111,3 +117,35 @@ def test_fp32_runs_natively_and_other_dtypes_delegate(dtype: torch.dtype) -> Non
     tolerance = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(y, 2 * reference, atol=tolerance, rtol=tolerance)
     assert not y[1].any()
+
+
+def test_threads_share_segments_with_the_same_result() -> None:
+    """With several torch threads, enough rows are shared out by segment (each thread writes only its rows)."""
+    threads = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(1)
+    slots = LoraSlots(4, 16, 40, (24, 16))
+    for slot, rank in enumerate((16, 8, 12, 4)):
+        slots.load(
+            slot,
+            [torch.randn(rank, 40, generator=generator)] * 2,
+            [torch.randn(24, rank), torch.randn(16, rank)],
+            1.0,
+        )
+    token_slots = [slot for slot in (2, 0, 3, 1, 0) for _ in range(70)] + [-1] * 5
+    plan = BatchPlanner(400, 4).plan(token_slots)
+    x = torch.randn(len(token_slots), 40, generator=generator)
+    expected = torch.zeros(len(token_slots), 40)
+    apply_lora(expected, x, slots, plan, TorchBackend())
+    backend = CpuBackend()
+    try:
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            y = torch.zeros(len(token_slots), 40)
+            apply_lora(y, x, slots, plan, backend)
+            torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
+            t = shrink(x, slots, plan, backend)
+            y.zero_()
+            expand(y, t, slots, plan, backend)
+            torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
