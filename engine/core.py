@@ -36,7 +36,7 @@ from loraplane.engine.metrics import EngineMetrics
 from loraplane.engine.model import KVCache, LlamaModel, SequenceChunk
 from loraplane.engine.tiers import AdapterState, AdapterTiers
 from loraplane.engine.tokenizer import Tokenizer
-from loraplane.kernels import BatchPlan, BatchPlanner
+from loraplane.kernels import BatchPlan, BatchPlanner, DecodeGroups
 from loraplane.kernels.peft import PeftAdapter
 
 log = logging.getLogger(__name__)
@@ -378,8 +378,14 @@ class Engine:
             assert slot is not None, "scheduled request without a slot"
             slots.extend([slot] * len(new))
         device = self.model.device
-        return (torch.tensor(ids, device=device), torch.tensor(positions, device=device), chunks,
-                self.planner.plan(slots))
+        if any(prefill for _, prefill in batch):
+            plan = self.planner.plan(slots)
+        else:  # one token per sequence, rows grouped by slot as DecodeGroups orders them: the decode plan, no sort
+            groups = DecodeGroups()
+            for row, slot in enumerate(slots):
+                groups.join(row, slot)
+            plan = self.planner.plan_decode(groups)
+        return torch.tensor(ids, device=device), torch.tensor(positions, device=device), chunks, plan
 
     def _emit(self, batch: list[tuple[Request, bool]], logits: torch.Tensor) -> None:
         now = self.clock()
