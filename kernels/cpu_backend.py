@@ -35,8 +35,11 @@ from loraplane.kernels.torch_backend import TorchBackend
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.c"
-#: Threads are plain pthreads, as many as torch's intra-op threads (no second OpenMP runtime next to torch's).
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-pthread")
+#: ``-fopenmp``: the library's ``libgomp.so.1`` resolves to the one torch has already loaded, so a call shares its
+#: segments out to torch's own intra-op threads (as many as ``torch.get_num_threads()``). A private thread pool
+#: (pthreads) competed with torch's threads still spinning after the previous op: 15.1 vs 11.2 ms on prefill
+#: 2048x8 with two threads (docs/kernels.md).
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11", "-fopenmp")
 COMPILE_TIMEOUT_S = 60
 CACHE_ENV = "LORAPLANE_CACHE_DIR"
 

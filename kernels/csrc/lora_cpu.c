@@ -13,7 +13,6 @@
  * 32-column tile of y in registers over the rank (B block reused from L1 by every 2 rows) and adds it to y once.
  * Eight-float vectors are GNU C vector extensions (one AVX register, two SSE/NEON registers elsewhere).
  */
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -232,10 +231,11 @@ static void *work(void *arg) {
     }
 }
 
-/* Segments are shared out to `threads` threads (this one included); segments own disjoint rows of the output.
- * Fewer threads when there are fewer than MIN_THREAD_ROWS rows per thread; one if a thread cannot start. */
-#define MIN_THREAD_ROWS 128
-#define MAX_THREADS 64
+/* Segments are shared out to `threads` threads of the OpenMP pool; segments own disjoint rows of the output.
+ * The library links the libgomp torch has loaded, so these are torch's own intra-op threads: no second pool
+ * whose threads would compete with torch's spinning ones. Fewer threads when there are fewer than
+ * MIN_THREAD_ROWS rows per thread. */
+#define MIN_THREAD_ROWS 16
 
 static void run(const lp_layer *L, const lp_io *io, enum op op, int threads) {
     lp_work w = {L, io, op, 0};
@@ -243,13 +243,12 @@ static void run(const lp_layer *L, const lp_io *io, enum op op, int threads) {
     for (int g = 0; g < L->n_segments; g++) rows += L->segment_rows[g];
     if (threads > rows / MIN_THREAD_ROWS) threads = (int)(rows / MIN_THREAD_ROWS);
     if (threads > L->n_segments) threads = L->n_segments;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
-    pthread_t helpers[MAX_THREADS];
-    int started = 0;
-    for (; started < threads - 1; started++)
-        if (pthread_create(&helpers[started], NULL, work, &w) != 0) break;
+    if (threads <= 1) {
+        work(&w);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
     work(&w);
-    for (int i = 0; i < started; i++) pthread_join(helpers[i], NULL);
 }
 
 /* The largest packed width (n_slices * rank, rounded up to 8) one row of the stack intermediate holds. */
