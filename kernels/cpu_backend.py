@@ -298,7 +298,7 @@ class CpuBackend:
 
     @staticmethod
     def _call(function: Callable[..., None], layout: _SlotsLayout, plan: BatchPlan, src: torch.Tensor, dst: torch.Tensor) -> None:
-        layer = layout.layer
+        layer = _Layer.from_buffer_copy(layout.layer)  # per call: concurrent calls never share plan pointers
         layer.n_segments = len(plan.segments)
         layer.segment_slots = plan.segment_slots.data_ptr()
         layer.segment_starts = plan.segment_starts.data_ptr()
