@@ -63,10 +63,8 @@ class _Layer(ctypes.Structure):
         ("d_in", ctypes.c_int32),
         ("slice_offsets", ctypes.c_void_p),
         ("slice_widths", ctypes.c_void_p),
-        ("a_packed", ctypes.c_void_p),
-        ("a_offsets", ctypes.c_void_p),
-        ("b_packed", ctypes.c_void_p),
-        ("b_offsets", ctypes.c_void_p),
+        ("a_slots", ctypes.c_void_p),
+        ("b_slots", ctypes.c_void_p),
     ]
 
 
@@ -197,55 +195,53 @@ A_COLUMNS_MULTIPLE = 8
 B_BLOCK_COLUMNS = 32
 
 
+#: One slot packed: A^T and, per output slice, its B blocks.
+PackedSlot = tuple[torch.Tensor, tuple[torch.Tensor, ...]]
+
+
 @dataclass
 class _SlotsLayout:
-    """Per ``LoraSlots`` version: the weights packed for the C kernels, and the static part of the layer struct."""
+    """The weights packed for the C kernels, per slot, and the static part of the layer struct pointing at them."""
 
     version: int
+    slot_versions: list[int]
+    packed: list[PackedSlot | None]
     layer: _Layer
     max_width: int
     keep: tuple[torch.Tensor, ...]
 
 
-def pack_slots(slots: LoraSlots) -> tuple[torch.Tensor, list[int], torch.Tensor, list[int]]:
-    """Each loaded slot's A^T ``[d_in, round_up(n_slices * rank, 8)]`` and B in 32-column blocks ``[rank, 32]``.
+def packed_width(slots: LoraSlots, rank: int) -> int:
+    """Columns of a slot's packed A^T: its slices' ranks side by side, rounded up to ``A_COLUMNS_MULTIPLE``."""
+    return -(-slots.n_slices * rank // A_COLUMNS_MULTIPLE) * A_COLUMNS_MULTIPLE
 
-    Returns (packed A, float offset per slot, packed B, float offset per slot and slice). Only each slot's own
-    rank is packed, so the copy is about the size of the loaded adapters (see the module docstring of the C file).
+
+def pack_slot(slots: LoraSlots, slot: int) -> PackedSlot | None:
+    """The slot's A^T ``[d_in, packed_width]`` and per slice its B in 32-column blocks ``[blocks, rank, 32]``.
+
+    Only the slot's own rank is packed, so the copy is about the size of the loaded adapter (None when empty).
     """
-    a_parts: list[torch.Tensor] = []
-    b_parts: list[torch.Tensor] = []
-    a_offsets = [0] * slots.num_slots
-    b_offsets = [0] * (slots.num_slots * slots.n_slices)
-    a_position = b_position = 0
-    for slot, rank in enumerate(slots.ranks):
-        if rank == 0:
-            continue
-        rows = [slots.lora_a[slot, s * slots.rank_pad : s * slots.rank_pad + rank, : slots.d_in] for s in range(slots.n_slices)]
-        width = -(-slots.n_slices * rank // A_COLUMNS_MULTIPLE) * A_COLUMNS_MULTIPLE
-        a_t = torch.zeros(slots.d_in, width)
-        a_t[:, : slots.n_slices * rank] = torch.cat(rows).t()
-        a_offsets[slot] = a_position
-        a_position += a_t.numel()
-        a_parts.append(a_t.reshape(-1))
-        for index in range(slots.n_slices):
-            b = slots.slice_b(slot, index, rank)
-            blocks = -(-b.shape[1] // B_BLOCK_COLUMNS)
-            padded = torch.zeros(rank, blocks * B_BLOCK_COLUMNS)
-            padded[:, : b.shape[1]] = b
-            b_offsets[slot * slots.n_slices + index] = b_position
-            b_position += padded.numel()
-            b_parts.append(padded.view(rank, blocks, B_BLOCK_COLUMNS).transpose(0, 1).reshape(-1))
-    a_packed = torch.cat(a_parts) if a_parts else torch.zeros(1)
-    b_packed = torch.cat(b_parts) if b_parts else torch.zeros(1)
-    return a_packed, a_offsets, b_packed, b_offsets
+    rank = slots.ranks[slot]
+    if rank == 0:
+        return None
+    rows = [slots.lora_a[slot, s * slots.rank_pad : s * slots.rank_pad + rank, : slots.d_in] for s in range(slots.n_slices)]
+    a_t = torch.zeros(slots.d_in, packed_width(slots, rank))
+    a_t[:, : slots.n_slices * rank] = torch.cat(rows).t()
+    b_blocks = []
+    for index in range(slots.n_slices):
+        b = slots.slice_b(slot, index, rank)
+        blocks = -(-b.shape[1] // B_BLOCK_COLUMNS)
+        padded = torch.zeros(rank, blocks * B_BLOCK_COLUMNS)
+        padded[:, : b.shape[1]] = b
+        b_blocks.append(padded.view(rank, blocks, B_BLOCK_COLUMNS).transpose(0, 1).contiguous())
+    return a_t, tuple(b_blocks)
 
 
 class CpuBackend:
     """Shrink / expand / fused apply in C for float32 CPU tensors; everything else via :class:`TorchBackend`.
 
-    The C kernels read weights packed from the slots (:func:`pack_slots`), repacked lazily at the first call after
-    the slots change (``LoraSlots.version``): adapter loads between two steps cost one repack per layer.
+    The C kernels read weights packed per slot (:func:`pack_slot`), repacked lazily at the first call after that
+    slot changed (``LoraSlots.slot_versions``): loading an adapter repacks its own slot of each layer, once.
     """
 
     name = "cpu"
@@ -308,19 +304,29 @@ class CpuBackend:
         function(ctypes.byref(layer), src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), threads)
 
     def _layout(self, slots: LoraSlots) -> _SlotsLayout:
+        """The packed layout of ``slots``, repacking only the slots that changed since the last call."""
         layout = self._layouts.get(slots)
         if layout is not None and layout.version == slots.version:
             return layout
-        version = slots.version
-        a_packed, a_offsets, b_packed, b_offsets = pack_slots(slots)
+        packed: list[PackedSlot | None] = list(layout.packed) if layout is not None else [None] * slots.num_slots
+        for slot, version in enumerate(slots.slot_versions):
+            if layout is None or layout.slot_versions[slot] != version:
+                packed[slot] = pack_slot(slots, slot)
+        a_pointers: list[int] = []
+        b_pointers: list[int] = []
+        for entry in packed:
+            a_pointers.append(entry[0].data_ptr() if entry else 0)
+            b_pointers.extend([b.data_ptr() for b in entry[1]] if entry else [0] * slots.n_slices)
+        a_slots = torch.tensor(a_pointers, dtype=torch.int64)
+        b_slots = torch.tensor(b_pointers, dtype=torch.int64)
         tables = (
             torch.tensor(slots.ranks, dtype=torch.int32),
             torch.tensor(slots.slice_offsets, dtype=torch.int64),
             torch.tensor(slots.out_slices, dtype=torch.int64),
-            torch.tensor(a_offsets, dtype=torch.int64),
-            torch.tensor(b_offsets, dtype=torch.int64),
+            a_slots,
+            b_slots,
         )
-        ranks, slice_offsets, slice_widths, a_table, b_table = tables
+        ranks, slice_offsets, slice_widths = tables[:3]
         layer = _Layer(
             slot_ranks=ranks.data_ptr(),
             n_slices=slots.n_slices,
@@ -328,12 +334,11 @@ class CpuBackend:
             d_in=slots.d_in,
             slice_offsets=slice_offsets.data_ptr(),
             slice_widths=slice_widths.data_ptr(),
-            a_packed=a_packed.data_ptr(),
-            a_offsets=a_table.data_ptr(),
-            b_packed=b_packed.data_ptr(),
-            b_offsets=b_table.data_ptr(),
+            a_slots=a_slots.data_ptr(),
+            b_slots=b_slots.data_ptr(),
         )
-        max_width = -(-slots.n_slices * max(slots.ranks) // A_COLUMNS_MULTIPLE) * A_COLUMNS_MULTIPLE
-        layout = _SlotsLayout(version, layer, max_width, (a_packed, b_packed, *tables))
+        layout = _SlotsLayout(
+            slots.version, list(slots.slot_versions), packed, layer, packed_width(slots, max(slots.ranks)), tables
+        )
         self._layouts[slots] = layout
         return layout

@@ -34,7 +34,8 @@ class LoraSlots:
       B transposed (``[r, d_out_s]``), already multiplied by the adapter's scale.
 
     ``rank_pad`` is ``max_rank`` rounded up to 16, ``k_pad``/``n_pad`` are ``d_in``/``sum(out_slices)`` rounded
-    up to 16. ``ranks[slot]`` is the rank loaded in a slot (0 = empty). ``version`` increases on every change so
+    up to 16. ``ranks[slot]`` is the rank loaded in a slot (0 = empty). ``version`` increases on every change, and
+    ``slot_versions[slot]`` takes the new ``version`` when that slot changes, so
     backends can cache derived layouts.
     """
 
@@ -67,6 +68,7 @@ class LoraSlots:
         self.lora_b = torch.zeros(num_slots, self.rank_pad, self.n_pad, dtype=dtype, device=self.device)
         self.ranks = [0] * num_slots
         self.version = 0
+        self.slot_versions = [0] * num_slots
 
     @property
     def n_slices(self) -> int:
@@ -122,7 +124,7 @@ class LoraSlots:
             scaled_b = b.to(self.device, torch.float32) * s
             self.lora_b[slot, :rank, offset : offset + self.out_slices[index]] = scaled_b.t().to(self.dtype)
         self.ranks[slot] = max(ranks)
-        self.version += 1
+        self._changed(slot)
 
     def clear(self, slot: int) -> None:
         """Zero ``slot`` (an empty slot contributes nothing even if a plan points at it)."""
@@ -130,7 +132,11 @@ class LoraSlots:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.ranks[slot] = 0
+        self._changed(slot)
+
+    def _changed(self, slot: int) -> None:
         self.version += 1
+        self.slot_versions[slot] = self.version
 
     def slice_b(self, slot: int, index: int, rank: int | None = None) -> torch.Tensor:
         """View ``[rank, width]`` of slice ``index``'s scaled B^T in ``slot`` (rank defaults to the slot's)."""

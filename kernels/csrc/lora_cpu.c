@@ -1,6 +1,6 @@
 /* Multi-LoRA shrink / expand / fused apply for float32 CPU tensors (loraplane.kernels.cpu_backend).
  *
- * Weights come packed by the Python side (once per LoraSlots version), each slot at its own rank:
+ * Weights come packed by the Python side (again for a slot when it changes), each slot at its own rank:
  *   A^T: per slot [d_in][width], width = round_up(n_slices * rank, 8), column s * rank + k = slice s's A row k;
  *   B:   per (slot, slice) [ceil(slice width / 32)][rank][32]: 32-column blocks of B^T, zero-padded.
  * Both are read front to back. (Read in place, a slot's A or B rows lie d * 4 bytes apart; at d = 4096 every one
@@ -29,10 +29,8 @@ typedef struct {
     const int32_t *slot_ranks; /* exact rank per slot; 0 = empty */
     int32_t n_slices, rank_pad, d_in;
     const int64_t *slice_offsets, *slice_widths;
-    const float *a_packed;
-    const int64_t *a_offsets; /* per slot: first float of its A^T */
-    const float *b_packed;
-    const int64_t *b_offsets; /* per slot * n_slices + slice: first float of its B blocks */
+    const float *const *a_slots; /* per slot: its packed A^T (NULL when empty) */
+    const float *const *b_slots; /* per slot * n_slices + slice: its packed B blocks */
 } lp_layer;
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -194,7 +192,7 @@ static void run_chunk(const lp_layer *L, const lp_io *io, enum op op, int slot, 
             for (int s = 0; s < L->n_slices; s++)
                 memcpy(t + j * width + s * rank, x_rows[j] + (int64_t)s * L->rank_pad, sizeof(float) * rank);
     } else {
-        shrink_chunk(L, L->a_packed + L->a_offsets[slot], width, x_rows, rows, t);
+        shrink_chunk(L, L->a_slots[slot], width, x_rows, rows, t);
     }
     if (op == SHRINK) {
         for (int j = 0; j < rows; j++)
@@ -203,7 +201,7 @@ static void run_chunk(const lp_layer *L, const lp_io *io, enum op op, int slot, 
         return;
     }
     for (int s = 0; s < L->n_slices; s++)
-        expand_chunk(L->b_packed + L->b_offsets[slot * L->n_slices + s], rank, L->slice_offsets[s],
+        expand_chunk(L->b_slots[slot * L->n_slices + s], rank, L->slice_offsets[s],
                      L->slice_widths[s], t, width, s * rank, out_rows, rows);
 }
 

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplane.kernels import BatchPlanner, LoraSlots, apply_lora, cpu_backend, expand, ops, shrink
+from loraplane.kernels import (
+    BatchPlanner,
+    LoraSlots,
+    apply_lora,
+    cpu_backend,
+    expand,
+    lora_delta,
+    ops,
+    shrink,
+)
 from loraplane.kernels.cpu_backend import CpuBackend, NativeBuildError, build, load
 from loraplane.kernels.torch_backend import TorchBackend
 
@@ -149,3 +158,23 @@ def test_threads_share_segments_with_the_same_result() -> None:
             torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_only_a_changed_slot_is_repacked() -> None:
+    """Loading or clearing one slot repacks that slot alone, and the packed weights follow the store."""
+    backend = CpuBackend()
+    generator = torch.Generator().manual_seed(3)
+    slots = LoraSlots(3, 8, 24, (16,))
+    for slot in range(3):
+        slots.load(slot, [torch.randn(8, 24, generator=generator)], [torch.randn(16, 8, generator=generator)], 1.0)
+    plan = BatchPlanner(8, 3).plan([0, 1, 2])
+    x = torch.randn(3, 24, generator=generator)
+    lora_delta(x, slots, plan, backend)
+    before = backend._layout(slots).packed
+    slots.load(1, [torch.randn(4, 24, generator=generator)], [torch.randn(16, 4, generator=generator)], 2.0)
+    slots.clear(2)
+    delta = lora_delta(x, slots, plan, backend)
+    after = backend._layout(slots).packed
+    assert after[0] is before[0] and after[1] is not before[1] and after[2] is None
+    torch.testing.assert_close(delta, lora_delta(x, slots, plan, TorchBackend()), atol=1e-5, rtol=1e-5)
+    assert not delta[2].any()
