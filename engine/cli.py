@@ -49,7 +49,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or set {RUNTIME_LORA_ENV}=true)")
     p.add_argument("--admin-token", default=None,
                    help=f"bearer token that lets non-loopback callers use admin endpoints (or {ADMIN_TOKEN_ENV})")
-    p.add_argument("--lora-backend", default=None, help="force a loraplane.kernels backend (torch, triton, ascend)")
+    p.add_argument("--lora-backend", default=None, help="force a loraplane.kernels backend (cpu, torch, triton, ascend)")
     p.add_argument("--torch-threads", type=int, default=1, help="intra-op CPU threads (1 lets several engines share cores)")
     p.add_argument("--load-read-threads", type=int, default=None,
                    help="threads that read one large adapter file at once (default: this process's CPUs, at most 4)")
