@@ -273,7 +273,7 @@ async def _measure(url: str, target: AdapterTarget, cache: DiskCache, repeats: i
     }
 
 
-def run(model: str, rank: int, repeats: int) -> dict[str, Any]:
+def run(model: str, rank: int, repeats: int, read_threads: int | None = None) -> dict[str, Any]:
     """Write an adapter, serve it over HTTPS, start an engine, measure every path."""
     from loraplane.engine.adapters import default_read_threads
     from loraplane.engine.make_adapters import model_config, write_adapter
@@ -289,7 +289,7 @@ def run(model: str, rank: int, repeats: int) -> dict[str, Any]:
         shutil.copyfile(adapter_dir / peft.WEIGHTS_FILE, served / "adapter.safetensors")
         digest = "sha256:" + sha256_hex(served / "adapter.safetensors")
         files = HttpsFileServer(served, work)
-        read_threads = default_read_threads()
+        read_threads = read_threads or default_read_threads()
         with engine_process(model, rank, work, work / "engine.log", read_threads) as url:
             listing = httpx.get(f"{url}/admin/adapters", timeout=10).json()
             base_digest = listing["base_model_digest"]
@@ -317,8 +317,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="medium", help="engine preset (medium: a ~40 MB rank-64 adapter)")
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=9, help="L3, L2 and L1 rounds (medians of these)")
+    parser.add_argument("--load-read-threads", type=int, default=None,
+                        help="the engine's --load-read-threads, and the threads of the parallel raw read (default: the engine's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output anyway)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    print(json.dumps(run(args.model, args.rank, args.repeats)))
+    print(json.dumps(run(args.model, args.rank, args.repeats, args.load_read_threads)))
     return 0
