@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import math
 import mmap
@@ -88,9 +89,9 @@ def _identity(status: os.stat_result) -> FileIdentity:
     return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns
 
 
-#: A file is read by several threads only in parts of at least this many bytes (one copy out of the page cache per
-#: thread; measured: docs/engine.md "Load path").
-PARALLEL_READ_MIN_PART = 4 << 20
+#: A large file is read in chunks of this many bytes, taken in turn by the threads that read it at once
+#: (measured: docs/engine.md "Load path").
+READ_CHUNK_BYTES = 4 << 20
 
 def default_read_threads() -> int:
     """Threads that read one large file at once unless told otherwise: this process's CPUs, at most 4."""
@@ -180,7 +181,7 @@ class FileDigests:
         self.read_threads = read_threads
         self._known: OrderedDict[str, tuple[FileIdentity, str]] = OrderedDict()
         self._lock = threading.Lock()
-        self._readers = ThreadPoolExecutor(read_threads - 1, "adapter-read") if read_threads > 1 else None
+        self._readers = ThreadPoolExecutor(max(1, read_threads - 1), "adapter-read")  # helpers of the calling thread
 
     def read(self, path: Path, buffers: HostBuffers | None = None) -> tuple[torch.Tensor, str]:
         """The file's bytes (one read, into a uint8 tensor from ``buffers`` that parsed tensors can view) and their
@@ -191,7 +192,7 @@ class FileDigests:
             size = before[2]
             data = (buffers or _UNPOOLED).take(size)
             view = data.numpy().data
-            if not read_parallel(fd, view, size, self._readers, self.read_threads) or os.pread(fd, 1, size):
+            if not read_parallel(fd, view, size, self._readers, self.read_threads - 1) or os.pread(fd, 1, size):
                 raise OSError(f"{path.name} changed size while being read")
             unchanged = _identity(os.fstat(fd)) == before
         finally:
@@ -212,21 +213,30 @@ class FileDigests:
         return data, digest
 
 
-def read_parallel(fd: int, view: memoryview, size: int, readers: Executor | None, threads: int) -> bool:
-    """Fill ``view[:size]`` from ``fd``; False when the file ended early. A file of at least two
-    ``PARALLEL_READ_MIN_PART`` parts is split into up to ``threads`` page-aligned ranges: the calling thread reads
-    the first, ``readers`` the others, at the same time."""
-    parts = min(threads, size // PARALLEL_READ_MIN_PART)
-    if parts < 2 or readers is None:
+def read_parallel(fd: int, view: memoryview, size: int, readers: Executor, helpers: int) -> bool:
+    """Fill ``view[:size]`` from ``fd``; False when the file ended early.
+
+    A file of several ``READ_CHUNK_BYTES`` chunks is read by the calling thread and up to ``helpers``
+    threads of ``readers`` at once, each taking the next unread chunk whenever it is free (a thread that gets less
+    CPU simply reads fewer chunks).
+    """
+    chunks = [(first, min(size, first + READ_CHUNK_BYTES)) for first in range(0, size, READ_CHUNK_BYTES)]
+    if helpers < 1 or len(chunks) < 2:
         return read_range(fd, view, 0, size)
-    step = -(-size // parts // mmap.PAGESIZE) * mmap.PAGESIZE
-    ranges = [(first, min(size, first + step)) for first in range(0, size, step)]
-    others = [readers.submit(read_range, fd, view, first, end) for first, end in ranges[1:]]
+    taken = itertools.count()  # next() on a count is atomic under the GIL: every chunk is read exactly once
+
+    def drain() -> bool:
+        complete = True
+        while (index := next(taken)) < len(chunks):
+            complete = read_range(fd, view, *chunks[index]) and complete
+        return complete
+
+    others = [readers.submit(drain) for _ in range(min(helpers, len(chunks) - 1))]
     try:
-        complete = read_range(fd, view, *ranges[0])
+        complete = drain()
     finally:
         wait(others)  # none may still write into the buffer, or read the descriptor, once this returns
-    return all([future.result() for future in others]) and complete
+    return all([other.result() for other in others]) and complete
 
 
 def read_range(fd: int, view: memoryview, first: int, end: int) -> bool:

@@ -183,8 +183,8 @@ def _raw_read_seconds(directory: Path, into: memoryview, readers: Executor | Non
     start = time.perf_counter()
     for name in (peft.CONFIG_FILE, peft.WEIGHTS_FILE):
         with (directory / name).open("rb", buffering=0) as f:
-            if threads > 1:
-                read_parallel(f.fileno(), into, os.fstat(f.fileno()).st_size, readers, threads)
+            if threads > 1 and readers is not None:
+                read_parallel(f.fileno(), into, os.fstat(f.fileno()).st_size, readers, threads - 1)
                 continue
             filled = 0
             while n := f.readinto(into[filled:]):

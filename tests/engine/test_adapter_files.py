@@ -16,7 +16,7 @@ from safetensors.torch import load as reference_load
 
 from loraplane.api import ADAPTER_WEIGHTS_FILE, adapter_digest
 from loraplane.engine.adapters import (
-    PARALLEL_READ_MIN_PART,
+    READ_CHUNK_BYTES,
     AdapterFiles,
     AdapterRejectedError,
     FileDigests,
@@ -56,7 +56,7 @@ def test_digests_follow_the_bytes_even_when_size_and_mtime_are_restored(tmp_path
     assert changed.weights.numpy().tobytes() == (adapter / ADAPTER_WEIGHTS_FILE).read_bytes()
 
 
-@pytest.mark.parametrize("size", [PARALLEL_READ_MIN_PART - 1, 3 * PARALLEL_READ_MIN_PART + 4097])
+@pytest.mark.parametrize("size", [READ_CHUNK_BYTES - 1, 3 * READ_CHUNK_BYTES + 4097])
 def test_a_file_read_by_several_threads_is_the_file(tmp_path: Path, size: int) -> None:
     path = tmp_path / "weights"
     path.write_bytes(os.urandom(size))
@@ -68,14 +68,14 @@ def test_a_file_read_by_several_threads_is_the_file(tmp_path: Path, size: int) -
 
 
 def test_a_file_shorter_than_its_parts_is_reported_not_returned(tmp_path: Path) -> None:
-    size = 3 * PARALLEL_READ_MIN_PART
+    size = 3 * READ_CHUNK_BYTES
     path = tmp_path / "short"
-    path.write_bytes(os.urandom(size - PARALLEL_READ_MIN_PART // 2))  # the last part ends early
+    path.write_bytes(os.urandom(size - READ_CHUNK_BYTES // 2))  # the last part ends early
     view = memoryview(bytearray(size))
     with ThreadPoolExecutor(2) as readers, path.open("rb") as f:
-        assert not read_parallel(f.fileno(), view, size, readers, 3)
-        assert read_parallel(f.fileno(), view, size - PARALLEL_READ_MIN_PART // 2, readers, 3)
-    assert bytes(view[: size - PARALLEL_READ_MIN_PART // 2]) == path.read_bytes()
+        assert not read_parallel(f.fileno(), view, size, readers, 2)
+        assert read_parallel(f.fileno(), view, size - READ_CHUNK_BYTES // 2, readers, 2)
+    assert bytes(view[: size - READ_CHUNK_BYTES // 2]) == path.read_bytes()
 
 
 def test_read_threads_must_be_positive() -> None:
