@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
+from e2e.fixtures.tools import missing_tool
 from loraplane.kernels import Backend, cpu_backend, get_backend
 
 from .ascend_ops import AscendTestBackend
@@ -23,10 +23,10 @@ def backend_instance(name: str) -> Backend:
     """The backend called ``name``; ``ascend`` calls the test-registered ops with vLLM-Ascend's schemas.
 
     On CPU, Triton runs with 16-wide K/N blocks so the tiny test shapes still loop over K, N tiles and N splits.
-    ``cpu`` is skipped where no C compiler builds it (CI installs one).
+    ``cpu`` is skipped where no C compiler builds it, and fails in CI (which installs one).
     """
     if name == "cpu" and not cpu_backend.available():
-        pytest.skip("the native cpu backend is unavailable here (no C compiler)")
+        missing_tool("the native cpu backend is unavailable here (no C compiler): run make setup")
     if name == "ascend":
         return AscendTestBackend()
     if name == "triton" and not torch.cuda.is_available():
