@@ -44,8 +44,9 @@ class AdapterRejectedError(ValueError):
 def confine(root: Path, requested: str) -> Path:
     """The adapter directory ``requested`` names, guaranteed to lie inside ``root`` after resolving symlinks.
 
-    A relative path is taken relative to ``root``. Refused: ``..`` escapes, absolute paths elsewhere, and symlinks (of the directory or of its files) that point outside ``root``. Plain ``os.path`` and
-    ``os.lstat`` calls (pathlib's ``resolve`` costs several times more); the engine runs it in the loader thread.
+    A relative path is taken relative to ``root``. Refused: ``..`` escapes, absolute paths elsewhere, and symlinks
+    (of the directory or of its files) that point outside ``root``. Plain ``os.path`` and ``os.lstat`` calls
+    (pathlib's ``resolve`` costs several times more); the engine runs it in the loader thread.
     """
     if "\x00" in requested:
         raise AdapterRejectedError("lora_path contains a NUL byte")
@@ -92,6 +93,7 @@ def _identity(status: os.stat_result) -> FileIdentity:
 #: A large file is read in chunks of this many bytes, taken in turn by the threads that read it at once
 #: (measured: docs/engine.md "Load path").
 READ_CHUNK_BYTES = 4 << 20
+
 
 def default_read_threads() -> int:
     """Threads that read one large file at once unless told otherwise: this process's CPUs, at most 4."""
@@ -170,8 +172,8 @@ class FileDigests:
     Hashing 38 MB costs about as much as reading it, so a file read back after eviction (or loaded again under
     another name) is not hashed again when nothing about it changed; any change of :func:`_identity` means a new
     hash of the bytes actually read. Bounded: the least recently used paths are forgotten first. Loader threads
-    share one instance. With ``read_threads`` > 1 a large file is read by that many threads at once, each copying
-    its own range out of the page cache (one core's copy is the limit of a single read).
+    share one instance. With ``read_threads`` > 1 a large file is read by that many threads at once
+    (:func:`read_parallel`): one core's copy out of the page cache is the limit of a single read.
     """
 
     def __init__(self, capacity: int = 1024, read_threads: int = 1) -> None:

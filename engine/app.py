@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from starlette.applications import Starlette
 
+from loraplane.engine.adapters import default_read_threads
 from loraplane.engine.core import Engine, EngineLimits
 from loraplane.engine.metrics import EngineMetrics
 from loraplane.engine.model import (
@@ -50,7 +51,7 @@ class EngineOptions:
     allow_runtime_lora_updating: bool = False
     admin_token: str | None = None
     lora_backend: str | None = None
-    load_read_threads: int = 1
+    load_read_threads: int = field(default_factory=default_read_threads)
 
 
 @dataclass

@@ -63,7 +63,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     import uvicorn
 
-    from loraplane.engine.adapters import default_read_threads
     from loraplane.engine.app import EngineOptions, build
 
     torch.set_num_threads(args.torch_threads)
@@ -76,8 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         allow_runtime_lora_updating=args.enable_lora_runtime_updating
         or os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
         admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None, lora_backend=args.lora_backend,
-        load_read_threads=default_read_threads() if args.load_read_threads is None else args.load_read_threads,
     )
+    if args.load_read_threads is not None:
+        options.load_read_threads = args.load_read_threads
     try:
         built = build(options)
     except (ValueError, OSError) as exc:

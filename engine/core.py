@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -103,6 +104,14 @@ class EngineLimits:
     max_num_seqs: int = 16
     max_model_len: int = 512
     max_num_batched_tokens: int = 2048
+
+
+def _slot_of(request: Request) -> int:
+    """The device slot a scheduled request's rows use (-1: no adapter)."""
+    if request.adapter is None:
+        return -1
+    assert request.adapter.slot is not None, "scheduled request without a slot"
+    return request.adapter.slot
 
 
 class Engine:
@@ -365,8 +374,16 @@ class Engine:
         positions: list[int] = []
         slots: list[int] = []
         chunks = []
-        # Rows of one adapter next to each other: the plan is then contiguous and the ops need no gather.
-        batch.sort(key=lambda item: -1 if item[0].adapter is None else (item[0].adapter.slot or 0))
+        # Rows of one adapter next to each other: the plan is then contiguous and the ops need no gather. An
+        # all-decode step (one token per sequence) takes DecodeGroups' order and gets the decode plan, no sort.
+        decode: DecodeGroups | None = None
+        if not any(prefill for _, prefill in batch):
+            decode = DecodeGroups()
+            for index, (request, _) in enumerate(batch):
+                decode.join(index, _slot_of(request))
+            batch[:] = [batch[cast(int, index)] for index in decode.order()]
+        else:
+            batch.sort(key=lambda item: _slot_of(item[0]))
         for request, prefill in batch:
             assert request.kv_row is not None
             new = request.prompt_ids if prefill else request.output_ids[-1:]
@@ -374,17 +391,9 @@ class Engine:
             chunks.append(SequenceChunk(request.kv_row, len(ids), len(new), context))
             ids.extend(new)
             positions.extend(range(context, context + len(new)))
-            slot = -1 if request.adapter is None else request.adapter.slot
-            assert slot is not None, "scheduled request without a slot"
-            slots.extend([slot] * len(new))
+            slots.extend([_slot_of(request)] * len(new))
+        plan = self.planner.plan(slots) if decode is None else self.planner.plan_decode(decode)
         device = self.model.device
-        if any(prefill for _, prefill in batch):
-            plan = self.planner.plan(slots)
-        else:  # one token per sequence, rows grouped by slot as DecodeGroups orders them: the decode plan, no sort
-            groups = DecodeGroups()
-            for row, slot in enumerate(slots):
-                groups.join(row, slot)
-            plan = self.planner.plan_decode(groups)
         return torch.tensor(ids, device=device), torch.tensor(positions, device=device), chunks, plan
 
     def _emit(self, batch: list[tuple[Request, bool]], logits: torch.Tensor) -> None:
