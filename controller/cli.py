@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-import redis.asyncio as aioredis
 import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
@@ -28,6 +27,7 @@ from loraplane.controller.metrics import ControllerMetrics
 from loraplane.controller.placement import PlacementConfig, TenantBudget
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.store import RedisStore
+from loraplane.credentials import async_redis
 
 log = logging.getLogger("loraplane.controller")
 
@@ -113,7 +113,7 @@ def _api_client(kubeconfig: Path | None) -> k8s.ApiClient:
 
 async def _serve(args: argparse.Namespace, file_config: FileConfig) -> int:
     api_client = _api_client(args.kubeconfig)
-    redis = aioredis.from_url(args.redis_url)
+    redis = async_redis(args.redis_url)
     metrics = ControllerMetrics()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)

@@ -8,12 +8,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from loraplane.credentials import secret
 from loraplane.engine.policies import POLICIES
 
 #: vLLM's switch for the dynamic LoRA endpoints; ``--enable-lora-runtime-updating`` does the same.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 #: The admin token may come from the environment instead of the command line (which ``ps`` shows).
 ADMIN_TOKEN_ENV = "LORAPLANE_ENGINE_ADMIN_TOKEN"
+#: ... or from a file (a mounted Secret); the variable wins over the file.
+ADMIN_TOKEN_FILE_ENV = "LORAPLANE_ENGINE_ADMIN_TOKEN_FILE"
 
 
 def _lora_module(value: str) -> tuple[str, Path]:
@@ -48,7 +51,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora-runtime-updating", action="store_true",
                    help=f"serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or set {RUNTIME_LORA_ENV}=true)")
     p.add_argument("--admin-token", default=None,
-                   help=f"bearer token that lets non-loopback callers use admin endpoints (or {ADMIN_TOKEN_ENV})")
+                   help=f"bearer token every admin call must carry (or {ADMIN_TOKEN_ENV}); without one only "
+                   "loopback callers not behind a proxy may use admin endpoints")
+    p.add_argument("--admin-token-file", default=os.environ.get(ADMIN_TOKEN_FILE_ENV),
+                   help=f"file holding the admin token (or {ADMIN_TOKEN_FILE_ENV})")
     p.add_argument("--lora-backend", default=None, help="force a loraplane.kernels backend (cpu, torch, triton, ascend)")
     p.add_argument("--torch-threads", type=int, default=1, help="intra-op CPU threads (1 lets several engines share cores)")
     p.add_argument("--load-read-threads", type=int, default=None,
@@ -74,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lora_modules=dict(args.lora_modules), adapter_root=args.adapter_root,
         allow_runtime_lora_updating=args.enable_lora_runtime_updating
         or os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
-        admin_token=args.admin_token or os.environ.get(ADMIN_TOKEN_ENV) or None, lora_backend=args.lora_backend,
+        admin_token=secret(args.admin_token or os.environ.get(ADMIN_TOKEN_ENV), args.admin_token_file),
+        lora_backend=args.lora_backend,
     )
     if args.load_read_threads is not None:
         options.load_read_threads = args.load_read_threads

@@ -202,17 +202,20 @@ class EngineApi:
         return {SERVED_ADAPTER_HEADER: adapter.name, ADAPTER_DIGEST_HEADER: adapter.digest}
 
     def _check_admin(self, request: HttpRequest) -> None:
-        """Loopback callers not behind a proxy, or anyone with the bearer token; else 403."""
+        """With an admin token: only ``Authorization: Bearer <token>``. Without one: only a loopback caller that
+        came through no proxy (a unix socket has no peer address and counts as local). Else 403."""
         token = self.config.admin_token
-        auth = request.headers.get("authorization", "")
-        if token and auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), token.encode()):
-            return
+        if token:
+            auth = request.headers.get("authorization", "")
+            if auth.startswith("Bearer ") and hmac.compare_digest(auth[7:].encode(), token.encode()):
+                return
+            raise ApiError(403, "admin endpoints need the admin token", "PermissionDeniedError")
         host = request.client.host if request.client else ""
         try:
-            loopback = ipaddress.ip_address(host).is_loopback
+            local = ipaddress.ip_address(host).is_loopback
         except ValueError:
-            loopback = False
-        if loopback and not any(h in request.headers for h in _PROXY_HEADERS):
+            local = request.client is None or not host  # a unix socket: no peer address
+        if local and not any(h in request.headers for h in _PROXY_HEADERS):
             return
         raise ApiError(403, "admin endpoints need a loopback caller or the admin token", "PermissionDeniedError")
 

@@ -126,11 +126,16 @@ def redis_server_binary() -> str:
     return path
 
 
-def start_redis(workdir: Path, port: int | None = None) -> RedisServer:
-    """Start redis-server on ``port`` (a free one by default) and wait until it accepts connections."""
+def start_redis(workdir: Path, port: int | None = None, acl_file: Path | None = None) -> RedisServer:
+    """Start redis-server on ``port`` (a free one by default) and wait until it accepts connections.
+
+    With ``acl_file`` the server takes its users from it (no password-less ``default`` user unless it says so).
+    """
     port = port or free_port()
     args = [redis_server_binary(), "--port", str(port), "--bind", LOOPBACK, "--save", "", "--appendonly", "no",
             "--daemonize", "no", "--dir", str(workdir)]
+    if acl_file is not None:
+        args += ["--aclfile", str(acl_file)]
     process = ManagedProcess(args, workdir / f"redis-{port}.log").start()
     wait_for_port(port, proc=process.proc)
     return RedisServer(port, process)

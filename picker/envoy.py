@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplane.picker.extproc import DESTINATION_HEADER
+from loraplane.picker.extproc import DESTINATION_HEADER, LB_NAMESPACE
 
 LOOPBACK = "127.0.0.1"
 
@@ -69,24 +69,91 @@ def _static_cluster(name: str, port: int, http2: bool = False) -> dict[str, Any]
 UPSTREAM_HEADER = "x-gateway-upstream"
 
 
+#: The OpenAI-compatible paths a gateway forwards (``GatewayPolicy.inference_paths``); everything else is 404.
+INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses", "/v1/models")
+
+
+@dataclass
+class GatewayPolicy:
+    """What the gateway lets through and how long it waits: the hardened settings of ``loraplane up``.
+
+    ``None`` leaves a setting off (the benchmark's bare listener). ``endpoints`` (``ip:port`` of every pod) turn
+    the pool cluster into a static one balanced by Envoy's override-host policy, which takes the picker's whole
+    ordered list (``envoy.lb`` metadata) and moves to the next endpoint on a retry; without them the cluster is
+    ``ORIGINAL_DST`` (one address, no fallback).
+    """
+
+    #: exact paths routed to the pool; every other path gets Envoy's own 404 (never reaches the picker or a pod)
+    inference_paths: Sequence[str] | None = None
+    #: set the client's address in ``x-forwarded-for`` (so a runtime never takes a gateway client for loopback)
+    forward_client_address: bool = False
+    #: drop a client's own ``x-gateway-destination-endpoint`` before anything reads it
+    strip_destination_header: bool = False
+    request_headers_timeout: str | None = None
+    stream_idle_timeout: str | None = None
+    connection_idle_timeout: str | None = None
+    #: retries of a request whose upstream refused, reset or closed before answering headers, on the next fallback
+    retries: int = 0
+    endpoints: Sequence[str] | None = None
+    #: ext_proc ``failure_mode_allow``: route without the picker when it is down (the pool's ``FailOpen``)
+    fail_open: bool = False
+
+
+#: ``loraplane up``'s gateway: inference paths only, client address forwarded, timeouts, two retries.
+HARDENED = GatewayPolicy(inference_paths=INFERENCE_PATHS, forward_client_address=True, strip_destination_header=True,
+                         request_headers_timeout="10s", stream_idle_timeout="60s", connection_idle_timeout="300s",
+                         retries=2)
+
+_NO_EXT_PROC = {"envoy.filters.http.ext_proc": {
+    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
+
+
+def _routes(cluster: str, policy: GatewayPolicy) -> list[dict[str, Any]]:
+    route: dict[str, Any] = {"cluster": cluster, "timeout": "60s"}
+    if policy.retries:
+        route["retry_policy"] = {"retry_on": "connect-failure,reset,refused-stream", "num_retries": policy.retries}
+    if policy.inference_paths is None:
+        return [{"match": {"prefix": "/"}, "route": route}]
+    return [*({"match": {"path": path}, "route": route} for path in policy.inference_paths),
+            {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not an inference path\n"}},
+             "typed_per_filter_config": _NO_EXT_PROC}]
+
+
+def _strip_destination() -> dict[str, Any]:
+    return {"name": "envoy.filters.http.header_mutation", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+        "mutations": {"request_mutations": [{"remove": DESTINATION_HEADER}]}}}
+
+
 def _bootstrap(listen_port: int, admin_port: int, http_filters: list[dict[str, Any]], cluster: str,
-               clusters: list[dict[str, Any]], upstream_header: bool = False) -> dict[str, Any]:
-    route = {"cluster": cluster, "timeout": "60s"}
-    virtual_host: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": [{"match": {"prefix": "/"}, "route": route}]}
+               clusters: list[dict[str, Any]], upstream_header: bool = False,
+               policy: GatewayPolicy | None = None) -> dict[str, Any]:
+    policy = policy or GatewayPolicy()
+    virtual_host: dict[str, Any] = {"name": "all", "domains": ["*"], "routes": _routes(cluster, policy)}
     if upstream_header:
         virtual_host["response_headers_to_add"] = [
             {"header": {"key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%"}}
         ]
-    manager = {
+    filters = [_strip_destination()] if policy.strip_destination_header else []
+    manager: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "gateway",
         "route_config": {"virtual_hosts": [virtual_host]},
         "http_filters": [
+            *filters,
             *http_filters,
             {"name": "envoy.filters.http.router",
              "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
+    if policy.forward_client_address:
+        manager.update(use_remote_address=True, normalize_path=True, merge_slashes=True,
+                       path_with_escaped_slashes_action="REJECT_REQUEST")
+    timeouts = {"request_headers_timeout": policy.request_headers_timeout,
+                "stream_idle_timeout": policy.stream_idle_timeout}
+    manager.update({k: v for k, v in timeouts.items() if v is not None})
+    if policy.connection_idle_timeout is not None:
+        manager["common_http_protocol_options"] = {"idle_timeout": policy.connection_idle_timeout}
     return {
         "admin": {"address": _socket(admin_port)},
         "static_resources": {
@@ -101,30 +168,47 @@ def _bootstrap(listen_port: int, admin_port: int, http_filters: list[dict[str, A
     }
 
 
+def _pool_cluster(endpoints: Sequence[str] | None) -> dict[str, Any]:
+    """``ORIGINAL_DST`` on the destination header, or (with ``endpoints``) a static cluster whose override-host
+    policy follows the picker's ordered list and takes the next entry on each retry."""
+    if endpoints is None:
+        return {"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
+                "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER}}
+    hosts = [{"endpoint": {"address": _socket(int(port), host)}} for host, port in (e.rsplit(":", 1) for e in endpoints)]
+    override = {
+        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        "override_host_sources": [{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},
+                                  {"header": DESTINATION_HEADER}],
+        "fallback_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.round_robin",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+        }}]},
+    }
+    return {"name": "pool", "type": "STATIC", "connect_timeout": "2s",
+            "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": hosts}]},
+            "load_balancing_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.override_host", "typed_config": override}}]}}
+
+
 def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: ExtProcModes | None = None,
-                  message_timeout: str = "5s", upstream_header: bool = False) -> dict[str, Any]:
-    """Envoy with the ext_proc filter calling the picker and an ``ORIGINAL_DST`` pool cluster."""
+                  message_timeout: str = "5s", upstream_header: bool = False,
+                  policy: GatewayPolicy | None = None) -> dict[str, Any]:
+    """Envoy with the ext_proc filter calling the picker and the pool cluster ``policy`` describes."""
     modes = modes or ExtProcModes()
+    policy = policy or GatewayPolicy()
     ext_proc: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "picker"}, "timeout": "10s"},
         "processing_mode": modes.as_config(),
         "message_timeout": message_timeout,
-        "failure_mode_allow": False,
+        "failure_mode_allow": policy.fail_open,
         "allow_mode_override": True,
     }
     if modes.request_attributes:
         ext_proc["request_attributes"] = list(modes.request_attributes)
-    pool = {
-        "name": "pool",
-        "type": "ORIGINAL_DST",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "connect_timeout": "2s",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
-    }
     filters = [{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}]
-    clusters = [pool, _static_cluster("picker", picker_port, http2=True)]
-    return _bootstrap(listen_port, admin_port, filters, "pool", clusters, upstream_header)
+    clusters = [_pool_cluster(policy.endpoints), _static_cluster("picker", picker_port, http2=True)]
+    return _bootstrap(listen_port, admin_port, filters, "pool", clusters, upstream_header, policy)
 
 
 def direct_config(listen_port: int, backend_port: int, admin_port: int) -> dict[str, Any]:

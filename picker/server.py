@@ -14,12 +14,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from kubernetes import client as k8s
 from prometheus_client import start_http_server
 
+from loraplane.credentials import async_redis
 from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
 from loraplane.picker.fairness import FairShare
@@ -154,7 +154,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     if options.metrics_address:
         host, port = _split_host_port(options.metrics_address)
         start_http_server(port, host, registry=metrics.registry)
-    client = aioredis.Redis.from_url(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    client = async_redis(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds)
     log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
     tasks = [asyncio.create_task(coro) for coro in (sync.run(), sync.expire_stale(), sync.publish_forever())]

@@ -14,11 +14,11 @@ import logging
 import time
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from loraplane.api import SCHEMA_VERSION, ResidencyReport, TargetState, keys
+from loraplane.credentials import async_redis
 from loraplane.sidecar.reconcile import Backoff
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class RedisBus:
         self.pool, self.pod = pool, pod
         self.target_key = keys.target_state(pool, pod)
         self.report_key = keys.residency_report(pool, pod)
-        self._redis = aioredis.Redis.from_url(
+        self._redis = async_redis(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s, retry_on_timeout=False
         )
         self._backoff = backoff or Backoff(base_s=0.2, cap_s=5.0)

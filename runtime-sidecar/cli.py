@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from loraplane.api import validation
+from loraplane.credentials import secret
 from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
 from loraplane.sidecar.bus import RedisBus
 from loraplane.sidecar.cache import DiskCache
@@ -66,8 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt("runtime", "runtime kind", default="engine", choices=sorted(DRIVERS))
     opt("runtime-url", "model server base URL, e.g. http://127.0.0.1:8000 (required)")
     opt("address", "ip:port the picker routes to (default: host:port of --runtime-url)")
-    opt("runtime-token", "bearer token for the runtime's admin/load endpoints (or a loopback runtime)")
-    opt("redis-url", "Redis URL (required)")
+    opt("runtime-token", "bearer token for the runtime's admin/load endpoints (the engine's admin token, vLLM's "
+        "--api-key); prefer --runtime-token-file or the environment: the command line is visible to ps")
+    opt("runtime-token-file", "file holding the runtime token (a mounted Secret)")
+    opt("redis-url", "Redis URL without credentials (required); the ACL user and password come from "
+        "LORAPLANE_REDIS_USERNAME and LORAPLANE_REDIS_PASSWORD or LORAPLANE_REDIS_PASSWORD_FILE")
     opt("cache-dir", "local disk cache directory (required; must be readable by the runtime)")
     opt("cache-bytes", "disk cache byte budget (e.g. 20G)", default="20G", type=_bytes)
     opt("heartbeat", "seconds between heartbeats (reports and resync)", default=1.0, type=float)
@@ -115,7 +119,8 @@ async def serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
     )
-    driver = make_driver(args.runtime, args.runtime_url, limits, token=args.runtime_token)
+    driver = make_driver(args.runtime, args.runtime_url, limits,
+                         token=secret(args.runtime_token, args.runtime_token_file))
     sources = ArtifactSources(SourceConfig(
         file_roots=tuple(Path(r) for r in args.file_root),
         oci_plain_http=frozenset(args.oci_plain_http),

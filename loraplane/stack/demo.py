@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis.asyncio as aioredis
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -241,7 +240,7 @@ class Demo:
         assert stack.cluster is not None
         self.stack, self.stop, self.console, self.plan = stack, stop, console, plan
         self.cluster = stack.cluster
-        self.redis = aioredis.from_url(stack.redis_url)
+        self.redis = stack.redis_client()
         self.pod_of_address = {e.address: e.pod for e in stack.engines}
         self.rng = random.Random(plan.seed)
         self.records: list[RequestRecord] = []

@@ -4,6 +4,7 @@ picker behind Envoy, and the controller. Each runs as a real child process in it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio as aioredis
 import yaml
 
+from loraplane.engine.cli import ADMIN_TOKEN_FILE_ENV
 from loraplane.processes import (
     LOOPBACK,
     ManagedProcess,
@@ -27,6 +30,7 @@ from loraplane.processes import (
     start_redis,
     wait_for_port,
 )
+from loraplane.stack.secrets import StackSecrets, sidecar_user
 
 #: The InferencePool (and Redis key namespace) of the local stack.
 POOL = "local"
@@ -101,6 +105,8 @@ class StackOptions:
     heartbeat: float = 0.5
     #: seconds between the picker's request-rate publications (the controller's placement input)
     publish_seconds: float = 2.0
+    #: the InferencePool's ``endpointPickerRef.failureMode``: FailOpen lets Envoy route without the picker
+    failure_mode: str = "FailClose"
 
 
 @dataclass
@@ -151,6 +157,15 @@ class LocalStack:
         return f"http://{LOOPBACK}:{self.gateway_port}"
 
     @property
+    def secrets(self) -> StackSecrets:
+        """Redis passwords, the ACL file and the runtimes' admin tokens (files below ``<workdir>/secrets``)."""
+        return StackSecrets(self.options.workdir / "secrets")
+
+    def redis_client(self, user: str = "observer") -> aioredis.Redis:
+        """An asyncio client of the stack's Redis as ``user`` (``observer`` reads; ``admin`` may do anything)."""
+        return aioredis.Redis.from_url(self.redis_url, username=user, password=self.secrets.redis_password(user))
+
+    @property
     def redis_url(self) -> str:
         """The bus every component shares."""
         assert self.redis is not None, "not started"
@@ -187,7 +202,8 @@ class LocalStack:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.artifacts.mkdir(parents=True, exist_ok=True)
         self.cluster = start_devcluster(work / "cluster")
-        self.redis = start_redis(self.logs)
+        self.secrets.create(POOL, [f"engine-{i}" for i in range(self.options.engines)])
+        self.redis = start_redis(self.logs, acl_file=self.secrets.acl_file())
         for i in range(self.options.engines):
             self.engines.append(self._start_engine(f"engine-{i}"))
         for engine in self.engines:
@@ -200,7 +216,7 @@ class LocalStack:
             [sys.executable, "-m", "loraplane.controller.cli", "--kubeconfig", str(self.cluster.kubeconfig),
              "--redis-url", self.redis_url, "--identity", "local", "--no-leader-election",
              "--resync-seconds", str(self.options.heartbeat), "--metrics-port", str(self.controller_metrics_port)],
-            self.logs / "controller.log").start()
+            self.logs / "controller.log", env=self.secrets.redis_env("controller")).start()
         self._wait(self.controller_metrics_port, self.controller)
 
     def _wait(self, port: int, process: ManagedProcess, timeout: float = 60.0) -> None:
@@ -225,7 +241,8 @@ class LocalStack:
                 "--max-loras", str(self.options.max_loras), "--max-cpu-loras", str(self.options.max_cpu_loras),
                 "--torch-threads", "1", "--adapter-root", str(cache), "--enable-lora-runtime-updating",
                 "--max-model-len", "256", "--max-num-seqs", "8"]
-        return Engine(pod, port, ManagedProcess(args, self.logs / f"{pod}.log").start())
+        env = {ADMIN_TOKEN_FILE_ENV: str(self.secrets.token_file(pod))}
+        return Engine(pod, port, ManagedProcess(args, self.logs / f"{pod}.log", env=env).start())
 
     def _start_sidecar(self, engine: Engine) -> ManagedProcess:
         args = [sys.executable, "-m", "loraplane.sidecar", "--pool", POOL, "--pod", engine.pod, "--runtime", "engine",
@@ -233,19 +250,21 @@ class LocalStack:
                 "--cache-dir", str(self.options.workdir / "pods" / engine.pod), "--heartbeat",
                 str(self.options.heartbeat), "--report-ttl", str(max(3.0, 6 * self.options.heartbeat)),
                 "--metrics-port", "0", "--file-root", str(self.artifacts)]
-        return ManagedProcess(args, self.logs / f"sidecar-{engine.pod}.log").start()
+        env = {**self.secrets.redis_env(sidecar_user(engine.pod)),
+               "LORAPLANE_SIDECAR_RUNTIME_TOKEN_FILE": str(self.secrets.token_file(engine.pod))}
+        return ManagedProcess(args, self.logs / f"sidecar-{engine.pod}.log", env=env).start()
 
     def _apply_pool(self) -> None:
         """The InferencePool and one Pod object per engine (Running and Ready: the engines listen by now), so
         kubectl and the controller see the pool."""
         assert self.cluster is not None
-        self.cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(pool_manifests(self.engines)))
+        self.cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(pool_manifests(self.engines, self.options.failure_mode)))
         for engine in self.engines:
             self.cluster.kubectl("patch", "pod", engine.pod, "--subresource=status", "--type=merge",
                                  "-p", json.dumps({"status": running_pod_status(engine)}))
 
     def _start_gateway(self) -> None:
-        from loraplane.picker.envoy import picker_config
+        from loraplane.picker.envoy import HARDENED, picker_config
 
         picker_port, health_port = free_port(), free_port()
         self.picker_metrics_port = free_port()
@@ -255,11 +274,14 @@ class LocalStack:
              "--metrics-address", f"{LOOPBACK}:{self.picker_metrics_port}", "--replica", "picker-0",
              "--no-destination-fallbacks", "--resync-seconds", "1",
              "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING"],
-            self.logs / "picker.log").start()
+            self.logs / "picker.log", env=self.secrets.redis_env("picker")).start()
         self._wait(picker_port, self.picker)
         self.gateway_port, admin_port = free_port(), free_port()
         config = self.options.workdir / "envoy.json"
-        config.write_text(json.dumps(picker_config(self.gateway_port, picker_port, admin_port, upstream_header=True)))
+        policy = dataclasses.replace(HARDENED, endpoints=[e.address for e in self.engines],
+                                     fail_open=self.options.failure_mode == "FailOpen")
+        config.write_text(json.dumps(picker_config(self.gateway_port, picker_port, admin_port, upstream_header=True,
+                                                   policy=policy)))
         self.envoy = ManagedProcess([envoy_binary(), "-c", str(config), "--concurrency", "1", "-l", "warning",
                                      "--base-id", str(self.gateway_port)], self.logs / "envoy.log").start()
         self._wait(self.gateway_port, self.envoy)
@@ -278,13 +300,13 @@ class LocalStack:
         return codes
 
 
-def pool_manifests(engines: Sequence[Engine]) -> list[dict[str, Any]]:
+def pool_manifests(engines: Sequence[Engine], failure_mode: str = "FailClose") -> list[dict[str, Any]]:
     """The InferencePool of the stack and a Pod object per engine (what a real cluster would hold)."""
     pool = {"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
             "metadata": {"name": POOL, "namespace": "default"},
             "spec": {"selector": {"matchLabels": ENGINE_LABELS}, "targetPorts": [{"number": engines[0].port}],
                      "endpointPickerRef": {"name": "loraplane-picker", "port": {"number": 9002},
-                                           "failureMode": "FailClose"}}}
+                                           "failureMode": failure_mode}}}
     pods = [{"apiVersion": "v1", "kind": "Pod",
              "metadata": {"name": e.pod, "namespace": "default", "labels": ENGINE_LABELS},
              "spec": {"containers": [{"name": "engine", "image": "loraplane:local",

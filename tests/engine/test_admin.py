@@ -54,6 +54,19 @@ async def test_loopback_is_trusted_unless_proxied_and_no_token_means_loopback_on
     assert proxied.status_code == 403 and remote.status_code == 403
 
 
+@pytest.mark.parametrize(("method", "path", "body"), ADMIN_CALLS)
+async def test_a_configured_token_is_required_from_loopback_too(method: str, path: str, body: dict[str, str] | None,
+                                                               tiny_adapters: list[GeneratedAdapter],
+                                                               adapter_root: Path) -> None:
+    """Behind a local proxy that adds no forwarding header, loopback says nothing: with a token, only it counts."""
+    async with inprocess(_options(adapter_root, tiny_adapters)) as (built, http):
+        before = {name: (a.tier, a.pinned) for name, a in built.engine.tiers.registered.items()}
+        refused = await http.request(method, path, json=body)
+        after = {name: (a.tier, a.pinned) for name, a in built.engine.tiers.registered.items()}
+    assert refused.status_code == 403, refused.text
+    assert after == before  # nothing loaded, unloaded, pinned or moved
+
+
 def _escape_fixtures(root: Path, outside: Path, adapter: GeneratedAdapter) -> dict[str, str]:
     """Paths that must all be refused, keyed by what they try."""
     shutil.copytree(adapter.path, outside / "evil", dirs_exist_ok=True)
@@ -78,12 +91,14 @@ async def test_paths_outside_the_adapter_root_are_refused(tiny_adapters: list[Ge
                                                           tmp_path_factory: pytest.TempPathFactory) -> None:
     outside = tmp_path_factory.mktemp("outside")
     attempts = _escape_fixtures(adapter_root, outside, tiny_adapters[0])
+    auth = {"authorization": f"Bearer {TOKEN}"}
     async with inprocess(_options(adapter_root, tiny_adapters)) as (built, http):
         for what, path in attempts.items():
-            response = await http.post("/v1/load_lora_adapter", json={"lora_name": "evil@v1", "lora_path": path})
+            response = await http.post("/v1/load_lora_adapter", json={"lora_name": "evil@v1", "lora_path": path},
+                                       headers=auth)
             assert response.status_code in (400, 404), what
             assert "evil@v1" not in built.engine.tiers.registered, what
-        absolute_inside = await http.post("/v1/load_lora_adapter",
+        absolute_inside = await http.post("/v1/load_lora_adapter", headers=auth,
                                           json={"lora_name": "ok@v1", "lora_path": str(tiny_adapters[1].path)})
         assert absolute_inside.status_code == 200
 

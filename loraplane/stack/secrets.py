@@ -1,0 +1,109 @@
+"""The local stack's secrets: Redis ACL users (one per component, least privilege) and the runtimes' admin tokens.
+
+Every secret is a random string in a file of mode 0600 below ``<workdir>/secrets``; processes get the file's path
+in their environment (never a secret on a command line). Redis reads an ACL file that holds only SHA-256 hashes
+of the passwords and has the ``default`` user switched off, so a client without a password can run no command.
+
+Who may do what (``acl_rules``), by the key names of ``loraplane.api.keys``:
+
+- ``controller``: reads the pool's keys; writes only target states and the route table, publishes their notices;
+- ``sidecar-<pod>``: reads its own pod's target state; writes only its own residency report and the report index;
+- ``picker``: reads the pool's keys; writes only the request rates and its own counters;
+- ``observer``: reads the pool's keys (the demo and the tests watching the stack);
+- ``admin``: everything (an operator's ``redis-cli``; the tests that forge or delete keys on purpose).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplane.api import keys
+from loraplane.credentials import REDIS_PASSWORD_FILE_ENV, REDIS_USERNAME_ENV
+
+_CONNECT = "+ping +echo +client|setname +client|id +select"
+_READ = "+get +mget +smembers +scan +exists +ttl +pttl +type"
+_SUBSCRIBE = "+subscribe +unsubscribe"
+
+
+def _pool_prefix(pool: str) -> str:
+    """``loraplane:{pool}`` (the hash-tagged prefix every key of the pool starts with)."""
+    return keys.route_table(pool).removesuffix(":routes")
+
+
+def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = ("picker-0",)) -> dict[str, str]:
+    """ACL rules (everything after ``user <name> on #<hash>``) of every component user of one pool."""
+    prefix = _pool_prefix(pool)
+    rules = {
+        "controller": f"resetkeys %R~{prefix}:* %W~{keys.target_state_pattern(pool)} %W~{keys.route_table(pool)} "
+        f"resetchannels &{keys.target_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
+        f"-@all {_CONNECT} {_READ} +set +publish",
+        "picker": f"resetkeys %R~{prefix}:* %W~{keys.request_rates(pool)} "
+        + " ".join(f"%W~{keys.picker_counters(pool, r)}" for r in picker_replicas)
+        + f" resetchannels &{keys.residency_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
+        f"-@all {_CONNECT} {_READ} {_SUBSCRIBE} +set",
+        "observer": f"resetkeys %R~{prefix}:* resetchannels &{prefix}:* -@all {_CONNECT} {_READ} {_SUBSCRIBE}",
+        "admin": "~* &* +@all",
+    }
+    for pod in pods:
+        rules[sidecar_user(pod)] = (
+            f"resetkeys %R~{keys.target_state(pool, pod)} %W~{keys.residency_report(pool, pod)} "
+            f"%W~{keys.residency_index(pool)} resetchannels &{keys.target_changed_channel(pool)} "
+            f"&{keys.residency_changed_channel(pool)} -@all {_CONNECT} +get {_SUBSCRIBE} +set +sadd +publish "
+            "+multi +exec +discard"
+        )
+    return rules
+
+
+def sidecar_user(pod: str) -> str:
+    """The Redis user of ``pod``'s sidecar."""
+    return f"sidecar-{pod}"
+
+
+def _write_secret(path: Path, value: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value)
+
+
+@dataclass
+class StackSecrets:
+    """The secret files of one local stack (created once; a restart of Redis or of a child reuses them)."""
+
+    directory: Path
+
+    def password_file(self, user: str) -> Path:
+        """The file holding ``user``'s Redis password."""
+        return self.directory / f"redis-{user}"
+
+    def token_file(self, pod: str) -> Path:
+        """The file holding ``pod``'s runtime admin token (the engine requires it; the sidecar sends it)."""
+        return self.directory / f"admin-token-{pod}"
+
+    def acl_file(self) -> Path:
+        """Redis's ACL file (password hashes only)."""
+        return self.directory / "users.acl"
+
+    def create(self, pool: str, pods: Sequence[str]) -> None:
+        """Write a random password per Redis user, the ACL file, and a random admin token per pod."""
+        lines = ["user default off resetkeys resetchannels -@all"]
+        for user, rules in acl_rules(pool, pods).items():
+            password = secrets.token_hex(24)
+            _write_secret(self.password_file(user), password)
+            lines.append(f"user {user} on #{hashlib.sha256(password.encode()).hexdigest()} {rules}")
+        _write_secret(self.acl_file(), "\n".join(lines) + "\n")
+        for pod in pods:
+            _write_secret(self.token_file(pod), secrets.token_hex(24))
+
+    def redis_env(self, user: str) -> dict[str, str]:
+        """The environment that makes a loraplane process connect to Redis as ``user``."""
+        return {REDIS_USERNAME_ENV: user, REDIS_PASSWORD_FILE_ENV: str(self.password_file(user))}
+
+    def redis_password(self, user: str) -> str:
+        """``user``'s password (for in-process clients such as the demo's)."""
+        return self.password_file(user).read_text().strip()
