@@ -95,10 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def tools_main(argv: Sequence[str]) -> int:
-    """``loraplane engine <tool> ...`` (tools: make-adapters)."""
+    """``loraplane engine <tool> ...`` (tools: make-adapters, make-model)."""
     from loraplane.engine import make_adapters
 
-    tools = {"make-adapters": make_adapters.main}
+    tools = {"make-adapters": make_adapters.main, "make-model": make_adapters.model_main}
     argv = list(argv)
     if not argv or argv[0] not in tools:
         print(f"usage: loraplane engine {{{','.join(tools)}}} ...", file=sys.stderr)

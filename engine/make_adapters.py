@@ -1,4 +1,5 @@
-"""Write real PEFT LoRA adapter directories for a model (``loraplane engine make-adapters``)."""
+"""Write servable model checkpoints and real PEFT LoRA adapters for them (``loraplane engine make-model``,
+``loraplane engine make-adapters``): directories that both the reference engine and vLLM serve."""
 
 from __future__ import annotations
 
@@ -13,7 +14,39 @@ import torch
 from safetensors.torch import save_file
 
 from loraplane.api import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, adapter_digest
-from loraplane.engine.model import LORA_MODULES, PRESETS, ModelConfig, module_path, read_checkpoint
+from loraplane.engine.model import (
+    LORA_MODULES,
+    PRESETS,
+    ModelConfig,
+    checkpoint_digest,
+    module_path,
+    read_checkpoint,
+    seeded_weights,
+)
+from loraplane.engine.tokenizer import write_byte_tokenizer
+
+#: The weights file of a checkpoint written by :func:`write_model`.
+MODEL_WEIGHTS_FILE = "model.safetensors"
+
+
+def write_model(out_dir: Path, preset: str = "tiny", seed: int = 0) -> str:
+    """Write a seeded preset as a ``transformers`` Llama checkpoint into ``out_dir``; returns its digest.
+
+    ``config.json``, ``model.safetensors`` (the weights the engine's ``--model <preset> --seed <seed>`` computes) and a
+    byte tokenizer (``tokenizer.json``, ``tokenizer_config.json``; ids as the engine's byte tokenizer): vLLM,
+    ``transformers`` and the engine all load the directory and compute the same model.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    config = PRESETS[preset]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weights = {name: t.contiguous() for name, t in seeded_weights(config, seed).items()}
+    save_file(weights, str(out_dir / MODEL_WEIGHTS_FILE), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
+    generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.to_hf()["eos_token_id"]}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_byte_tokenizer(out_dir, config.vocab_size, config.bos_token_id, config.eos_token_ids)
+    return checkpoint_digest(out_dir)
 
 
 def write_adapter(
@@ -60,6 +93,19 @@ def model_config(model: str) -> ModelConfig:
     if model in PRESETS:
         return PRESETS[model]
     return read_checkpoint(Path(model))[0]
+
+
+def model_main(argv: Sequence[str]) -> int:
+    """``loraplane engine make-model``: writes a checkpoint directory, prints one JSON line (path, digest)."""
+    parser = argparse.ArgumentParser(prog="loraplane engine make-model",
+                                     description="write a seeded preset as a Llama checkpoint vLLM and the engine serve")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True, help="directory to write the checkpoint into")
+    args = parser.parse_args(list(argv))
+    digest = write_model(args.out, args.preset, args.seed)
+    print(json.dumps({"path": str(args.out), "preset": args.preset, "seed": args.seed, "digest": digest}))
+    return 0
 
 
 def main(argv: Sequence[str]) -> int:

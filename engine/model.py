@@ -86,6 +86,22 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def to_hf(self) -> dict[str, Any]:
+        """The ``config.json`` dict of a ``transformers`` ``LlamaForCausalLM`` with this config (``from_hf``'s inverse)."""
+        eos: int | list[int] | None = (list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+                                       else (self.eos_token_ids[0] if self.eos_token_ids else None))
+        return {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias, "bos_token_id": self.bos_token_id, "eos_token_id": eos,
+            "torch_dtype": "float32", "initializer_range": 0.02, "use_cache": True,
+        }
+
     def module_shape(self, module: str) -> tuple[int, int]:
         """(in_features, out_features) of one LoRA-targetable projection."""
         q = self.num_attention_heads * self.head_dim
@@ -106,6 +122,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=288, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=256,
                         eos_token_ids=(257,)),
+    # tiny with two 32-wide heads: vLLM-CPU's attention kernels take head sizes 32, 64, 80, ... but not 16
+    "tiny-hd32": ModelConfig(vocab_size=288, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, bos_token_id=256,
+                             eos_token_ids=(257,)),
     "small": ModelConfig(vocab_size=288, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=32, bos_token_id=256,
                          eos_token_ids=(257,)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Protocol
 
@@ -49,6 +50,49 @@ class JsonTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text without special tokens."""
         return str(self._tok.decode(ids, skip_special_tokens=True))
+
+
+def _byte_alphabet() -> list[str]:
+    """The printable character ``tokenizers``' ByteLevel pre-tokenizer maps each byte 0..255 to (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def write_byte_tokenizer(out_dir: Path, vocab_size: int, bos_token_id: int | None,
+                         eos_token_ids: tuple[int, ...]) -> None:
+    """Write ``tokenizer.json`` + ``tokenizer_config.json`` that tokenize exactly as :class:`ByteTokenizer`.
+
+    A byte-level BPE without merges (id = byte value), BOS prepended when the model has one, and every id from 256 to
+    ``vocab_size`` a special token (``<s>``, ``</s>``, ``<extra_N>``) that decodes to nothing: vLLM, ``transformers``
+    and the engine then agree on every id. Needs the ``tokenizers`` package.
+    """
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as HfTokenizer
+
+    if vocab_size < 256:
+        raise ValueError(f"a byte tokenizer needs vocab_size >= 256, got {vocab_size}")
+    alphabet = _byte_alphabet()
+    tok = HfTokenizer(models.BPE(vocab={ch: b for b, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    names = {bos_token_id: "<s>", **{eos: "</s>" if i == 0 else f"</s{i}>" for i, eos in enumerate(eos_token_ids)}}
+    specials = [names.get(i, f"<extra_{i}>") for i in range(256, vocab_size)]
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
+    if bos_token_id is not None:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", bos_token_id)])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config: dict[str, object] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+    }
+    if bos_token_id is not None:
+        tokenizer_config["bos_token"] = "<s>"
+    if eos_token_ids:
+        tokenizer_config["eos_token"] = "</s>"
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
 
 
 def load_tokenizer(model_dir: Path | None, bos_token_id: int | None) -> Tokenizer:

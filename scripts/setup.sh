@@ -39,4 +39,5 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 bash scripts/install-tools.sh
-echo "setup: ready (.venv, .tools/bin)"
+bash scripts/setup-vllm.sh
+echo "setup: ready (.venv, .venv-vllm, .tools/bin)"
