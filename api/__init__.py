@@ -50,6 +50,8 @@ from loraplane.api.routing import (
 from loraplane.api.runtime import (
     ERROR_DIGEST_MISMATCH,
     ERROR_INCOMPATIBLE,
+    ERROR_REFUSED,
+    FINAL_ERROR_REASONS,
     SCHEMA_VERSION,
     AdapterResidency,
     AdapterTarget,
@@ -67,6 +69,8 @@ __all__ = [
     "API_VERSION",
     "ERROR_DIGEST_MISMATCH",
     "ERROR_INCOMPATIBLE",
+    "ERROR_REFUSED",
+    "FINAL_ERROR_REASONS",
     "GROUP",
     "KIND",
     "PLURAL",

@@ -87,6 +87,11 @@ class TargetState(PayloadModel):
 ERROR_DIGEST_MISMATCH = "DigestMismatch"
 #: ... or the adapter does not fit the runtime (base model digest, rank, target modules, dtype).
 ERROR_INCOMPATIBLE = "Incompatible"
+#: ... or the sidecar refuses the artifact by policy: scheme, host or address not allowed, file outside the allowed
+#: roots, an archive past the unpacked-size, file-count or compression-ratio limits.
+ERROR_REFUSED = "ArtifactRefused"
+#: The error reasons that fail a revision's rollout (any other reason is retried).
+FINAL_ERROR_REASONS = frozenset({ERROR_DIGEST_MISMATCH, ERROR_INCOMPATIBLE, ERROR_REFUSED})
 
 
 class AdapterResidency(PayloadModel):
@@ -134,8 +139,8 @@ class AdapterResidency(PayloadModel):
     error_reason: str | None = Field(
         default=None,
         pattern=r"^[A-Z][A-Za-z0-9]*$",
-        description="the same as one CamelCase word the controller acts on: DigestMismatch and Incompatible are "
-        "final for this revision (it fails its rollout); anything else (FetchFailed, LoadFailed ...) is retried",
+        description="the same as one CamelCase word the controller acts on: DigestMismatch, Incompatible and "
+        "ArtifactRefused are final for this revision (it fails its rollout); anything else (FetchFailed, LoadFailed ...) is retried",
     )
 
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 from loraplane.api import (
     ERROR_DIGEST_MISMATCH,
-    ERROR_INCOMPATIBLE,
+    FINAL_ERROR_REASONS,
     AdapterRevision,
     AdapterRevisionStatus,
     Condition,
@@ -300,7 +300,7 @@ class _AdapterReconcile:
         waiting = []
         for pod in canary_pods(rev, self.eligible[rev.metadata.name]):
             held = pod.adapters.get(rev.served_name)
-            if held is not None and held.error_reason in (ERROR_DIGEST_MISMATCH, ERROR_INCOMPATIBLE):
+            if held is not None and held.error_reason in FINAL_ERROR_REASONS:
                 return _fail(Phase.FAILED, held.error_reason, f"{pod.name}: {held.error or held.error_reason}")
             if held is not None and held.digest is not None and held.digest != rev.spec.artifact.digest:
                 return _fail(

@@ -32,6 +32,7 @@ from e2e.fixtures.processes import (
     start_redis,
     wait_for_port,
 )
+from e2e.fixtures.registry import LOOPBACK_ALLOW_ARGS
 from e2e.fixtures.waiting import wait_until
 from loraplane.api import (
     ERROR_DIGEST_MISMATCH,
@@ -178,7 +179,8 @@ def sidecar_factory(tmp_path: Path, engine: Engine, oci_registry, https_files,
                 "--runtime-url", engine.url, "--redis-url", redis_server.url, "--cache-dir", str(cache_dir),
                 "--heartbeat", "0.3", "--report-ttl", "3", "--backoff-base", "0.2", "--backoff-cap", "2",
                 "--metrics-port", str(metrics_port), "--file-root", str(Path(adapters["gamma@v1"].uri[7:]).parent),
-                "--oci-plain-http", oci_registry.host, "--https-ca-file", str(https_files.ca_file)]
+                "--oci-plain-http", oci_registry.host, "--https-ca-file", str(https_files.ca_file),
+                *LOOPBACK_ALLOW_ARGS]
         proc = SidecarProc(ManagedProcess(args, tmp_path / f"sidecar-{pod}.log").start(), metrics_port, cache_dir)
         started.append(proc)
         wait_for_port(metrics_port, proc=proc.process.proc, timeout=30)

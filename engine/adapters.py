@@ -56,8 +56,13 @@ def confine(root: Path, requested: str) -> Path:
     def within(path: str) -> bool:
         return path == real_root or path.startswith(inside)
 
+    joined = os.path.join(real_root, requested)  # an absolute one replaces the root
+    # outside paths get one answer whether they exist or not: the lax resolve (links followed as far as they exist)
+    # decides, before anything is looked up strictly
+    if not within(os.path.realpath(joined)):
+        raise AdapterRejectedError(f"lora_path {requested!r} is outside the adapter root")
     try:
-        resolved = os.path.realpath(os.path.join(real_root, requested), strict=True)  # an absolute one replaces the root
+        resolved = os.path.realpath(joined, strict=True)
     except (FileNotFoundError, NotADirectoryError):
         raise AdapterNotFoundError(f"No adapter found for {requested}") from None
     except OSError as exc:

@@ -4,14 +4,21 @@ A fetcher only moves bytes: it hands every chunk to a ``sink`` and says when the
 end of the *resolve* stage: connection, redirects, manifest). Hashing, size limits and where the bytes land are
 the disk cache's business (``loraplane.sidecar.cache``). Fetchers are blocking and run in worker threads.
 
-Nothing a client sends reaches here: URIs come from AdapterRevision objects (validated by ``loraplane.api``), and
-``file://`` is refused outside the configured roots.
+Nothing a client sends reaches here: URIs come from AdapterRevision objects (validated by ``loraplane.api``). Still,
+a revision's author may point it anywhere, so ``file://`` is refused outside the configured roots, schemes and hosts
+pass allow-lists, and every host a fetch connects to (redirects and registry token realms included) is resolved and
+refused when any of its addresses is internal (loopback, link-local, private, shared, reserved) unless explicitly
+allowed. Connects and reads time out, and a whole fetch has a deadline.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+import ipaddress
+import socket
 import ssl
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,6 +26,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+import requests.adapters
 
 from loraplane.api import validation
 
@@ -35,6 +43,28 @@ class ArtifactError(Exception):
         self.reason = reason
 
 
+#: Reasons that refuse an artifact by policy (where it points, what it unpacks to): final for the revision.
+REFUSAL_REASONS = frozenset({
+    "InvalidUri", "SchemeNotAllowed", "FileOutsideRoots", "HostNotAllowed", "InternalAddress", "InsecureRedirect",
+    "TooManyRedirects", "UnpackedTooLarge", "TooManyFiles", "CompressionRatioTooHigh",
+})
+
+Allowance = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None]
+
+
+def parse_allowance(text: str) -> Allowance:
+    """``CIDR``, ``ADDRESS:PORT``, ``CIDR:PORT`` or ``[IPv6 CIDR]:PORT`` -> (network, port or None for any port)."""
+    body, port = text.strip(), None
+    if body.startswith("["):
+        body, _, rest = body[1:].partition("]")
+        if rest:
+            port = int(rest.removeprefix(":"))
+    elif body.count(":") == 1:
+        body, _, port_text = body.partition(":")
+        port = int(port_text)
+    return ipaddress.ip_network(body, strict=False), port
+
+
 @dataclass(frozen=True)
 class SourceConfig:
     """Where and how artifacts may be fetched."""
@@ -43,7 +73,81 @@ class SourceConfig:
     oci_plain_http: frozenset[str] = frozenset()
     https_ca_file: str | None = None
     s3_endpoint_url: str | None = None
-    timeout_s: float = 60.0
+    #: schemes a revision may use (any of ``file``, ``https``, ``oci``, ``s3``)
+    schemes: frozenset[str] = frozenset(validation.ALLOWED_URI_SCHEMES)
+    #: host patterns (``registry.example.com``, ``*.example.com``; s3: bucket names) a URI may name; empty: any
+    allowed_hosts: tuple[str, ...] = ()
+    #: internal networks (``parse_allowance`` entries) that may be reached anyway, e.g. an in-cluster registry
+    allow_internal: tuple[Allowance, ...] = ()
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 30.0
+    #: the longest one fetch (resolve, manifest, every byte) may take
+    deadline_s: float = 900.0
+
+
+def _internal(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return not address.is_global or address.is_multicast
+
+
+class HostGuard:
+    """Refuses hosts outside the allow-list and hosts with an internal address (each resolved address checked)."""
+
+    def __init__(self, config: SourceConfig, resolve: Callable[..., Any] = socket.getaddrinfo) -> None:
+        self._patterns = tuple(p.lower() for p in config.allowed_hosts)
+        self._allow_internal = config.allow_internal
+        self._resolve = resolve
+
+    def check_name(self, host: str) -> None:
+        """HostNotAllowed unless ``host`` matches the allow-list (when there is one)."""
+        host = host.lower()
+        if self._patterns and not any(fnmatch.fnmatchcase(host, p) for p in self._patterns):
+            raise ArtifactError("HostNotAllowed", f"host {host} is not in the artifact host allow-list")
+
+    def check(self, host: str, port: int) -> str:
+        """The first address of ``host`` after checking the name and every address it resolves to."""
+        self.check_name(host)
+        try:
+            infos = self._resolve(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise ArtifactError("HostUnresolvable", f"cannot resolve {host}: {exc}") from None
+        addresses = [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in infos]
+        if not addresses:
+            raise ArtifactError("HostUnresolvable", f"{host} has no address")
+        for address in addresses:
+            if _internal(address) and not any(
+                address in network and allowed_port in (None, port) for network, allowed_port in self._allow_internal
+            ):
+                raise ArtifactError("InternalAddress", f"{host}:{port} resolves to internal address {address}, "
+                                    "which artifacts may not be fetched from (see --artifact-allow-internal)")
+        return str(addresses[0])
+
+    def check_url(self, url: str) -> tuple[urllib.parse.SplitResult, str]:
+        """Check an http(s) URL's host; returns its parts and the address to connect to."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ArtifactError("InsecureRedirect", f"{url} is not an http(s) URL")
+        return parts, self.check(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+
+
+class Deadline:
+    """A sink wrapper refusing chunks once ``seconds`` have passed since the fetch began."""
+
+    def __init__(self, seconds: float, sink: Sink, clock: Callable[[], float] = time.monotonic) -> None:
+        self._ends = clock() + seconds
+        self._seconds = seconds
+        self._sink = sink
+        self._clock = clock
+
+    def check(self) -> None:
+        """FetchDeadlineExceeded once the time is up."""
+        if self._clock() > self._ends:
+            raise ArtifactError("FetchDeadlineExceeded", f"the fetch took longer than {self._seconds:g} s")
+
+    def __call__(self, chunk: bytes) -> None:
+        self.check()
+        self._sink(chunk)
 
 
 class Fetcher(Protocol):
@@ -83,28 +187,56 @@ class FileFetcher:
 
 
 class HttpsFetcher:
-    """``https://host/path``: TLS verified (against ``ca_file`` when given), redirects stay on https."""
+    """``https://host/path``: TLS verified (against ``ca_file`` when given), redirects stay on https.
 
-    def __init__(self, ca_file: str | None, timeout_s: float) -> None:
+    Each hop's host is checked by the guard and the connection goes to the address it checked (the name stays the
+    TLS server name and Host header), so a name that resolves differently a moment later cannot redirect it.
+    """
+
+    def __init__(self, ca_file: str | None, guard: HostGuard, timeout: httpx.Timeout) -> None:
         self._verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
-        self._timeout = timeout_s
+        self._guard = guard
+        self._timeout = timeout
 
     def fetch(self, uri: str, digest: str, sink: Sink, resolved: Callable[[], None]) -> None:
         """GET the URI and stream the body."""
         with httpx.Client(verify=self._verify, timeout=self._timeout, follow_redirects=False) as client:
             url = uri
             for _ in range(5):
-                with client.stream("GET", url) as resp:
+                parts, address = self._guard.check_url(url)
+                if parts.scheme != "https":
+                    raise ArtifactError("InsecureRedirect", f"{uri} redirects to a non-https URL")
+                with client.stream("GET", _pinned(url, address), headers={"host": parts.netloc},
+                                   extensions={"sni_hostname": parts.hostname}) as resp:
                     if resp.is_redirect:
-                        url = str(resp.url.join(resp.headers["location"]))
-                        if not url.startswith("https://"):
-                            raise ArtifactError("InsecureRedirect", f"{uri} redirects to a non-https URL")
+                        url = urllib.parse.urljoin(url, resp.headers["location"])
                         continue
                     if resp.status_code != 200:
                         raise ArtifactError("HttpError", f"GET {uri}: HTTP {resp.status_code}")
                     _pump(resp.iter_bytes(), sink, resolved)  # chunks as they arrive
                     return
             raise ArtifactError("TooManyRedirects", f"{uri}: more than 5 redirects")
+
+
+def _pinned(url: str, address: str) -> str:
+    """``url`` with its host replaced by the checked ``address``."""
+    parts = urllib.parse.urlsplit(url)
+    host = f"[{address}]" if ":" in address else address
+    return parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host).geturl()
+
+
+class _GuardedAdapter(requests.adapters.HTTPAdapter):
+    """A requests transport that checks every request's host (redirects, token realms) and sets timeouts."""
+
+    def __init__(self, guard: HostGuard, timeout: tuple[float, float]) -> None:
+        super().__init__(max_retries=0)
+        self._guard = guard
+        self._timeout = timeout
+
+    def send(self, request: requests.PreparedRequest, *args: Any, **kwargs: Any) -> requests.Response:
+        self._guard.check_url(str(request.url))
+        kwargs["timeout"] = self._timeout
+        return super().send(request, *args, **kwargs)
 
 
 class OciFetcher:
@@ -114,8 +246,10 @@ class OciFetcher:
     layer (and a digest mismatch later, if it was replaced). ``plain_http`` names registries reached without TLS.
     """
 
-    def __init__(self, plain_http: frozenset[str]) -> None:
+    def __init__(self, plain_http: frozenset[str], guard: HostGuard, timeout: tuple[float, float]) -> None:
         self._plain_http = plain_http
+        self._guard = guard
+        self._timeout = timeout
 
     def fetch(self, uri: str, digest: str, sink: Sink, resolved: Callable[[], None]) -> None:
         """Read the manifest, choose the layer, stream its blob."""
@@ -123,9 +257,16 @@ class OciFetcher:
 
         ref = uri.removeprefix("oci://")
         container = oras.container.Container(ref)
-        client = _single_try_registry()(hostname=container.registry, insecure=container.registry in self._plain_http)
+        insecure = container.registry in self._plain_http
+        self._guard.check_url(("http://" if insecure else "https://") + container.registry)
+        client = _single_try_registry()(hostname=container.registry, insecure=insecure)
+        adapter = _GuardedAdapter(self._guard, self._timeout)
+        client.session.mount("http://", adapter)
+        client.session.mount("https://", adapter)
         try:
             manifest = client.get_manifest(container)
+        except ArtifactError:
+            raise
         except Exception as exc:
             raise ArtifactError("ManifestUnavailable", f"{uri}: cannot read the manifest: {exc}") from exc
         layers = manifest.get("layers") or []
@@ -155,22 +296,28 @@ def _single_try_registry() -> type[Any]:
 class S3Fetcher:
     """``s3://bucket/key`` through boto3 (credentials from the usual AWS environment / files)."""
 
-    def __init__(self, endpoint_url: str | None) -> None:
+    def __init__(self, endpoint_url: str | None, guard: HostGuard, timeout: tuple[float, float]) -> None:
         self._endpoint_url = endpoint_url
+        self._guard = guard
+        self._timeout = timeout
         self._client: Any = None
 
     def _s3(self) -> Any:
         if self._client is None:
             import boto3
+            from botocore.config import Config
 
-            self._client = boto3.client("s3", endpoint_url=self._endpoint_url)
+            config = Config(connect_timeout=self._timeout[0], read_timeout=self._timeout[1],
+                            retries={"max_attempts": 1})
+            self._client = boto3.client("s3", endpoint_url=self._endpoint_url, config=config)
         return self._client
 
     def fetch(self, uri: str, digest: str, sink: Sink, resolved: Callable[[], None]) -> None:
-        """GetObject and stream the body."""
+        """GetObject and stream the body (the endpoint is the operator's setting; the bucket must be allowed)."""
         bucket, _, key = uri.removeprefix("s3://").partition("/")
         if not key:
             raise ArtifactError("InvalidUri", f"{uri}: expected s3://bucket/key")
+        self._guard.check_name(bucket)
         try:
             body = self._s3().get_object(Bucket=bucket, Key=key)["Body"]
         except Exception as exc:
@@ -182,13 +329,17 @@ class S3Fetcher:
 class ArtifactSources:
     """Dispatches a URI to the fetcher of its scheme."""
 
-    def __init__(self, config: SourceConfig) -> None:
+    def __init__(self, config: SourceConfig, resolve: Callable[..., Any] = socket.getaddrinfo) -> None:
+        """``resolve``: ``socket.getaddrinfo`` or a stand-in with its signature (tests of name resolution)."""
         self.config = config
+        guard = HostGuard(config, resolve)
+        timeouts = (config.connect_timeout_s, config.read_timeout_s)
         self._fetchers: dict[str, Fetcher] = {
             "file": FileFetcher(config.file_roots),
-            "https": HttpsFetcher(config.https_ca_file, config.timeout_s),
-            "oci": OciFetcher(config.oci_plain_http),
-            "s3": S3Fetcher(config.s3_endpoint_url),
+            "https": HttpsFetcher(config.https_ca_file, guard,
+                                  httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)),
+            "oci": OciFetcher(config.oci_plain_http, guard, timeouts),
+            "s3": S3Fetcher(config.s3_endpoint_url, guard, timeouts),
         }
 
     def fetch(self, uri: str, digest: str, sink: Sink, resolved: Callable[[], None]) -> None:
@@ -196,11 +347,15 @@ class ArtifactSources:
         if why := validation.explain_uri(uri):
             raise ArtifactError("InvalidUri", why)
         scheme = uri.partition("://")[0]
+        if scheme not in self.config.schemes:
+            raise ArtifactError("SchemeNotAllowed", f"{scheme}:// artifacts are not allowed on this sidecar "
+                                f"(allowed: {', '.join(sorted(self.config.schemes))})")
+        deadline = Deadline(self.config.deadline_s, sink)
         try:
-            self._fetchers[scheme].fetch(uri, digest, sink, resolved)
+            self._fetchers[scheme].fetch(uri, digest, deadline, resolved)
         except ArtifactError:
             raise
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, requests.RequestException) as exc:
             raise ArtifactError("TransferFailed", f"{uri}: {exc}") from exc
         except OSError as exc:
             raise ArtifactError("TransferFailed", f"{uri}: {exc}") from exc

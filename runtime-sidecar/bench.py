@@ -43,7 +43,7 @@ import httpx
 
 from loraplane.api import AdapterTarget, Artifact, LoraSpec, Tier, cache_key, served_name
 from loraplane.sidecar import peft
-from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
+from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig, parse_allowance
 from loraplane.sidecar.cache import DiskCache, StageTimings, sha256_hex
 from loraplane.sidecar.drivers.base import RuntimeInfo
 from loraplane.sidecar.drivers.engine import EngineDriver
@@ -300,7 +300,8 @@ def run(model: str, rank: int, repeats: int, read_threads: int | None = None) ->
                               target_modules=config["target_modules"]),
                 base_model_digest=base_digest, cache_key=cache_key(base_digest, "bench", "v1", digest),
             )
-            cache = DiskCache(work / "cache", 1 << 34, ArtifactSources(SourceConfig(https_ca_file=str(files.ca_file))))
+            cache = DiskCache(work / "cache", 1 << 34, ArtifactSources(SourceConfig(
+                https_ca_file=str(files.ca_file), allow_internal=(parse_allowance(f"{LOOPBACK}/32"),))))
             with ThreadPoolExecutor(read_threads - 1 or 1, "raw-read") as readers:
                 result = asyncio.run(_measure(url, target, cache, repeats, read_threads, readers))
         return {"benchmark": "sidecar", "runtime": "engine", "model": model, "rank": rank, "repeats": repeats,

@@ -119,16 +119,41 @@ class _VerifyingWriter:
         self._file.close()
 
 
-def _unpack_tar(archive: Path, dest: Path) -> None:
-    """Extract regular files and directories only; the PEFT files may sit at the top or in one subdirectory."""
+@dataclass(frozen=True)
+class UnpackLimits:
+    """What one archive may unpack to; checked from each member's header before its bytes are written."""
+
+    max_bytes: int = 4 << 30
+    max_files: int = 64
+    #: unpacked bytes per archive byte, enforced once more than ``ratio_floor_bytes`` are unpacked (zip bombs)
+    max_ratio: float = 100.0
+    ratio_floor_bytes: int = 16 << 20
+
+
+def _unpack_tar(archive: Path, dest: Path, limits: UnpackLimits) -> None:
+    """Extract regular files and directories only; the PEFT files may sit at the top or in one subdirectory.
+
+    The archive is read as a stream, one member at a time; a member whose header would take the archive past a
+    limit is refused before any of its bytes are written, so a bomb is never unpacked.
+    """
     staging = dest.with_name(dest.name + ".x")
     staging.mkdir()
-    with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        for member in members:
-            if not (member.isreg() or member.isdir()):
+    packed = max(1, archive.stat().st_size)
+    unpacked = files = 0
+    with tarfile.open(archive, "r|*") as tar:
+        for member in tar:
+            if not (member.isreg() or member.isdir()) or member.issparse():
                 raise ArtifactError("InvalidArtifact", f"archive member {member.name!r} is not a regular file")
-        tar.extractall(staging, members=members, filter="data")
+            files += 1
+            unpacked += member.size
+            if files > limits.max_files:
+                raise ArtifactError("TooManyFiles", f"the archive holds more than {limits.max_files} members")
+            if unpacked > limits.max_bytes:
+                raise ArtifactError("UnpackedTooLarge", f"the archive unpacks to more than {limits.max_bytes} bytes")
+            if unpacked > limits.ratio_floor_bytes and unpacked / packed > limits.max_ratio:
+                raise ArtifactError("CompressionRatioTooHigh", f"the archive ({packed} bytes) unpacks to at least "
+                                    f"{unpacked} bytes, more than {limits.max_ratio:g} times its size")
+            tar.extract(member, staging, filter="data")
     found = [p.parent for p in staging.rglob(peft.CONFIG_FILE)]
     if len(found) != 1:
         raise ArtifactError("InvalidArtifact", f"archive holds {len(found)} {peft.CONFIG_FILE} files, expected 1")
@@ -160,8 +185,10 @@ class DiskCache:
         sources: ArtifactSources,
         clock: Callable[[], float] = time.time,
         on_evict: Callable[[CacheEntry], None] | None = None,
+        limits: UnpackLimits | None = None,
     ) -> None:
         self.root = root
+        self.limits = limits or UnpackLimits()
         self._on_evict = on_evict
         self.budget_bytes = budget_bytes
         self._sources = sources
@@ -276,7 +303,7 @@ class DiskCache:
             if not is_tar:
                 raise ArtifactError("InvalidArtifact", "artifact is neither a tar archive nor a safetensors file")
             try:
-                _unpack_tar(blob, entry_dir)
+                _unpack_tar(blob, entry_dir, self.limits)
             except (tarfile.TarError, OSError) as exc:
                 raise ArtifactError("InvalidArtifact", f"cannot unpack the archive: {exc}") from exc
             blob.unlink()

@@ -20,9 +20,9 @@ from starlette.routing import Route
 
 from loraplane.api import validation
 from loraplane.credentials import secret
-from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
+from loraplane.sidecar.artifacts import Allowance, ArtifactSources, SourceConfig, parse_allowance
 from loraplane.sidecar.bus import RedisBus
-from loraplane.sidecar.cache import DiskCache
+from loraplane.sidecar.cache import DiskCache, UnpackLimits
 from loraplane.sidecar.drivers import DRIVERS, make_driver
 from loraplane.sidecar.drivers.base import RuntimeInfo
 from loraplane.sidecar.metrics import SidecarMetrics
@@ -48,6 +48,13 @@ def _bytes(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
+
+
+def _allowance(text: str) -> Allowance:
+    try:
+        return parse_allowance(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected CIDR[:PORT], got {text!r}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,6 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="registry host:port reached over plain HTTP (repeatable; for local registries)")
     opt("https-ca-file", "CA bundle for https:// artifacts (default: system CAs)")
     opt("s3-endpoint-url", "S3 endpoint (default: AWS)")
+    p.add_argument("--artifact-scheme", action="append", default=_list_env("artifact-scheme"),
+                   choices=validation.ALLOWED_URI_SCHEMES, help="scheme artifacts may use (repeatable; default: all)")
+    p.add_argument("--artifact-host", action="append", default=_list_env("artifact-host"),
+                   help="host pattern https/oci artifacts may name, s3: bucket (repeatable, '*.example.com'; "
+                        "default: any host with public addresses)")
+    p.add_argument("--artifact-allow-internal", action="append", default=_list_env("artifact-allow-internal"),
+                   type=_allowance, metavar="CIDR[:PORT]",
+                   help="internal network (loopback, private, link-local ...) artifacts may still come from, "
+                        "e.g. an in-cluster registry 10.0.12.7:5000 (repeatable; default: none)")
+    opt("fetch-connect-timeout", "seconds to connect to an artifact host", default=10.0, type=float)
+    opt("fetch-read-timeout", "seconds an artifact host may stay silent", default=30.0, type=float)
+    opt("fetch-deadline", "seconds one artifact fetch may take in all", default=900.0, type=float)
+    opt("max-unpacked-bytes", "largest size an archive may unpack to (e.g. 4G)", default="4G", type=_bytes)
+    opt("max-archive-files", "most members an archive may hold", default=64, type=int)
+    opt("max-compression-ratio", "most unpacked bytes per archive byte (above 16 MiB unpacked)", default=100.0,
+        type=float)
     opt("log-level", "logging level", default="INFO")
     return p
 
@@ -126,9 +149,16 @@ async def serve(args: argparse.Namespace) -> int:
         oci_plain_http=frozenset(args.oci_plain_http),
         https_ca_file=args.https_ca_file,
         s3_endpoint_url=args.s3_endpoint_url,
+        schemes=frozenset(args.artifact_scheme or validation.ALLOWED_URI_SCHEMES),
+        allowed_hosts=tuple(args.artifact_host),
+        allow_internal=tuple(a if isinstance(a, tuple) else parse_allowance(a) for a in args.artifact_allow_internal),
+        connect_timeout_s=args.fetch_connect_timeout,
+        read_timeout_s=args.fetch_read_timeout,
+        deadline_s=args.fetch_deadline,
     ))
+    limits = UnpackLimits(args.max_unpacked_bytes, args.max_archive_files, args.max_compression_ratio)
     cache = DiskCache(Path(args.cache_dir), args.cache_bytes, sources,
-                      on_evict=lambda entry: metrics.evictions.labels("disk").inc())
+                      on_evict=lambda entry: metrics.evictions.labels("disk").inc(), limits=limits)
     reconciler = Reconciler(driver, cache, metrics, concurrency=args.concurrency,
                             backoff=Backoff(args.backoff_base, args.backoff_cap), drain_grace_s=args.drain_grace)
     bus = RedisBus(args.redis_url, args.pool, args.pod)

@@ -21,9 +21,16 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from loraplane.api import ERROR_DIGEST_MISMATCH, ERROR_INCOMPATIBLE, AdapterTarget, TargetState, Tier
+from loraplane.api import (
+    ERROR_DIGEST_MISMATCH,
+    ERROR_INCOMPATIBLE,
+    ERROR_REFUSED,
+    AdapterTarget,
+    TargetState,
+    Tier,
+)
 from loraplane.sidecar import compat, peft
-from loraplane.sidecar.artifacts import ArtifactError
+from loraplane.sidecar.artifacts import REFUSAL_REASONS, ArtifactError
 from loraplane.sidecar.cache import CacheEntry, DiskCache, StageTimings
 from loraplane.sidecar.drivers.base import (
     Observation,
@@ -373,7 +380,7 @@ class Reconciler:
 
     def _failed(self, status: AdapterStatus, name: str, action: Action, reason: str, message: str) -> None:
         final = ERROR_DIGEST_MISMATCH if reason in _DIGEST_REASONS else (
-            ERROR_INCOMPATIBLE if reason in _INCOMPATIBLE_REASONS else None
+            ERROR_INCOMPATIBLE if reason in _INCOMPATIBLE_REASONS else (ERROR_REFUSED if reason in REFUSAL_REASONS else None)
         )
         if final is not None and final != reason:
             message, reason = f"{reason}: {message}", final

@@ -399,3 +399,16 @@ def test_steps_shortened_under_a_running_canary_promote_instead_of_failing() -> 
     revs[1].spec.paused = False
     plan = step(world, revs)
     assert revs[1].status.phase is Phase.STABLE and _weights(plan) == {"v2": 100}
+
+
+def test_a_refused_artifact_fails_the_rollout_with_the_sidecars_cause() -> None:
+    world = World()
+    rev = revision("v1", n=1)
+    plan = step(world, [rev], apply=False)
+    pod = next(iter(plan.revisions["claims-v1"].required))
+    world.hold(pod, rev, Tier.ABSENT, digest=None, error_reason="ArtifactRefused",
+               error="fetch failed: InternalAddress: 127.0.0.1:6379 resolves to internal address 127.0.0.1")
+    plan = step(world, [rev])
+    assert rev.status.phase is Phase.FAILED and rev.status.reason == "ArtifactRefused"
+    assert "InternalAddress: 127.0.0.1:6379" in (rev.status.message or "")
+    assert any(e.type == "Warning" and e.reason == "ArtifactRefused" for e in plan.events)

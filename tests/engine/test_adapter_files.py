@@ -1,4 +1,4 @@
-"""Reading adapter files: one read per file, digests that follow every change, safetensors parsed as views."""
+"""Reading adapter files: path confinement, one read per file, digests that follow every change, safetensors views."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from loraplane.api import ADAPTER_WEIGHTS_FILE, adapter_digest
 from loraplane.engine.adapters import (
     READ_CHUNK_BYTES,
     AdapterFiles,
+    AdapterNotFoundError,
     AdapterRejectedError,
     FileDigests,
     HostBuffers,
     ParsedAdapters,
+    confine,
     parse_adapter,
     read_parallel,
     safetensors_views,
@@ -244,3 +246,24 @@ def test_a_read_back_into_a_buffer_at_another_offset_is_rebuilt_there_or_parsed_
             assert torch.equal(module.lora_a, first.modules[name].lora_a)
             assert torch.equal(module.lora_b, first.modules[name].lora_b)
             assert module.lora_a.untyped_storage().data_ptr() == memory.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("shape", ["absolute", "dot-dot", "link"])
+def test_outside_paths_get_one_answer_whether_they_exist_or_not(tmp_path: Path, shape: str) -> None:
+    """An outside path never reveals whether it exists: the same error and status for both."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    (outside / "real").mkdir(parents=True)
+    (root / "link-real").symlink_to(outside / "real")
+    (root / "link-missing").symlink_to(outside / "missing")
+    requested = {
+        "absolute": (str(outside / "real"), str(outside / "missing")),
+        "dot-dot": ("../outside/real", "../outside/missing"),
+        "link": ("link-real", "link-missing"),
+    }[shape]
+    answers = []
+    for path in requested:
+        with pytest.raises((AdapterRejectedError, AdapterNotFoundError)) as err:
+            confine(root, path)
+        answers.append((type(err.value), str(err.value).replace(path, "<path>")))
+    assert answers[0] == answers[1] == (AdapterRejectedError, "lora_path '<path>' is outside the adapter root")

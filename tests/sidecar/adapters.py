@@ -83,3 +83,29 @@ def target_for(uri: str, digest: str, adapter: str = "support", revision: str = 
         cache_key=cache_key(BASE_DIGEST, adapter, revision, digest),
         tenant=tenant,
     )
+
+
+class _Zeros(io.RawIOBase):
+    """``size`` zero bytes, read without holding them."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def]
+        n = min(len(buffer), self.left)
+        buffer[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
+def zero_bomb(archive: Path, total_bytes: int, members: int = 1) -> Path:
+    """A gzip tar of ``members`` files of zeros, ``total_bytes`` in all (about 1 MiB per GiB packed)."""
+    with tarfile.open(archive, "w:gz", compresslevel=9) as tar:
+        for i in range(members):
+            info = tarfile.TarInfo(f"adapter/zeros-{i}.bin")
+            info.size = total_bytes // members
+            tar.addfile(info, io.BufferedReader(_Zeros(info.size), 1 << 20))
+    return archive

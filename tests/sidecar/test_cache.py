@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from e2e.fixtures.registry import LOOPBACK_ALLOWANCE
 from loraplane.api import adapter_digest
 from loraplane.sidecar import peft
 from loraplane.sidecar.artifacts import ArtifactError, ArtifactSources, SourceConfig
@@ -28,6 +29,7 @@ from tests.sidecar.adapters import (
 
 
 def make_cache(tmp_path: Path, budget: int = 1 << 30, name: str = "cache", **config: object) -> DiskCache:
+    config.setdefault("allow_internal", (LOOPBACK_ALLOWANCE,))
     sources = ArtifactSources(SourceConfig(file_roots=(tmp_path / "artifacts",), **config))  # type: ignore[arg-type]
     return DiskCache(tmp_path / name, budget, sources)
 

@@ -287,3 +287,20 @@ def test_activation_waits_for_a_draining_adapter_only_when_it_holds_the_last_gpu
         await r2.drain()
 
     asyncio.run(run())
+
+
+def test_a_refused_artifact_is_final_and_keeps_its_cause(tmp_path: Path, target) -> None:
+    async def run() -> None:
+        r = make_reconciler(tmp_path)
+        outside = tmp_path / "elsewhere.safetensors"
+        outside.write_bytes(b"x")
+        for revision, uri in (("v1", f"file://{outside}"), ("v2", f"file://{tmp_path}/missing/outside.safetensors")):
+            t = target_for(uri, "sha256:" + "e" * 64, revision=revision)
+            r.step(state(t), observe())
+            await r.drain()
+            status = r.status[t.served_name]
+            assert status.reason == "ArtifactRefused", status
+            assert "FileOutsideRoots" in (status.error or "")  # the same answer whether the file exists or not
+            assert status.not_before - time.monotonic() > 7.0  # final: retried only at the backoff cap (8 s)
+
+    asyncio.run(run())
