@@ -58,6 +58,44 @@ def parse_body(body: bytes, limit: int) -> ParsedBody:
     return ParsedBody(model, document.get("stream") is True, document)
 
 
+def _listed(value: object) -> bool:
+    return isinstance(value, list) and bool(value)
+
+
+def _given(value: object) -> bool:
+    return isinstance(value, (str, list)) and bool(value)
+
+
+def _present(value: object) -> bool:
+    return value is not None
+
+
+#: ``:path`` suffix -> (API name, the field a request of that type must carry, the check of that field)
+_API_FIELDS = (
+    ("/chat/completions", "chat completions", "messages", _listed),
+    ("/completions", "completions", "prompt", _given),
+    ("/embeddings", "embeddings", "input", _given),
+    ("/responses", "responses", "input", _present),
+    ("/conversations", "conversations", "items", _listed),
+)
+
+
+def validate_api_fields(document: dict[str, Any], path: str | None) -> None:
+    """Refuse (400) a request missing the field its API type needs; the type comes from the ``:path`` suffix.
+
+    Completions need a non-empty ``prompt``, chat completions a non-empty ``messages`` list, embeddings a non-empty
+    ``input``, responses an ``input``, conversations a non-empty ``items`` list. Other paths are not checked.
+    """
+    if not path:
+        return
+    path = path.partition("?")[0].rstrip("/")
+    for suffix, api, name, check in _API_FIELDS:
+        if path.endswith(suffix):
+            if not check(document.get(name)):
+                raise ClientError(400, f"invalid {api} request: must have a non-empty {name!r} field")
+            return
+
+
 def _decode_json_string(raw: bytes) -> str | None:
     try:
         value = orjson.loads(b'"' + raw + b'"')

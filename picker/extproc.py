@@ -1,15 +1,16 @@
 """The Envoy ``ext_proc`` exchange: one ``Exchange`` per HTTP request, one gRPC stream per exchange.
 
 The exchange turns each ``ProcessingRequest`` into the ``ProcessingResponse``s the GIE endpoint-picker protocol
-expects. Request bodies may arrive ``BUFFERED`` (one message) or ``FULL_DUPLEX_STREAMED`` (chunks, reassembled here
-and sent back in chunks of at most 62,000 bytes). Client mistakes become ``ImmediateResponse``s (400, 404,
-413, 429, 503), never stream errors.
+expects. Bodies may arrive ``BUFFERED``, ``STREAMED`` or ``FULL_DUPLEX_STREAMED`` (the mode comes from the stream's
+``protocol_config``, else from ``PickerSettings.body_mode``); split bodies are reassembled, and full-duplex bodies are
+sent back in chunks of at most 62,000 bytes. Client mistakes become ``ImmediateResponse``s (400, 404, 413, 429,
+503), never stream errors, and an ``ImmediateResponse`` ends the exchange.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
@@ -29,6 +30,7 @@ from loraplane.picker.body import (
     parse_body,
     rewrite_request_model,
     rewrite_response_model,
+    validate_api_fields,
 )
 from loraplane.picker.fairness import FairShare
 from loraplane.picker.h2grpc import GrpcStatusError
@@ -46,11 +48,17 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 MAX_BODY_CHUNK = 62_000
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = pm.ProcessingMode.BUFFERED
+STREAMED = pm.ProcessingMode.STREAMED
 NONE = pm.ProcessingMode.NONE
+#: the reference EPP's error codes: ``inference error: <Code> - <message>``
+ERROR_CODES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 413: "PayloadTooLarge",
+               429: "ResourceExhausted", 500: "Internal", 503: "ServiceUnavailable"}
 
 #: Replies are wire-encoded ``ProcessingResponse``s: the constant ones are encoded once, the routed ones from cached
 #: pieces (see ``_routed``), so the hot path builds no protobuf objects.
@@ -61,6 +69,10 @@ _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersRe
 _CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse()).SerializeToString()
 _CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()
 _CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse()).SerializeToString()
+_CLEAR_REQUEST_CHUNK = pb.ProcessingResponse(request_body=pb.BodyResponse(
+    response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))).SerializeToString()
+_CLEAR_RESPONSE_CHUNK = pb.ProcessingResponse(response_body=pb.BodyResponse(
+    response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))).SerializeToString()
 _PRIORITY_OF_OBJECTIVE = {objective.value: objective.priority for objective in PriorityClass}
 
 
@@ -73,14 +85,24 @@ class PickerSettings:
     session_header: str = "x-session-id"
     #: rewrite the response's ``model`` back to the logical name the client sent
     rewrite_response_model: bool = True
-    #: put the ordered fallback list in the destination header (GIE); off for plain Envoy ``ORIGINAL_DST``, which
-    #: accepts one address only (the metadata always carries the whole list)
+    #: send the ordered fallback list as the destination (GIE); off for plain Envoy ``ORIGINAL_DST``, which accepts
+    #: one address only (the header and the metadata always carry the same value)
     destination_fallbacks: bool = True
+    #: the body mode assumed when Envoy sends no ``protocol_config`` (the reference EPP's streaming default)
+    body_mode: int = FULL_DUPLEX
+    #: route model names the route table does not know like the base model (the reference EPP's behaviour) instead
+    #: of refusing them with 404
+    unknown_models_to_base: bool = False
+    #: do not parse request bodies (not OpenAI JSON): forward them untouched, scheduled like base-model requests
+    passthrough_parser: bool = False
+    #: a non-SSE response body is collected for the ``model`` rewrite up to this size, then passed through as is
+    max_response_rewrite_bytes: int = 16 << 20
 
     @cached_property
     def control_headers(self) -> frozenset[str]:
         """The request headers the picker reads (Envoy sends names in lower case)."""
-        return frozenset({self.session_header.lower(), FAIRNESS_HEADER, OBJECTIVE_HEADER})
+        return frozenset({self.session_header.lower(), FAIRNESS_HEADER, OBJECTIVE_HEADER, MODEL_REWRITE_HEADER,
+                          ":path"})
 
 
 @dataclass
@@ -99,6 +121,8 @@ class PickerContext:
     settings: PickerSettings = field(default_factory=PickerSettings)
     #: per-tenant fair share under saturation; None: off
     fairness: FairShare | None = None
+    #: InferenceObjective name -> priority (from the cluster's ``InferenceObjective`` resources)
+    objectives: Callable[[], Mapping[str, int]] = dict
 
 
 def _header_value(header: core.HeaderValue) -> str:
@@ -119,15 +143,42 @@ def _set_headers(pairs: Iterable[tuple[str, str]]) -> pb.HeaderMutation:
 
 
 def immediate_response(status: int, message: str, reason: str) -> Wire:
-    """An ``ImmediateResponse`` in the reference EPP's wording: ``inference error: <code> - <message>``."""
+    """An ``ImmediateResponse`` in the reference EPP's wording: ``inference error: <Code> - <message>``."""
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
             headers=_set_headers([("content-type", "text/plain"), (DROPPED_REASON_HEADER, reason)]),
-            body=f"inference error: {status} - {message}".encode(),
+            body=f"inference error: {ERROR_CODES.get(status, 'Unknown')} - {message}".encode(),
             details=reason,
         )
     ).SerializeToString()
+
+
+def subset_hint(value: struct_pb2.Value) -> frozenset[str]:
+    """The entries of a subset hint: a list of strings or one comma-separated string, each ``ip:port`` or ``ip``.
+
+    Entries are normalised (``[v6]`` -> ``v6``); entries that are not strings, are empty or have a non-numeric port
+    are dropped. An empty result means no endpoint is allowed (503).
+    """
+    if value.HasField("list_value"):
+        raw = ",".join(v.string_value for v in value.list_value.values if v.HasField("string_value"))
+    else:
+        raw = value.string_value
+    return frozenset(entry for part in raw.split(",") if (entry := _subset_entry(part.strip())))
+
+
+def _subset_entry(text: str) -> str | None:
+    if text.startswith("["):  # [v6] or [v6]:port
+        host, bracket, port = text[1:].partition("]")
+        if not bracket or not host:
+            return None
+        if not port:
+            return host
+        return text if port[0] == ":" and port[1:].isdigit() else None
+    if text.count(":") == 1:
+        host, _, port = text.partition(":")
+        return text if host and port.isdigit() else None
+    return text or None  # a bare IPv4 / IPv6 address or host name
 
 
 def _varint(value: int) -> bytes:
@@ -188,13 +239,18 @@ class Exchange:
 
     __slots__ = (
         "body",
+        "client_model",
         "ctx",
         "destination",
+        "ended",
         "fairness_key",
         "finished",
         "headers",
         "request_body_mode",
         "response_body_mode",
+        "response_held",
+        "response_names",
+        "response_sse",
         "route",
         "sent_at",
         "subset",
@@ -205,21 +261,32 @@ class Exchange:
         """Start an exchange; nothing is sent until Envoy's first message."""
         self.ctx = ctx
         self.headers: dict[str, str] = {}
-        self.request_body_mode = BUFFERED
-        self.response_body_mode = NONE
+        self.request_body_mode = ctx.settings.body_mode
+        self.response_body_mode = ctx.settings.body_mode
         self.body = bytearray()
         self.subset: frozenset[str] | None = None
         self.route: Resolution | None = None
+        #: the model name the client sent (the response is rewritten back to it)
+        self.client_model: str | None = None
+        #: (name in the response, name to put back) while the response's ``model`` is rewritten; None: no rewrite
+        self.response_names: tuple[str, str] | None = None
+        self.response_sse = False
+        #: a non-SSE response collected for the rewrite (a JSON document may be split anywhere)
+        self.response_held = bytearray()
         self.destination: str | None = None
         self.sent_at: float | None = None
         self.tenant = "none"
         self.fairness_key: str | None = None
         self.finished = False
+        #: an ImmediateResponse was sent: the exchange is over, later messages get no reply
+        self.ended = False
 
     # --- dispatch -----------------------------------------------------------------------------------------------
 
     def handle(self, request: pb.ProcessingRequest) -> list[Wire]:
         """The encoded responses to one message from Envoy (none while a streamed body is being collected)."""
+        if self.ended:
+            return []
         try:
             self._observe_context(request)
             phase = request.WhichOneof("request")
@@ -235,7 +302,7 @@ class Exchange:
                 return self._on_response_body(request.response_body)
             if phase == "response_trailers":
                 self.close()
-                return [_CONTINUE_RESPONSE_TRAILERS]
+                return [*self._flush_held_response(False), _CONTINUE_RESPONSE_TRAILERS]
             raise ClientError(400, f"unexpected ext_proc message {phase!r}")
         except ClientError as exc:
             return [self._refuse(exc.status, exc.message, exc.reason)]
@@ -259,20 +326,29 @@ class Exchange:
         if status in (429, 503):
             self.ctx.metrics.decisions[Outcome.REJECTED].inc()
         self.close()
+        self.ended = True
         return immediate_response(status, message, reason)
 
     def _observe_context(self, request: pb.ProcessingRequest) -> None:
         if request.HasField("protocol_config"):
             self.request_body_mode = request.protocol_config.request_body_mode
             self.response_body_mode = request.protocol_config.response_body_mode
-        if request.HasField("metadata_context") and SUBSET_NAMESPACE in request.metadata_context.filter_metadata:
-            hint = request.metadata_context.filter_metadata[SUBSET_NAMESPACE]
-            if SUBSET_KEY in hint.fields:
-                value = hint.fields[SUBSET_KEY]
-                items = value.list_value.values if value.HasField("list_value") else [value]
-                self.subset = frozenset(
-                    v.string_value.rpartition(":")[0].strip("[]") or v.string_value for v in items if v.string_value
-                )
+        if request.HasField("metadata_context"):
+            metadata = request.metadata_context.filter_metadata
+            if SUBSET_NAMESPACE in metadata and SUBSET_KEY in (hint := metadata[SUBSET_NAMESPACE]).fields:
+                self.subset = subset_hint(hint.fields[SUBSET_KEY])
+            if LB_NAMESPACE in metadata and SERVED_KEY in (lb := metadata[LB_NAMESPACE]).fields:
+                self._follow_served(lb.fields[SERVED_KEY].string_value)
+
+    def _follow_served(self, served: str) -> None:
+        """Envoy reports the endpoint that served (a fallback, or its own choice): move the in-flight count there."""
+        served = served.partition(",")[0].strip()
+        if not served or self.destination is None or served == self.destination or self.finished:
+            return
+        self.ctx.tracker.finish(self.destination)
+        self.ctx.tracker.start(served)
+        self.destination = served
+        self.ctx.metrics.destination_overrides.inc()
 
     # --- request path -------------------------------------------------------------------------------------------
 
@@ -281,15 +357,21 @@ class Exchange:
         for header in message.headers.headers:
             if header.key in wanted:
                 self.headers[header.key] = _header_value(header)
-        if message.end_of_stream or self.request_body_mode == NONE:
+        mode = self.request_body_mode
+        if message.end_of_stream or mode == NONE:
             return [self._route_without_body()]
-        if self.request_body_mode == FULL_DUPLEX:
+        if mode == FULL_DUPLEX:
             return []  # answer once the whole body is in
+        if mode == STREAMED:
+            # Envoy would forward the headers before the body arrives: ask for the body BUFFERED (allow_mode_override)
+            self.request_body_mode = BUFFERED
+            return [_buffer_request_body(self.response_body_mode)]
         return [_CONTINUE_REQUEST_HEADERS]
 
     def _on_request_body(self, message: pb.HttpBody) -> list[Wire]:
         chunk = message.body
-        if message.end_of_stream and not self.body:
+        reassembled = bool(self.body)
+        if message.end_of_stream and not reassembled:
             body = chunk  # the whole body in one message (BUFFERED): no reassembly copy
         else:
             self.body += chunk
@@ -298,47 +380,68 @@ class Exchange:
         if max(len(self.body), len(body)) > limit:
             raise ClientError(413, f"request body exceeds the limit of {limit} bytes", "body-too-large")
         if not message.end_of_stream:
-            if self.request_body_mode == FULL_DUPLEX:
-                return []
-            raise ClientError(400, "request body must be sent BUFFERED or FULL_DUPLEX_STREAMED")
-        return self._route_with_body(body)
+            # full duplex: answer at the end; otherwise each chunk is answered, and held back until the whole is known
+            return [] if self.request_body_mode == FULL_DUPLEX else [_CLEAR_REQUEST_CHUNK]
+        return self._route_with_body(body, reassembled)
 
     def _schedule_if_pending(self) -> list[Wire]:
-        return self._route_with_body(bytes(self.body)) if self.destination is None else []
+        return self._route_with_body(bytes(self.body), True) if self.destination is None else []
 
     def _route_without_body(self) -> Wire:
         decision = self._schedule(SchedulingRequest(subset=self.subset), None)
-        return _routed("request_headers", self._common(decision, None), _destination_metadata(",".join(decision.endpoints)))
+        destination = self._destination_value(decision)
+        return _routed("request_headers", _routing_common(destination, None), _destination_metadata(destination))
 
-    def _route_with_body(self, body: bytes) -> list[Wire]:
-        parsed = parse_body(body, self.ctx.settings.max_body_bytes)
-        route = self._resolve(parsed)
-        decision = self._schedule(self._scheduling_request(route), route)
-        new_body = body if route.served_name is None else rewrite_request_model(body, parsed, route.served_name)
-        metadata = _destination_metadata(",".join(decision.endpoints))
+    def _route_with_body(self, body: bytes, reassembled: bool) -> list[Wire]:
+        """Schedule on the whole body; ``reassembled``: earlier chunks were held back, so the body goes out whole."""
+        if self.ctx.settings.passthrough_parser:
+            decision = self._schedule(SchedulingRequest(subset=self.subset), None)
+            new_body = body
+        else:
+            parsed = parse_body(body, self.ctx.settings.max_body_bytes)
+            validate_api_fields(parsed.document, self.headers.get(":path"))
+            route = self._resolve(parsed)
+            decision = self._schedule(self._scheduling_request(route), route)
+            target = route.served_name or route.logical
+            new_body = body if target == parsed.model else rewrite_request_model(body, parsed, target)
+            if target != parsed.model and self.ctx.settings.rewrite_response_model:
+                self.response_names = (target, parsed.model)
+        destination = self._destination_value(decision)
+        metadata = _destination_metadata(destination)
         if self.request_body_mode == FULL_DUPLEX:
-            head = _routed("request_headers", self._common(decision, len(new_body)), metadata)
+            head = _routed("request_headers", _routing_common(destination, len(new_body)), metadata)
             return [head, *_streamed_body(new_body)]
-        if new_body is body:
-            return [_routed("request_body", self._common(decision, None), metadata)]
-        return [_routed("request_body", self._common(decision, len(new_body)), metadata, new_body)]
+        if new_body is body and not reassembled:
+            return [_routed("request_body", _routing_common(destination, None), metadata)]
+        return [_routed("request_body", _routing_common(destination, len(new_body)), metadata, new_body)]
 
     def _resolve(self, parsed: ParsedBody) -> Resolution:
         headers = self.headers
+        model = self.client_model = parsed.model
+        rewrite = headers.get(MODEL_REWRITE_HEADER)
+        if rewrite and rewrite != model:  # the gateway renames the model before resolution
+            model = rewrite
+            self.ctx.metrics.model_rewrites.inc()
         session = headers.get(self.ctx.settings.session_header.lower()) or headers.get(FAIRNESS_HEADER)
         try:
-            route = self.ctx.resolver().resolve(parsed.model, session, self.ctx.rng)
+            route = self.ctx.resolver().resolve(model, session, self.ctx.rng)
         except UnknownModelError as exc:
-            raise ClientError(404, str(exc), "model-not-found") from None
+            if not self.ctx.settings.unknown_models_to_base:
+                raise ClientError(404, str(exc), "model-not-found") from None
+            route = Resolution(model, None, None, None, "default", 0)
         self.route = route
         self.tenant = route.tenant
         return route
 
     def _scheduling_request(self, route: Resolution) -> SchedulingRequest:
         priority = route.priority
-        objective = self.headers.get(OBJECTIVE_HEADER)
-        if objective in _PRIORITY_OF_OBJECTIVE:
-            priority = min(priority, _PRIORITY_OF_OBJECTIVE[objective])  # a header may lower priority, never raise it
+        name = self.headers.get(OBJECTIVE_HEADER)
+        if name:
+            objective = self.ctx.objectives().get(name)
+            if objective is None:
+                objective = _PRIORITY_OF_OBJECTIVE.get(name)
+            if objective is not None:
+                priority = min(priority, objective)  # an objective may lower priority, never raise it
         return SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset)
 
     def _schedule(self, request: SchedulingRequest, route: Resolution | None) -> Decision:
@@ -362,49 +465,79 @@ class Exchange:
             ctx.stats.record_request(route.served_name)
         return decision
 
-    def _common(self, decision: Decision, content_length: int | None) -> bytes:
-        value = ",".join(decision.endpoints) if self.ctx.settings.destination_fallbacks else decision.endpoints[0]
-        return _routing_common(value, content_length)
+    def _destination_value(self, decision: Decision) -> str:
+        """The one value the header and the ``envoy.lb`` metadata both carry (the protocol forbids them to differ)."""
+        return ",".join(decision.endpoints) if self.ctx.settings.destination_fallbacks else decision.endpoints[0]
 
     # --- response path ------------------------------------------------------------------------------------------
-
-    @property
-    def _rewrites_response(self) -> bool:
-        return self.ctx.settings.rewrite_response_model and self.route is not None and self.route.served_name is not None
 
     def _on_response_headers(self, message: pb.HttpHeaders) -> list[Wire]:
         status = 0
         for header in message.headers.headers:
             if header.key == ":status":
                 status = int(_header_value(header) or 0)
+            elif header.key == "content-type":
+                self.response_sse = "text/event-stream" in _header_value(header)
         self.ctx.metrics.count_request(self.tenant, status)
         if self.route is not None and self.route.served_name is not None:
             ttft = self.ctx.clock() - self.sent_at if self.sent_at is not None else None
             self.ctx.stats.record_response(self.route.served_name, status, ttft)
         if message.end_of_stream:
             self.close()
-        if self._rewrites_response and self.response_body_mode != BUFFERED:
+        if self.response_names is not None and self.response_body_mode != BUFFERED:
             return [_REMOVE_CONTENT_LENGTH]
         return [_CONTINUE_RESPONSE_HEADERS]
 
     def _on_response_body(self, message: pb.HttpBody) -> list[Wire]:
-        chunk = message.body
-        if message.end_of_stream:
+        chunk, end = message.body, message.end_of_stream
+        if end:
             self.close()
-        route = self.route
-        if not self._rewrites_response or route is None or route.served_name is None:
-            if self.response_body_mode == FULL_DUPLEX:
-                return list(_streamed_body(chunk, message.end_of_stream, response=True))
-            return [_CONTINUE_RESPONSE_BODY]
-        new = rewrite_response_model(chunk, route.served_name, route.logical)
+        names = self.response_names
+        full_duplex = self.response_body_mode == FULL_DUPLEX
+        if names is not None and self.response_sse:  # events are rewritten one chunk at a time
+            new = rewrite_response_model(chunk, *names)
+            if full_duplex:
+                return list(_streamed_body(new, end, response=True))
+            return [_CONTINUE_RESPONSE_BODY] if new == chunk else [_response_body(new, False)]
+        if names is None:
+            return list(_streamed_body(chunk, end, response=True)) if full_duplex else [_CONTINUE_RESPONSE_BODY]
+        if end and not self.response_held and not full_duplex:  # the whole body in one message (BUFFERED)
+            new = rewrite_response_model(chunk, *names)
+            return [_CONTINUE_RESPONSE_BODY] if new == chunk else [_response_body(new, self.response_body_mode == BUFFERED)]
+        self.response_held += chunk
+        if end or len(self.response_held) > self.ctx.settings.max_response_rewrite_bytes:
+            return self._flush_held_response(end)
+        return [] if full_duplex else [_CLEAR_RESPONSE_CHUNK]
+
+    def _flush_held_response(self, end: bool) -> list[Wire]:
+        """Send the collected response: rewritten when it ended, as is when it outgrew the limit (rewrite stops)."""
+        names = self.response_names
+        if names is None or (not self.response_held and not end):
+            return []
+        held = bytes(self.response_held)
+        self.response_held.clear()
+        if end:
+            held = rewrite_response_model(held, *names)
+        else:
+            self.response_names = None  # too large to hold: the rest passes through untouched
         if self.response_body_mode == FULL_DUPLEX:
-            return list(_streamed_body(new, message.end_of_stream, response=True))
-        if new == chunk:
-            return [_CONTINUE_RESPONSE_BODY]
-        common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=new))
-        if self.response_body_mode == BUFFERED:
-            common.header_mutation.CopyFrom(_set_headers([("content-length", str(len(new)))]))
-        return [pb.ProcessingResponse(response_body=pb.BodyResponse(response=common)).SerializeToString()]
+            return list(_streamed_body(held, end, response=True))
+        return [_response_body(held, end and self.response_body_mode == BUFFERED)]
+
+
+def _response_body(body: bytes, with_length: bool) -> Wire:
+    """A response-body reply replacing the body (the chunk) with ``body``; ``with_length``: set ``Content-Length``."""
+    common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))
+    if with_length:
+        common.header_mutation.CopyFrom(_set_headers([("content-length", str(len(body)))]))
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common)).SerializeToString()
+
+
+@lru_cache(maxsize=8)
+def _buffer_request_body(response_body_mode: int) -> Wire:
+    """CONTINUE on the request headers, switching this request's body to BUFFERED (Envoy's ``mode_override``)."""
+    mode = pm.ProcessingMode(request_body_mode=BUFFERED, response_body_mode=response_body_mode)  # type: ignore[arg-type]
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=mode).SerializeToString()
 
 
 _REMOVE_CONTENT_LENGTH = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
@@ -434,7 +567,10 @@ class ExtProcHandler:
         self.exchange = Exchange(ctx)
 
     def on_message(self, message: bytes) -> list[bytes]:
-        """Decode a ``ProcessingRequest``, answer with encoded ``ProcessingResponse``s."""
+        """Decode a ``ProcessingRequest``, answer with encoded ``ProcessingResponse``s; after an ImmediateResponse the
+        next message ends the call (OK, no reply)."""
+        if self.exchange.ended:
+            raise GrpcStatusError(0, "")
         try:
             request = pb.ProcessingRequest.FromString(message)
         except DecodeError:
@@ -460,6 +596,8 @@ class ExtProcServicer:
             async for request in request_iterator:
                 for response in exchange.handle(request):
                     yield response
+                if exchange.ended:
+                    return  # an ImmediateResponse ends the exchange
         finally:
             exchange.close()
 

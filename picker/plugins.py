@@ -31,7 +31,7 @@ class SchedulingRequest:
     #: GIE convention: > 0 protected (gold), < 0 sheddable.
     priority: int = 0
     tenant: str = "default"
-    #: IPs from the gateway's subset hint; None when the gateway sent none.
+    #: the gateway's subset hint, entries ``ip:port`` or ``ip`` (see ``subset_hint_filter``); None: no hint.
     subset: frozenset[str] | None = None
 
 
@@ -81,15 +81,28 @@ class FilterParameters(ApiModel):
 
 
 def subset_hint_filter(_params: FilterParameters) -> Filter:
-    """Keep only endpoints whose IP the gateway listed in its subset hint (no hint: keep all)."""
+    """Keep only endpoints the gateway's subset hint names (no hint: keep all).
+
+    A hint entry is an address (``ip:port``, matched exactly) or a bare IP (every endpoint on that IP); entries
+    naming no endpoint of the pool are ignored. The scheduler always runs this filter first and never fails it
+    open: the protocol forbids picking outside the subset.
+    """
+    token = object()
 
     def run(request: SchedulingRequest, pool: PoolSnapshot, _cycle: Cycle) -> BoolArray | None:
-        if request.subset is None:
+        subset = request.subset
+        if subset is None:
             return None
-        mask = np.zeros(pool.size, dtype=np.bool_)
-        for ip in request.subset:
-            mask[pool.indices_by_ip.get(ip, ())] = True
-        return mask
+
+        def members() -> BoolArray:
+            mask = np.zeros(pool.size, dtype=np.bool_)
+            for entry in subset:
+                index = pool.index_by_address.get(entry)
+                for i in (index,) if index is not None else pool.indices_by_ip.get(entry, ()):
+                    mask[i] = True
+            return mask
+
+        return pool.memo((token, subset), members)
 
     return run
 

@@ -35,6 +35,7 @@ from loraplane.picker.plugins import (
     SCORERS,
     Cycle,
     Filter,
+    FilterParameters,
     FloatArray,
     SaturationThresholds,
     SchedulingRequest,
@@ -44,6 +45,8 @@ from loraplane.picker.plugins import (
 from loraplane.picker.snapshot import BoolArray, PoolSnapshot
 
 PICKER_TYPE = "max-score-picker"
+#: the endpoint-picker protocol's subset restriction: always the first filter, never failed open
+SUBSET_FILTER_TYPE = "subset-hint-filter"
 
 
 class PluginSpec(ApiModel):
@@ -213,8 +216,12 @@ class Scheduler:
         self.max_endpoints = 1
         self._cache: _SnapshotCache | None = None
         self._in_flight_scale = 1.0 / self.thresholds.in_flight_threshold
+        subset_params = FilterParameters()
+        self.filters.append(_FilterStep(SUBSET_FILTER_TYPE, FILTERS[SUBSET_FILTER_TYPE][1](subset_params), False))
         for ref in chosen.plugins:
             spec = specs[ref.plugin_ref]
+            if spec.type == SUBSET_FILTER_TYPE:
+                continue  # already first, whatever the profile says
             if spec.type in FILTERS:
                 params_type, factory = FILTERS[spec.type]
                 filter_params = params_type.model_validate(spec.parameters)

@@ -45,6 +45,16 @@ class PickerMetrics:
         self.snapshot_rebuilds = PromCounter(
             "loraplane_picker_snapshot_rebuilds_total", "Pool snapshot rebuilds", registry=self.registry
         )
+        self.model_rewrites = PromCounter(
+            "loraplane_picker_model_rewrites_total",
+            "Requests whose model name the gateway replaced (x-gateway-model-name-rewrite) before resolution",
+            registry=self.registry,
+        )
+        self.destination_overrides = PromCounter(
+            "loraplane_picker_destination_overrides_total",
+            "Requests Envoy reports served by another endpoint than the picker's first choice (a fallback or its own)",
+            registry=self.registry,
+        )
         self.redis_errors = PromCounter(
             "loraplane_picker_redis_errors_total", "Failed Redis operations (the last snapshot stays in use)",
             registry=self.registry,

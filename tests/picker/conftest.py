@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable
 
@@ -113,6 +114,7 @@ def response_body(data: bytes, end_of_stream: bool) -> pb.ProcessingRequest:
 
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = pm.ProcessingMode.BUFFERED
+STREAMED = pm.ProcessingMode.STREAMED
 
 
 def header_map(mutation: pb.HeaderMutation) -> dict[str, str]:
@@ -132,13 +134,13 @@ class Picker:
         return [response async for response in call]
 
 
-@pytest.fixture(params=["h2", "grpcio"])
-async def picker(request: pytest.FixtureRequest) -> AsyncIterator[Picker]:
-    """The picker on both transports: its own HTTP/2 server and grpcio's asyncio server."""
-    ctx, state = make_context()
+@contextlib.asynccontextmanager
+async def serve_picker(transport: str, settings: PickerSettings | None = None) -> AsyncIterator[Picker]:
+    """The picker on ``transport`` ("h2": its own HTTP/2 server, "grpcio": grpcio's asyncio server), on a free port."""
+    ctx, state = make_context(settings)
     health = HealthStatus()
     await health.set(True)
-    if request.param == "h2":
+    if transport == "h2":
         server = await start_server(h2_routes(ctx, health), "127.0.0.1", 0, reuse_port=False)
         port = server.port
     else:
@@ -150,7 +152,14 @@ async def picker(request: pytest.FixtureRequest) -> AsyncIterator[Picker]:
         yield Picker(ctx, state, health, channel)
     finally:
         await channel.close()
-        if request.param == "h2":
+        if transport == "h2":
             await server.close()
         else:
             await grpc_server.stop(None)
+
+
+@pytest.fixture(params=["h2", "grpcio"])
+async def picker(request: pytest.FixtureRequest) -> AsyncIterator[Picker]:
+    """The picker on both transports: its own HTTP/2 server and grpcio's asyncio server."""
+    async with serve_picker(request.param) as served:
+        yield served

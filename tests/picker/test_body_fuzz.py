@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import orjson
@@ -11,7 +12,15 @@ from hypothesis import strategies as st
 
 from loraplane.picker.body import ClientError, parse_body, rewrite_request_model
 from loraplane.picker.extproc import Exchange
-from tests.picker.conftest import REQUEST_HEADERS, body, headers, make_context
+from tests.picker.conftest import (
+    BUFFERED,
+    FULL_DUPLEX,
+    REQUEST_HEADERS,
+    STREAMED,
+    body,
+    headers,
+    make_context,
+)
 
 
 def _dumps(value: object) -> bytes:
@@ -48,18 +57,34 @@ def test_parser_raises_only_client_errors(payload: bytes) -> None:
     assert orjson.loads(rewritten)["model"] == "claims@v1"
 
 
+def _sent_body(responses: list[pb.ProcessingResponse], original: bytes) -> bytes:
+    """The request body Envoy forwards after these replies (per mode: streamed chunks, a replacement or the original)."""
+    streamed = [r.request_body.response.body_mutation.streamed_response for r in responses
+                if r.WhichOneof("response") == "request_body" and r.request_body.response.body_mutation.HasField("streamed_response")]
+    if streamed:
+        return b"".join(s.body for s in streamed)
+    last = responses[-1].request_body.response
+    return last.body_mutation.body if last.body_mutation.HasField("body") else original
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(payload=hostile_bodies)
-def test_exchange_answers_every_body_with_a_route_or_a_4xx(payload: bytes) -> None:
+@given(payload=hostile_bodies, mode=st.sampled_from([BUFFERED, STREAMED, FULL_DUPLEX]),
+       cuts=st.lists(st.integers(0, 2048), max_size=3))
+def test_exchange_answers_every_body_with_a_route_or_a_4xx(payload: bytes, mode: int, cuts: list[int]) -> None:
     ctx, _ = make_context()
     exchange = Exchange(ctx)
-    exchange.handle(headers(REQUEST_HEADERS))
-    (encoded,) = exchange.handle(body(payload))
-    response = pb.ProcessingResponse.FromString(encoded)
-    if response.WhichOneof("response") == "immediate_response":
-        assert 400 <= response.immediate_response.status.code < 500
+    responses = [pb.ProcessingResponse.FromString(r) for r in exchange.handle(headers(REQUEST_HEADERS, body_mode=mode))]
+    bounds = [0, *sorted(c for c in cuts if c < len(payload)), len(payload)]
+    pieces = [payload[a:b] for a, b in itertools.pairwise(bounds)]
+    for i, piece in enumerate(pieces):
+        responses += [pb.ProcessingResponse.FromString(r) for r in exchange.handle(body(piece, i == len(pieces) - 1))]
+    kinds = [r.WhichOneof("response") for r in responses]
+    if "immediate_response" in kinds:
+        assert kinds[-1] == "immediate_response"  # and nothing after it
+        assert 400 <= responses[-1].immediate_response.status.code < 500
     else:
-        assert response.WhichOneof("response") == "request_body"
-        assert orjson.loads(response.request_body.response.body_mutation.body)["model"] == "claims@v1"
+        routed = [r for r in responses if r.HasField("dynamic_metadata")]
+        assert len(routed) == 1
+        assert orjson.loads(_sent_body(responses, payload))["model"] == "claims@v1"
     exchange.close()
     assert not ctx.tracker.counts

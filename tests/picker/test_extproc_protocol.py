@@ -11,7 +11,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraplane.picker.extproc import MAX_BODY_CHUNK
+from loraplane.picker.extproc import ERROR_CODES, MAX_BODY_CHUNK
 from tests.picker.conftest import (
     ADDRESSES,
     BUFFERED,
@@ -40,7 +40,7 @@ def routed_to(response: pb.ProcessingResponse) -> list[str]:
 
 
 async def test_buffered_body_is_routed_to_the_warm_pod_and_rewritten(picker: Picker) -> None:
-    first, second = await picker.exchange(headers(REQUEST_HEADERS), body(COMPLETION))
+    first, second = await picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED), body(COMPLETION))
     assert first.WhichOneof("response") == "request_headers"
     assert not first.request_headers.response.HasField("header_mutation")  # plain CONTINUE
     assert second.WhichOneof("response") == "request_body"
@@ -76,17 +76,17 @@ async def test_request_without_body_goes_to_any_endpoint(picker: Picker) -> None
 
 
 async def test_subset_hint_is_honoured(picker: Picker) -> None:
-    _, routed = await picker.exchange(headers(REQUEST_HEADERS, subset=["10.0.0.3:8000"]), body(COMPLETION))
+    _, routed = await picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED, subset=["10.0.0.3:8000"]), body(COMPLETION))
     assert routed_to(routed) == ["10.0.0.3:8000"]
-    _, refused = await picker.exchange(headers(REQUEST_HEADERS, subset=[]), body(COMPLETION))
+    _, refused = await picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED, subset=[]), body(COMPLETION))
     assert refused.immediate_response.status.code == 503
 
 
 @pytest.mark.parametrize(
     ("payload", "status", "reason"),
     [
-        (b'{"model": "unknown-model"}', 404, "model-not-found"),
-        (b'{"model": "claims@v1"}', 404, "model-not-found"),
+        (b'{"model": "unknown-model", "prompt": "p"}', 404, "model-not-found"),
+        (b'{"model": "claims@v1", "prompt": "p"}', 404, "model-not-found"),
         (b'{"prompt": "no model"}', 400, "bad-request"),
         (b'{"model": 7}', 400, "bad-request"),
         (b"[1, 2]", 400, "bad-request"),
@@ -96,10 +96,10 @@ async def test_subset_hint_is_honoured(picker: Picker) -> None:
     ],
 )
 async def test_client_errors_become_immediate_responses(picker: Picker, payload: bytes, status: int, reason: str) -> None:
-    _, response = await picker.exchange(headers(REQUEST_HEADERS), body(payload))  # the call itself ends OK
+    _, response = await picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED), body(payload))  # the call itself ends OK
     immediate = response.immediate_response
     assert immediate.status.code == status
-    assert immediate.body.decode().startswith(f"inference error: {status} - ")
+    assert immediate.body.decode().startswith(f"inference error: {ERROR_CODES[status]} - ")
     assert header_map(immediate.headers)["x-llm-d-request-dropped-reason"] == reason
     assert not picker.ctx.tracker.counts  # nothing left in flight
 
@@ -107,16 +107,16 @@ async def test_client_errors_become_immediate_responses(picker: Picker, payload:
 async def test_no_endpoint_is_503_and_saturated_sheddable_is_429(picker: Picker) -> None:
     picker.state.reports.clear()
     picker.state.rebuild()
-    _, response = await picker.exchange(headers(REQUEST_HEADERS), body(COMPLETION))
+    _, response = await picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED), body(COMPLETION))
     assert response.immediate_response.status.code == 503
     for report in reports(time.time(), queue_depth=9):  # every pod above the queue threshold
         picker.state.set_report(report)
     picker.state.rebuild()
     sheddable = [*REQUEST_HEADERS, ("x-gateway-inference-objective", "sheddable")]
-    _, shed = await picker.exchange(headers(sheddable), body(COMPLETION))
+    _, shed = await picker.exchange(headers(sheddable, body_mode=BUFFERED), body(COMPLETION))
     assert shed.immediate_response.status.code == 429
     assert header_map(shed.immediate_response.headers)["x-llm-d-request-dropped-reason"] == "rejected-saturated"
-    _, kept = await picker.exchange(headers(REQUEST_HEADERS), body(COMPLETION))  # standard priority still goes
+    _, kept = await picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED), body(COMPLETION))  # standard priority still goes
     assert routed_to(kept)
 
 
@@ -152,14 +152,14 @@ async def test_streamed_sse_response_is_passed_through_chunk_by_chunk(picker: Pi
 
 
 async def test_model_server_errors_and_ttft_are_counted(picker: Picker) -> None:
-    await picker.exchange(headers(REQUEST_HEADERS), body(COMPLETION), response_headers(503, end_of_stream=True))
+    await picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED), body(COMPLETION), response_headers(503, end_of_stream=True))
     counters = picker.ctx.stats.counters["claims@v1"]
     assert counters.errors == 1 and counters.ttft_count == 1
 
 
 async def test_an_abandoned_stream_releases_its_in_flight_slot(picker: Picker) -> None:
     call = picker.stub.Process()
-    await call.write(headers(REQUEST_HEADERS))
+    await call.write(headers(REQUEST_HEADERS, body_mode=BUFFERED))
     await call.read()
     await call.write(body(COMPLETION))
     routed = await call.read()

@@ -9,7 +9,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from loraplane.picker.extproc import Exchange
 from loraplane.picker.fairness import FairShare
-from tests.picker.conftest import REQUEST_HEADERS, body, header_map, headers, make_context, reports
+from tests.picker.conftest import BUFFERED, REQUEST_HEADERS, body, header_map, headers, make_context, reports
 
 COMPLETION = b'{"model": "claims", "prompt": "hi"}'
 
@@ -31,7 +31,7 @@ def test_fair_share_arithmetic() -> None:
 
 def send(ctx, key: str):  # type: ignore[no-untyped-def]
     exchange = Exchange(ctx)
-    exchange.handle(headers([*REQUEST_HEADERS, ("x-gateway-inference-fairness-id", key)]))
+    exchange.handle(headers([*REQUEST_HEADERS, ("x-gateway-inference-fairness-id", key)], body_mode=BUFFERED))
     (encoded,) = exchange.handle(body(COMPLETION))
     return exchange, pb.ProcessingResponse.FromString(encoded)
 
