@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
@@ -57,6 +57,26 @@ class RouteTable(PayloadModel):
     base_model: str | None = Field(default=None, description="the base model name, routable without an adapter")
     models: dict[str, RouteEntry] = Field(default_factory=dict)
     updated_at: float
+    writer: str | None = Field(
+        default=None,
+        description="the controller incarnation that wrote it (identity@start): a reader refuses a lower generation "
+        "from the same writer (a replayed or stale copy); None from writers before this field",
+    )
+
+
+class Generational(Protocol):
+    """A payload one controller incarnation writes with increasing generations (``RouteTable``, ``TargetState``)."""
+
+    generation: int
+    writer: str | None
+
+
+def supersedes(new: Generational, current: Generational | None) -> bool:
+    """False only for a copy older than ``current`` from the same writer (a replayed or stale payload); a new
+    writer (a restarted or newly elected controller) starts its own sequence."""
+    if current is None or new.writer is None or new.writer != current.writer:
+        return True
+    return new.generation >= current.generation
 
 
 RateWindow = Literal["5m", "1h", "24h"]

@@ -69,6 +69,11 @@ class TargetState(PayloadModel):
     generation: int = Field(ge=0)
     adapters: list[AdapterTarget] = Field(default_factory=list)
     updated_at: float = Field(description="unix seconds when the controller wrote it")
+    writer: str | None = Field(
+        default=None,
+        description="the controller incarnation that wrote it (identity@start): a reader refuses a lower generation "
+        "from the same writer (a replayed or stale copy); None from writers before this field",
+    )
 
     @field_validator("adapters")
     @classmethod

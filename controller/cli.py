@@ -129,7 +129,8 @@ async def _serve(args: argparse.Namespace, file_config: FileConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with httpx.AsyncClient() as http:
-        controller = Controller(KubeApi(api_client, args.identity), RedisStore(redis, time.time), HealthProber(http),
+        store = RedisStore(redis, time.time, writer=f"{args.identity}@{int(time.time() * 1000)}")
+        controller = Controller(KubeApi(api_client, args.identity), store, HealthProber(http),
                                 elector, config, time.time, metrics)
         log.info("loraplane-controller %s starting (namespace %s)", args.identity, args.namespace or "all")
         try:

@@ -182,12 +182,14 @@ class Controller:
         )
         if not self.is_leader():
             return plan
-        writes_before = self.store.writes
+        writes_before, repairs_before = self.store.writes, self.store.repairs
+        await self.store.repair(pool)  # what Redis lost or someone overwrote since the last pass comes back first
         # routes first: a revision leaves the route before any pod unloads it; one only enters it once warm
         await self.store.write_routes(pool, plan.routes, plan.base_model)
         await self.store.write_targets(pool, plan.targets)
         if self.metrics:
             self.metrics.redis_writes.inc(self.store.writes - writes_before)
+            self.metrics.redis_repairs.inc(self.store.repairs - repairs_before)
         objects = {(o["metadata"].get("namespace") or "default", o["metadata"]["name"]): o for o, _ in revisions}
         for (namespace, _), outcome in plan.adapters.items():
             for name, rp in outcome.revisions.items():

@@ -18,6 +18,11 @@ class ControllerMetrics:
             "loraplane_controller_redis_writes_total", "Target states and route tables written (changed ones only)",
             registry=self.registry,
         )
+        self.redis_repairs = Counter(
+            "loraplane_controller_redis_repairs_total",
+            "Target states and route tables rewritten because Redis no longer held what the controller last wrote "
+            "(lost in a restart, or overwritten by another writer)", registry=self.registry,
+        )
         self.status_patches = Counter(
             "loraplane_controller_status_patches_total", "AdapterRevision status patches sent", registry=self.registry,
         )

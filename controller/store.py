@@ -3,6 +3,10 @@
 The controller is the only writer of ``TargetState`` and ``RouteTable`` keys. It remembers what it last wrote (read
 back from Redis when it becomes leader) and writes a key only when its content changed, bumping the key's
 ``generation`` and publishing a change notice, so a reconcile that changes nothing writes nothing.
+
+It is level-triggered against Redis too: ``repair`` (every reconcile pass) reads the keys back and rewrites any that
+is missing or differs from what was last written (a Redis restart, a forged or stale copy), with a generation above
+both, so a lost or overwritten key is back within one resync period. Every payload names its ``writer``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+import orjson
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 
@@ -62,13 +67,17 @@ def _text(raw: bytes | str) -> str:
 class RedisStore:
     """Reads a pool's reports, rates and counters; writes its target states and route table when they change."""
 
-    def __init__(self, client: aioredis.Redis, clock: Callable[[], float]) -> None:
+    def __init__(self, client: aioredis.Redis, clock: Callable[[], float], writer: str | None = None) -> None:
+        """``writer`` names this controller incarnation in every payload (e.g. ``identity@start-ms``)."""
         self.client = client
         self.clock = clock
+        self.writer = writer
         self.targets: dict[str, dict[str, TargetState]] = {}
         self.routes: dict[str, RouteTable | None] = {}
         #: SET commands issued since start (target states + route tables)
         self.writes = 0
+        #: keys rewritten by ``repair`` since start
+        self.repairs = 0
 
     async def read(self, pool: str) -> PoolReadings:
         """Every report (stale ones included; the caller filters), the rates and every picker replica's counters."""
@@ -107,14 +116,58 @@ class RedisStore:
         if old is not None and old.models == dict(models) and old.base_model == base_model:
             return False
         table = RouteTable(pool=pool, generation=(old.generation + 1) if old else 1, base_model=base_model,
-                           models=dict(sorted(models.items())), updated_at=self.clock())
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(keys.route_table(pool), table.to_json())
-            pipe.publish(keys.routes_changed_channel(pool), str(table.generation))
-            await pipe.execute()
-        self.routes[pool] = table
-        self.writes += 1
+                           models=dict(sorted(models.items())), updated_at=self.clock(), writer=self.writer)
+        await self._write_routes(table)
         return True
+
+    async def _write_routes(self, table: RouteTable) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.set(keys.route_table(table.pool), table.to_json())
+            pipe.publish(keys.routes_changed_channel(table.pool), str(table.generation))
+            await pipe.execute()
+        self.routes[table.pool] = table
+        self.writes += 1
+
+    async def _write_target_states(self, pool: str, states: Sequence[TargetState]) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            for state in states:
+                pipe.set(keys.target_state(pool, state.pod), state.to_json())
+                pipe.publish(keys.target_changed_channel(pool), state.pod)
+            await pipe.execute()
+        written = self.targets.setdefault(pool, {})
+        for state in states:
+            written[state.pod] = state
+        self.writes += len(states)
+
+    async def repair(self, pool: str) -> list[str]:
+        """Rewrite every key of ``pool`` whose stored value is not what this controller last wrote (missing after a
+        Redis restart, or overwritten); returns the keys rewritten. Each gets a generation above both copies'."""
+        table = self.routes.get(pool)
+        states = sorted(self.targets.get(pool, {}).values(), key=lambda s: s.pod)
+        wanted: list[tuple[str, RouteTable | TargetState]] = [(keys.target_state(pool, s.pod), s) for s in states]
+        if table is not None:
+            wanted.append((keys.route_table(pool), table))
+        if not wanted:
+            return []
+        stored = await self.client.mget([key for key, _ in wanted])
+        bad = [(key, ours, raw) for (key, ours), raw in zip(wanted, stored, strict=True) if raw != ours.to_json()]
+        if not bad:
+            return []
+        now = self.clock()
+        fixed_states = []
+        for key, ours, raw in bad:
+            fixed = ours.model_copy(update={"generation": max(ours.generation, _generation(raw)) + 1,
+                                            "updated_at": now, "writer": self.writer})
+            log.warning("redis key %s %s; rewriting generation %d", key,
+                        "was missing" if raw is None else "held another copy", fixed.generation)
+            if isinstance(fixed, RouteTable):
+                await self._write_routes(fixed)
+            else:
+                fixed_states.append(fixed)
+        if fixed_states:
+            await self._write_target_states(pool, fixed_states)
+        self.repairs += len(bad)
+        return [key for key, _, _ in bad]
 
     async def write_targets(self, pool: str, targets: Mapping[str, Sequence[AdapterTarget]]) -> list[str]:
         """Write each pod's target state whose adapters changed; returns the pods written."""
@@ -126,18 +179,23 @@ class RedisStore:
             if old is not None and old.adapters == wanted:
                 continue
             changed.append(TargetState(pool=pool, pod=pod, generation=(old.generation + 1) if old else 1,
-                                       adapters=wanted, updated_at=self.clock()))
+                                       adapters=wanted, updated_at=self.clock(), writer=self.writer))
         if not changed:
             return []
-        async with self.client.pipeline(transaction=False) as pipe:
-            for state in changed:
-                pipe.set(keys.target_state(pool, state.pod), state.to_json())
-                pipe.publish(keys.target_changed_channel(pool), state.pod)
-            await pipe.execute()
-        for state in changed:
-            written[state.pod] = state
-        self.writes += len(changed)
+        await self._write_target_states(pool, changed)
         return [s.pod for s in changed]
+
+
+def _generation(raw: bytes | str | None) -> int:
+    """The ``generation`` of a stored payload (0 when there is none or it does not parse)."""
+    if raw is None:
+        return 0
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return 0
+    generation = value.get("generation") if isinstance(value, dict) else None
+    return generation if isinstance(generation, int) and generation >= 0 else 0
 
 
 def _valid_name(pod: str) -> bool:

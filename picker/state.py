@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from loraplane.api import SCHEMA_VERSION, ResidencyReport, RouteTable, keys
+from loraplane.api.routing import supersedes
 from loraplane.picker.routes import RouteResolver
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
@@ -145,9 +146,15 @@ class RedisSync:
         if raw is None:
             return
         try:
-            self.state.set_routes(RouteTable.from_json(raw))
+            table = RouteTable.from_json(raw)
         except ValidationError as exc:
             log.warning("ignoring an invalid route table: %s", exc.errors()[:1])
+            return
+        if not supersedes(table, self.state.resolver.table):
+            log.warning("ignoring route table generation %d of %s: older than the one in use", table.generation,
+                        table.writer)
+            return
+        self.state.set_routes(table)
 
     async def run(self) -> None:
         """Follow change notices forever; survive Redis outages on the last snapshot."""

@@ -17,6 +17,7 @@ from loraplane.api import (
     TargetState,
     Tier,
 )
+from loraplane.api.routing import supersedes
 from loraplane.sidecar.bus import InvalidTarget, RedisBus, RedisUnavailable
 from loraplane.sidecar.drivers.base import Observation, RuntimeInfo, RuntimeUnavailable
 from loraplane.sidecar.metrics import AdapterSample
@@ -80,7 +81,10 @@ class Sidecar:
             self.target_error = str(exc)
             return
         self.target_error = None
-        if target is not None:
+        if target is not None and not supersedes(target, self.target):
+            log.warning("ignoring target generation %d of %s: older than the one applied", target.generation,
+                        target.writer)
+        elif target is not None:
             self.target = target
             self.reconciler.keep(target)
 

@@ -1,0 +1,84 @@
+"""The controller's Redis writes are level-triggered: a lost or overwritten key comes back on the next pass.
+
+Against a real redis-server: keys deleted (as by a Redis restart) or replaced by a forged copy are rewritten by
+``RedisStore.repair`` with a generation above both copies; an untouched store writes nothing; readers refuse an
+older generation from the same writer.
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from e2e.fixtures.processes import RedisServer
+from loraplane.api import RouteEntry, RouteTable, TargetState, WeightedRevision, keys
+from loraplane.api.routing import supersedes
+from loraplane.controller.store import RedisStore
+
+POOL = "p"
+ROUTES = {"claims": RouteEntry(revisions=[WeightedRevision(revision="v1", served_name="claims@v1",
+                                                            digest="sha256:" + "1" * 64, weight=100)])}
+
+
+async def _written(redis_srv: RedisServer) -> tuple[RedisStore, aioredis.Redis]:
+    client = aioredis.Redis.from_url(redis_srv.url)
+    store = RedisStore(client, clock=lambda: 1000.0, writer="ctl@1")
+    assert await store.write_routes(POOL, ROUTES, "tiny")
+    assert await store.write_targets(POOL, {"pod-a": [], "pod-b": []}) == ["pod-a", "pod-b"]
+    return store, client
+
+
+async def test_an_untouched_store_is_not_rewritten(redis_srv: RedisServer) -> None:
+    store, client = await _written(redis_srv)
+    writes = store.writes
+    assert await store.repair(POOL) == []
+    assert store.writes == writes
+    await client.aclose()
+
+
+async def test_lost_keys_come_back_with_a_higher_generation_and_a_notice(redis_srv: RedisServer) -> None:
+    store, client = await _written(redis_srv)
+    pubsub = client.pubsub()
+    await pubsub.subscribe(keys.routes_changed_channel(POOL), keys.target_changed_channel(POOL))
+    await client.flushall()  # what a Redis restart without persistence leaves
+    repaired = await store.repair(POOL)
+    assert sorted(repaired) == sorted([keys.route_table(POOL), keys.target_state(POOL, "pod-a"),
+                                       keys.target_state(POOL, "pod-b")])
+    table = RouteTable.from_json(await client.get(keys.route_table(POOL)))
+    assert (table.models, table.generation, table.writer) == (ROUTES, 2, "ctl@1")
+    assert TargetState.from_json(await client.get(keys.target_state(POOL, "pod-a"))).generation == 2
+    notices = []
+    for _ in range(10):  # subscription confirmations come first (and read as None)
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+        if message is not None:
+            notices.append(message["data"])
+    assert sorted(notices) == [b"2", b"pod-a", b"pod-b"]
+    assert await store.repair(POOL) == []  # repaired once, then stable
+    await pubsub.aclose()
+    await client.aclose()
+
+
+async def test_a_forged_copy_is_overwritten_above_its_generation(redis_srv: RedisServer) -> None:
+    store, client = await _written(redis_srv)
+    forged = RouteTable(pool=POOL, generation=999, models={"claims": RouteEntry(revisions=[WeightedRevision(
+        revision="evil", served_name="claims@evil", digest="sha256:" + "e" * 64, weight=100)])}, updated_at=1.0)
+    await client.set(keys.route_table(POOL), forged.to_json())
+    await client.set(keys.target_state(POOL, "pod-b"), b"not json")
+    assert sorted(await store.repair(POOL)) == [keys.route_table(POOL), keys.target_state(POOL, "pod-b")]
+    table = RouteTable.from_json(await client.get(keys.route_table(POOL)))
+    assert table.models == ROUTES and table.generation == 1000
+    assert TargetState.from_json(await client.get(keys.target_state(POOL, "pod-b"))).generation == 2
+    # the next change continues above the repaired generation
+    assert await store.write_routes(POOL, {}, "tiny")
+    assert RouteTable.from_json(await client.get(keys.route_table(POOL))).generation == 1001
+    await client.aclose()
+
+
+def test_readers_refuse_an_older_generation_from_the_same_writer_only() -> None:
+    def table(generation: int, writer: str | None) -> RouteTable:
+        return RouteTable(pool=POOL, generation=generation, updated_at=0.0, writer=writer)
+
+    assert not supersedes(table(4, "ctl@1"), table(5, "ctl@1"))
+    assert supersedes(table(5, "ctl@1"), table(5, "ctl@1"))
+    assert supersedes(table(1, "ctl@2"), table(5, "ctl@1"))  # a restarted controller starts its own sequence
+    assert supersedes(table(1, None), table(5, "ctl@1"))
+    assert supersedes(table(1, "ctl@1"), None)
