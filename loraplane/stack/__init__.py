@@ -32,6 +32,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", action="store_true",
                    help="generate adapters, apply AdapterRevisions, drive traffic, roll out a canary, print a "
                    "summary and stop")
+    p.add_argument("--failure-mode", choices=["FailClose", "FailOpen"], default="FailClose",
+                   help="the InferencePool's failureMode: with FailOpen Envoy routes without the picker while it is "
+                   "down (default FailClose: 500s until it is back)")
     p.add_argument("--json", action="store_true",
                    help="with --demo: print the summary as one JSON object on stdout (progress goes to stderr)")
     return p
@@ -52,8 +55,12 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _serve(stack: LocalStack, stop: threading.Event) -> int:
-    """Print where things are, then wait for Ctrl-C; 1 if a child died on its own."""
+    """Print where things are, then wait for Ctrl-C, restarting children that die; 1 if the API server died."""
     assert stack.cluster is not None
     print(f"loraplane is up: {len(stack.engines)} engines in pool {POOL!r}\n"
           f"  gateway (OpenAI API through Envoy): {stack.gateway_url}\n"
@@ -65,9 +72,10 @@ def _serve(stack: LocalStack, stop: threading.Event) -> int:
           f"  pids: {json.dumps(stack.pids())}\n"
           "Ctrl-C stops everything.", flush=True)
     while not stop.wait(0.5):
-        dead = stack.dead()
-        if dead:
-            print(f"loraplane up: {', '.join(dead)} exited; see {stack.logs}; stopping", file=sys.stderr)
+        try:
+            stack.restart_dead(_say)
+        except RuntimeError as exc:
+            _say(f"loraplane up: {exc}")
             return 1
     return 0
 
@@ -83,7 +91,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     workdir = args.workdir.resolve()
     stop = _StopSignal()
-    stack = LocalStack(StackOptions(workdir=workdir, engines=args.engines), cancel=stop.event)
+    stack = LocalStack(StackOptions(workdir=workdir, engines=args.engines, failure_mode=args.failure_mode),
+                       cancel=stop.event)
     try:
         print(f"starting {args.engines} engines, their sidecars, Redis, the API server, the picker, Envoy and the "
               f"controller (logs in {workdir / 'logs'}) ...", file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +36,11 @@ from loraplane.stack.secrets import StackSecrets, sidecar_user
 POOL = "local"
 #: Label the engine Pod objects carry; the InferencePool selects on it.
 ENGINE_LABELS = {"app": "loraplane-engine"}
+
+
+#: Backoff of a child's restarts: the first after RESTART_BASE_S, doubling up to RESTART_CAP_S; a child that ran
+#: RESTART_RESET_S since its last start begins again from the first delay.
+RESTART_BASE_S, RESTART_CAP_S, RESTART_RESET_S = 0.5, 10.0, 30.0
 
 
 class StartCancelled(RuntimeError):
@@ -140,6 +145,10 @@ class LocalStack:
     controller_metrics_port: int = 0
     #: set (e.g. by Ctrl-C) to abandon a start in progress
     cancel: threading.Event = field(default_factory=threading.Event)
+    #: child name -> restarts so far (``restart_dead``)
+    restarts: dict[str, int] = field(default_factory=dict)
+    #: child name -> (restarts in a row, when the next may start, when the last started)
+    _restart_state: dict[str, tuple[int, float, float]] = field(default_factory=dict, repr=False)
 
     @property
     def logs(self) -> Path:
@@ -187,6 +196,40 @@ class LocalStack:
     def dead(self) -> list[str]:
         """Names of children that exited on their own."""
         return [Path(p.log_path).stem for p in self.processes() if not p.alive()]
+
+    def restart_dead(self, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> list[str]:
+        """Start again every child that exited on its own, each once its backoff has passed; returns those started.
+
+        The same command line, port and log (appended), so Envoy, the picker and the Pod objects need no change;
+        a restarted Redis comes back empty and is refilled by the controller's repair and the sidecars' next
+        heartbeats. The API server is not restarted (its objects are in memory): its death raises RuntimeError.
+        """
+        restarted = []
+        now = clock()
+        for process in self.processes():
+            name = Path(process.log_path).stem
+            if process.alive():
+                continue
+            if self.cluster is not None and process is self.cluster.process:
+                raise RuntimeError(f"the API server exited ({process.proc.returncode if process.proc else None}); "
+                                   "its objects are gone, so the stack stops")
+            failures, not_before, started = self._restart_state.get(name, (0, 0.0, 0.0))
+            if started and now - started >= RESTART_RESET_S:
+                failures = 0
+            if not_before == 0.0:
+                delay = min(RESTART_CAP_S, RESTART_BASE_S * 2 ** failures)
+                self._restart_state[name] = (failures + 1, now + delay, 0.0)
+                say(f"loraplane up: {name} exited with {process.proc.returncode if process.proc else None}; "
+                    f"restarting in {delay:.1f} s (see {process.log_path})")
+                continue
+            if now < not_before:
+                continue
+            process.start()
+            self._restart_state[name] = (failures, 0.0, now)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            restarted.append(name)
+            say(f"loraplane up: {name} restarted (pid {process.pid}, restart {self.restarts[name]})")
+        return restarted
 
     def start(self) -> LocalStack:
         """Start everything and wait until each piece answers; on any failure stop what was started."""
