@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
                    help="h2: the picker's own HTTP/2 gRPC transport (least CPU); grpcio: grpcio's asyncio server")
     p.add_argument("--resync-seconds", type=float, default=5.0)
     p.add_argument("--publish-seconds", type=float, default=10.0)
+    p.add_argument("--stale-grace-seconds", type=float, default=30.0,
+                   help="how long past its TTL a pod's last report still counts (routing stays on the pods last known "
+                        "to hold a revision while Redis or a sidecar is silent); after it the pod is unknown")
     p.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True, help="use uvloop if installed")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -89,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kubeconfig=args.kubeconfig,
         resync_seconds=args.resync_seconds,
         publish_seconds=args.publish_seconds,
+        stale_grace_seconds=args.stale_grace_seconds,
     )
     loop_factory = None
     if args.uvloop:

@@ -61,6 +61,8 @@ class ServerOptions:
     transport: str = "h2"
     resync_seconds: float = 5.0
     publish_seconds: float = 10.0
+    #: seconds past its TTL a report still counts as last heard (then the pod is unknown)
+    stale_grace_seconds: float = 30.0
 
 
 class HealthStatus:
@@ -127,7 +129,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     metrics = PickerMetrics()
     tracker = InFlightTracker()
-    state = PoolState(options.pool, tracker, time.time, options.endpoints, metrics)
+    state = PoolState(options.pool, tracker, time.time, options.endpoints, metrics, options.stale_grace_seconds)
     stats = RequestStats(time.time)
     scheduler = Scheduler(EndpointPickerConfig.load(options.config_path))
     ctx = PickerContext(

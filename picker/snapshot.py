@@ -213,18 +213,22 @@ class PoolSnapshot:
         now: float,
         priorities: Mapping[str, int] | None = None,
         endpoints: Sequence[tuple[str, str]] | None = None,
+        stale_grace_s: float = 0.0,
     ) -> PoolSnapshot:
-        """Build from sidecar reports; reports older than their TTL become stale (unknown) endpoints.
+        """Build from sidecar reports; reports older than their TTL plus ``stale_grace_s`` become stale (unknown).
 
-        ``endpoints`` ((pod name, address) pairs from discovery) fixes the membership: pods without a report are
-        stale, reports of pods outside it are ignored. Without it every reporting pod is a member.
+        Within the grace a report past its TTL still counts as it was last heard (its residency and load): while
+        Redis or a sidecar is briefly silent, requests keep going to the pods last known to hold their revision
+        instead of to pods without it. ``endpoints`` ((pod name, address) pairs from discovery) fixes the
+        membership: pods without a report are stale, reports of pods outside it are ignored. Without it every
+        reporting pod is a member.
         """
         by_pod = {r.pod: r for r in reports}
         members = endpoints if endpoints is not None else [(r.pod, r.address) for r in by_pod.values()]
         states = []
         for pod, address in members:
             report = by_pod.get(pod)
-            if report is None or report.is_stale(now):
+            if report is None or now - report.heartbeat_at > report.ttl_seconds + stale_grace_s:
                 states.append(EndpointState(name=pod, address=address, ready=True, stale=True))
             else:
                 states.append(endpoint_from_report(report, address))

@@ -36,9 +36,12 @@ class PoolState:
         clock: Callable[[], float],
         endpoints: Sequence[tuple[str, str]] | None = None,
         metrics: PickerMetrics | None = None,
+        stale_grace_s: float = 0.0,
     ) -> None:
-        """``endpoints`` ((pod, address) pairs) fixes membership; without it the reporting pods are the pool."""
+        """``endpoints`` ((pod, address) pairs) fixes membership; without it the reporting pods are the pool.
+        ``stale_grace_s``: how long past its TTL a report still counts as last heard (``PoolSnapshot.from_reports``)."""
         self.pool = pool
+        self.stale_grace_s = stale_grace_s
         self.tracker = tracker
         self.clock = clock
         self.endpoints = endpoints
@@ -66,10 +69,13 @@ class PoolState:
     def rebuild(self) -> None:
         """Build a fresh snapshot from what is stored now."""
         now = self.clock()
-        snapshot = PoolSnapshot.from_reports(self.reports.values(), now, self.resolver.priorities(), self.endpoints)
+        grace = self.stale_grace_s
+        snapshot = PoolSnapshot.from_reports(self.reports.values(), now, self.resolver.priorities(), self.endpoints,
+                                             grace)
         self.tracker.attach(snapshot)
         self.snapshot = snapshot
-        expiries = [r.heartbeat_at + r.ttl_seconds for r in self.reports.values() if not r.is_stale(now)]
+        expiries = [r.heartbeat_at + r.ttl_seconds + grace for r in self.reports.values()
+                    if now - r.heartbeat_at <= r.ttl_seconds + grace]
         self.next_expiry = min(expiries, default=float("inf"))
         if self.metrics is not None:
             self.metrics.snapshot_rebuilds.inc()
@@ -130,7 +136,12 @@ class RedisSync:
         pods = sorted(p.decode() if isinstance(p, bytes) else p for p in await self.client.smembers(keys.residency_index(pool)))
         valid = [p for p in pods if _valid_pod(p)]
         raws = await self.client.mget([keys.residency_report(pool, p) for p in valid]) if valid else []
-        self.state.reports = {r.pod: r for r in (_parse_report(raw, pool) for raw in raws) if r is not None}
+        stored = {r.pod: r for r in (_parse_report(raw, pool) for raw in raws) if r is not None}
+        # a pod missing from Redis (emptied by a restart, its key expired) keeps its last report within the grace
+        now, grace = self.state.clock(), self.state.stale_grace_s
+        kept = {pod: r for pod, r in self.state.reports.items()
+                if pod not in stored and now - r.heartbeat_at <= r.ttl_seconds + grace}
+        self.state.reports = {**kept, **stored}
         self.state.rebuild()
         self.state.synced = True
 

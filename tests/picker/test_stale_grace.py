@@ -1,0 +1,84 @@
+"""Stale means unknown, not absent everywhere: while reports are briefly past their TTL (Redis paused, a sidecar
+silent), requests keep going to the pods last known to hold their revision, up to a staleness limit."""
+
+from __future__ import annotations
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from e2e.fixtures.processes import RedisServer
+from loraplane.api import AdapterResidency, ResidencyReport, Tier, keys
+from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.scheduler import Outcome, Scheduler
+from loraplane.picker.snapshot import InFlightTracker
+from loraplane.picker.state import PoolState, RedisSync
+from loraplane.picker.telemetry import RequestStats
+
+DIGEST = "sha256:" + "a" * 64
+ADAPTER = "claims@v1"
+
+
+def _report(i: int, holds: bool) -> ResidencyReport:
+    rows = [AdapterResidency(served_name=ADAPTER, tier=Tier.GPU, digest=DIGEST)] if holds else []
+    return ResidencyReport(pool="pool", pod=f"pod-{i}", address=f"10.0.0.{i}:8000", heartbeat_at=0.0, ttl_seconds=3.0,
+                           adapters=rows)
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _destinations(grace: float, at: float) -> set[str]:
+    clock = Clock()
+    state = PoolState("pool", InFlightTracker(), clock, stale_grace_s=grace)
+    for i in range(3):
+        state.set_report(_report(i, holds=i == 1))
+    state.rebuild()
+    clock.now = at
+    state.rebuild_if_expired()
+    scheduler = Scheduler.default()
+    picks = set()
+    for seed in range(30):
+        decision = scheduler.schedule(SchedulingRequest(served_name=ADAPTER, digest=DIGEST), state.snapshot,
+                                      np.random.default_rng(seed))
+        picks.add(decision.endpoints[0])
+        if at < 3.0 + grace:
+            assert decision.outcome is Outcome.WARM_GPU
+    return picks
+
+
+def test_within_the_grace_the_last_known_holder_keeps_the_traffic() -> None:
+    assert _destinations(grace=30.0, at=1.0) == {"10.0.0.1:8000"}
+    assert _destinations(grace=30.0, at=13.0) == {"10.0.0.1:8000"}  # 10 s past the TTL: still the holder
+
+
+def test_without_a_grace_or_past_it_the_pods_are_unknown() -> None:
+    assert len(_destinations(grace=0.0, at=13.0)) > 1  # the old behaviour: any pod, most without the adapter
+    assert len(_destinations(grace=30.0, at=40.0)) > 1  # past the limit: unknown again
+
+
+async def test_an_emptied_redis_does_not_erase_what_the_picker_last_heard(redis_srv: RedisServer) -> None:
+    """After a Redis restart the index and reports are gone until the sidecars' next heartbeats: a full resync
+    in between keeps the last reports (within the grace) instead of an empty pool."""
+    clock = Clock()
+    state = PoolState("pool", InFlightTracker(), clock, stale_grace_s=30.0)
+    client = aioredis.Redis.from_url(redis_srv.url)
+    sync = RedisSync(state, client, RequestStats(clock), "picker-0")
+    for i in range(2):
+        report = _report(i, holds=i == 1)
+        await client.set(keys.residency_report("pool", report.pod), report.to_json())
+        await client.sadd(keys.residency_index("pool"), report.pod)
+    await sync.load_all()
+    assert sorted(state.reports) == ["pod-0", "pod-1"]
+    await client.flushall()
+    clock.now = 5.0
+    await sync.load_all()
+    assert sorted(state.reports) == ["pod-0", "pod-1"]
+    assert state.snapshot.lookup(ADAPTER, DIGEST) is not None
+    clock.now = 40.0
+    await sync.load_all()
+    assert state.reports == {}  # past the grace and still not back in Redis: gone
+    await client.aclose()
