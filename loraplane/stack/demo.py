@@ -412,7 +412,8 @@ class Demo:
                                                  self.stack.options.model)
         async with httpx.AsyncClient(timeout=60) as http:
             engine = self.stack.engines[0]
-            base = (await http.get(f"http://{engine.address}/admin/adapters")).json()
+            base = (await http.get(f"http://{engine.address}/admin/adapters",
+                                   headers=self.stack.admin_headers(engine.pod))).json()
             base_model, base_digest = self.stack.options.model, base["base_model_digest"]
             manifests = [manifest(self.artifacts[served_name(a, r)], base_model, base_digest,
                                   "gpu-preferred" if a in HOT else "cpu") for a, r in first]

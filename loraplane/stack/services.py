@@ -170,6 +170,10 @@ class LocalStack:
         """Redis passwords, the ACL file and the runtimes' admin tokens (files below ``<workdir>/secrets``)."""
         return StackSecrets(self.options.workdir / "secrets")
 
+    def admin_headers(self, pod: str) -> dict[str, str]:
+        """The ``Authorization`` header ``pod``'s engine requires on its admin endpoints (what its sidecar sends)."""
+        return {"authorization": f"Bearer {self.secrets.token_file(pod).read_text().strip()}"}
+
     def redis_client(self, user: str = "observer") -> aioredis.Redis:
         """An asyncio client of the stack's Redis as ``user`` (``observer`` reads; ``admin`` may do anything)."""
         return aioredis.Redis.from_url(self.redis_url, username=user, password=self.secrets.redis_password(user))
