@@ -12,8 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loraplane.api import validation
-from loraplane.picker.extproc import PickerSettings
+from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED, PickerSettings
 from loraplane.picker.server import ServerOptions, serve
+
+BODY_MODES = {"buffered": BUFFERED, "streamed": STREAMED, "full-duplex-streamed": FULL_DUPLEX}
 
 
 def _endpoint(value: str) -> tuple[str, str]:
@@ -49,6 +51,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-response-rewrite", action="store_true", help="leave the served name in response bodies")
     p.add_argument("--no-destination-fallbacks", action="store_true",
                    help="send one address in x-gateway-destination-endpoint (plain Envoy ORIGINAL_DST clusters)")
+    p.add_argument("--body-mode", choices=sorted(BODY_MODES), default="full-duplex-streamed",
+                   help="body processing mode assumed when Envoy sends no protocol_config (Envoy's own is used when it does)")
+    p.add_argument("--unknown-models-to-base", action="store_true",
+                   help="route model names the route table does not know like the base model, unchanged (the reference "
+                        "EPP's behaviour) instead of refusing them with 404")
+    p.add_argument("--passthrough-parser", action="store_true",
+                   help="do not parse request bodies (not OpenAI JSON): forward them untouched to any endpoint")
     p.add_argument("--fair-share-factor", type=float,
                    help="while the pool is saturated, refuse (429) non-gold requests of a fairness key holding more "
                         "than this multiple of the average in-flight per key (off by default; e.g. 1.5)")
@@ -82,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config_path=args.config,
         endpoints=args.endpoint,
         settings=PickerSettings(
-            args.max_body_bytes, args.session_header, not args.no_response_rewrite, not args.no_destination_fallbacks
+            args.max_body_bytes, args.session_header, not args.no_response_rewrite, not args.no_destination_fallbacks,
+            body_mode=BODY_MODES[args.body_mode], unknown_models_to_base=args.unknown_models_to_base,
+            passthrough_parser=args.passthrough_parser,
         ),
         seed=args.seed,
         fair_share_factor=args.fair_share_factor,

@@ -4,7 +4,7 @@ The exchange turns each ``ProcessingRequest`` into the ``ProcessingResponse``s t
 expects. Bodies may arrive ``BUFFERED``, ``STREAMED`` or ``FULL_DUPLEX_STREAMED`` (the mode comes from the stream's
 ``protocol_config``, else from ``PickerSettings.body_mode``); split bodies are reassembled, and full-duplex bodies are
 sent back in chunks of at most 62,000 bytes. Client mistakes become ``ImmediateResponse``s (400, 404, 413, 429,
-503), never stream errors, and an ``ImmediateResponse`` ends the exchange.
+503), never stream errors, and an ``ImmediateResponse`` ends the exchange (later messages get no reply).
 """
 
 from __future__ import annotations
@@ -567,10 +567,7 @@ class ExtProcHandler:
         self.exchange = Exchange(ctx)
 
     def on_message(self, message: bytes) -> list[bytes]:
-        """Decode a ``ProcessingRequest``, answer with encoded ``ProcessingResponse``s; after an ImmediateResponse the
-        next message ends the call (OK, no reply)."""
-        if self.exchange.ended:
-            raise GrpcStatusError(0, "")
+        """Decode a ``ProcessingRequest``, answer with encoded ``ProcessingResponse``s."""
         try:
             request = pb.ProcessingRequest.FromString(message)
         except DecodeError:
@@ -596,8 +593,6 @@ class ExtProcServicer:
             async for request in request_iterator:
                 for response in exchange.handle(request):
                     yield response
-                if exchange.ended:
-                    return  # an ImmediateResponse ends the exchange
         finally:
             exchange.close()
 

@@ -117,6 +117,29 @@ BUFFERED = pm.ProcessingMode.BUFFERED
 STREAMED = pm.ProcessingMode.STREAMED
 
 
+def set_headers(pairs: Iterable[tuple[str, str]]) -> pb.HeaderMutation:
+    """A header mutation setting (overwriting) each pair, as the protocol's replies carry it."""
+    return pb.HeaderMutation(set_headers=[
+        core.HeaderValueOption(header=core.HeaderValue(key=k, raw_value=v.encode()),
+                               append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD) for k, v in pairs])
+
+
+def routed_response(phase: str, destination: str, content_length: int | None = None,
+                    new_body: bytes | None = None) -> pb.ProcessingResponse:
+    """The routed reply the protocol wants, built the ordinary way: destination header (and length), the same
+    value in the ``envoy.lb`` metadata, ``clear_route_cache``, and the replaced body if any."""
+    pairs = [("x-gateway-destination-endpoint", destination)]
+    if content_length is not None:
+        pairs.append(("content-length", str(content_length)))
+    common = pb.CommonResponse(clear_route_cache=True, header_mutation=set_headers(pairs))
+    if new_body is not None:
+        common.body_mutation.body = new_body
+    response = pb.ProcessingResponse()
+    response.dynamic_metadata.get_or_create_struct("envoy.lb")["x-gateway-destination-endpoint"] = destination
+    getattr(response, phase).response.CopyFrom(common)
+    return response
+
+
 def header_map(mutation: pb.HeaderMutation) -> dict[str, str]:
     return {o.header.key: (o.header.raw_value.decode() or o.header.value) for o in mutation.set_headers}
 

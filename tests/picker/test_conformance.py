@@ -1,0 +1,340 @@
+"""Endpoint-picker protocol conformance, by section of GIE's proposal 004 and the reference EPP's behaviour.
+
+Each case is an ext_proc message sequence sent on one real gRPC stream and the exact list of ``ProcessingResponse``s
+that must come back (protobuf equality, nothing more, nothing less), run on both transports (the picker's own HTTP/2
+server and grpcio's). The pool (tests/picker/conftest.py): 10.0.0.1 holds nothing, 10.0.0.2 holds ``claims@v1`` on
+GPU, 10.0.0.3 on CPU; ``claims`` resolves to ``claims@v1``; ``base-llm`` is the base model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+
+from loraplane.picker.extproc import PickerSettings
+from tests.picker.conftest import (
+    BUFFERED,
+    FULL_DUPLEX,
+    REQUEST_HEADERS,
+    STREAMED,
+    Picker,
+    body,
+    headers,
+    reports,
+    response_body,
+    response_headers,
+    routed_response,
+    serve_picker,
+    set_headers,
+)
+
+GPU, CPU, EMPTY = "10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.1:8000"
+BOTH = f"{GPU},{CPU}"  # the warm pods, GPU first: the destination with fallbacks
+COMPLETION = b'{"model":"claims","prompt":"hello","max_tokens":4}'
+REWRITTEN = COMPLETION.replace(b'"claims"', b'"claims@v1"')
+
+
+def with_subset(request: pb.ProcessingRequest, hint: list[object] | str) -> pb.ProcessingRequest:
+    """The gateway's subset hint in ``metadata_context`` (a list, or one comma-separated string)."""
+    fields = request.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+    if isinstance(hint, str):
+        fields["x-gateway-destination-endpoint-subset"] = hint
+    else:
+        fields.get_or_create_list("x-gateway-destination-endpoint-subset").extend(hint)
+    return request
+
+
+def with_served(request: pb.ProcessingRequest, served: str) -> pb.ProcessingRequest:
+    """Envoy's report of the endpoint that served, on a response message."""
+    request.metadata_context.filter_metadata["envoy.lb"]["x-gateway-destination-endpoint-served"] = served
+    return request
+
+
+def request_headers(mode: int | None, *extra: tuple[str, str], path: str = "/v1/completions") -> pb.ProcessingRequest:
+    pairs = [(k, path if k == ":path" else v) for k, v in REQUEST_HEADERS]
+    return headers([*pairs, *extra], body_mode=mode)
+
+
+def sized(data: bytes) -> tuple[int, bytes]:
+    return len(data), data
+
+
+def continue_headers() -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+
+
+def clear_chunk(phase: str) -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    getattr(response, phase).response.body_mutation.clear_body = True
+    return response
+
+
+def streamed(phase: str, data: bytes, end: bool) -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    getattr(response, phase).response.body_mutation.streamed_response.body = data
+    getattr(response, phase).response.body_mutation.streamed_response.end_of_stream = end
+    return response
+
+
+def replaced_response_body(data: bytes, content_length: bool) -> pb.ProcessingResponse:
+    common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=data))
+    if content_length:
+        common.header_mutation.CopyFrom(set_headers([("content-length", str(len(data)))]))
+    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common))
+
+
+def refused(status: int, code: str, message: str, reason: str) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        headers=set_headers([("content-type", "text/plain"), ("x-llm-d-request-dropped-reason", reason)]),
+        body=f"inference error: {code} - {message}".encode(), details=reason))
+
+
+def no_endpoint(detail: str = "no endpoint left after subset-hint-filter") -> pb.ProcessingResponse:
+    return refused(503, "ServiceUnavailable", detail, "no-endpoint")
+
+
+REMOVE_LENGTH = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+    response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=["content-length"]))))
+CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+
+
+def saturate(picker: Picker) -> None:
+    for report in reports(time.time(), queue_depth=9):
+        picker.state.set_report(report)
+    picker.state.rebuild()
+
+
+@dataclass
+class Case:
+    messages: list[pb.ProcessingRequest]
+    expected: list[pb.ProcessingResponse]
+    settings: PickerSettings = field(default_factory=PickerSettings)
+    setup: Callable[[Picker], None] | None = None
+
+
+JSON_REPLY = b'{"id":"c1","object":"text_completion","model":"claims@v1","choices":[{"text":"hi"}]}'
+JSON_BACK = JSON_REPLY.replace(b"claims@v1", b"claims")
+SPLIT_REPLY = [JSON_REPLY[:40], JSON_REPLY[40:52], JSON_REPLY[52:]]  # the model field is cut in two
+assert all(b'"model":"claims@v1"' not in chunk for chunk in SPLIT_REPLY)
+
+CASES: dict[str, Case] = {
+    # --- Endpoint Subset ----------------------------------------------------------------------------------------
+    "subset/list-with-unknown-entries-picks-only-the-known-member": Case(
+        [with_subset(request_headers(BUFFERED), [CPU, "9.9.9.9:8000", 7]), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", CPU, len(REWRITTEN), REWRITTEN)]),
+    "subset/comma-separated-string": Case(
+        [with_subset(request_headers(BUFFERED), f"{CPU}, {GPU}"), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
+    "subset/bare-ip-matches-any-port": Case(
+        [with_subset(request_headers(BUFFERED), ["10.0.0.3"]), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", CPU, len(REWRITTEN), REWRITTEN)]),
+    "subset/port-is-exact": Case(
+        [with_subset(request_headers(BUFFERED), ["10.0.0.2:9999"]), body(COMPLETION)],
+        [continue_headers(), no_endpoint()]),
+    "subset/only-unknown-addresses-is-503": Case(
+        [with_subset(request_headers(BUFFERED), ["9.9.9.9:8000", "9.9.9.8:8000"]), body(COMPLETION)],
+        [continue_headers(), no_endpoint()]),
+    "subset/empty-list-is-503": Case(
+        [with_subset(request_headers(BUFFERED), []), body(COMPLETION)], [continue_headers(), no_endpoint()]),
+    "subset/request-without-body": Case(
+        [with_subset(headers([(":method", "GET"), (":path", "/v1/models")], end_of_stream=True), [EMPTY])],
+        [routed_response("request_headers", EMPTY)]),
+    # --- Destination Endpoint -----------------------------------------------------------------------------------
+    "destination/ordered-fallbacks-in-header-and-metadata": Case(
+        [request_headers(BUFFERED), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
+    "destination/one-endpoint-in-header-and-metadata-without-fallbacks": Case(
+        [request_headers(BUFFERED), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", GPU, len(REWRITTEN), REWRITTEN)],
+        PickerSettings(destination_fallbacks=False)),
+    "destination/one-endpoint-full-duplex-without-fallbacks": Case(
+        [request_headers(FULL_DUPLEX), body(COMPLETION)],
+        [routed_response("request_headers", GPU, len(REWRITTEN)), streamed("request_body", REWRITTEN, True)],
+        PickerSettings(destination_fallbacks=False)),
+    # --- Processing modes -----------------------------------------------------------------------------------------
+    "modes/buffered": Case(
+        [request_headers(BUFFERED), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
+    "modes/buffered-split-body-is-reassembled": Case(
+        [request_headers(BUFFERED), body(COMPLETION[:10], False), body(COMPLETION[10:30], False), body(COMPLETION[30:])],
+        [continue_headers(), clear_chunk("request_body"), clear_chunk("request_body"),
+         routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
+    "modes/streamed-asks-for-a-buffered-body": Case(
+        [request_headers(STREAMED), body(COMPLETION)],
+        [pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=pm.ProcessingMode(
+            request_body_mode=BUFFERED, response_body_mode=STREAMED)),  # type: ignore[arg-type]
+         routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
+    "modes/streamed-chunks-when-the-override-is-not-applied": Case(
+        [request_headers(STREAMED), body(COMPLETION[:20], False), body(COMPLETION[20:])],
+        [pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=pm.ProcessingMode(
+            request_body_mode=BUFFERED, response_body_mode=STREAMED)),  # type: ignore[arg-type]
+         clear_chunk("request_body"), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
+    "modes/full-duplex": Case(
+        [request_headers(FULL_DUPLEX), body(COMPLETION[:20], False), body(COMPLETION[20:])],
+        [routed_response("request_headers", BOTH, len(REWRITTEN)), streamed("request_body", REWRITTEN, True)]),
+    "modes/no-protocol-config-means-full-duplex-by-default": Case(
+        [request_headers(None), body(COMPLETION[:20], False), body(COMPLETION[20:])],
+        [routed_response("request_headers", BOTH, len(REWRITTEN)), streamed("request_body", REWRITTEN, True)]),
+    "modes/no-protocol-config-uses-the-configured-mode": Case(
+        [request_headers(None), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)],
+        PickerSettings(body_mode=BUFFERED)),
+    "modes/immediate-response-ends-the-exchange": Case(
+        [request_headers(BUFFERED), body(b'{"prompt":"p"}'), response_headers(200), response_body(b"{}", True)],
+        [continue_headers(), refused(400, "BadRequest", "request body has no string field 'model'", "bad-request")]),
+    "modes/immediate-response-ends-a-full-duplex-exchange": Case(
+        [request_headers(FULL_DUPLEX), body(b'{"model":"unknown","prompt":"p"}'), response_headers(200)],
+        [refused(404, "NotFound", "model 'unknown' is not served by this pool", "model-not-found")]),
+    # --- Errors ---------------------------------------------------------------------------------------------------
+    "errors/unknown-model-is-404": Case(
+        [request_headers(BUFFERED), body(b'{"model":"claims@v1","prompt":"p"}')],
+        [continue_headers(), refused(404, "NotFound", "model 'claims@v1' is not served by this pool", "model-not-found")]),
+    "errors/too-large-is-413": Case(
+        [request_headers(FULL_DUPLEX), body(b"x" * 600, False), body(b"x" * 600)],
+        [refused(413, "PayloadTooLarge", "request body exceeds the limit of 1000 bytes", "body-too-large")],
+        PickerSettings(max_body_bytes=1000)),
+    "errors/no-endpoint-is-503": Case(
+        [request_headers(BUFFERED), body(COMPLETION)],
+        [continue_headers(), refused(503, "ServiceUnavailable", "the pool has no endpoints", "no-endpoint")],
+        setup=lambda p: (p.state.reports.clear(), p.state.rebuild())),  # type: ignore[func-returns-value]
+    "errors/sheddable-under-saturation-is-429": Case(
+        [request_headers(BUFFERED, ("x-gateway-inference-objective", "sheddable")), body(COMPLETION)],
+        [continue_headers(), refused(429, "ResourceExhausted",
+                                     "every candidate endpoint is saturated and the request is sheddable",
+                                     "rejected-saturated")], setup=saturate),
+    # --- Request features -------------------------------------------------------------------------------------------
+    "request/model-name-rewrite-before-resolution-and-back-in-the-response": Case(
+        [request_headers(BUFFERED, ("x-gateway-model-name-rewrite", "claims")), body(b'{"model":"alias","prompt":"p"}'),
+         response_headers(200), response_body(b'{"model":"claims@v1"}', True)],
+        [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"model":"claims@v1","prompt":"p"}')),
+         CONTINUE_RESPONSE_HEADERS, replaced_response_body(b'{"model":"alias"}', True)]),
+    "request/completion-without-prompt-is-400": Case(
+        [request_headers(BUFFERED), body(b'{"model":"claims"}')],
+        [continue_headers(), refused(400, "BadRequest", "invalid completions request: must have a non-empty 'prompt' field",
+                                     "bad-request")]),
+    "request/chat-without-messages-is-400": Case(
+        [request_headers(BUFFERED, path="/v1/chat/completions"), body(b'{"model":"claims"}')],
+        [continue_headers(), refused(400, "BadRequest",
+                                     "invalid chat completions request: must have a non-empty 'messages' field",
+                                     "bad-request")]),
+    "request/chat-with-empty-messages-is-400": Case(
+        [request_headers(BUFFERED, path="/v1/chat/completions"), body(b'{"model":"claims","messages":[]}')],
+        [continue_headers(), refused(400, "BadRequest",
+                                     "invalid chat completions request: must have a non-empty 'messages' field",
+                                     "bad-request")]),
+    "request/embeddings-without-input-is-400": Case(
+        [request_headers(BUFFERED, path="/v1/embeddings"), body(b'{"model":"claims"}')],
+        [continue_headers(), refused(400, "BadRequest", "invalid embeddings request: must have a non-empty 'input' field",
+                                     "bad-request")]),
+    "request/responses-without-input-is-400": Case(
+        [request_headers(BUFFERED, path="/v1/responses"), body(b'{"model":"claims"}')],
+        [continue_headers(), refused(400, "BadRequest", "invalid responses request: must have a non-empty 'input' field",
+                                     "bad-request")]),
+    "request/chat-with-messages-is-routed": Case(
+        [request_headers(BUFFERED, path="/v1/chat/completions"), body(b'{"model":"claims","messages":[{"role":"user"}]}')],
+        [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"model":"claims@v1","messages":[{"role":"user"}]}'))]),
+    "request/passthrough-parser-forwards-any-body-untouched": Case(
+        [with_subset(request_headers(BUFFERED), [EMPTY]), body(b"\x00 not json at all")],
+        [continue_headers(), routed_response("request_body", EMPTY)], PickerSettings(passthrough_parser=True)),
+    "request/unknown-models-to-base-when-configured": Case(
+        [with_subset(request_headers(BUFFERED), [EMPTY]), body(b'{"model":"mystery","prompt":"p"}')],
+        [continue_headers(), routed_response("request_body", EMPTY)], PickerSettings(unknown_models_to_base=True)),
+    "request/inference-objective-by-name": Case(
+        [request_headers(BUFFERED, ("x-gateway-inference-objective", "batch-jobs")), body(COMPLETION)],
+        [continue_headers(), refused(429, "ResourceExhausted",
+                                     "every candidate endpoint is saturated and the request is sheddable",
+                                     "rejected-saturated")],
+        setup=lambda p: (setattr(p.ctx, "objectives", lambda: {"batch-jobs": -3}), saturate(p))),  # type: ignore[func-returns-value]
+    "request/inference-objective-unknown-name-keeps-the-route-priority": Case(
+        [with_subset(request_headers(BUFFERED, ("x-gateway-inference-objective", "no-such-objective")), [GPU]),
+         body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", GPU, len(REWRITTEN), REWRITTEN)], setup=saturate),
+    # --- Response -------------------------------------------------------------------------------------------------
+    "response/buffered-json-rewritten-back": Case(
+        [request_headers(BUFFERED), body(COMPLETION), response_headers(200), response_body(JSON_REPLY, True)],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN),
+         CONTINUE_RESPONSE_HEADERS, replaced_response_body(JSON_BACK, True)]),
+    "response/full-duplex-json-split-over-chunks-rewritten-whole": Case(
+        [request_headers(FULL_DUPLEX), body(COMPLETION), response_headers(200),
+         *(response_body(c, i == 2) for i, c in enumerate(SPLIT_REPLY))],
+        [routed_response("request_headers", BOTH, len(REWRITTEN)), streamed("request_body", REWRITTEN, True),
+         REMOVE_LENGTH, streamed("response_body", JSON_BACK, True)]),
+    "response/streamed-json-split-over-chunks-rewritten-whole": Case(
+        [request_headers(BUFFERED), body(COMPLETION), response_headers(200),
+         *(response_body(c, i == 2) for i, c in enumerate(SPLIT_REPLY))],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN), REMOVE_LENGTH,
+         clear_chunk("response_body"), clear_chunk("response_body"), replaced_response_body(JSON_BACK, False)],
+        setup=None),
+    "response/full-duplex-sse-chunk-by-chunk": Case(
+        [request_headers(FULL_DUPLEX), body(COMPLETION), response_headers(200, "text/event-stream"),
+         response_body(b'data: {"model":"claims@v1"}\n\n', False), response_body(b"data: [DONE]\n\n", True)],
+        [routed_response("request_headers", BOTH, len(REWRITTEN)), streamed("request_body", REWRITTEN, True),
+         REMOVE_LENGTH, streamed("response_body", b'data: {"model":"claims"}\n\n', False),
+         streamed("response_body", b"data: [DONE]\n\n", True)]),
+}
+# the streamed-response case: request BUFFERED, response STREAMED (protocol_config carries both modes)
+CASES["response/streamed-json-split-over-chunks-rewritten-whole"].messages[0].protocol_config.response_body_mode = STREAMED
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+@pytest.mark.parametrize("name", list(CASES))
+async def test_case(name: str, transport: str) -> None:
+    case = CASES[name]
+    async with serve_picker(transport, case.settings) as picker:
+        if case.setup is not None:
+            case.setup(picker)
+        responses = await picker.exchange(*case.messages)
+        assert responses == case.expected
+        assert not picker.ctx.tracker.counts  # the stream ended: nothing left in flight
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+async def test_served_endpoint_moves_the_in_flight_count(transport: str) -> None:
+    """Section "Destination Endpoint Served": Envoy used the fallback; the in-flight count follows it."""
+    async with serve_picker(transport) as picker:
+        call = picker.stub.Process()
+        await call.write(request_headers(FULL_DUPLEX))
+        await call.write(body(COMPLETION))
+        assert (await call.read()) == routed_response("request_headers", BOTH, len(REWRITTEN))
+        await call.read()
+        assert picker.ctx.tracker.counts == {GPU: 1}
+        await call.write(with_served(response_headers(200), CPU))
+        assert (await call.read()) == REMOVE_LENGTH
+        assert picker.ctx.tracker.counts == {CPU: 1}
+        assert picker.ctx.metrics.destination_overrides._value.get() == 1
+        await call.write(response_body(b"{}", True))
+        await call.read()
+        await call.done_writing()
+        assert picker.ctx.tracker.counts == {}
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+async def test_model_name_rewrites_are_counted(transport: str) -> None:
+    async with serve_picker(transport, PickerSettings(body_mode=BUFFERED)) as picker:
+        await picker.exchange(request_headers(None, ("x-gateway-model-name-rewrite", "claims")),
+                              body(b'{"model":"alias","prompt":"p"}'))
+        await picker.exchange(request_headers(None, ("x-gateway-model-name-rewrite", "claims")), body(COMPLETION))
+        assert picker.ctx.metrics.model_rewrites._value.get() == 1  # the second named the same model: no rewrite
+
+
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+async def test_after_an_immediate_response_nothing_more_is_answered(transport: str) -> None:
+    async with serve_picker(transport) as picker:
+        call = picker.stub.Process()
+        await call.write(request_headers(FULL_DUPLEX))
+        await call.write(body(b"{broken"))
+        assert (await call.read()).HasField("immediate_response")
+        await call.write(response_headers(200))
+        await call.write(response_body(b"{}", True))
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
