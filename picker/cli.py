@@ -13,6 +13,7 @@ from pathlib import Path
 
 from loraplane.api import validation
 from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED, PickerSettings
+from loraplane.picker.h2grpc import TransportLimits
 from loraplane.picker.server import ServerOptions, serve
 
 BODY_MODES = {"buffered": BUFFERED, "streamed": STREAMED, "full-duplex-streamed": FULL_DUPLEX}
@@ -64,6 +65,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="seed of the tie-breaking RNG")
     p.add_argument("--transport", choices=("h2", "grpcio"), default="h2",
                    help="h2: the picker's own HTTP/2 gRPC transport (least CPU); grpcio: grpcio's asyncio server")
+    limits = TransportLimits()
+    p.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes,
+                   help="largest gRPC message accepted, refused from its declared length (RESOURCE_EXHAUSTED)")
+    p.add_argument("--max-header-list-bytes", type=int, default=limits.max_header_list_bytes,
+                   help="largest decoded request header list (SETTINGS_MAX_HEADER_LIST_SIZE)")
+    p.add_argument("--max-header-block-bytes", type=int, default=limits.max_header_block_bytes,
+                   help="largest header block with its CONTINUATION frames (h2 transport; past it: GOAWAY)")
+    p.add_argument("--max-concurrent-streams", type=int, default=limits.max_concurrent_streams,
+                   help="open streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS; more: REFUSED_STREAM)")
+    p.add_argument("--stream-idle-timeout", type=float, default=limits.stream_idle_timeout_s,
+                   help="seconds a stream may stay silent before it is reset (h2 transport)")
     p.add_argument("--resync-seconds", type=float, default=5.0)
     p.add_argument("--publish-seconds", type=float, default=10.0)
     p.add_argument("--stale-grace-seconds", type=float, default=30.0,
@@ -80,6 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not validation.matches(validation.DNS1123_SUBDOMAIN, args.pool):
         print(f"loraplane-picker: pool {args.pool!r} is not a DNS-1123 name", file=sys.stderr)
+        return 2
+    if args.max_message_bytes <= args.max_body_bytes:
+        print("loraplane-picker: --max-message-bytes must be above --max-body-bytes (a buffered body is one message)",
+              file=sys.stderr)
         return 2
     options = ServerOptions(
         pool=args.pool,
@@ -98,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
         fair_share_factor=args.fair_share_factor,
         transport=args.transport,
+        limits=TransportLimits(args.max_message_bytes, args.max_header_list_bytes, args.max_header_block_bytes,
+                               args.max_concurrent_streams, args.stream_idle_timeout),
         inference_pool=args.inference_pool,
         namespace=args.namespace,
         kubeconfig=args.kubeconfig,

@@ -9,6 +9,12 @@ literals (no dynamic table on our side). Request headers are decoded by ``hpack_
 Handlers are plain objects: ``on_message(bytes) -> list[bytes]`` per gRPC message and ``on_close()`` when the
 stream ends for any reason. A handler that raises ends its stream with grpc-status INTERNAL; a malformed frame
 ends the connection with GOAWAY.
+
+Nothing a peer sends is held without a bound (``TransportLimits``): a message whose declared length is over the
+limit ends its stream (RESOURCE_EXHAUSTED) before a byte of it is buffered; a header block (HEADERS plus
+CONTINUATION) over its limit ends the connection (ENHANCE_YOUR_CALM); a decoded header list over its limit ends
+the stream; streams beyond SETTINGS_MAX_CONCURRENT_STREAMS are refused (RST_STREAM REFUSED_STREAM); a stream
+silent for longer than the idle timeout is reset (CANCEL); stream ids must be odd and increasing.
 """
 
 from __future__ import annotations
@@ -28,11 +34,33 @@ log = logging.getLogger(__name__)
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-SETTINGS_HEADER_TABLE_SIZE, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x1, 0x4, 0x5
+SETTINGS_HEADER_TABLE_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 0x1, 0x3, 0x4
+SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x5, 0x6
 MAX_WINDOW = (1 << 31) - 1
-OUR_MAX_FRAME = (1 << 24) - 1
-PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x1, 0x3, 0x6
-GRPC_OK, GRPC_NOT_FOUND, GRPC_INTERNAL, GRPC_UNIMPLEMENTED = 0, 5, 13, 12
+PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = 0x1, 0x3, 0x6, 0x7, 0x8
+COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x9, 0xB
+GRPC_OK, GRPC_NOT_FOUND, GRPC_RESOURCE_EXHAUSTED, GRPC_INTERNAL, GRPC_UNIMPLEMENTED = 0, 5, 8, 13, 12
+
+
+@dataclass(frozen=True)
+class TransportLimits:
+    """What one connection may make the server hold (see the module docstring for the answers)."""
+
+    #: largest gRPC message (its declared length prefix), bytes
+    max_message_bytes: int = 4 << 20
+    #: largest decoded header list (RFC 7541 sizes: name + value + 32 per field), bytes
+    max_header_list_bytes: int = 16 << 10
+    #: largest header block as sent (HEADERS plus CONTINUATION fragments), bytes
+    max_header_block_bytes: int = 64 << 10
+    #: open streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS)
+    max_concurrent_streams: int = 100
+    #: seconds a stream may go without a frame from the peer before it is reset
+    stream_idle_timeout_s: float = 300.0
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """The SETTINGS_MAX_FRAME_SIZE we advertise: one largest message fits one frame."""
+        return min((1 << 24) - 1, max(1 << 14, self.max_message_bytes + 5))
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return _frame_header(kind, flags, stream_id, len(payload)) + payload
@@ -101,6 +129,8 @@ Routes = Mapping[str, Callable[[], StreamHandler]]
 @dataclass
 class _Stream:
     handler: StreamHandler | None
+    last_frame_at: float = 0.0
+    remote_open: bool = True
     buffer: bytearray = field(default_factory=bytearray)
     headers_sent: bool = False
     send_window: int = 65_535
@@ -112,10 +142,15 @@ class _Stream:
 class GrpcH2Protocol(asyncio.Protocol):
     """One HTTP/2 connection from a gRPC client."""
 
-    def __init__(self, routes: Routes, connections: set[GrpcH2Protocol] | None = None) -> None:
-        """Serve ``routes`` on this connection (registered in ``connections`` while open)."""
+    def __init__(self, routes: Routes, connections: set[GrpcH2Protocol] | None = None,
+                 limits: TransportLimits | None = None, clock: Callable[[], float] | None = None) -> None:
+        """Serve ``routes`` on this connection (registered in ``connections`` while open); ``clock`` (seconds,
+        monotonic) defaults to the event loop's."""
         self.routes = routes
         self.connections = connections if connections is not None else set()
+        self.limits = limits or TransportLimits()
+        self._clock = clock
+        self._reaper: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
         self.inbox = bytearray()
         self.outbox: list[bytes | memoryview] = []
@@ -128,6 +163,10 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.conn_send_window = 65_535
         self.received_unacked = 0
         self.header_block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments) awaiting CONTINUATION
+        self.last_stream_id = 0
+        #: streams we ended whose peer side is still open: their late DATA/trailers are ignored, and they count
+        #: towards the concurrency limit until the peer ends or resets them
+        self.half_closed: set[int] = set()
         self.closed = False
 
     # --- asyncio.Protocol ------------------------------------------------------------------------------------
@@ -137,13 +176,45 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
         assert self.transport is not None
         self.connections.add(self)
-        settings = struct.pack(">HIHIHI", SETTINGS_HEADER_TABLE_SIZE, 0, SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW,
-                               SETTINGS_MAX_FRAME_SIZE, OUR_MAX_FRAME)
+        limits = self.limits
+        settings = struct.pack(">HIHIHIHIHI", SETTINGS_HEADER_TABLE_SIZE, 0, SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW,
+                               SETTINGS_MAX_FRAME_SIZE, limits.max_frame_bytes,
+                               SETTINGS_MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams,
+                               SETTINGS_MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes)
         self.transport.write(_frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65_535)))
+        self._schedule_reaper()
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    def _schedule_reaper(self) -> None:
+        interval = max(0.05, self.limits.stream_idle_timeout_s / 4)
+        self._reaper = asyncio.get_running_loop().call_later(interval, self._reap_idle)
+
+    def _reap_idle(self) -> None:
+        """Reset streams that have been silent for longer than the idle timeout."""
+        if self.closed:
+            return
+        horizon = self._now() - self.limits.stream_idle_timeout_s
+        for stream_id, stream in list(self.streams.items()):
+            if stream.last_frame_at < horizon:
+                self._reset(stream_id, CANCEL)
+        self._flush()
+        self._schedule_reaper()
+
+    def _reset(self, stream_id: int, code: int) -> None:
+        """RST_STREAM ``code`` and forget the stream."""
+        self.outbox.append(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", code)))
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.remote_open = False
+        self._drop(stream_id)
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Close every open stream's handler."""
         self.closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
         self.connections.discard(self)
         for stream_id in list(self.streams):
             self._drop(stream_id)
@@ -183,9 +254,10 @@ class GrpcH2Protocol(asyncio.Protocol):
             self.preface_seen = True
         offset, size = 0, len(data)
         view = memoryview(data)
+        max_frame = self.limits.max_frame_bytes
         while size - offset >= 9:
             length = int.from_bytes(data[offset : offset + 3], "big")
-            if length > OUR_MAX_FRAME:
+            if length > max_frame:
                 raise _ConnectionError(FRAME_SIZE_ERROR, "frame larger than our SETTINGS_MAX_FRAME_SIZE")
             end = offset + 9 + length
             if size < end:
@@ -209,6 +281,9 @@ class GrpcH2Protocol(asyncio.Protocol):
             if self.header_block is None or self.header_block[0] != stream_id:
                 raise _ConnectionError(PROTOCOL_ERROR, "unexpected CONTINUATION")
             self.header_block[2].extend(payload)
+            if len(self.header_block[2]) > self.limits.max_header_block_bytes:
+                raise _ConnectionError(ENHANCE_YOUR_CALM, "header block larger than "
+                                       f"{self.limits.max_header_block_bytes} bytes")
             if flags & END_HEADERS:
                 sid, first_flags, block = self.header_block
                 self.header_block = None
@@ -222,9 +297,16 @@ class GrpcH2Protocol(asyncio.Protocol):
         elif kind == WINDOW_UPDATE:
             self._on_window_update(stream_id, payload)
         elif kind == RST_STREAM:
+            if stream_id == 0 or len(payload) != 4:
+                raise _ConnectionError(PROTOCOL_ERROR if stream_id == 0 else FRAME_SIZE_ERROR, "bad RST_STREAM")
+            if (stream := self.streams.get(stream_id)) is not None:
+                stream.remote_open = False
+            self.half_closed.discard(stream_id)
             self._drop(stream_id)
         elif kind == GOAWAY and self.transport is not None:
             self.transport.close()
+        elif kind == PUSH_PROMISE:
+            raise _ConnectionError(PROTOCOL_ERROR, "a client may not push")
         # PRIORITY and unknown frame types are ignored, as the spec allows
 
     def _on_settings(self, payload: bytes) -> None:
@@ -248,10 +330,16 @@ class GrpcH2Protocol(asyncio.Protocol):
         if len(payload) != 4:
             raise _ConnectionError(FRAME_SIZE_ERROR, "WINDOW_UPDATE must be 4 bytes")
         increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if increment == 0:
+            raise _ConnectionError(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
         if stream_id == 0:
             self.conn_send_window += increment
+            if self.conn_send_window > MAX_WINDOW:
+                raise _ConnectionError(FLOW_CONTROL_ERROR, "connection window above 2^31-1")
         elif (stream := self.streams.get(stream_id)) is not None:
             stream.send_window += increment
+            if stream.send_window > MAX_WINDOW:
+                self._reset(stream_id, FLOW_CONTROL_ERROR)
         self._send_pending()
 
     def _on_headers(self, stream_id: int, flags: int, frame_payload: bytes) -> None:
@@ -260,26 +348,64 @@ class GrpcH2Protocol(asyncio.Protocol):
         payload = _strip_padding(flags, memoryview(frame_payload))
         if flags & PRIORITY_FLAG:
             payload = payload[5:]
+        if len(payload) > self.limits.max_header_block_bytes:
+            raise _ConnectionError(ENHANCE_YOUR_CALM, f"header block larger than {self.limits.max_header_block_bytes} bytes")
         if flags & END_HEADERS:
             self._on_header_block(stream_id, flags, bytes(payload))
         else:
             self.header_block = (stream_id, flags, bytearray(payload))
 
     def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
+        # decoded even for a stream that is refused: the HPACK table must follow every block
         try:
             headers = self.decoder.decode(block)
         except (HpackError, IndexError) as exc:
-            raise _ConnectionError(0x9, f"header compression error: {exc}") from None  # COMPRESSION_ERROR
+            raise _ConnectionError(COMPRESSION_ERROR, f"header compression error: {exc}") from None
         stream = self.streams.get(stream_id)
-        if stream is None:
-            path = next((v for k, v in headers if k == b":path"), b"").decode("latin-1")
-            factory = self.routes.get(path)
-            stream = self.streams[stream_id] = _Stream(factory() if factory else None, send_window=self.peer_initial_window)
-            if factory is None:
-                self._finish(stream_id, _trailers(GRPC_UNIMPLEMENTED, f"unknown method {path}"))
+        if stream is not None:  # trailers
+            stream.last_frame_at = self._now()
+            if flags & END_STREAM:
+                stream.remote_open = False
+                self._finish(stream_id)
+            return
+        if stream_id <= self.last_stream_id:
+            if stream_id in self.half_closed:  # trailers of a stream we already ended
+                if flags & END_STREAM:
+                    self.half_closed.discard(stream_id)
                 return
+            raise _ConnectionError(PROTOCOL_ERROR, f"stream id {stream_id} is not above {self.last_stream_id}")
+        if not stream_id & 1:
+            raise _ConnectionError(PROTOCOL_ERROR, f"even stream id {stream_id} from a client")
+        self.last_stream_id = stream_id
+        if len(self.streams) + len(self.half_closed) >= self.limits.max_concurrent_streams:
+            self.outbox.append(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM)))
+            return
+        if self.decoder.last_list_size > self.limits.max_header_list_bytes:
+            self.streams[stream_id] = _Stream(None, send_window=self.peer_initial_window)
+            self._end_early(stream_id, flags, _trailers(GRPC_RESOURCE_EXHAUSTED, "header list larger than "
+                                                        f"{self.limits.max_header_list_bytes} bytes"))
+            return
+        path = next((v for k, v in headers if k == b":path"), b"").decode("latin-1")
+        factory = self.routes.get(path)
+        self.streams[stream_id] = _Stream(factory() if factory else None, last_frame_at=self._now(),
+                                          send_window=self.peer_initial_window)
+        if factory is None:
+            self._end_early(stream_id, flags, _trailers(GRPC_UNIMPLEMENTED, f"unknown method {path}"))
+            return
         if flags & END_STREAM:
+            self.streams[stream_id].remote_open = False
             self._finish(stream_id)
+
+    def _end_early(self, stream_id: int, flags: int, trailers: bytes) -> None:
+        """Answer a stream the transport refuses with ``trailers`` at once; a peer still sending on it is told to
+        stop (RST_STREAM NO_ERROR once the trailers are out)."""
+        stream = self.streams[stream_id]
+        if flags & END_STREAM:
+            stream.remote_open = False
+        self._finish(stream_id, trailers)
+        if stream.remote_open and stream_id not in self.streams:
+            self.half_closed.discard(stream_id)
+            self.outbox.append(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", 0)))
 
     def _on_data(self, stream_id: int, flags: int, payload: memoryview) -> None:
         self.received_unacked += len(payload)
@@ -288,15 +414,30 @@ class GrpcH2Protocol(asyncio.Protocol):
             self.received_unacked = 0
         stream = self.streams.get(stream_id)
         if stream is None or stream.handler is None:
-            return  # a stream we already finished: ignore late data
+            if stream_id == 0 or (stream is None and stream_id > self.last_stream_id):
+                raise _ConnectionError(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            _strip_padding(flags, payload)
+            if flags & END_STREAM:
+                self.half_closed.discard(stream_id)
+                if stream is not None:
+                    stream.remote_open = False
+            return  # a stream we already finished or refused: ignore late data
+        stream.last_frame_at = self._now()
         payload = _strip_padding(flags, payload)
         buffer = stream.buffer
         if buffer:  # the rest of a message split across frames
             buffer += payload
             payload = memoryview(b"")
+        limit = self.limits.max_message_bytes
         while True:
             source = buffer or payload
-            if len(source) < 5 or len(source) < 5 + (size := int.from_bytes(source[1:5], "big")):
+            if len(source) >= 5 and (size := int.from_bytes(source[1:5], "big")) > limit:
+                # refused from its declared length: nothing of it is kept, the rest of it is ignored as it comes
+                stream.buffer = bytearray()
+                self._end_early(stream_id, flags, _trailers(GRPC_RESOURCE_EXHAUSTED, f"message of {size} bytes is "
+                                                            f"larger than the limit of {limit} bytes"))
+                return
+            if len(source) < 5 or len(source) < 5 + size:
                 break
             if source[0]:
                 self._finish(stream_id, _trailers(GRPC_UNIMPLEMENTED, "compressed messages are not supported"))
@@ -323,6 +464,7 @@ class GrpcH2Protocol(asyncio.Protocol):
         if payload:
             buffer += payload  # the start of a message that continues in a later frame
         if flags & END_STREAM:
+            stream.remote_open = False
             self._finish(stream_id)
 
     # --- sending ----------------------------------------------------------------------------------------------
@@ -386,7 +528,11 @@ class GrpcH2Protocol(asyncio.Protocol):
 
     def _drop(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id, None)
-        if stream is not None and stream.handler is not None:
+        if stream is None:
+            return
+        if stream.remote_open and not self.closed:
+            self.half_closed.add(stream_id)
+        if stream.handler is not None:
             stream.handler.on_close()
             stream.handler = None
 
@@ -438,9 +584,11 @@ class GrpcH2Server:
             await asyncio.wait_for(self.server.wait_closed(), grace)
 
 
-async def start_server(routes: Routes, host: str, port: int, reuse_port: bool = True) -> GrpcH2Server:
-    """Listen on ``host:port`` (port 0 picks one) and serve ``routes``."""
+async def start_server(routes: Routes, host: str, port: int, reuse_port: bool = True,
+                       limits: TransportLimits | None = None) -> GrpcH2Server:
+    """Listen on ``host:port`` (port 0 picks one) and serve ``routes`` within ``limits``."""
     loop = asyncio.get_running_loop()
     connections: set[GrpcH2Protocol] = set()
-    server = await loop.create_server(lambda: GrpcH2Protocol(routes, connections), host, port, reuse_port=reuse_port)
+    server = await loop.create_server(lambda: GrpcH2Protocol(routes, connections, limits), host, port,
+                                      reuse_port=reuse_port)
     return GrpcH2Server(server, connections)

@@ -116,6 +116,9 @@ class HpackDecoder:
         self.max_size = max_table_size
         self.size = 0
         self.table: deque[tuple[bytes, bytes]] = deque()
+        #: RFC 7541 size (name + value + 32 per field) of the last decoded block's whole list, skipped fields included
+        #: (a skipped Huffman value counted at its encoded length)
+        self.last_list_size = 0
 
     def _get(self, index: int) -> tuple[bytes, bytes]:
         if 0 < index <= len(STATIC_TABLE):
@@ -140,22 +143,27 @@ class HpackDecoder:
         headers = []
         wanted = self.wanted
         i, n = 0, len(block)
+        list_size = 0
         while i < n:
             byte = block[i]
             if byte & 0x80:  # indexed field
                 index, i = _integer(block, i, 7)
                 field = self._get(index)
+                list_size += len(field[0]) + len(field[1]) + 32
                 if wanted is None or field[0] in wanted:
                     headers.append(field)
             elif byte & 0x40:  # literal with incremental indexing
                 index, i = _integer(block, i, 6)
                 name, i = (self._get(index)[0], i) if index else _string(block, i)
                 if self.max_size == 0 and wanted is not None:
+                    start = i
                     value, i = _string(block, i, name in wanted)  # nothing is kept in a 0-byte table
+                    list_size += len(name) + i - start + 32
                     if name in wanted:
                         headers.append((name, value))
                     continue
                 value, i = _string(block, i)
+                list_size += len(name) + len(value) + 32
                 self._add(name, value)
                 headers.append((name, value))
             elif byte & 0x20:  # dynamic table size update
@@ -168,7 +176,10 @@ class HpackDecoder:
                 index, i = _integer(block, i, 4)
                 name, i = (self._get(index)[0], i) if index else _string(block, i)
                 keep = wanted is None or name in wanted
+                start = i
                 value, i = _string(block, i, keep)
+                list_size += len(name) + max(len(value), i - start) + 32
                 if keep:
                     headers.append((name, value))
+        self.last_list_size = list_size
         return headers

@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -23,7 +24,7 @@ from loraplane.credentials import async_redis
 from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
 from loraplane.picker.fairness import FairShare
-from loraplane.picker.h2grpc import GrpcStatusError, Routes, start_server
+from loraplane.picker.h2grpc import GrpcStatusError, Routes, TransportLimits, start_server
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import InFlightTracker
 from loraplane.picker.state import PoolState, RedisSync
@@ -59,6 +60,8 @@ class ServerOptions:
     kubeconfig: Path | None = None
     #: "h2": the picker's own HTTP/2 gRPC transport (fast path); "grpcio": grpcio's asyncio server
     transport: str = "h2"
+    #: message, header and stream limits of either transport
+    limits: TransportLimits = field(default_factory=TransportLimits)
     resync_seconds: float = 5.0
     publish_seconds: float = 10.0
     #: seconds past its TTL a report still counts as last heard (then the pod is unknown)
@@ -103,18 +106,33 @@ class HealthCheckHandler:
         """Nothing to release."""
 
 
-def h2_routes(ctx: PickerContext, health: HealthStatus) -> Routes:
-    """The methods the picker's own HTTP/2 transport serves."""
-    return {
-        f"/{EXT_PROC_SERVICE}/Process": lambda: ExtProcHandler(ctx),
-        "/grpc.health.v1.Health/Check": lambda: HealthCheckHandler(health),
-    }
+def h2_routes(ctx: PickerContext | None, health: HealthStatus) -> Routes:
+    """The methods the picker's own HTTP/2 transport serves (health only when ``ctx`` is None: the health port)."""
+    routes: dict[str, Callable[[], Any]] = {"/grpc.health.v1.Health/Check": lambda: HealthCheckHandler(health)}
+    if ctx is not None:
+        routes[f"/{EXT_PROC_SERVICE}/Process"] = lambda: ExtProcHandler(ctx)
+    return routes
 
 
-def build_grpc_server(ctx: PickerContext, health: HealthStatus, addresses: Sequence[str]) -> tuple[grpc.aio.Server, list[int]]:
-    """An asyncio gRPC server with the ext_proc and health services on ``addresses``; returns the bound ports."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", 64 << 20)])
-    server.add_generic_rpc_handlers((ExtProcServicer(ctx).rpc_handler(),))
+def grpcio_options(limits: TransportLimits) -> list[tuple[str, int]]:
+    """grpcio's server options for the same limits as the picker's own transport."""
+    return [
+        ("grpc.so_reuseport", 1),
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        ("grpc.max_metadata_size", limits.max_header_list_bytes),
+        ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+        ("grpc.http2.max_frame_size", limits.max_frame_bytes),
+    ]
+
+
+def build_grpc_server(ctx: PickerContext | None, health: HealthStatus, addresses: Sequence[str],
+                      limits: TransportLimits | None = None) -> tuple[grpc.aio.Server, list[int]]:
+    """An asyncio gRPC server with the health service and (unless ``ctx`` is None) ext_proc on ``addresses``;
+    returns the bound ports."""
+    server = grpc.aio.server(options=grpcio_options(limits or TransportLimits()))
+    if ctx is not None:
+        server.add_generic_rpc_handlers((ExtProcServicer(ctx).rpc_handler(),))
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     ports = [server.add_insecure_port(address) for address in addresses]
     return server, ports
@@ -152,7 +170,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    stop_serving = await _start_transport(options.transport, ctx, health, addresses)
+    stop_serving = await _start_transport(options, ctx, health)
     if options.metrics_address:
         host, port = _split_host_port(options.metrics_address)
         start_http_server(port, host, registry=metrics.registry)
@@ -197,15 +215,22 @@ def _start_discovery(options: ServerOptions, state: PoolState) -> PoolDiscovery 
     return discovery
 
 
-async def _start_transport(
-    transport: str, ctx: PickerContext, health: HealthStatus, addresses: Sequence[str]
-) -> Callable[[], Awaitable[None]]:
-    if transport == "grpcio":
-        server, _ = build_grpc_server(ctx, health, addresses)
-        await server.start()
-        return lambda: server.stop(grace=2.0)
-    routes = h2_routes(ctx, health)
-    servers = [await start_server(routes, *_split_host_port(address)) for address in addresses]
+async def _start_transport(options: ServerOptions, ctx: PickerContext, health: HealthStatus) -> Callable[[], Awaitable[None]]:
+    """ext_proc and health on the gRPC address; health only on the health address."""
+    listeners: list[tuple[PickerContext | None, str]] = [(ctx, options.grpc_address)]
+    if options.health_address:
+        listeners.append((None, options.health_address))
+    if options.transport == "grpcio":
+        grpc_servers = [build_grpc_server(served, health, [address], options.limits)[0] for served, address in listeners]
+        for grpc_server in grpc_servers:
+            await grpc_server.start()
+
+        async def stop_grpcio() -> None:
+            await asyncio.gather(*(grpc_server.stop(grace=2.0) for grpc_server in grpc_servers))
+
+        return stop_grpcio
+    servers = [await start_server(h2_routes(served, health), *_split_host_port(address), limits=options.limits)
+               for served, address in listeners]
 
     async def stop() -> None:
         await asyncio.gather(*(server.close() for server in servers))
