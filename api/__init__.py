@@ -38,6 +38,14 @@ from loraplane.api.adapterrevision import (
 from loraplane.api.base import ApiModel
 from loraplane.api.headers import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
 from loraplane.api.identity import RUNTIME_COMPAT_VERSION, cache_key, parse_served_name, served_name
+from loraplane.api.objective import (
+    OBJECTIVE_GROUP,
+    OBJECTIVE_PLURAL,
+    OBJECTIVE_VERSION,
+    InferenceObjective,
+    InferenceObjectiveSpec,
+    ObjectivePoolRef,
+)
 from loraplane.api.routing import (
     PickerCounters,
     RequestRates,
@@ -73,6 +81,9 @@ __all__ = [
     "FINAL_ERROR_REASONS",
     "GROUP",
     "KIND",
+    "OBJECTIVE_GROUP",
+    "OBJECTIVE_PLURAL",
+    "OBJECTIVE_VERSION",
     "PLURAL",
     "RUNTIME_COMPAT_VERSION",
     "SCHEMA_VERSION",
@@ -90,8 +101,11 @@ __all__ = [
     "CanaryTarget",
     "Condition",
     "HealthProbe",
+    "InferenceObjective",
+    "InferenceObjectiveSpec",
     "LoraSpec",
     "ObjectMeta",
+    "ObjectivePoolRef",
     "Phase",
     "PickerCounters",
     "PodLoad",

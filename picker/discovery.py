@@ -3,17 +3,23 @@
 Two list + watch informers (the controller's ``Informer``: resourceVersion, bookmarks, relist on 410 Gone) keep the
 pool object and the namespace's pods current; every change recomputes the members and hands them to the picker's
 ``PoolState`` when they differ. A member is a pod matching ``spec.selector.matchLabels``, not being deleted, with
-a pod IP and a ``Ready=True`` condition, addressed at ``spec.targetPorts[0].number``.
+a pod IP and a ``Ready=True`` condition, addressed at ``spec.targetPorts[0].number``. A third informer follows the
+namespace's GIE ``InferenceObjective``s for the pool: their priorities by name (``ObjectiveWatch``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client as k8s
+from pydantic import ValidationError
 
+from loraplane.api import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION, InferenceObjective
 from loraplane.controller.kube import POOL_GROUP, POOL_PLURAL, POOL_VERSION, Informer, Key
+
+log = logging.getLogger(__name__)
 
 Members = list[tuple[str, str]]
 
@@ -47,7 +53,8 @@ def pool_endpoints(pools: Mapping[Key, Mapping[str, Any]], pods: Mapping[Key, Ma
 
 
 class PoolDiscovery:
-    """Follows one InferencePool and its pods; calls ``on_members`` whenever the member list changes."""
+    """Follows one InferencePool, its pods and its InferenceObjectives; calls ``on_members`` whenever the member
+    list changes (readiness waits for the pool and the pods, not the objectives: their CRD is optional)."""
 
     def __init__(self, api_client: k8s.ApiClient, namespace: str, pool: str,
                  on_members: Callable[[Members], None]) -> None:
@@ -60,6 +67,7 @@ class PoolDiscovery:
         self.pools = Informer("inferencepools", custom.list_namespaced_custom_object,
                               (POOL_GROUP, POOL_VERSION, namespace, POOL_PLURAL), self._changed)
         self.pods = Informer("pods", core.list_namespaced_pod, (namespace,), self._changed)
+        self.objectives = ObjectiveWatch(api_client, namespace, pool)
 
     @property
     def synced(self) -> bool:
@@ -70,11 +78,17 @@ class PoolDiscovery:
         """Start both informers (call on the event loop)."""
         self.pools.start()
         self.pods.start()
+        self.objectives.start()
 
     def stop(self) -> None:
         """Stop watching."""
         self.pools.stop()
         self.pods.stop()
+        self.objectives.stop()
+
+    def objective_priorities(self) -> Mapping[str, int]:
+        """The pool's InferenceObjectives by name -> priority (empty until listed, or without the CRD)."""
+        return self.objectives.priorities
 
     def _changed(self) -> None:
         if not self.synced:
@@ -83,3 +97,45 @@ class PoolDiscovery:
         if members != self.members:
             self.members = members
             self.on_members(members)
+
+
+def objective_priorities(objectives: Mapping[Key, Mapping[str, Any]], namespace: str, pool: str) -> dict[str, int]:
+    """Objective name -> priority for the ``InferenceObjective``s of ``namespace`` that name ``pool``; objects that
+    do not validate are skipped (with a warning), never half-read."""
+    out = {}
+    for (ns, name), obj in objectives.items():
+        if ns != namespace:
+            continue
+        try:
+            objective = InferenceObjective.model_validate(obj)
+        except ValidationError as exc:
+            log.warning("InferenceObjective %s/%s ignored: %s", ns, name, exc.errors()[0]["msg"])
+            continue
+        ref = objective.spec.pool_ref
+        if ref.name == pool and ref.kind == "InferencePool" and ref.group == POOL_GROUP:
+            out[name] = objective.effective_priority
+    return out
+
+
+class ObjectiveWatch:
+    """Follows the namespace's ``InferenceObjective``s (list + watch); ``priorities`` is the current name -> priority."""
+
+    def __init__(self, api_client: k8s.ApiClient, namespace: str, pool: str) -> None:
+        """Watch ``namespace`` for objectives of ``pool``."""
+        custom = k8s.CustomObjectsApi(api_client)
+        self.namespace = namespace
+        self.pool = pool
+        self.priorities: dict[str, int] = {}
+        self.informer = Informer("inferenceobjectives", custom.list_namespaced_custom_object,
+                                 (OBJECTIVE_GROUP, OBJECTIVE_VERSION, namespace, OBJECTIVE_PLURAL), self._changed)
+
+    def start(self) -> None:
+        """Start the informer (call on the event loop)."""
+        self.informer.start()
+
+    def stop(self) -> None:
+        """Stop watching."""
+        self.informer.stop()
+
+    def _changed(self) -> None:
+        self.priorities = objective_priorities(self.informer.items, self.namespace, self.pool)

@@ -151,9 +151,54 @@ def inference_pool_crd() -> dict[str, Any]:
     }
 
 
+def inference_objective_crd() -> dict[str, Any]:
+    """GIE's ``InferenceObjective`` (``inference.networking.x-k8s.io/v1alpha2``) CRD: a named request priority."""
+    spec_schema = {
+        "type": "object",
+        "required": ["poolRef"],
+        "properties": {
+            "priority": {"type": "integer", "format": "int32"},
+            "poolRef": {"type": "object", "required": ["name"], "properties": {
+                "group": {"type": "string", "default": "inference.networking.k8s.io", "maxLength": 253},
+                "kind": {"type": "string", "default": "InferencePool", "maxLength": 63},
+                "name": {"type": "string", "minLength": 1, "maxLength": 253},
+            }},
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": "inferenceobjectives.inference.networking.x-k8s.io"},
+        "spec": {
+            "group": "inference.networking.x-k8s.io",
+            "scope": "Namespaced",
+            "names": {"kind": "InferenceObjective", "listKind": "InferenceObjectiveList",
+                      "plural": "inferenceobjectives", "singular": "inferenceobjective"},
+            "versions": [{
+                "name": "v1alpha2",
+                "served": True,
+                "storage": True,
+                "subresources": {"status": {}},
+                "schema": {"openAPIV3Schema": {
+                    "type": "object",
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "metadata": {"type": "object"},
+                        "spec": spec_schema,
+                        "status": {"type": "object", "properties": {
+                            "conditions": {"type": "array", "maxItems": 8, "items": _CONDITION}}},
+                    },
+                    "required": ["spec"],
+                }},
+            }],
+        },
+    }
+
+
 def default_crds() -> list[dict[str, Any]]:
-    """AdapterRevision (generated from ``loraplane.api``) and InferencePool."""
-    return [adapter_revision_crd(), inference_pool_crd()]
+    """AdapterRevision (generated from ``loraplane.api``), InferencePool and InferenceObjective."""
+    return [adapter_revision_crd(), inference_pool_crd(), inference_objective_crd()]
 
 
 def load_crds(folder: Path) -> list[dict[str, Any]]:

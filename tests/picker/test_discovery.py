@@ -12,7 +12,7 @@ from kubernetes import client as k8s
 from kubernetes import config as kube_config
 
 from e2e.fixtures.devcluster import DevCluster
-from loraplane.picker.discovery import Members, PoolDiscovery, pool_endpoints
+from loraplane.picker.discovery import Members, PoolDiscovery, objective_priorities, pool_endpoints
 
 
 def pod(name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -70,3 +70,45 @@ def test_pool_endpoints_is_pure() -> None:
     }
     assert pool_endpoints(pools, pods, "ns", "p") == [("x", "[fd00::1]:81")]
     assert pool_endpoints(pools, pods, "ns", "missing") is None
+
+
+def objective(name: str, pool: str, priority: int | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"poolRef": {"name": pool}}
+    if priority is not None:
+        spec["priority"] = priority
+    return {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+            "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.mark.slow
+async def test_inference_objectives_are_watched_by_name(devcluster: DevCluster) -> None:
+    api = kube_config.new_client_from_config(str(devcluster.kubeconfig))
+    custom = k8s.CustomObjectsApi(api)
+    group = ("inference.networking.x-k8s.io", "v1alpha2", "default", "inferenceobjectives")
+    custom.create_namespaced_custom_object(*group, objective("batch", "pool-a", -2))
+    custom.create_namespaced_custom_object(*group, objective("other-pool", "pool-b", 5))
+    discovery = PoolDiscovery(api, "default", "pool-a", lambda _members: None)
+    discovery.start()
+    try:
+        await eventually(lambda: discovery.objective_priorities() == {"batch": -2})
+        custom.create_namespaced_custom_object(*group, objective("interactive", "pool-a"))  # unset priority: 0
+        await eventually(lambda: discovery.objective_priorities() == {"batch": -2, "interactive": 0})
+        custom.patch_namespaced_custom_object(*group, "batch", {"spec": {"priority": 3}})
+        await eventually(lambda: discovery.objective_priorities() == {"batch": 3, "interactive": 0})
+        custom.delete_namespaced_custom_object(*group, "batch")
+        await eventually(lambda: discovery.objective_priorities() == {"interactive": 0})
+    finally:
+        discovery.stop()
+        api.close()
+
+
+def test_objective_priorities_is_pure() -> None:
+    objectives = {
+        ("ns", "gold"): objective("gold", "p", 10),
+        ("ns", "default"): objective("default", "p"),
+        ("ns", "elsewhere"): objective("elsewhere", "q", 1),
+        ("other", "gold"): objective("gold", "p", -9),
+        ("ns", "broken"): {"metadata": {"name": "broken"}, "spec": {"priority": "high", "poolRef": {"name": "p"}}},
+        ("ns", "wrong-kind"): {**objective("wrong-kind", "p", 1), "spec": {"poolRef": {"name": "p", "kind": "Service"}}},
+    }
+    assert objective_priorities(objectives, "ns", "p") == {"gold": 10, "default": 0}
