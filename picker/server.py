@@ -179,6 +179,8 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
     tasks = [asyncio.create_task(coro) for coro in (sync.run(), sync.expire_stale(), sync.publish_forever())]
     discovery = _start_discovery(options, state)
+    if discovery is not None:
+        ctx.objectives = discovery.objective_priorities
     try:
         while not (state.synced and (discovery is None or discovery.synced)) and not stop.is_set():
             with contextlib.suppress(TimeoutError):
