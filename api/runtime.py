@@ -74,6 +74,11 @@ class TargetState(PayloadModel):
         description="the controller incarnation that wrote it (identity@start): a reader refuses a lower generation "
         "from the same writer (a replayed or stale copy); None from writers before this field",
     )
+    retired: list[str] = Field(
+        default_factory=list,
+        description="served names of the pool's revisions being deleted: the sidecar deletes their disk cache "
+        "entries once its runtime no longer holds them",
+    )
 
     @field_validator("adapters")
     @classmethod

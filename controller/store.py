@@ -169,17 +169,21 @@ class RedisStore:
         self.repairs += len(bad)
         return [key for key, _, _ in bad]
 
-    async def write_targets(self, pool: str, targets: Mapping[str, Sequence[AdapterTarget]]) -> list[str]:
-        """Write each pod's target state whose adapters changed; returns the pods written."""
+    async def write_targets(self, pool: str, targets: Mapping[str, Sequence[AdapterTarget]],
+                            retired: Sequence[str] = ()) -> list[str]:
+        """Write each pod's target state whose adapters (or the pool's ``retired`` served names) changed; returns the
+        pods written."""
         written = self.targets.setdefault(pool, {})
+        retired_names = sorted(retired)
         changed = []
         for pod, adapters in sorted(targets.items()):
             wanted = sorted(adapters, key=lambda a: a.served_name)
             old = written.get(pod)
-            if old is not None and old.adapters == wanted:
+            if old is not None and old.adapters == wanted and old.retired == retired_names:
                 continue
             changed.append(TargetState(pool=pool, pod=pod, generation=(old.generation + 1) if old else 1,
-                                       adapters=wanted, updated_at=self.clock(), writer=self.writer))
+                                       adapters=wanted, updated_at=self.clock(), writer=self.writer,
+                                       retired=retired_names))
         if not changed:
             return []
         await self._write_target_states(pool, changed)

@@ -362,6 +362,13 @@ class DiskCache:
                 f"({total} bytes held by adapters in the target state)",
             )
 
+    def release(self, served_names: Collection[str], in_use: Collection[str]) -> list[CacheEntry]:
+        """Delete the entries of ``served_names`` (revisions being deleted) except those ``in_use``; returns them."""
+        doomed = [e for e in self.entries().values() if e.served_name in served_names and e.served_name not in in_use]
+        for entry in doomed:
+            self.remove(entry.cache_key)
+        return doomed
+
     def evict_unused(self, keep: Collection[str]) -> list[CacheEntry]:
         """Bring the cache within budget by removing entries outside ``keep``; returns what was removed."""
         return self._evict(0, keep)[0]

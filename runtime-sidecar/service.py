@@ -124,6 +124,9 @@ class Sidecar:
             self.reconciler.step(self.target, observation)
         if self.target is not None:
             self.reconciler.cache.evict_unused({t.cache_key for t in self.target.adapters})
+            if observation is not None and self.target.retired:
+                held = {n for n, a in observation.adapters.items() if a.tier is not Tier.ABSENT}
+                self.reconciler.cache.release(self.target.retired, held | set(self.target.by_name()) | self.reconciler.busy())
         report = self.build_report()
         self._export(report)
         try:

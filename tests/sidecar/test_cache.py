@@ -241,3 +241,14 @@ def test_entries_without_valid_metadata_are_dropped_at_start(tmp_path: Path, art
     time.sleep(0)
     assert make_cache(tmp_path).entries() == {}
     assert not entry.path.exists()
+
+
+def test_release_deletes_the_entries_of_retired_revisions_not_in_use(tmp_path: Path, artifacts: Path) -> None:
+    weights = write_weights(artifacts / "w.safetensors")
+    cache = make_cache(tmp_path)
+    v1, v2 = (cache.fetch(target_for(f"file://{weights}", sha256_of(weights), revision=r), keep=(),
+                          timings=StageTimings()) for r in ("v1", "v2"))
+    assert cache.release({v1.served_name, v2.served_name}, in_use={v2.served_name}) == [v1]
+    assert not v1.path.exists() and cache.get(v1.cache_key) is None
+    assert v2.path.is_dir() and cache.get(v2.cache_key) == v2
+    assert make_cache(tmp_path).get(v1.cache_key) is None  # gone from disk, not only from memory
