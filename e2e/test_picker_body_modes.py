@@ -1,6 +1,7 @@
-"""The picker behind a real Envoy in GIE's reference mode: request and response bodies ``FULL_DUPLEX_STREAMED``.
+"""The picker behind a real Envoy in each ext_proc body mode: ``BUFFERED``, ``STREAMED`` and ``FULL_DUPLEX_STREAMED``
+(GIE's reference), with subset hints passed through Envoy's ``envoy.lb.subset_hint`` metadata.
 
-Real Redis (reports and routes written as the sidecars and the controller would), two small real HTTP backends
+Real Redis (reports and routes written as the sidecars and the controller would), three small real HTTP backends
 that echo what they received, the real picker CLI and Envoy.
 """
 
@@ -31,9 +32,10 @@ from loraplane.picker.envoy import UPSTREAM_HEADER, ExtProcModes
 
 pytestmark = pytest.mark.slow
 
-POOL = "pool-duplex"
+POOL = "pool-modes"
 DIGEST = "sha256:" + "e" * 64
 MAX_BODY = 300_000
+SUBSET_HEADER = "x-test-subset"
 
 
 @dataclass
@@ -41,15 +43,18 @@ class Setup:
     gateway: Gateway
     pods: dict[str, str]  # address -> pod
 
-    def post(self, body: bytes | dict[str, object], **kw: object) -> httpx.Response:
+    def post(self, body: bytes | dict[str, object], path: str = "/v1/completions", subset: str | None = None) -> httpx.Response:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return httpx.post(f"{self.gateway.url}/v1/completions", content=content,
-                          headers={"content-type": "application/json"}, timeout=30, **kw)  # type: ignore[arg-type]
+        headers = {"content-type": "application/json", **({SUBSET_HEADER: subset} if subset is not None else {})}
+        return httpx.post(f"{self.gateway.url}{path}", content=content, headers=headers, timeout=30)
+
+    def address_of(self, pod: str) -> str:
+        return next(address for address, name in self.pods.items() if name == pod)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    work = tmp_path_factory.mktemp("duplex")
+@pytest.fixture(scope="module", params=["BUFFERED", "STREAMED", "FULL_DUPLEX_STREAMED"])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    work = tmp_path_factory.mktemp("modes")
     redis_server = start_redis(work)
     backends: list[ManagedProcess] = []
     try:
@@ -58,7 +63,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "claims": RouteEntry(revisions=[WeightedRevision(revision="v1", served_name="claims@v1", digest=DIGEST, weight=100)])})
         client.set(keys.route_table(POOL), table.to_json())
         pods = {}
-        for pod, tier in (("pod-a", Tier.GPU), ("pod-b", Tier.CPU)):
+        for pod, tier in (("pod-a", Tier.GPU), ("pod-b", Tier.CPU), ("pod-c", Tier.DISK)):
             port = free_port()
             proc = ManagedProcess([sys.executable, "-m", "e2e.fixtures.echo_backend", "--port", str(port), "--pod", pod],
                                   work / f"{pod}.log").start()
@@ -70,7 +75,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
                                      adapters=[AdapterResidency(served_name="claims@v1", tier=tier, digest=DIGEST)])
             client.set(keys.residency_report(POOL, pod), report.to_json())
             client.sadd(keys.residency_index(POOL), pod)
-        modes = ExtProcModes(request_body_mode="FULL_DUPLEX_STREAMED", response_body_mode="FULL_DUPLEX_STREAMED")
+        modes = ExtProcModes(request_body_mode=request.param, response_body_mode=request.param,
+                             subset_hint_header=SUBSET_HEADER)
         gateways = gateway(work, POOL, redis_server.url, modes=modes, extra_args=["--max-body-bytes", str(MAX_BODY)])
         yield Setup(next(gateways), pods)
         gateways.close()
@@ -85,7 +91,7 @@ def test_bodies_are_reassembled_rewritten_and_rewritten_back(setup: Setup) -> No
     assert small.status_code == 200, small.text
     assert setup.pods[small.headers[UPSTREAM_HEADER]] == "pod-a"  # GPU-warm
     assert small.json()["received"] == "claims@v1" and small.json()["model"] == "claims"
-    big = json.dumps({"model": "claims", "prompt": "x" * 200_000}).encode()  # several 62,000-byte chunks back
+    big = json.dumps({"model": "claims", "prompt": "x" * 200_000}).encode()  # full duplex: several 62,000-byte chunks
     response = setup.post(big)
     assert response.status_code == 200, response.text
     assert response.json()["body_bytes"] == len(big) + len("@v1")
@@ -93,7 +99,7 @@ def test_bodies_are_reassembled_rewritten_and_rewritten_back(setup: Setup) -> No
 
 
 def test_sse_is_streamed_through_with_the_model_rewritten_back(setup: Setup) -> None:
-    with httpx.stream("POST", f"{setup.gateway.url}/v1/completions", json={"model": "claims", "stream": True},
+    with httpx.stream("POST", f"{setup.gateway.url}/v1/completions", json={"model": "claims", "prompt": "p", "stream": True},
                       timeout=30) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -105,11 +111,31 @@ def test_sse_is_streamed_through_with_the_model_rewritten_back(setup: Setup) -> 
 
 
 @pytest.mark.parametrize(
-    ("body", "status"),
-    [(b'{"model": "unknown"}', 404), (b"{broken", 400), (b'{"prompt": "no model"}', 400),
-     (json.dumps({"model": "claims", "prompt": "y" * (MAX_BODY + 1)}).encode(), 413)],
+    ("body", "path", "status", "code"),
+    [(b'{"model": "unknown", "prompt": "p"}', "/v1/completions", 404, "NotFound"),
+     (b"{broken", "/v1/completions", 400, "BadRequest"),
+     (b'{"prompt": "no model"}', "/v1/completions", 400, "BadRequest"),
+     (b'{"model": "claims"}', "/v1/completions", 400, "BadRequest"),  # a completion needs a prompt
+     (b'{"model": "claims", "messages": []}', "/v1/chat/completions", 400, "BadRequest"),
+     (json.dumps({"model": "claims", "prompt": "y" * (MAX_BODY + 1)}).encode(), "/v1/completions", 413, "PayloadTooLarge")],
 )
-def test_client_errors_come_back_as_http_statuses(setup: Setup, body: bytes, status: int) -> None:
-    response = setup.post(body)
+def test_client_errors_come_back_as_http_statuses(setup: Setup, body: bytes, path: str, status: int, code: str) -> None:
+    response = setup.post(body, path)
     assert response.status_code == status
-    assert response.text.startswith(f"inference error: {status} - ")
+    assert response.text.startswith(f"inference error: {code} - ")
+
+
+def test_subset_hints_through_envoy_metadata(setup: Setup) -> None:
+    body = {"model": "claims", "prompt": "hi"}
+    cold = setup.address_of("pod-c")
+    for hint in (cold, f"9.9.9.9:1, {cold}"):  # the disk-only pod, though the GPU pod is warmer; unknown entries ignored
+        response = setup.post(body, subset=hint)
+        assert response.status_code == 200, response.text
+        assert setup.pods[response.headers[UPSTREAM_HEADER]] == "pod-c"
+    warm_two = f"{setup.address_of('pod-b')},{cold}"
+    assert setup.pods[setup.post(body, subset=warm_two).headers[UPSTREAM_HEADER]] == "pod-b"  # best inside the hint
+    port_mismatch = setup.address_of("pod-a").rpartition(":")[0] + ":1"
+    for hint in ("9.9.9.9:8000", port_mismatch):
+        refused = setup.post(body, subset=hint)
+        assert refused.status_code == 503, (hint, refused.text)
+        assert refused.text.startswith("inference error: ServiceUnavailable - ")

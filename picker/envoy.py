@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplane.picker.extproc import DESTINATION_HEADER, LB_NAMESPACE
+from loraplane.picker.extproc import DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 
 LOOPBACK = "127.0.0.1"
 
@@ -26,6 +26,9 @@ class ExtProcModes:
     response_body_mode: str = "BUFFERED"
     #: request attributes sent to the picker (needed when the header phase is skipped)
     request_attributes: Sequence[str] = field(default_factory=tuple)
+    #: a request header whose value (``ip:port,...``) Envoy turns into the protocol's subset hint
+    #: (``envoy.lb.subset_hint`` filter metadata, forwarded to the picker); the stand-in for a gateway's own subsetting
+    subset_hint_header: str | None = None
 
     def as_config(self) -> dict[str, Any]:
         """The ``processing_mode`` block."""
@@ -190,6 +193,15 @@ def _pool_cluster(endpoints: Sequence[str] | None) -> dict[str, Any]:
                 "name": "envoy.load_balancing_policies.override_host", "typed_config": override}}]}}
 
 
+def _subset_hint_from_header(header: str) -> dict[str, Any]:
+    """``header_to_metadata``: the header's value as the subset hint (one comma-separated string), header removed."""
+    rule = {"header": header, "remove": True, "on_header_present": {
+        "metadata_namespace": SUBSET_NAMESPACE, "key": SUBSET_KEY, "type": "STRING"}}
+    return {"name": "envoy.filters.http.header_to_metadata", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config",
+        "request_rules": [rule]}}
+
+
 def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: ExtProcModes | None = None,
                   message_timeout: str = "5s", upstream_header: bool = False,
                   policy: GatewayPolicy | None = None) -> dict[str, Any]:
@@ -207,6 +219,9 @@ def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: Ex
     if modes.request_attributes:
         ext_proc["request_attributes"] = list(modes.request_attributes)
     filters = [{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}]
+    if modes.subset_hint_header:
+        ext_proc["metadata_options"] = {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}}
+        filters.insert(0, _subset_hint_from_header(modes.subset_hint_header))
     clusters = [_pool_cluster(policy.endpoints), _static_cluster("picker", picker_port, http2=True)]
     return _bootstrap(listen_port, admin_port, filters, "pool", clusters, upstream_header, policy)
 
