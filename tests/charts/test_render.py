@@ -7,7 +7,6 @@ import functools
 import importlib
 import itertools
 import re
-import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -252,26 +251,33 @@ def _flags(args: list[str]) -> dict[str, str]:
 
 
 def _check_redis(rendered: Rendered, values: dict[str, Any]) -> None:
-    urls = set()
+    urls, users = set(), set()
     for name, pod in _pod_specs(rendered).items():
         for c in _containers(pod):
             url = _flags(c.get("args", [])).get("--redis-url")
             if url is None:
                 continue
             urls.add(url)
-            env = {e["name"] for e in c.get("env", [])}
-            assert "LORAPLANE_REDIS_PASSWORD" in env, f"{name}/{c['name']} expands $(LORAPLANE_REDIS_PASSWORD)"
+            env = {e["name"]: e for e in c.get("env", [])}
+            where = f"{name}/{c['name']}"
+            assert "LORAPLANE_REDIS_PASSWORD" in env, f"{where} has no Redis password"
+            assert "valueFrom" in env["LORAPLANE_REDIS_PASSWORD"], f"{where}: the password comes from a Secret"
+            if values["redis"]["bundled"]:  # each component its own ACL user
+                users.add(env["LORAPLANE_REDIS_USERNAME"]["value"])
+                key = env["LORAPLANE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"]
+                assert key == env["LORAPLANE_REDIS_USERNAME"]["value"], where
     assert len(urls) == 1, f"every component must use the same Redis: {urls}"
     (url,) = urls
+    assert "@" not in url, "no credentials on a command line"
     if values["redis"]["bundled"]:
         svc = rendered.get("Service", name_of("redis"))
-        assert url == f"redis://:$(LORAPLANE_REDIS_PASSWORD)@{svc['metadata']['name']}.{NAMESPACE}.svc:6379/0"
+        assert url == f"redis://{svc['metadata']['name']}.{NAMESPACE}.svc:6379/0"
+        assert users == {"controller", "picker", "sidecar"}
         rendered.get("StatefulSet", name_of("redis"))
         secret = rendered.get("Secret", name_of("redis"))
-        assert secret["data"]["redis-password"]
+        assert set(secret["data"]) == {"redis-password", "controller", "picker", "sidecar"}
     else:
-        scheme, _, rest = values["redis"]["external"]["url"].partition("://")
-        assert url == f"{scheme}://:$(LORAPLANE_REDIS_PASSWORD)@{rest}"
+        assert url == values["redis"]["external"]["url"]
         assert not rendered.of_kind("StatefulSet") and not rendered.of_kind("Secret")
 
 
@@ -500,18 +506,41 @@ def test_bad_values_fail_with_a_clear_message(helm_bin: str, tmp_path: Path, val
 def test_existing_redis_secret_is_used_and_none_created(render: RenderFn) -> None:
     rendered = render({"redis": {"auth": {"existingSecret": "my-redis", "secretKey": "pw"}}})
     assert not rendered.of_kind("Secret")
+    refs = set()
     for pod in _pod_specs(rendered).values():
         for c in _containers(pod):
             for env in c.get("env", []):
-                if env["name"] == "LORAPLANE_REDIS_PASSWORD":
-                    assert env["valueFrom"]["secretKeyRef"] == {"name": "my-redis", "key": "pw"}
+                if env["name"] == "LORAPLANE_REDIS_PASSWORD" or env["name"].startswith("REDIS_PASSWORD_"):
+                    assert env["valueFrom"]["secretKeyRef"]["name"] == "my-redis"
+                    refs.add(env["valueFrom"]["secretKeyRef"]["key"])
+    assert refs == {"pw", "controller", "picker", "sidecar"}
 
 
-def test_bundled_redis_command_requires_the_password(render: RenderFn) -> None:
+def test_bundled_redis_starts_from_the_acl_file_only(render: RenderFn) -> None:
     redis = render().get("StatefulSet", name_of("redis"))["spec"]["template"]["spec"]["containers"][0]
-    command = shlex.split(redis["args"][0].replace('"$LORAPLANE_REDIS_PASSWORD"', "PASSWORD"))
-    assert command[:2] == ["exec", "redis-server"]
-    assert command[command.index("--requirepass") + 1] == "PASSWORD"
+    script = redis["args"][0]
+    assert "--aclfile /data/users.acl" in script and "--requirepass" not in script
+    assert "users.acl.in > /data/users.acl" in script and "umask 077" in script
+
+
+def test_redis_tls_reaches_redis_and_every_client(render: RenderFn) -> None:
+    rendered = render({"redis": {"tls": {"enabled": True, "secretName": "redis-tls"}}})
+    redis = rendered.get("StatefulSet", name_of("redis"))["spec"]["template"]["spec"]
+    assert "--port 0 --tls-port 6379" in redis["containers"][0]["args"][0]
+    clients = 0
+    for name, pod in _pod_specs(rendered).items():
+        for c in _containers(pod):
+            url = _flags(c.get("args", [])).get("--redis-url")
+            if url is None:
+                continue
+            clients += 1
+            assert url.startswith("rediss://"), name
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            ca = env["LORAPLANE_REDIS_CA_FILE"]
+            mount = next(m for m in c["volumeMounts"] if ca.startswith(m["mountPath"]))
+            volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+            assert volume["secret"]["secretName"] == "redis-tls", name
+    assert clients == 3
 
 
 def test_placement_values_reach_their_pods_only(render: RenderFn) -> None:

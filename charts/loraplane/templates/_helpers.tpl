@@ -102,30 +102,81 @@ affinity:
 {{- end -}}
 {{- end -}}
 
-{{/* Environment of every Redis client: LORAPLANE_REDIS_PASSWORD from the Secret (when there is one). */}}
+{{/* The Redis ACL users of the bundled Redis: one per component; the Secret holds each one's password under the
+user's name (the admin's under redis.auth.secretKey). */}}
+{{- define "loraplane.redisUsers" -}}
+{{- list "controller" "picker" "sidecar" | toJson -}}
+{{- end -}}
+
+{{/* Environment of a Redis client {root, user}: its ACL user and password (never on the command line), and the
+CA bundle with TLS. */}}
 {{- define "loraplane.redisEnv" -}}
-{{- if include "loraplane.redisSecretName" . -}}
+{{- $root := .root -}}
+{{- $secret := include "loraplane.redisSecretName" $root -}}
+{{- if $root.Values.redis.bundled }}
+- {name: LORAPLANE_REDIS_USERNAME, value: {{ .user }}}
 - name: LORAPLANE_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "loraplane.redisSecretName" . }}
-      key: {{ include "loraplane.redisSecretKey" . }}
-{{- end -}}
+      name: {{ $secret }}
+      key: {{ ternary (include "loraplane.redisSecretKey" $root) .user (eq .user "admin") }}
+{{- else }}
+{{- with $root.Values.redis.external.username }}
+- {name: LORAPLANE_REDIS_USERNAME, value: {{ . | quote }}}
+{{- end }}
+{{- if $secret }}
+- name: LORAPLANE_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ include "loraplane.redisSecretKey" $root }}
+{{- end }}
+{{- end }}
+{{- if $root.Values.redis.tls.enabled }}
+- {name: LORAPLANE_REDIS_CA_FILE, value: /etc/loraplane/redis-tls/ca.crt}
+{{- end }}
 {{- end -}}
 
-{{/* The --redis-url argument: the password is expanded by the kubelet from LORAPLANE_REDIS_PASSWORD. */}}
+{{/* The CA volume and its mount of a Redis client with TLS (empty without TLS). */}}
+{{- define "loraplane.redisTlsVolume" -}}
+{{- if .Values.redis.tls.enabled }}
+- name: redis-tls
+  secret:
+    secretName: {{ required "redis.tls.secretName is required with redis.tls.enabled" .Values.redis.tls.secretName }}
+{{- end }}
+{{- end -}}
+{{- define "loraplane.redisTlsMount" -}}
+{{- if .Values.redis.tls.enabled }}
+- {name: redis-tls, mountPath: /etc/loraplane/redis-tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{/* The --redis-url argument: no credentials in it (they come from the environment, see loraplane.redisEnv). */}}
 {{- define "loraplane.redisUrl" -}}
-{{- $auth := ternary ":$(LORAPLANE_REDIS_PASSWORD)@" "" (not (empty (include "loraplane.redisSecretName" .))) -}}
 {{- if .Values.redis.bundled -}}
-{{- printf "redis://%s%s:%d/0" $auth (include "loraplane.redisHost" .) (int .Values.redis.port) -}}
+{{- printf "%s://%s:%d/0" (ternary "rediss" "redis" .Values.redis.tls.enabled) (include "loraplane.redisHost" .) (int .Values.redis.port) -}}
 {{- else -}}
 {{- $url := required "redis.external.url is required when redis.bundled is false" .Values.redis.external.url -}}
 {{- if not (regexMatch "^rediss?://[^@/]+(/[0-9]+)?$" $url) -}}
 {{- fail (printf "redis.external.url %q must be redis://host:port[/db] or rediss://host:port[/db], without a password (use redis.external.passwordSecret)" $url) -}}
 {{- end -}}
-{{- $parts := regexSplit "://" $url 2 -}}
-{{- printf "%s://%s%s" (index $parts 0) $auth (index $parts 1) -}}
+{{- $url -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The bundled Redis's ACL rules of each component user, for pool $pool (key names of loraplane.api.keys):
+the controller writes target states and the route table; sidecars their reports and the report index; the
+picker the request rates and its counters; everyone reads the pool's keys but the sidecars, which read only the
+target states. The default user is off: without a password nothing runs. */}}
+{{- define "loraplane.redisAcl" -}}
+{{- $p := printf "loraplane:{%s}" (include "loraplane.poolName" .) -}}
+{{- $connect := "+ping +echo +hello +client|setname +client|id +select" -}}
+{{- $read := "+get +mget +smembers +scan +exists +ttl +pttl +type" -}}
+user default off resetkeys resetchannels -@all
+user admin on #ADMIN_HASH ~* &* +@all
+user controller on #CONTROLLER_HASH resetkeys %R~{{ $p }}:* %W~{{ $p }}:target:* %W~{{ $p }}:routes resetchannels &{{ $p }}:target-changed &{{ $p }}:routes-changed -@all {{ $connect }} {{ $read }} +set +publish
+user picker on #PICKER_HASH resetkeys %R~{{ $p }}:* %W~{{ $p }}:rates %W~{{ $p }}:counters:* resetchannels &{{ $p }}:residency-changed &{{ $p }}:routes-changed -@all {{ $connect }} {{ $read }} +subscribe +unsubscribe +set
+user sidecar on #SIDECAR_HASH resetkeys %R~{{ $p }}:target:* %W~{{ $p }}:residency:* %W~{{ $p }}:residency-pods resetchannels &{{ $p }}:target-changed &{{ $p }}:residency-changed -@all {{ $connect }} +get +subscribe +unsubscribe +set +sadd +publish +multi +exec +discard
 {{- end -}}
 
 {{/* Labels that let a pod through the Redis NetworkPolicy. */}}
