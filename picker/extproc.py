@@ -536,7 +536,7 @@ def _response_body(body: bytes, with_length: bool) -> Wire:
 @lru_cache(maxsize=8)
 def _buffer_request_body(response_body_mode: int) -> Wire:
     """CONTINUE on the request headers, switching this request's body to BUFFERED (Envoy's ``mode_override``)."""
-    mode = pm.ProcessingMode(request_body_mode=BUFFERED, response_body_mode=response_body_mode)  # type: ignore[arg-type]
+    mode = pm.ProcessingMode(request_body_mode=BUFFERED, response_body_mode=response_body_mode)
     return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=mode).SerializeToString()
 
 

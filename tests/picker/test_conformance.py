@@ -93,7 +93,7 @@ def replaced_response_body(data: bytes, content_length: bool) -> pb.ProcessingRe
 
 def refused(status: int, code: str, message: str, reason: str) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
+        status=http_status_pb2.HttpStatus(code=status),
         headers=set_headers([("content-type", "text/plain"), ("x-llm-d-request-dropped-reason", reason)]),
         body=f"inference error: {code} - {message}".encode(), details=reason))
 
@@ -111,6 +111,16 @@ def saturate(picker: Picker) -> None:
     for report in reports(time.time(), queue_depth=9):
         picker.state.set_report(report)
     picker.state.rebuild()
+
+
+def empty_pool(picker: Picker) -> None:
+    picker.state.reports.clear()
+    picker.state.rebuild()
+
+
+def saturated_with_objectives(picker: Picker) -> None:
+    picker.ctx.objectives = lambda: {"batch-jobs": -3}  # as the InferenceObjective watch provides them
+    saturate(picker)
 
 
 @dataclass
@@ -171,12 +181,12 @@ CASES: dict[str, Case] = {
     "modes/streamed-asks-for-a-buffered-body": Case(
         [request_headers(STREAMED), body(COMPLETION)],
         [pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=pm.ProcessingMode(
-            request_body_mode=BUFFERED, response_body_mode=STREAMED)),  # type: ignore[arg-type]
+            request_body_mode=BUFFERED, response_body_mode=STREAMED)),
          routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
     "modes/streamed-chunks-when-the-override-is-not-applied": Case(
         [request_headers(STREAMED), body(COMPLETION[:20], False), body(COMPLETION[20:])],
         [pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=pm.ProcessingMode(
-            request_body_mode=BUFFERED, response_body_mode=STREAMED)),  # type: ignore[arg-type]
+            request_body_mode=BUFFERED, response_body_mode=STREAMED)),
          clear_chunk("request_body"), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
     "modes/full-duplex": Case(
         [request_headers(FULL_DUPLEX), body(COMPLETION[:20], False), body(COMPLETION[20:])],
@@ -205,7 +215,7 @@ CASES: dict[str, Case] = {
     "errors/no-endpoint-is-503": Case(
         [request_headers(BUFFERED), body(COMPLETION)],
         [continue_headers(), refused(503, "ServiceUnavailable", "the pool has no endpoints", "no-endpoint")],
-        setup=lambda p: (p.state.reports.clear(), p.state.rebuild())),  # type: ignore[func-returns-value]
+        setup=empty_pool),
     "errors/sheddable-under-saturation-is-429": Case(
         [request_headers(BUFFERED, ("x-gateway-inference-objective", "sheddable")), body(COMPLETION)],
         [continue_headers(), refused(429, "ResourceExhausted",
@@ -253,7 +263,7 @@ CASES: dict[str, Case] = {
         [continue_headers(), refused(429, "ResourceExhausted",
                                      "every candidate endpoint is saturated and the request is sheddable",
                                      "rejected-saturated")],
-        setup=lambda p: (setattr(p.ctx, "objectives", lambda: {"batch-jobs": -3}), saturate(p))),  # type: ignore[func-returns-value]
+        setup=saturated_with_objectives),
     "request/inference-objective-unknown-name-keeps-the-route-priority": Case(
         [with_subset(request_headers(BUFFERED, ("x-gateway-inference-objective", "no-such-objective")), [GPU]),
          body(COMPLETION)],
