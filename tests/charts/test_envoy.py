@@ -76,14 +76,28 @@ def _http_filter(config: dict[str, Any], name: str) -> dict[str, Any]:
     return found
 
 
-def test_bootstrap_routes_to_the_picker_and_original_dst(render: RenderFn) -> None:
+def test_bootstrap_routes_to_the_picker_and_the_pickers_endpoints_with_retries(render: RenderFn) -> None:
+    rendered = render({"gateway": {"mode": "envoy"}})
     config = bootstrap(render, {})
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     picker = clusters["picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     assert picker["socket_address"] == {"address": f"{name_of('picker')}.serving.svc", "port_value": 9002}
-    assert clusters["model-servers"]["type"] == "ORIGINAL_DST"
-    assert clusters["model-servers"]["original_dst_lb_config"] == {"use_http_header": True,
-                                                                     "http_header_name": DESTINATION_HEADER}
+    pool = clusters["model-servers"]
+    assert pool["type"] == "STRICT_DNS"
+    host = pool["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    headless = rendered.get("Service", name_of("model-server"))
+    assert headless["spec"]["clusterIP"] == "None" and host == {"address": f"{name_of('model-server')}.serving.svc",
+                                                                 "port_value": headless["spec"]["ports"][0]["port"]}
+    policy = pool["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert policy["name"] == "envoy.load_balancing_policies.override_host"
+    assert policy["typed_config"]["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION_HEADER}]}}, {"header": DESTINATION_HEADER}]
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    assert (hcm["request_headers_timeout"], hcm["stream_idle_timeout"]) == ("10s", "300s")
+    assert hcm["common_http_protocol_options"]["idle_timeout"] == "300s"
+    routed = [r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if "route" in r]
+    assert routed and all(r["route"]["retry_policy"] == {"retry_on": "connect-failure,reset,refused-stream",
+                                                          "num_retries": 2} for r in routed)
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     filters = [f["name"] for f in config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
                ["typed_config"]["http_filters"]]
@@ -147,14 +161,28 @@ def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination
             envoy.stop()
         assert seen == [], f"{failure_mode}: a client-chosen destination reached the backend: {seen}"
 
-    # The control: without the header_mutation filter, the very same request reaches the backend, so the
-    # assertion above is what the filter buys.
-    config, port = _live_config(render, "FailOpen")
-    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.header_mutation"]
-    envoy = _run_envoy(render, envoy_bin, config, tmp_path, port)
-    try:
-        assert _completion(port, "/v1/completions", spoofed).status_code == 200
-    finally:
-        envoy.stop()
-    assert [s["path"] for s in seen] == ["/v1/completions"]
+    # The control, with the backend and a decoy as the pool's pods (FailOpen: Envoy balances without the picker):
+    # with the header_mutation filter a spoofed destination is ignored (round robin reaches the decoy too);
+    # without it, every request goes where the client said, so the header stripping is what the filter buys.
+    with model_server_stand_in("decoy") as decoy:
+        landed = {}
+        for keep_filter in (True, False):
+            config, port = _live_config(render, "FailOpen")
+            pool = next(c for c in config["static_resources"]["clusters"] if c["name"] == "model-servers")
+            pool["type"] = "STATIC"
+            pool.pop("dns_refresh_rate")
+            pool["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+                {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": s.port}}}}
+                for s in (backend, decoy)]
+            hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            if not keep_filter:
+                hcm["http_filters"] = [f for f in hcm["http_filters"]
+                                       if f["name"] != "envoy.filters.http.header_mutation"]
+            envoy = _run_envoy(render, envoy_bin, config, tmp_path, port)
+            before = len(decoy.seen)
+            try:
+                assert all(_completion(port, "/v1/completions", spoofed).status_code == 200 for _ in range(6))
+            finally:
+                envoy.stop()
+            landed[keep_filter] = len(decoy.seen) - before
+    assert landed[True] > 0 and landed[False] == 0, landed

@@ -2,9 +2,10 @@
 the bootstrap the chart renders, a real redis-server, and two loopback HTTP servers standing in the model-server
 pods' places. The pool's state is what sidecars and the controller would have written to Redis.
 
-Only three things differ from the cluster: listen addresses are loopback instead of 0.0.0.0, Envoy reaches the
-picker at 127.0.0.1 instead of its Service's DNS name, and the picker takes its members from the sidecars' reports
-(``picker.inferencePoolDiscovery=false``) as there is no API server here.
+Only four things differ from the cluster: listen addresses are loopback instead of 0.0.0.0, Envoy reaches the
+picker at 127.0.0.1 instead of its Service's DNS name, the pool cluster lists the stand-ins' loopback addresses
+instead of resolving the model servers' headless Service, and the picker takes its members from the sidecars'
+reports (``picker.inferencePoolDiscovery=false``) as there is no API server here.
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
     address = picker_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
     assert address["socket_address"]["port_value"] == grpc
     address["socket_address"]["address"] = "127.0.0.1"
+    pool_cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "model-servers")
+    pool_cluster["type"] = "STATIC"
+    pool_cluster.pop("dns_refresh_rate")
+    pool_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": s.port}}}}
+        for s in model_servers]
     config_path = tmp_path / "envoy.yaml"
     config_path.write_text(json.dumps(config))
 

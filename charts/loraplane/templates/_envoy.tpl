@@ -1,9 +1,13 @@
-{{/* The standalone Envoy's bootstrap: the ext_proc filter calls the picker, which names the endpoint in
-x-gateway-destination-endpoint; an ORIGINAL_DST cluster sends the request there. A client's own copy of that
-header is removed before the picker runs, and only the inference paths are routed. */}}
+{{/* The standalone Envoy's bootstrap: the ext_proc filter calls the picker, which names its ordered endpoints in
+the envoy.lb metadata (and the first in x-gateway-destination-endpoint); the model-servers cluster (the pods of a
+headless Service) is balanced by Envoy's override-host policy, which sends the request to the first and, on a
+retry (refused, reset or closed before response headers), to the next. A client's own copy of the header is
+removed before the picker runs, only the inference paths are routed, and header, stream-idle and connection-idle
+timeouts bound what a slow or stalled client may hold. */}}
 {{- define "loraplane.envoyBootstrap" -}}
 {{- $e := .Values.gateway.envoy -}}
 {{- $picker := printf "%s.%s.svc" (include "loraplane.componentName" (dict "root" . "component" "picker")) .Release.Namespace -}}
+{{- $endpoints := printf "%s.%s.svc" (include "loraplane.componentName" (dict "root" . "component" "model-server")) .Release.Namespace -}}
 {{- $noExtProc := dict "envoy.filters.http.ext_proc" (dict "@type" "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute" "disabled" true) -}}
 admin:
   address:
@@ -19,6 +23,10 @@ static_resources:
               typed_config:
                 "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
                 stat_prefix: inference
+                request_headers_timeout: {{ $e.timeouts.requestHeaders }}
+                stream_idle_timeout: {{ $e.timeouts.streamIdle }}
+                common_http_protocol_options:
+                  idle_timeout: {{ $e.timeouts.connectionIdle }}
                 use_remote_address: true
                 normalize_path: true
                 merge_slashes: true
@@ -37,6 +45,11 @@ static_resources:
                           route:
                             cluster: model-servers
                             timeout: {{ $.Values.gateway.requestTimeout }}
+                            {{- if $e.retries }}
+                            retry_policy:
+                              retry_on: connect-failure,reset,refused-stream
+                              num_retries: {{ $e.retries }}
+                            {{- end }}
                         {{- end }}
                         - match: {prefix: /}
                           direct_response: {status: 404, body: {inline_string: "not an inference path\n"}}
@@ -86,10 +99,29 @@ static_resources:
                   address:
                     socket_address: {address: {{ $picker }}, port_value: {{ .Values.picker.ports.grpc }}}
     - name: model-servers
-      type: ORIGINAL_DST
+      type: STRICT_DNS
       connect_timeout: 5s
-      lb_policy: CLUSTER_PROVIDED
-      original_dst_lb_config:
-        use_http_header: true
-        http_header_name: x-gateway-destination-endpoint
+      dns_refresh_rate: 2s
+      load_assignment:
+        cluster_name: model-servers
+        endpoints:
+          - lb_endpoints:
+              - endpoint:
+                  address:
+                    socket_address: {address: {{ $endpoints }}, port_value: {{ .Values.modelServer.port }}}
+      load_balancing_policy:
+        policies:
+          - typed_extension_config:
+              name: envoy.load_balancing_policies.override_host
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost
+                override_host_sources:
+                  - metadata: {key: envoy.lb, path: [{key: x-gateway-destination-endpoint}]}
+                  - header: x-gateway-destination-endpoint
+                fallback_policy:
+                  policies:
+                    - typed_extension_config:
+                        name: envoy.load_balancing_policies.round_robin
+                        typed_config:
+                          "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
 {{- end -}}
