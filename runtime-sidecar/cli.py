@@ -156,9 +156,9 @@ async def serve(args: argparse.Namespace) -> int:
         read_timeout_s=args.fetch_read_timeout,
         deadline_s=args.fetch_deadline,
     ))
-    limits = UnpackLimits(args.max_unpacked_bytes, args.max_archive_files, args.max_compression_ratio)
+    unpack_limits = UnpackLimits(args.max_unpacked_bytes, args.max_archive_files, args.max_compression_ratio)
     cache = DiskCache(Path(args.cache_dir), args.cache_bytes, sources,
-                      on_evict=lambda entry: metrics.evictions.labels("disk").inc(), limits=limits)
+                      on_evict=lambda entry: metrics.evictions.labels("disk").inc(), limits=unpack_limits)
     reconciler = Reconciler(driver, cache, metrics, concurrency=args.concurrency,
                             backoff=Backoff(args.backoff_base, args.backoff_cap), drain_grace_s=args.drain_grace)
     bus = RedisBus(args.redis_url, args.pool, args.pod)
