@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 #: ``loraplane bench <name>`` -> target.
 BENCHMARKS: dict[str, str] = {
     "kernels": "loraplane.kernels.bench:main",
+    "vllm-lora": "loraplane.kernels.vllm_serving_bench:main",
     "engine": "loraplane.engine.bench:main",
     "sidecar": "loraplane.sidecar.bench:main",
     "picker": "loraplane.picker.bench:main",
