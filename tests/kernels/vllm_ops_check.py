@@ -4,7 +4,8 @@ wrapper and through loraplane's, on the same stacked weights and batch mapping.
 Usage: ``python vllm_ops_check.py CASE.safetensors OUT.safetensors``. The case file holds ``x``, ``base`` (the base
 layer's output), per adapter ``<name>.a.<slice>`` / ``<name>.b.<slice>`` (B already scaled, as vLLM folds the scale
 in at load) and ``rows`` (each row's slot, -1 = no LoRA); ``slot.<name>`` says where each adapter goes. Written:
-``vllm.prefill``/``vllm.decode`` and ``loraplane.prefill``/``loraplane.decode`` (the layer output), and
+``vllm.prefill``/``vllm.decode`` and ``loraplane.prefill``/``loraplane.decode`` (the layer output),
+``vllm.logits``/``loraplane.logits`` (the first slice alone through ``add_lora_logits``), and
 ``loraplane.reloaded`` (after slot 0 is rewritten with another adapter and the mirror is told, as vLLM's
 activation does through the plugin).
 """
@@ -59,6 +60,9 @@ def main(case_path: str, out_path: str) -> None:
             y = base.clone()
             wrapper.add_lora_linear(y, x, a_stacked, b_stacked, 1.0, tuple(widths))
             out[f"{label}.{mode}"] = y
+        logits = base[:, : widths[0]].clone()  # the first slice alone as a logits head (per-request rows)
+        wrapper.add_lora_logits(logits, x, a_stacked[0], b_stacked[0], 1.0)
+        out[f"{label}.logits"] = logits
     ours = wrappers["loraplane"]
     first, second = adapters[0], adapters[1]
     write(slot_of[first], second)
