@@ -284,6 +284,21 @@ CASES: dict[str, Case] = {
         [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN), REMOVE_LENGTH,
          clear_chunk("response_body"), clear_chunk("response_body"), replaced_response_body(JSON_BACK, False)],
         setup=None),
+    "response/full-duplex-json-then-an-empty-end-chunk": Case(
+        [request_headers(FULL_DUPLEX), body(COMPLETION), response_headers(200), response_body(JSON_REPLY, False),
+         response_body(b"", True)],
+        [routed_response("request_headers", BOTH, len(REWRITTEN)), streamed("request_body", REWRITTEN, True),
+         REMOVE_LENGTH, streamed("response_body", JSON_BACK, True)]),
+    "response/not-json-passes-through-unchanged": Case(
+        [request_headers(FULL_DUPLEX), body(COMPLETION), response_headers(502, "text/plain"),
+         response_body(b"no healthy upstream", True)],
+        [routed_response("request_headers", BOTH, len(REWRITTEN)), streamed("request_body", REWRITTEN, True),
+         REMOVE_LENGTH, streamed("response_body", b"no healthy upstream", True)]),
+    "response/response-phases-only-pass-through": Case(
+        [response_headers(200), response_body(b'{"model":"claims@v1"}', True)],
+        [CONTINUE_RESPONSE_HEADERS, streamed("response_body", b'{"model":"claims@v1"}', True)]),
+    "modes/full-duplex-headers-without-end-get-no-reply-yet": Case(
+        [request_headers(FULL_DUPLEX)], []),
     "response/full-duplex-sse-chunk-by-chunk": Case(
         [request_headers(FULL_DUPLEX), body(COMPLETION), response_headers(200, "text/event-stream"),
          response_body(b'data: {"model":"claims@v1"}\n\n', False), response_body(b"data: [DONE]\n\n", True)],
