@@ -27,7 +27,7 @@ from loraplane.controller.metrics import ControllerMetrics
 from loraplane.controller.placement import PlacementConfig, TenantBudget
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.store import RedisStore
-from loraplane.credentials import async_redis
+from loraplane.credentials import async_redis, secret
 
 log = logging.getLogger("loraplane.controller")
 
@@ -79,6 +79,11 @@ def load_config(path: Path | None) -> FileConfig:
         raise ValueError(f"config file {path}: {exc}") from exc
 
 
+#: Bearer token of the runtimes' inference API, for health probes of runtimes that require one (vLLM's --api-key).
+RUNTIME_TOKEN_ENV = "LORAPLANE_CONTROLLER_RUNTIME_TOKEN"
+RUNTIME_TOKEN_FILE_ENV = "LORAPLANE_CONTROLLER_RUNTIME_TOKEN_FILE"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loraplane-controller", description="the loraplane AdapterRevision controller")
     p.add_argument("--kubeconfig", type=Path, default=os.environ.get("KUBECONFIG"),
@@ -128,7 +133,8 @@ async def _serve(args: argparse.Namespace, file_config: FileConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with httpx.AsyncClient() as http:
+    token = secret(os.environ.get(RUNTIME_TOKEN_ENV), os.environ.get(RUNTIME_TOKEN_FILE_ENV))
+    async with httpx.AsyncClient(headers={"authorization": f"Bearer {token}"} if token else None) as http:
         store = RedisStore(redis, time.time, writer=f"{args.identity}@{int(time.time() * 1000)}")
         controller = Controller(KubeApi(api_client, args.identity), store, HealthProber(http),
                                 elector, config, time.time, metrics)

@@ -114,7 +114,8 @@ class ModelServerStandIn:
             def do_POST(self) -> None:
                 body = json.loads(self._body() or b"{}")
                 seen.append({"path": self.path, "model": body.get("model"),
-                             "destination": self.headers.get("x-gateway-destination-endpoint")})
+                             "destination": self.headers.get("x-gateway-destination-endpoint"),
+                             "authorization": self.headers.get("authorization")})
                 out = json.dumps({"model": body.get("model"), "choices": [{"text": "ok"}]}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")

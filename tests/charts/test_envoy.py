@@ -7,6 +7,7 @@ are never forwarded, and a client cannot choose the upstream by sending ``x-gate
 
 from __future__ import annotations
 
+import base64
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -51,11 +52,21 @@ def _validate(envoy_bin: str, config: dict[str, Any], tmp_path: Path) -> subproc
                           timeout=60, check=False)
 
 
+@pytest.mark.parametrize("runtime", ["engine", "vllm"])
 @pytest.mark.parametrize("body_mode", ["FULL_DUPLEX_STREAMED", "BUFFERED"])
 @pytest.mark.parametrize("failure_mode", ["FailClose", "FailOpen"])
 def test_rendered_bootstrap_passes_envoy_validate(render: RenderFn, envoy_bin: str, tmp_path: Path,
-                                                  body_mode: str, failure_mode: str) -> None:
-    config = bootstrap(render, {"gateway": {"envoy": {"bodyMode": body_mode}}, "pool": {"failureMode": failure_mode}})
+                                                  body_mode: str, failure_mode: str, runtime: str) -> None:
+    model = {"modelServer": {"runtime": runtime, "model": "org/model"}} if runtime != "engine" else {}
+    config = bootstrap(render, {"gateway": {"envoy": {"bodyMode": body_mode}}, "pool": {"failureMode": failure_mode},
+                                **model})
+    if runtime != "engine":  # the Secret's SDS file, where the Deployment mounts it, here a copy
+        source = _http_filter(config, "envoy.filters.http.credential_injector")["credential"]["typed_config"][
+            "credential"]["sds_config"]["path_config_source"]
+        sds = tmp_path / "envoy-sds.yaml"
+        sds.write_text(base64.b64decode(render(model).get("Secret", f"{name_of('runtime')}-token")["data"]
+                                        ["envoy-sds.yaml"]).decode())
+        source["path"] = str(sds)
     result = _validate(envoy_bin, config, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ext_proc = _http_filter(config, "envoy.filters.http.ext_proc")
@@ -170,7 +181,6 @@ def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination
             config, port = _live_config(render, "FailOpen")
             pool = next(c for c in config["static_resources"]["clusters"] if c["name"] == "model-servers")
             pool["type"] = "STATIC"
-            pool.pop("dns_refresh_rate")
             pool["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
                 {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": s.port}}}}
                 for s in (backend, decoy)]
@@ -186,3 +196,61 @@ def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination
                 envoy.stop()
             landed[keep_filter] = len(decoy.seen) - before
     assert landed[True] > 0 and landed[False] == 0, landed
+
+
+VLLM = {"modelServer": {"runtime": "vllm", "model": "org/model"}}
+
+
+def test_the_runtime_token_reaches_only_the_sidecar_controller_runtime_and_envoy(render: RenderFn) -> None:
+    for values, runtime_var in ((VLLM, "VLLM_API_KEY"), ({}, "LORAPLANE_ENGINE_ADMIN_TOKEN")):
+        rendered = render({"gateway": {"mode": "envoy"}, **values})
+        secret = f"{name_of('runtime')}-token"
+        holders = set()
+        for workload in rendered.workloads():
+            pod = workload["spec"]["template"]["spec"]
+            for c in [*pod.get("initContainers", []), *pod["containers"]]:
+                for env in c.get("env", []):
+                    if env.get("valueFrom", {}).get("secretKeyRef", {}).get("name") == secret:
+                        holders.add((workload["metadata"]["name"], c["name"], env["name"]))
+                assert secret not in " ".join(c.get("args", [])), "never on a command line"
+            for volume in pod.get("volumes", []):
+                if volume.get("secret", {}).get("secretName") == secret:
+                    holders.add((workload["metadata"]["name"], volume["name"], "volume"))
+        runtime = values.get("modelServer", {}).get("runtime", "engine")
+        expected = {(name_of("model-server"), "sidecar", "LORAPLANE_SIDECAR_RUNTIME_TOKEN"),
+                    (name_of("model-server"), runtime, runtime_var),
+                    (name_of("controller"), "controller", "LORAPLANE_CONTROLLER_RUNTIME_TOKEN")}
+        if runtime != "engine":
+            expected.add((name_of("envoy"), "runtime-token", "volume"))
+        assert holders == expected, runtime
+
+
+@pytest.mark.slow
+def test_live_envoy_adds_the_runtime_token_for_vllm_and_replaces_a_clients(
+    render: RenderFn, envoy_bin: str, tmp_path: Path, backend: ModelServerStandIn
+) -> None:
+    port = free_port()
+    values = {**VLLM, "gateway": {"mode": "envoy", "envoy": {"port": port, "adminPort": free_port()}},
+              "pool": {"failureMode": "FailOpen"}}
+    config = bootstrap(render, values)
+    data = render(values).get("Secret", f"{name_of('runtime')}-token")["data"]
+    token = base64.b64decode(data["token"]).decode()
+    sds = tmp_path / "envoy-sds.yaml"
+    sds.write_text(base64.b64decode(data["envoy-sds.yaml"]).decode())
+    injector = _http_filter(config, "envoy.filters.http.credential_injector")
+    assert injector["credential"]["typed_config"]["credential"]["sds_config"]["path_config_source"]["path"] == \
+        "/etc/envoy/runtime-token/envoy-sds.yaml"
+    injector["credential"]["typed_config"]["credential"]["sds_config"]["path_config_source"]["path"] = str(sds)
+    pool = next(c for c in config["static_resources"]["clusters"] if c["name"] == "model-servers")
+    pool["type"] = "STATIC"
+    pool["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": backend.port}}}}]
+    envoy = _run_envoy(render, envoy_bin, config, tmp_path, port)
+    try:
+        plain = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "hi"}, timeout=10)
+        spoofed = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "m", "prompt": "hi"},
+                             headers={"authorization": "Bearer client-guess"}, timeout=10)
+    finally:
+        envoy.stop()
+    assert plain.status_code == spoofed.status_code == 200
+    assert [s["authorization"] for s in backend.seen] == [f"Bearer {token}"] * 2

@@ -109,7 +109,6 @@ def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
     address["socket_address"]["address"] = "127.0.0.1"
     pool_cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "model-servers")
     pool_cluster["type"] = "STATIC"
-    pool_cluster.pop("dns_refresh_rate")
     pool_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
         {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": s.port}}}}
         for s in model_servers]

@@ -278,7 +278,8 @@ def _check_redis(rendered: Rendered, values: dict[str, Any]) -> None:
         assert set(secret["data"]) == {"redis-password", "controller", "picker", "sidecar"}
     else:
         assert url == values["redis"]["external"]["url"]
-        assert not rendered.of_kind("StatefulSet") and not rendered.of_kind("Secret")
+        assert not rendered.of_kind("StatefulSet")
+        assert rendered.names("Secret") == {f"{name_of('runtime')}-token"}  # only the runtimes' admin token
 
 
 def _check_network_policies(rendered: Rendered, values: dict[str, Any]) -> None:
@@ -320,6 +321,7 @@ def _check_rbac(rendered: Rendered, values: dict[str, Any]) -> None:
         assert picker_args["--inference-pool"] in rendered.names("InferencePool")
         picker_role = rendered.get("Role", name_of("picker"))
         assert {v for r in picker_role["rules"] for v in r["verbs"]} == {"list", "watch"}
+        assert {res for r in picker_role["rules"] for res in r["resources"]} == {"inferencepools", "inferenceobjectives", "pods"}
     else:
         assert "--inference-pool" not in picker_args
     controller = rendered.get("Role", name_of("controller"))
@@ -505,7 +507,7 @@ def test_bad_values_fail_with_a_clear_message(helm_bin: str, tmp_path: Path, val
 
 def test_existing_redis_secret_is_used_and_none_created(render: RenderFn) -> None:
     rendered = render({"redis": {"auth": {"existingSecret": "my-redis", "secretKey": "pw"}}})
-    assert not rendered.of_kind("Secret")
+    assert rendered.names("Secret") == {f"{name_of('runtime')}-token"}
     refs = set()
     for pod in _pod_specs(rendered).values():
         for c in _containers(pod):

@@ -9,6 +9,9 @@ timeouts bound what a slow or stalled client may hold. */}}
 {{- $picker := printf "%s.%s.svc" (include "loraplane.componentName" (dict "root" . "component" "picker")) .Release.Namespace -}}
 {{- $endpoints := printf "%s.%s.svc" (include "loraplane.componentName" (dict "root" . "component" "model-server")) .Release.Namespace -}}
 {{- $noExtProc := dict "envoy.filters.http.ext_proc" (dict "@type" "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute" "disabled" true) -}}
+node:
+  id: {{ include "loraplane.componentName" (dict "root" . "component" "envoy") }}
+  cluster: {{ include "loraplane.componentName" (dict "root" . "component" "envoy") }}
 admin:
   address:
     socket_address: {address: 127.0.0.1, port_value: {{ $e.adminPort }}}
@@ -55,6 +58,22 @@ static_resources:
                           direct_response: {status: 404, body: {inline_string: "not an inference path\n"}}
                           typed_per_filter_config: {{ toJson $noExtProc }}
                 http_filters:
+                  {{- if ne .Values.modelServer.runtime "engine" }}
+                  # vLLM's --api-key: the token goes on every forwarded request (the client's own is replaced).
+                  - name: envoy.filters.http.credential_injector
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.credential_injector.v3.CredentialInjector
+                      overwrite: true
+                      credential:
+                        name: envoy.http.injected_credentials.generic
+                        typed_config:
+                          "@type": type.googleapis.com/envoy.extensions.http.injected_credentials.generic.v3.Generic
+                          credential:
+                            name: runtime-token
+                            sds_config:
+                              path_config_source: {path: /etc/envoy/runtime-token/envoy-sds.yaml}
+                          header: Authorization
+                  {{- end }}
                   - name: envoy.filters.http.header_mutation
                     typed_config:
                       "@type": type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation
@@ -101,7 +120,6 @@ static_resources:
     - name: model-servers
       type: STRICT_DNS
       connect_timeout: 5s
-      dns_refresh_rate: 2s
       load_assignment:
         cluster_name: model-servers
         endpoints:

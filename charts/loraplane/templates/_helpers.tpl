@@ -179,6 +179,18 @@ user picker on #PICKER_HASH resetkeys %R~{{ $p }}:* %W~{{ $p }}:rates %W~{{ $p }
 user sidecar on #SIDECAR_HASH resetkeys %R~{{ $p }}:target:* %W~{{ $p }}:residency:* %W~{{ $p }}:residency-pods resetchannels &{{ $p }}:target-changed &{{ $p }}:residency-changed -@all {{ $connect }} +get +subscribe +unsubscribe +set +sadd +publish +multi +exec +discard
 {{- end -}}
 
+{{/* The Secret of the model servers' admin token (templates/runtime-token.yaml). */}}
+{{- define "loraplane.runtimeTokenSecret" -}}
+{{- printf "%s-runtime-token" (include "loraplane.fullname" . | trunc 48 | trimSuffix "-") -}}
+{{- end -}}
+
+{{/* An environment variable {root, name} holding the runtime admin token. */}}
+{{- define "loraplane.runtimeTokenEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef: {name: {{ include "loraplane.runtimeTokenSecret" .root }}, key: token}
+{{- end -}}
+
 {{/* Labels that let a pod through the Redis NetworkPolicy. */}}
 {{- define "loraplane.redisClientLabel" -}}
 loraplane.io/redis-client: "true"
