@@ -322,7 +322,6 @@ def _check_rbac(rendered: Rendered, values: dict[str, Any]) -> None:
         picker_role = rendered.get("Role", name_of("picker"))
         assert {v for r in picker_role["rules"] for v in r["verbs"]} == {"list", "watch"}
         assert {res for r in picker_role["rules"] for res in r["resources"]} == {"inferencepools", "inferenceobjectives", "pods"}
-        assert {res for r in picker_role["rules"] for res in r["resources"]} == {"inferencepools", "inferenceobjectives", "pods"}
     else:
         assert "--inference-pool" not in picker_args
     controller = rendered.get("Role", name_of("controller"))
