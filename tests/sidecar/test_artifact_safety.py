@@ -110,7 +110,8 @@ def test_host_allow_list_and_scheme_allow_list(tmp_path: Path) -> None:
 def test_an_allowance_names_one_port_only(listener: CountingListener) -> None:
     other = CountingListener()
     try:
-        src = sources(allow_internal=(parse_allowance(f"127.0.0.1:{other.port}"),), read_timeout_s=0.3)
+        src = sources(allow_internal=(parse_allowance(f"127.0.0.1:{other.port}"),), connect_timeout_s=0.3,
+                      read_timeout_s=0.3)
         assert fetch_error(src, f"https://127.0.0.1:{listener.port}/a").reason == "InternalAddress"
         assert listener.accepted == 0
         assert fetch_error(src, f"https://127.0.0.1:{other.port}/a").reason == "TransferFailed"  # allowed: read times out
@@ -196,7 +197,8 @@ def test_oci_redirects_and_token_realms_to_internal_targets_are_refused(scripted
 def test_silent_hosts_time_out_and_slow_ones_hit_the_deadline(listener: CountingListener, https_files: Any,
                                                                tmp_path: Path) -> None:
     loopback = (parse_allowance("127.0.0.0/8"),)
-    silent = sources(allow_internal=loopback, read_timeout_s=0.3, oci_plain_http=frozenset({f"127.0.0.1:{listener.port}"}))
+    silent = sources(allow_internal=loopback, connect_timeout_s=0.3, read_timeout_s=0.3,
+                     oci_plain_http=frozenset({f"127.0.0.1:{listener.port}"}))
     assert fetch_error(silent, f"https://127.0.0.1:{listener.port}/a").reason == "TransferFailed"
     assert fetch_error(silent, f"oci://127.0.0.1:{listener.port}/a/b:v1").reason == "ManifestUnavailable"
     assert listener.accepted == 2
@@ -245,6 +247,7 @@ class DiskWatcher:
         return self.most
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("limits", "reason"), [
     (UnpackLimits(), "CompressionRatioTooHigh"),
     (UnpackLimits(max_bytes=256 << 20, max_ratio=1e9), "UnpackedTooLarge"),
@@ -263,6 +266,7 @@ def test_a_gzip_bomb_is_refused_while_streaming(tmp_path: Path, gib_bomb: Path, 
     assert [p for p in cache.root.rglob("*") if p.is_file()] == []
 
 
+@pytest.mark.slow
 def test_bombs_spread_over_members_and_file_floods_are_refused(tmp_path: Path) -> None:
     spread = zero_bomb(tmp_path / "spread.tar.gz", 200 << 20, members=20)  # 10 MiB each: below the ratio floor alone
     cache = DiskCache(tmp_path / "cache", 1 << 30, sources(file_roots=(tmp_path,)))
