@@ -100,6 +100,9 @@ class GatewayPolicy:
     endpoints: Sequence[str] | None = None
     #: ext_proc ``failure_mode_allow``: route without the picker when it is down (the pool's ``FailOpen``)
     fail_open: bool = False
+    #: bearer token put on every routed request in place of a client's ``Authorization`` (vLLM's ``--api-key``;
+    #: the bootstrap then holds a secret: write it to a private file)
+    upstream_authorization: str | None = None
 
 
 #: ``loraplane up``'s gateway: inference paths only, client address forwarded, timeouts, two retries.
@@ -113,11 +116,16 @@ _NO_EXT_PROC = {"envoy.filters.http.ext_proc": {
 
 def _routes(cluster: str, policy: GatewayPolicy) -> list[dict[str, Any]]:
     route: dict[str, Any] = {"cluster": cluster, "timeout": "60s"}
+    headers: dict[str, Any] = {}
+    if policy.upstream_authorization is not None:
+        headers["request_headers_to_add"] = [{
+            "header": {"key": "authorization", "value": f"Bearer {policy.upstream_authorization}"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     if policy.retries:
         route["retry_policy"] = {"retry_on": "connect-failure,reset,refused-stream", "num_retries": policy.retries}
     if policy.inference_paths is None:
-        return [{"match": {"prefix": "/"}, "route": route}]
-    return [*({"match": {"path": path}, "route": route} for path in policy.inference_paths),
+        return [{"match": {"prefix": "/"}, "route": route, **headers}]
+    return [*({"match": {"path": path}, "route": route, **headers} for path in policy.inference_paths),
             {"match": {"prefix": "/"}, "direct_response": {"status": 404, "body": {"inline_string": "not an inference path\n"}},
              "typed_per_filter_config": _NO_EXT_PROC}]
 

@@ -64,7 +64,8 @@ def sidecar_user(pod: str) -> str:
     return f"sidecar-{pod}"
 
 
-def _write_secret(path: Path, value: str) -> None:
+def write_private(path: Path, value: str) -> None:
+    """Write ``value`` to ``path`` readable by this user only (0600, its directory 0700 when created)."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -94,11 +95,11 @@ class StackSecrets:
         lines = ["user default off resetkeys resetchannels -@all"]
         for user, rules in acl_rules(pool, pods).items():
             password = secrets.token_hex(24)
-            _write_secret(self.password_file(user), password)
+            write_private(self.password_file(user), password)
             lines.append(f"user {user} on #{hashlib.sha256(password.encode()).hexdigest()} {rules}")
-        _write_secret(self.acl_file(), "\n".join(lines) + "\n")
+        write_private(self.acl_file(), "\n".join(lines) + "\n")
         for pod in pods:
-            _write_secret(self.token_file(pod), secrets.token_hex(24))
+            write_private(self.token_file(pod), secrets.token_hex(24))
 
     def redis_env(self, user: str) -> dict[str, str]:
         """The environment that makes a loraplane process connect to Redis as ``user``."""

@@ -30,7 +30,7 @@ from loraplane.processes import (
     start_redis,
     wait_for_port,
 )
-from loraplane.stack.secrets import StackSecrets, sidecar_user
+from loraplane.stack.secrets import StackSecrets, sidecar_user, write_private
 
 #: The InferencePool (and Redis key namespace) of the local stack.
 POOL = "local"
@@ -327,8 +327,8 @@ class LocalStack:
         config = self.options.workdir / "envoy.json"
         policy = dataclasses.replace(HARDENED, endpoints=[e.address for e in self.engines],
                                      fail_open=self.options.failure_mode == "FailOpen")
-        config.write_text(json.dumps(picker_config(self.gateway_port, picker_port, admin_port, upstream_header=True,
-                                                   policy=policy)))
+        write_private(config, json.dumps(picker_config(self.gateway_port, picker_port, admin_port,
+                                                       upstream_header=True, policy=policy)))
         self.envoy = ManagedProcess([envoy_binary(), "-c", str(config), "--concurrency", "1", "-l", "warning",
                                      "--base-id", str(self.gateway_port)], self.logs / "envoy.log").start()
         self._wait(self.gateway_port, self.envoy)
