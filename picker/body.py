@@ -8,6 +8,7 @@ unambiguously, so numbers, key order and whitespace reach the model server untou
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -86,14 +87,17 @@ def validate_api_fields(document: dict[str, Any], path: str | None) -> None:
     Completions need a non-empty ``prompt``, chat completions a non-empty ``messages`` list, embeddings a non-empty
     ``input``, responses an ``input``, conversations a non-empty ``items`` list. Other paths are not checked.
     """
-    if not path:
-        return
+    rule = _api_rule(path) if path else None
+    if rule is not None:
+        api, name, check = rule
+        if not check(document.get(name)):
+            raise ClientError(400, f"invalid {api} request: must have a non-empty {name!r} field")
+
+
+@lru_cache(maxsize=256)
+def _api_rule(path: str) -> tuple[str, str, Callable[[object], bool]] | None:
     path = path.partition("?")[0].rstrip("/")
-    for suffix, api, name, check in _API_FIELDS:
-        if path.endswith(suffix):
-            if not check(document.get(name)):
-                raise ClientError(400, f"invalid {api} request: must have a non-empty {name!r} field")
-            return
+    return next(((api, name, check) for suffix, api, name, check in _API_FIELDS if path.endswith(suffix)), None)
 
 
 def _decode_json_string(raw: bytes) -> str | None:
