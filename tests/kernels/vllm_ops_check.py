@@ -5,7 +5,8 @@ Usage: ``python vllm_ops_check.py CASE.safetensors OUT.safetensors``. The case f
 layer's output), per adapter ``<name>.a.<slice>`` / ``<name>.b.<slice>`` (B already scaled, as vLLM folds the scale
 in at load) and ``rows`` (each row's slot, -1 = no LoRA); ``slot.<name>`` says where each adapter goes. Written:
 ``vllm.prefill``/``vllm.decode`` and ``loraplane.prefill``/``loraplane.decode`` (the layer output),
-``vllm.logits``/``loraplane.logits`` (the first slice alone through ``add_lora_logits``), and
+``vllm.logits``/``loraplane.logits`` (the first slice alone through ``add_lora_logits``), ``loraplane.bfloat16``
+(the prefill case in bfloat16), and
 ``loraplane.reloaded`` (after slot 0 is rewritten with another adapter and the mirror is told, as vLLM's
 activation does through the plugin).
 """
@@ -64,6 +65,13 @@ def main(case_path: str, out_path: str) -> None:
         wrapper.add_lora_logits(logits, x, a_stacked[0], b_stacked[0], 1.0)
         out[f"{label}.logits"] = logits
     ours = wrappers["loraplane"]
+    half = torch.bfloat16  # vLLM-CPU's default dtype: the cpu backend hands it to the torch backend
+    ours.update_metadata(LoRAMapping(ids, ids, is_prefill=True), lora_index_to_id, num_slots + 1, 128)
+    y = base.to(half)
+    ours.add_lora_linear(
+        y, x.to(half), tuple(t.to(half) for t in a_stacked), tuple(t.to(half) for t in b_stacked), 1.0, tuple(widths)
+    )
+    out["loraplane.bfloat16"] = y.float()
     first, second = adapters[0], adapters[1]
     write(slot_of[first], second)
     assert isinstance(ours, LoraplanePunicaWrapperCPU)
