@@ -226,17 +226,34 @@ def _pinned(url: str, address: str) -> str:
 
 
 class _GuardedAdapter(requests.adapters.HTTPAdapter):
-    """A requests transport that checks every request's host (redirects, token realms) and sets timeouts."""
+    """A requests transport that checks every request's host (redirects, token realms), connects to the address it
+    checked (TLS server name and Host header keep the name) and sets timeouts."""
 
     def __init__(self, guard: HostGuard, timeout: tuple[float, float]) -> None:
         super().__init__(max_retries=0)
         self._guard = guard
         self._timeout = timeout
+        self._addresses: dict[int, str] = {}
 
     def send(self, request: requests.PreparedRequest, *args: Any, **kwargs: Any) -> requests.Response:
-        self._guard.check_url(str(request.url))
+        parts, address = self._guard.check_url(str(request.url))
+        request.headers["Host"] = parts.netloc.rpartition("@")[2]
         kwargs["timeout"] = self._timeout
-        return super().send(request, *args, **kwargs)
+        self._addresses[id(request)] = address
+        try:
+            return super().send(request, *args, **kwargs)
+        finally:
+            self._addresses.pop(id(request), None)
+
+    def build_connection_pool_key_attributes(self, request: requests.PreparedRequest, verify: Any,
+                                             cert: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        host_params, pool_kwargs = super().build_connection_pool_key_attributes(request, verify, cert)
+        address = self._addresses.get(id(request))
+        if address is not None and address != host_params["host"]:
+            if host_params["scheme"] == "https":
+                pool_kwargs["server_hostname"] = pool_kwargs["assert_hostname"] = host_params["host"]
+            host_params["host"] = address
+        return host_params, pool_kwargs
 
 
 class OciFetcher:

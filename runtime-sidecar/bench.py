@@ -51,8 +51,17 @@ from loraplane.sidecar.drivers.engine import EngineDriver
 LOOPBACK = "127.0.0.1"
 
 
+def _san(host: str) -> Any:
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
 def self_signed_cert(directory: Path, host: str = LOOPBACK) -> tuple[Path, Path]:
-    """A throwaway self-signed certificate (and key) for ``host``: PEM files in ``directory``."""
+    """A throwaway self-signed certificate (and key) for ``host`` (an address or a name): PEM files in ``directory``."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -69,7 +78,7 @@ def self_signed_cert(directory: Path, host: str = LOOPBACK) -> tuple[Path, Path]
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), False)
+        .add_extension(x509.SubjectAlternativeName([_san(host)]), False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
         .sign(key, hashes.SHA256())
     )

@@ -6,6 +6,7 @@ before a bomb is written out (a watcher thread records the most bytes the cache 
 
 from __future__ import annotations
 
+import hashlib
 import http.server
 import json
 import socket
@@ -141,14 +142,15 @@ def scripted(tmp_path: Path) -> Iterator[Any]:
     """Start scripted HTTP(S) servers on loopback: ``scripted(answers, tls=False)`` -> (server, base URL, CA)."""
     servers: list[http.server.ThreadingHTTPServer] = []
 
-    def start(answers: dict[str, tuple[int, dict[str, str], bytes]], tls: bool = False) -> tuple[Any, str, str | None]:
+    def start(answers: dict[str, tuple[int, dict[str, str], bytes]], tls: bool = False,
+              cert_host: str = LOOPBACK) -> tuple[Any, str, str | None]:
         server = http.server.ThreadingHTTPServer((LOOPBACK, 0), _Handler)
         server.answers = answers  # type: ignore[attr-defined]
         ca = None
         if tls:
             workdir = tmp_path / f"tls-{len(servers)}"
             workdir.mkdir()
-            ca, key = self_signed_cert(workdir)
+            ca, key = self_signed_cert(workdir, cert_host)
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.load_cert_chain(ca, key)
             server.socket = context.wrap_socket(server.socket, server_side=True)
@@ -173,14 +175,10 @@ def test_https_redirect_to_an_internal_target_is_refused(scripted: Any, listener
 def test_oci_redirects_and_token_realms_to_internal_targets_are_refused(scripted: Any, listener: CountingListener,
                                                                         trap: str) -> None:
     digest = "sha256:" + "b" * 64
-    manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                           "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
-                                      "digest": "sha256:" + "c" * 64},
-                           "layers": [{"mediaType": "application/octet-stream", "size": 10, "digest": digest}]})
     internal = f"http://127.0.0.1:{listener.port}"
     answers: dict[str, tuple[int, dict[str, str], bytes]] = {
         "/v2/adapters/support/manifests/v1": (200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"},
-                                              manifest.encode()),
+                                              _manifest(digest, 10)),
         f"/v2/adapters/support/blobs/{digest}": (307, {"Location": f"{internal}/blob"}, b""),
     }
     if trap == "token-realm":
@@ -192,6 +190,41 @@ def test_oci_redirects_and_token_realms_to_internal_targets_are_refused(scripted
     error = fetch_error(src, f"oci://{host}/adapters/support:v1")
     assert error.reason == "InternalAddress", error
     assert listener.accepted == 0
+
+
+def _manifest(layer_digest: str, size: int) -> bytes:
+    return json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                       "config": {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
+                                  "digest": "sha256:" + "c" * 64},
+                       "layers": [{"mediaType": "application/octet-stream", "size": size, "digest": layer_digest}]}
+                      ).encode()
+
+
+def test_fetches_connect_to_the_address_the_guard_checked(scripted: Any) -> None:
+    """The names here resolve only through the guard's resolver: a fetch that resolved them again would fail."""
+    blob = b"adapter bytes"
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+    oci, _, _ = scripted({
+        "/v2/adapters/support/manifests/v1": (200, {"Content-Type": "application/vnd.oci.image.manifest.v1+json"},
+                                              _manifest(digest, len(blob))),
+        f"/v2/adapters/support/blobs/{digest}": (200, {}, blob),
+    })
+    https, _, ca = scripted({"/a.bin": (200, {}, blob)}, tls=True, cert_host="artifacts.test")
+    resolved: list[str] = []
+
+    def resolve(host: str, port: int, **kw: Any) -> list[tuple[Any, ...]]:
+        resolved.append(host)
+        assert host in ("registry.test", "artifacts.test"), host
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (LOOPBACK, port))]
+
+    registry = f"registry.test:{oci.server_address[1]}"
+    src = ArtifactSources(SourceConfig(allow_internal=(parse_allowance(f"{LOOPBACK}/32"),), https_ca_file=ca,
+                                       oci_plain_http=frozenset({registry})), resolve=resolve)
+    for uri in (f"oci://{registry}/adapters/support:v1", f"https://artifacts.test:{https.server_address[1]}/a.bin"):
+        got = bytearray()
+        src.fetch(uri, digest, got.extend, lambda: None)
+        assert bytes(got) == blob, uri
+    assert set(resolved) == {"registry.test", "artifacts.test"}
 
 
 def test_silent_hosts_time_out_and_slow_ones_hit_the_deadline(listener: CountingListener, https_files: Any,
