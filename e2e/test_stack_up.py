@@ -94,3 +94,27 @@ def test_ctrl_c_during_start_up_stops_what_was_started(tmp_path: Path) -> None:
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 130
     assert _running_with(workdir) == []
+
+
+def test_a_child_that_dies_is_restarted_and_the_stack_keeps_running(tmp_path: Path) -> None:
+    workdir = tmp_path / "run"
+    log = (tmp_path / "up.out").open("w+")
+    with _loraplane_up(workdir, 1, stdout=log, stderr=subprocess.STDOUT) as up:
+        deadline = time.monotonic() + 240
+        while "Ctrl-C stops everything" not in (text := Path(log.name).read_text()):
+            assert up.poll() is None and time.monotonic() < deadline, text
+            time.sleep(0.5)
+        pids = json.loads(re.search(r"pids: (\{.*\})", text).group(1))  # type: ignore[union-attr]
+        gateway = re.search(r"gateway \(OpenAI API through Envoy\): (\S+)", text).group(1)  # type: ignore[union-attr]
+        os.kill(pids["picker"], signal.SIGKILL)
+        while "picker restarted" not in (text := Path(log.name).read_text()):
+            assert up.poll() is None, text  # the stack did not stop
+            assert time.monotonic() < deadline, text
+            time.sleep(0.2)
+        assert "picker exited with -9; restarting in 0.5 s" in text
+        while (status := httpx.get(f"{gateway}/v1/models", timeout=30).status_code) != 200:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.2)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    assert _running_with(workdir) == []
