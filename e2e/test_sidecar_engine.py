@@ -431,31 +431,3 @@ def test_killed_mid_download_leaves_no_corrupt_entry(engine: Engine, tmp_path: P
     held = engine.held()[big.name]
     assert (held.get("adapter_digest") or held["digest"]) == big.adapter_digest
     assert not [p for p in (restarted.cache_dir / "tmp").rglob("*") if p.is_file()]
-
-
-def test_vllm_driver_against_the_engines_vllm_endpoints(engine: Engine, adapters: dict[str, Adapter],
-                                                        redis_srv: RedisServer, sidecar_factory) -> None:
-    """vLLM's API only: load/unload, a one-token warm-up as activation, residency inferred and labelled so."""
-    client = redis.Redis.from_url(redis_srv.url)
-    base = engine.listing()["base_model_digest"]
-    a, b = adapters["alpha@v1"], adapters["beta@v1"]
-    sidecar = sidecar_factory("pod-6", redis_srv, "--runtime", "vllm", "--max-loras", "2", "--max-cpu-loras", "4",
-                              "--max-lora-rank", "16", "--base-model-digest", base)
-    write_target(client, "pod-6", 1, [a.target(Tier.GPU, base), b.target(Tier.CPU, base)])
-    wait_until(lambda: holds(engine, {a.name: ("gpu", False), b.name: ("cpu", False)}), 30, "target via vLLM API")
-
-    def inferred_report() -> bool:
-        report = read_report(client, "pod-6")
-        if report is None:
-            return False
-        rows = report.by_name()
-        return report.residency_inferred and rows[a.name].tier is Tier.GPU and rows[b.name].tier is Tier.CPU and (
-            rows[a.name].digest == a.artifact_digest and rows[b.name].digest == b.artifact_digest)
-
-    wait_until(inferred_report, 10, "inferred residency in the report")
-    text = sidecar.metrics()
-    assert f'vllm:lora_adapter_loaded{{adapter_name="{a.name}",level="gpu",pinned="false"}} 1.0' in text
-    assert f'vllm:lora_adapter_loaded{{adapter_name="{b.name}",level="cpu",pinned="false"}} 1.0' in text
-
-    write_target(client, "pod-6", 2, [b.target(Tier.GPU, base)])
-    wait_until(lambda: holds(engine, {b.name: ("gpu", False)}), 30, "alpha unloaded, beta warmed up")

@@ -79,8 +79,9 @@ class _StateCollector(Collector):
             ("vllm:kv_cache_usage_perc", engine.kv.usage(), "KV-cache usage (1 = 100 percent)."),
             ("vllm:max_gpu_lora_adapters", tiers.max_loras, "GPU LoRA slots (max_loras)."),
         ):
-            gauge = GaugeMetricFamily(name, help_text, labels=["model_name"])
-            gauge.add_metric([self.model_name], value)
+            # vLLM labels these with the data-parallel engine index too (one series per engine; this engine is one)
+            gauge = GaugeMetricFamily(name, help_text, labels=["engine", "model_name"])
+            gauge.add_metric(["0", self.model_name], value)
             yield gauge
         info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (value: unix time).",
                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])

@@ -133,16 +133,16 @@ class VllmServer:
         self.wait_ready(timeout)
 
 
-def start_vllm(options: VllmOptions, log_dir: Path, port: int | None = None,
+def start_vllm(options: VllmOptions, log_path: Path, port: int | None = None,
                python: Path | None = None) -> VllmServer:
-    """Start vLLM (not waiting for it: call ``wait_ready``); RuntimeError when the vLLM environment is missing."""
+    """Start vLLM, its output to ``log_path`` (not waiting for it: call ``wait_ready``); RuntimeError when the vLLM
+    environment is missing, ValueError when the environment turns a LoRA resolver on."""
     python = python or vllm_python()
     if python is None:
         raise RuntimeError("vLLM is not installed: run scripts/setup-vllm.sh (make setup does it)")
     env = options.environment()
     refuse_lora_resolver({**os.environ, **env}, "refusing to start vLLM")
     port = port or free_port()
-    process = ManagedProcess(options.args(python, port), log_dir / f"vllm-{port}.log", env=env,
-                             cwd=log_dir).start()
+    process = ManagedProcess(options.args(python, port), log_path, env=env, cwd=log_path.parent).start()
     return VllmServer(options, port, process)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -74,6 +75,10 @@ class Action(enum.StrEnum):
     def removes(self) -> bool:
         """True for actions that take an adapter out of a tier (never while requests are in flight)."""
         return self in (Action.OFFLOAD, Action.UNLOAD)
+
+
+#: Actions that put an adapter into the runtime's memory.
+_PLACING = frozenset({Action.LOAD, Action.RELOAD, Action.ACTIVATE})
 
 
 @dataclass
@@ -215,14 +220,18 @@ class Reconciler:
         return None
 
     @staticmethod
-    def within_capacity(target: TargetState, info: RuntimeInfo) -> tuple[dict[str, AdapterTarget], dict[str, str]]:
+    def within_capacity(target: TargetState, info: RuntimeInfo,
+                        landing_slot: bool = False) -> tuple[dict[str, AdapterTarget], dict[str, str]]:
         """The target clipped to the runtime's slots, and why each clipped adapter was moved down.
 
         Asking for more GPU (or host) adapters than the runtime has slots would make every activation evict another
         wanted adapter, forever. Pinned adapters first, then higher priority, then by name, get the slots; the rest
-        are kept one tier lower (GPU -> CPU -> disk).
+        are kept one tier lower (GPU -> CPU -> disk). With ``landing_slot`` (a runtime whose loads activate) and
+        host-tier targets, one GPU slot is left for loading and serving those (else each would evict a GPU target).
         """
         gpu_free = info.max_loras
+        if landing_slot and gpu_free is not None and any(t.tier is Tier.CPU for t in target.adapters):
+            gpu_free -= 1
         host_free = None if info.max_cpu_loras is None else max(info.max_cpu_loras, info.max_loras or 0)
         clipped: dict[str, AdapterTarget] = {}
         why: dict[str, str] = {}
@@ -242,7 +251,7 @@ class Reconciler:
 
     def plan(self, target: TargetState, observation: Observation) -> dict[str, tuple[Action, AdapterTarget | None]]:
         """The next action of every adapter that needs one (target adapters and unwanted runtime adapters)."""
-        wanted, _ = self.within_capacity(target, observation.info)
+        wanted, _ = self.within_capacity(target, observation.info, self.driver.capabilities.load_activates)
         actions: dict[str, tuple[Action, AdapterTarget | None]] = {}
         for name, t in wanted.items():
             action = self.next_action(t, observation.adapters.get(name))
@@ -299,7 +308,9 @@ class Reconciler:
         now = self._clock()
         self._forget_stale_status(target, observation)
         planned = self.plan(target, observation)
-        wanted_tiers, clipped = self.within_capacity(target, observation.info)
+        wanted_tiers, clipped = self.within_capacity(target, observation.info, self.driver.capabilities.load_activates)
+        self.driver.keep_resident({n for n, t in wanted_tiers.items() if t.tier is Tier.GPU},
+                                  {n for n, t in wanted_tiers.items() if t.tier in (Tier.GPU, Tier.CPU)})
         if self.drain_grace_s > 0:
             self.draining = {n: self.draining.get(n) for n in self.leaving(wanted_tiers, observation)}
         for name, wanted in target.by_name().items():
@@ -322,8 +333,17 @@ class Reconciler:
             and any(observation.adapters[n].tier is Tier.GPU and self._still_draining(n, now) for n in self.draining)
         )
         started = []
+        # a runtime whose loads activate (vLLM) places one adapter at a time (it serialises loads anyway), host-tier
+        # targets before GPU-tier ones, so the GPU-tier ones are the most recently used when all are in
+        serial = self.driver.capabilities.load_activates
+        placing = serial and any(self._task_action[n] in _PLACING for n in busy)
+
+        def order(item: tuple[str, tuple[Action, AdapterTarget | None]]) -> tuple[bool, bool]:
+            action, t = item[1]
+            return not action.removes, t is not None and t.tier is Tier.GPU
+
         # removals first: an activation waits while an unload or offload is freeing a slot
-        for name, (action, t) in sorted(planned.items(), key=lambda item: not item[1][0].removes):
+        for name, (action, t) in sorted(planned.items(), key=order):
             if name in busy:
                 continue
             status = self.status.setdefault(name, AdapterStatus())
@@ -338,6 +358,10 @@ class Reconciler:
                 continue
             if action is Action.ACTIVATE and removing:
                 continue
+            if serial and action in _PLACING:
+                if placing:
+                    continue
+                placing = True
             self._start(name, action, t, observation, held)
             started.append((name, action))
             removing = removing or action.removes
@@ -363,8 +387,9 @@ class Reconciler:
         except (ActionFailed, ArtifactError, compat.Incompatible) as exc:
             self._failed(status, name, action, exc.reason, str(exc))
         except RuntimeRejected as exc:
-            # a 400 on load is the runtime's own compatibility check (modules, shapes, rank): final for the revision
-            refused = action in (Action.LOAD, Action.RELOAD) and exc.status == 400
+            # a 400 on load is the runtime's own compatibility check (modules, shapes, rank), and so is vLLM's 500
+            # from a server that stays healthy (the driver checked): final for the revision
+            refused = action in (Action.LOAD, Action.RELOAD) and (exc.status == 400 or exc.status >= 500)
             reason = ERROR_INCOMPATIBLE if refused else f"{action.value.capitalize()}Rejected"
             self._failed(status, name, action, reason, f"the runtime refused it: {exc}")
         except RuntimeUnavailable as exc:
@@ -385,8 +410,8 @@ class Reconciler:
         if final is not None and final != reason:
             message, reason = f"{reason}: {message}", final
         status.failures += 1
-        # final reasons are retried only at the slowest pace: the bytes or the runtime will not change soon
-        delay = self.backoff.cap_s if final else self.backoff.delay(status.failures)
+        # final reasons are not retried: only a new revision (a new status) or a restarted runtime (reset) tries again
+        delay = math.inf if final else self.backoff.delay(status.failures)
         status.not_before = self._clock() + delay
         status.error, status.reason = f"{action.value} failed: {message}", reason
         self.metrics.action_failures.labels(reason).inc()

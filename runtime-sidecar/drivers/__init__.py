@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from loraplane.sidecar.drivers.base import RuntimeDriver, RuntimeInfo
 from loraplane.sidecar.drivers.engine import EngineDriver
-from loraplane.sidecar.drivers.vllm import VllmDriver
+from loraplane.sidecar.drivers.vllm import VllmApiDriver, VllmDriver
 
-DRIVERS: dict[str, type[VllmDriver]] = {"engine": EngineDriver, "vllm": VllmDriver, "vllm-ascend": VllmDriver}
+DRIVERS: dict[str, type[VllmApiDriver]] = {"engine": EngineDriver, "vllm": VllmDriver, "vllm-ascend": VllmDriver}
 
 
 def make_driver(kind: str, base_url: str, limits: RuntimeInfo, token: str | None = None) -> RuntimeDriver:

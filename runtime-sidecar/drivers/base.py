@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,9 @@ class Capabilities:
     ``reports_residency``: the runtime says which tier each adapter is in (otherwise the driver infers it).
     ``exports_residency_metrics``: the runtime's /metrics already has ``vllm:lora_adapter_loaded``.
     ``priority``: the runtime's eviction policy takes each adapter's tenant priority (``set_priority``).
+    ``load_activates``: a load (and a request for an adapter out of its GPU slot) puts the adapter into a GPU slot,
+    evicting the least recently used active one (vLLM): the reconciler loads one at a time, host-tier targets first,
+    and keeps one GPU slot free of GPU-tier targets for those loads.
     """
 
     tier_control: bool
@@ -36,6 +40,7 @@ class Capabilities:
     reports_residency: bool
     exports_residency_metrics: bool
     priority: bool = False
+    load_activates: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,14 @@ class RuntimeDriver(ABC):
     async def set_priority(self, served_name: str, priority: int) -> None:
         """Tell the runtime's eviction policy the adapter's tenant priority (only with ``priority``)."""
         raise NotImplementedError(f"the {self.kind} runtime has no adapter priority")
+
+    def keep_resident(self, gpu: Collection[str], host: Collection[str]) -> None:
+        """The adapters the target wants in GPU slots (``gpu``) and in the runtime at all (``host``, a superset).
+
+        A runtime whose loads evict by LRU keeps them where they are while it loads or activates others; the
+        default does nothing (the runtime evicts by its own policy, or only when asked).
+        """
+        return None
 
     @abstractmethod
     async def unload(self, served_name: str) -> None:

@@ -13,10 +13,10 @@ import urllib.parse
 
 from loraplane.api import AdapterResidency
 from loraplane.sidecar.drivers.base import Capabilities, Observation, RuntimeAdapter
-from loraplane.sidecar.drivers.vllm import VllmDriver, lora_requests, pod_load
+from loraplane.sidecar.drivers.vllm import VllmApiDriver, lora_requests, pod_load
 
 
-class EngineDriver(VllmDriver):
+class EngineDriver(VllmApiDriver):
     """Drives ``loraplane-engine`` (started with dynamic LoRA loading enabled)."""
 
     kind = "engine"

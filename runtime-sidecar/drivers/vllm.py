@@ -1,20 +1,34 @@
-"""The ``vllm`` driver: vLLM's (and vLLM-Ascend's) dynamic LoRA HTTP API.
+"""The ``vllm`` driver: vLLM's (and vLLM-Ascend's) dynamic LoRA HTTP API, driven as vLLM really behaves.
 
-vLLM has no tier control and no pin over HTTP, and does not say which adapters sit in GPU slots. So:
-- load = ``POST /v1/load_lora_adapter``; unload = ``POST /v1/unload_lora_adapter`` (vLLM may keep the GPU slot
-  until LRU eviction: unload is not assumed to free memory);
-- activate = a one-token warm-up completion, which makes vLLM place the adapter in a GPU slot;
-- residency is inferred: adapters ordered by last use (warm-up, or listed as running/waiting in
-  ``vllm:lora_requests_info``); the ``max_loras`` most recent are "gpu", the next up to ``max_cpu_loras`` "cpu",
-  the rest "disk" (registered, reloaded from their path on the next request). Reports say it is inferred.
+What vLLM (0.32/0.33) does, and so what this driver assumes:
+- ``POST /v1/load_lora_adapter`` loads the adapter *and activates it into a GPU slot* (the worker's LRU caches:
+  ``max_cpu_loras`` host copies and ``max_loras`` GPU slots, both touched by every load and by every step that serves
+  the adapter). A request for an adapter whose copy was pushed out reloads it from its path.
+- A load vLLM cannot accept (rank above ``--max-lora-rank``, tensors of the wrong shape) answers **500**
+  ``InternalServerError`` while the server stays healthy: that is a refusal (final ``Incompatible``), not an outage.
+- ``POST /v1/unload_lora_adapter`` only forgets the name in the API server: the copy stays in both caches until LRU
+  pushes it out (it still takes a slot), and reloading the name makes a second copy.
+- No pin, no offload and no residency listing over HTTP. ``vllm:lora_requests_info`` keeps one series per label
+  combination with the time it was last set: the newest says which adapters have requests now, and the newest series
+  naming an adapter says when it was last served.
+
+So residency is *replayed*: :class:`LoraCacheModel` applies the loads, unloads and served requests the sidecar sees to
+a copy of vLLM's LRU order. Before a load or a warm-up that would push a kept adapter out of its tier, the driver
+touches (one-token completions) the kept adapters that would otherwise be the least recently used, so the copy that
+goes is an unwanted or unloaded one.
+
+``load_inplace`` is not used: in vLLM 0.32 the flag stays on the stored request and every later engine step that
+serves the adapter reloads it from disk (and the prefix cache keeps blocks computed with the old weights).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,44 +46,173 @@ from loraplane.sidecar.drivers.base import (
     RuntimeRejected,
     RuntimeUnavailable,
 )
+from loraplane.vllm_server import refuse_lora_resolver
+
+log = logging.getLogger(__name__)
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
 
 
-def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+def parse_metrics(text: str) -> Samples:
     """Prometheus text -> sample name -> [(labels, value)]."""
-    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
     return samples
 
 
-def _first(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, default: float = 0.0) -> float:
-    values = samples.get(name)
-    return values[0][1] if values else default
+def _sum(samples: Samples, name: str) -> float:
+    """The sum over every series of ``name`` (vLLM has one per data-parallel engine, label ``engine``)."""
+    return sum(value for _, value in samples.get(name, ()))
 
 
-def lora_requests(samples: dict[str, list[tuple[dict[str, str], float]]]) -> tuple[set[str], set[str]]:
-    """Running and waiting adapters from ``vllm:lora_requests_info`` (the series with the largest value)."""
-    series = samples.get("vllm:lora_requests_info")
-    if not series:
-        return set(), set()
-    labels, _ = max(series, key=lambda s: s[1])
-
+def _adapter_names(labels: dict[str, str]) -> tuple[set[str], set[str]]:
     def names(key: str) -> set[str]:
         return {n for n in labels.get(key, "").split(",") if n}
 
     return names("running_lora_adapters"), names("waiting_lora_adapters")
 
 
-def pod_load(samples: dict[str, list[tuple[dict[str, str], float]]], info: RuntimeInfo) -> PodLoad:
-    """The GIE model-server protocol metrics as a PodLoad."""
+def lora_requests(samples: Samples) -> tuple[set[str], set[str]]:
+    """Running and waiting adapters now: the newest ``vllm:lora_requests_info`` series (its value is a timestamp)."""
+    series = samples.get("vllm:lora_requests_info")
+    if not series:
+        return set(), set()
+    labels, _ = max(series, key=lambda s: s[1])
+    return _adapter_names(labels)
+
+
+def lora_last_served(samples: Samples) -> dict[str, float]:
+    """When each adapter last had requests: the newest ``vllm:lora_requests_info`` series naming it."""
+    last: dict[str, float] = {}
+    for labels, stamp in samples.get("vllm:lora_requests_info", ()):
+        running, waiting = _adapter_names(labels)
+        for name in running | waiting:
+            last[name] = max(stamp, last.get(name, stamp))
+    return last
+
+
+def pod_load(samples: Samples, info: RuntimeInfo) -> PodLoad:
+    """The GIE model-server protocol metrics as a PodLoad (queue and running summed over engines)."""
+    kv = [value for _, value in samples.get("vllm:kv_cache_usage_perc", ())]
     return PodLoad(
-        queue_depth=int(_first(samples, "vllm:num_requests_waiting")),
-        running=int(_first(samples, "vllm:num_requests_running")),
-        kv_utilization=min(1.0, max(0.0, _first(samples, "vllm:kv_cache_usage_perc"))),
+        queue_depth=int(_sum(samples, "vllm:num_requests_waiting")),
+        running=int(_sum(samples, "vllm:num_requests_running")),
+        kv_utilization=min(1.0, max(0.0, max(kv, default=0.0))),
         max_gpu_slots=info.max_loras or 0,
-        max_cpu_slots=info.max_cpu_loras or 0,
+        max_cpu_slots=max(info.max_cpu_loras or 0, info.max_loras or 0),
     )
+
+
+@dataclass
+class _Copy:
+    """One adapter copy in vLLM's worker caches: its served name (None once unloaded) and when it was last touched."""
+
+    name: str | None
+    touched: float
+
+
+@dataclass
+class LoraCacheModel:
+    """vLLM's worker LoRA caches, replayed from what the sidecar sees.
+
+    Every load and every step serving an adapter touches its copy in both LRU caches at once, so the GPU slots hold
+    the ``gpu_slots`` most recently touched copies and the host cache the ``host_slots`` most recent ones; a
+    registered name without a copy is on disk. Unloaded copies (name None) stay until they fall out.
+    """
+
+    gpu_slots: int
+    host_slots: int
+    copies: list[_Copy] = field(default_factory=list)
+
+    def clone(self) -> LoraCacheModel:
+        """An independent copy (for planning)."""
+        return LoraCacheModel(self.gpu_slots, self.host_slots, [dataclasses.replace(c) for c in self.copies])
+
+    def ranked(self) -> list[_Copy]:
+        """Copies, most recently touched first."""
+        return sorted(self.copies, key=lambda c: c.touched, reverse=True)
+
+    def _find(self, name: str) -> _Copy | None:
+        return next((c for c in self.copies if c.name == name), None)
+
+    def touch(self, name: str, at: float) -> None:
+        """``name`` was loaded or served at ``at``: its copy becomes the most recent (a new one if it had none)."""
+        copy = self._find(name)
+        if copy is None:
+            self.copies.append(_Copy(name, at))
+        else:
+            copy.touched = max(copy.touched, at)
+        self.copies = self.ranked()[:self.host_slots]
+
+    def load(self, name: str, at: float) -> None:
+        """A fresh load of ``name`` (a new copy; an old copy of the name, if any, no longer has it)."""
+        self.unload(name)
+        self.touch(name, at)
+
+    def unload(self, name: str) -> None:
+        """vLLM forgot the name; its copy stays until LRU pushes it out."""
+        copy = self._find(name)
+        if copy is not None:
+            copy.name = None
+
+    def keep_only(self, registered: Collection[str]) -> None:
+        """Names vLLM no longer serves lose their copies' names."""
+        for copy in self.copies:
+            if copy.name is not None and copy.name not in registered:
+                copy.name = None
+
+    def tier(self, name: str) -> Tier:
+        """GPU, CPU (host cache) or DISK (registered, reloaded on its next request)."""
+        for rank, copy in enumerate(self.ranked()):
+            if copy.name == name:
+                return Tier.GPU if rank < self.gpu_slots else Tier.CPU
+        return Tier.DISK
+
+    def unloaded_copies(self) -> tuple[int, int]:
+        """Copies of unloaded names still in (GPU slots, host cache)."""
+        ranked = self.ranked()
+        return (sum(c.name is None for c in ranked[:self.gpu_slots]), sum(c.name is None for c in ranked))
+
+    def pushed_out(self, name: str, gpu_keep: Collection[str], host_keep: Collection[str],
+                   fresh: bool = False) -> set[str]:
+        """The kept names that touching (or with ``fresh`` loading) ``name`` now would push out of their tier."""
+        after = self.clone()
+        stamp = max((c.touched for c in self.copies), default=0.0) + 1.0
+        after.load(name, stamp) if fresh else after.touch(name, stamp)
+        lost = {n for n in gpu_keep if n != name and self.tier(n) is Tier.GPU and after.tier(n) is not Tier.GPU}
+        return lost | {n for n in host_keep if n != name and self.tier(n) is not Tier.DISK
+                       and after.tier(n) is Tier.DISK}
+
+    def touches_before(self, name: str, gpu_keep: Collection[str], host_keep: Collection[str],
+                       fresh: bool = False) -> list[str]:
+        """Kept names to touch, in order, so that then touching (loading) ``name`` pushes none of them out.
+
+        GPU-resident kept adapters are touched (no eviction: they already hold slots) so an unwanted copy is the
+        least recently used GPU one; a kept host copy about to fall out is touched too (it takes a GPU slot, so the
+        GPU-kept ones are touched again after it).
+        """
+        plan: list[str] = []
+        sim = self.clone()
+        stamp = max((c.touched for c in self.copies), default=0.0)
+        for _ in range(len(host_keep) + 2):
+            if not sim.pushed_out(name, gpu_keep, host_keep, fresh):
+                return plan
+            ranked = sim.ranked()
+            gpu_kept = [c.name for c in reversed(ranked[:sim.gpu_slots]) if c.name in gpu_keep]
+            oldest = ranked[-1] if len(ranked) >= sim.host_slots else None
+            step = list(gpu_kept)
+            if oldest is not None and oldest.name in host_keep and oldest.name not in gpu_kept:
+                step += [oldest.name, *gpu_kept]
+            if not step:
+                break
+            for touched in step:
+                assert touched is not None
+                stamp += 1.0
+                sim.touch(touched, stamp)
+            plan += [n for n in step if n is not None]
+        return plan
 
 
 @dataclass(frozen=True)
@@ -89,21 +232,16 @@ class RuntimeResponse:
         return orjson.loads(self.content)
 
 
-class VllmDriver(RuntimeDriver):
-    """Drives a vLLM (or vLLM-Ascend) server started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``.
-
-    ``limits`` are what the server was started with (``max_loras``, ``max_cpu_loras``, ``max_lora_rank``, base model
-    digest): vLLM does not publish them, so the operator passes them to the sidecar.
+class VllmApiDriver(RuntimeDriver):
+    """What every runtime speaking vLLM's dynamic LoRA API shares: the HTTP client, load, unload and /metrics.
 
     The HTTP client is aiohttp, one keep-alive session per driver (opened on the first call, on the running event
     loop): every load goes through it, and measured against the engine it took 0.2-1.1 ms of CPU per request where
     httpx took 1.7-4 ms on the same (shared, 2-core) machine, a fifth of a 38 MB adapter's raw read time.
     """
 
-    kind = "vllm"
-    capabilities = Capabilities(
-        tier_control=False, pin=False, reports_residency=False, exports_residency_metrics=False
-    )
+    kind = "vllm-api"
+    capabilities = Capabilities(tier_control=False, pin=False, reports_residency=False, exports_residency_metrics=False)
 
     def __init__(
         self,
@@ -119,63 +257,51 @@ class VllmDriver(RuntimeDriver):
         self._http: aiohttp.ClientSession | None = None
         self._limits = limits
         self._clock = clock
-        self._last_used: dict[str, float] = {}
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> RuntimeResponse:
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> RuntimeResponse:
         if self._http is None:
             self._http = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
         data, headers = (None, None) if body is None else (orjson.dumps(body), {"content-type": "application/json"})
         try:
             async with self._http.request(method, self._base_url + path, data=data, headers=headers) as answer:
-                resp = RuntimeResponse(answer.status, await answer.read())
+                return RuntimeResponse(answer.status, await answer.read())
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise RuntimeUnavailable(f"{method} {path}: {exc!r}") from exc
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> RuntimeResponse:
+        resp = await self._request(method, path, body)
         if resp.status_code >= 500:
-            raise RuntimeUnavailable(f"{method} {path}: HTTP {resp.status_code}")
+            raise RuntimeUnavailable(f"{method} {path}: HTTP {resp.status_code}: {_error_message(resp)}")
         if resp.status_code >= 400:
             raise RuntimeRejected(resp.status_code, _error_message(resp))
         return resp
 
-    async def scrape(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+    async def scrape(self) -> Samples:
         """The runtime's /metrics, parsed."""
         return parse_metrics((await self._call("GET", "/metrics")).text)
 
-    def _instance(self, samples: dict[str, list[tuple[dict[str, str], float]]]) -> str | None:
+    def _instance(self, samples: Samples) -> str | None:
         start = samples.get("process_start_time_seconds")
         return f"{start[0][1]:.3f}" if start else None
 
-    async def observe(self) -> Observation:
-        """``/v1/models`` for the adapters, ``/metrics`` for load and restarts; tiers inferred."""
-        models = (await self._call("GET", "/v1/models")).json().get("data", [])
-        samples = await self.scrape()
-        base = next((m["id"] for m in models if not m.get("parent")), "")
-        limits = self._limits
-        info = dataclasses.replace(limits, base_model=base, instance=self._instance(samples))
-        names = [m["id"] for m in models if m.get("parent")]
-        running, waiting = lora_requests(samples)
-        now = self._clock()
-        for name in running | waiting:
-            self._last_used[name] = now
-        self._last_used = {n: t for n, t in self._last_used.items() if n in names}
-        order = sorted(names, key=lambda n: self._last_used.get(n, float("-inf")), reverse=True)
-        gpu_slots, cpu_slots = limits.max_loras or 1, max(limits.max_cpu_loras or 1, limits.max_loras or 1)
-        adapters = {}
-        for rank, name in enumerate(order):
-            used = name in self._last_used
-            tier = Tier.GPU if used and rank < gpu_slots else Tier.CPU if rank < cpu_slots else Tier.DISK
-            adapters[name] = RuntimeAdapter(served_name=name, tier=tier, in_flight=int(name in running | waiting))
-        return Observation(info, adapters, pod_load(samples, info))
-
     async def load(self, served_name: str, path: Path) -> None:
-        """``POST /v1/load_lora_adapter``."""
-        await self._call("POST", "/v1/load_lora_adapter", {"lora_name": served_name, "lora_path": str(path)})
+        """``POST /v1/load_lora_adapter``.
 
-    async def activate(self, served_name: str) -> None:
-        """A one-token greedy completion: vLLM puts the adapter in a GPU slot to serve it."""
-        await self._call(
-            "POST", "/v1/completions", {"model": served_name, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
-        )
-        self._last_used[served_name] = self._clock()
+        A 500 from a server that is still healthy is vLLM refusing the adapter (its worker raised: rank above
+        ``--max-lora-rank``, tensors of the wrong shape): RuntimeRejected with vLLM's message, not an outage.
+        """
+        body = {"lora_name": served_name, "lora_path": str(path)}
+        resp = await self._request("POST", "/v1/load_lora_adapter", body)
+        if resp.status_code >= 500 and not await self._healthy():
+            raise RuntimeUnavailable(f"load {served_name}: HTTP {resp.status_code}: {_error_message(resp)}")
+        if resp.status_code >= 400:
+            raise RuntimeRejected(resp.status_code, _error_message(resp))
+
+    async def _healthy(self) -> bool:
+        try:
+            return (await self._request("GET", "/health")).status_code == 200
+        except RuntimeUnavailable:
+            return False
 
     async def unload(self, served_name: str) -> None:
         """``POST /v1/unload_lora_adapter``; an unknown name (404) is already unloaded."""
@@ -184,12 +310,110 @@ class VllmDriver(RuntimeDriver):
         except RuntimeRejected as exc:
             if exc.status != 404:
                 raise
-        self._last_used.pop(served_name, None)
 
     async def close(self) -> None:
         """Close the HTTP client."""
         if self._http is not None:
             await self._http.close()
+
+
+class VllmDriver(VllmApiDriver):
+    """Drives a vLLM (or vLLM-Ascend) server started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``.
+
+    ``limits`` are what the server was started with (``max_loras``, ``max_cpu_loras``, ``max_lora_rank``, base model
+    digest): vLLM does not publish them, so the operator passes them to the sidecar. ``env`` (default: this process's
+    environment, which the deployment shares with the runtime container) must not turn on a LoRA resolver: vLLM's
+    answers do not show whether one is on, so the driver refuses to start (ValueError) when the settings are there.
+    ``wall_clock`` must be the clock vLLM stamps its metrics with (``time.time`` on the same host).
+    """
+
+    kind = "vllm"
+    capabilities = Capabilities(tier_control=False, pin=False, reports_residency=False,
+                                exports_residency_metrics=False, load_activates=True)
+
+    def __init__(
+        self,
+        base_url: str,
+        limits: RuntimeInfo,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        refuse_lora_resolver(os.environ if env is None else env, "the vllm driver")
+        super().__init__(base_url, limits, token=token, timeout_s=timeout_s, clock=clock)
+        self._wall_clock = wall_clock
+        self._instance_seen: str | None = None
+        self._served_until = 0.0
+        self._gpu_keep: frozenset[str] = frozenset()
+        self._host_keep: frozenset[str] = frozenset()
+        self.cache = self._empty_cache()
+
+    def _empty_cache(self) -> LoraCacheModel:
+        gpu = self._limits.max_loras or 1
+        return LoraCacheModel(gpu, max(self._limits.max_cpu_loras or gpu, gpu))
+
+    def keep_resident(self, gpu: Collection[str], host: Collection[str]) -> None:
+        """Loads and warm-ups first touch these so that LRU pushes out other copies."""
+        self._gpu_keep, self._host_keep = frozenset(gpu), frozenset(host) | frozenset(gpu)
+
+    async def observe(self) -> Observation:
+        """``/v1/models`` for the adapters, ``/metrics`` for served requests, load and restarts; tiers replayed."""
+        models = (await self._call("GET", "/v1/models")).json().get("data", [])
+        samples = await self.scrape()
+        instance = self._instance(samples)
+        if self._instance_seen is not None and instance != self._instance_seen:  # a restarted vLLM holds nothing
+            self.cache, self._served_until = self._empty_cache(), 0.0
+        self._instance_seen = instance
+        base = next((m["id"] for m in models if not m.get("parent")), "")
+        info = dataclasses.replace(self._limits, base_model=base, instance=instance)
+        names = [m["id"] for m in models if m.get("parent")]
+        self.cache.keep_only(names)
+        self._replay_requests(samples, set(names))
+        running, waiting = lora_requests(samples)
+        busy = running | waiting
+        adapters = {name: RuntimeAdapter(served_name=name, tier=self.cache.tier(name), in_flight=int(name in busy))
+                    for name in names}
+        return Observation(info, adapters, pod_load(samples, info))
+
+    def _replay_requests(self, samples: Samples, registered: set[str]) -> None:
+        """Touch the copies of adapters vLLM served since the last look, in the order it served them."""
+        served = sorted((stamp, name) for name, stamp in lora_last_served(samples).items()
+                        if stamp > self._served_until and name in registered)
+        for stamp, name in served:
+            self.cache.touch(name, stamp)
+        self._served_until = max([self._served_until, *(stamp for stamp, _ in served)])
+
+    async def _keep_others(self, served_name: str, fresh: bool) -> None:
+        for name in self.cache.touches_before(served_name, self._gpu_keep, self._host_keep, fresh=fresh):
+            await self._warm_up(name)
+        lost = self.cache.pushed_out(served_name, self._gpu_keep, self._host_keep, fresh=fresh)
+        if lost:
+            log.warning("%s %s pushes %s out of their tier: vLLM has too few slots for the target",
+                        "loading" if fresh else "serving", served_name, sorted(lost))
+
+    async def _warm_up(self, served_name: str) -> None:
+        await self._call(
+            "POST", "/v1/completions", {"model": served_name, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        )
+        self.cache.touch(served_name, self._wall_clock())
+
+    async def load(self, served_name: str, path: Path) -> None:
+        """Load (vLLM activates it into a GPU slot), after touching kept adapters LRU would otherwise push out."""
+        await self._keep_others(served_name, fresh=True)
+        await super().load(served_name, path)
+        self.cache.load(served_name, self._wall_clock())
+
+    async def activate(self, served_name: str) -> None:
+        """A one-token greedy completion: vLLM puts the adapter in a GPU slot to serve it."""
+        await self._keep_others(served_name, fresh=False)
+        await self._warm_up(served_name)
+
+    async def unload(self, served_name: str) -> None:
+        """Unload; the copy stays in vLLM's caches (and in the model) until LRU pushes it out."""
+        await super().unload(served_name)
+        self.cache.unload(served_name)
 
 
 def _error_message(resp: RuntimeResponse) -> str:
