@@ -62,6 +62,11 @@ class TransportLimits:
         """The SETTINGS_MAX_FRAME_SIZE we advertise: one largest message fits one frame."""
         return min((1 << 24) - 1, max(1 << 14, self.max_message_bytes + 5))
 
+    @property
+    def connection_window_bytes(self) -> int:
+        """Our receive window per connection: DATA bytes a peer may send that we still hold (partial messages)."""
+        return 4 * self.max_frame_bytes
+
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return _frame_header(kind, flags, stream_id, len(payload)) + payload
 
@@ -161,7 +166,8 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.peer_initial_window = 65_535
         self.peer_max_frame = 16_384
         self.conn_send_window = 65_535
-        self.received_unacked = 0
+        #: DATA bytes received, bytes held in partial messages, bytes the peer has been given back (WINDOW_UPDATE)
+        self.received = self.buffered = self.acked = 0
         self.header_block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments) awaiting CONTINUATION
         self.last_stream_id = 0
         #: streams we ended whose peer side is still open: their late DATA/trailers are ignored, and they count
@@ -181,7 +187,8 @@ class GrpcH2Protocol(asyncio.Protocol):
                                SETTINGS_MAX_FRAME_SIZE, limits.max_frame_bytes,
                                SETTINGS_MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams,
                                SETTINGS_MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes)
-        self.transport.write(_frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - 65_535)))
+        window_update = struct.pack(">I", limits.connection_window_bytes - 65_535)
+        self.transport.write(_frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, window_update))
         self._schedule_reaper()
 
     def _now(self) -> float:
@@ -408,10 +415,9 @@ class GrpcH2Protocol(asyncio.Protocol):
             self.outbox.append(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", 0)))
 
     def _on_data(self, stream_id: int, flags: int, payload: memoryview) -> None:
-        self.received_unacked += len(payload)
-        if self.received_unacked > (1 << 20):
-            self.outbox.append(_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.received_unacked)))
-            self.received_unacked = 0
+        self.received += len(payload)
+        if self.received - self.acked > self.limits.connection_window_bytes:
+            raise _ConnectionError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         stream = self.streams.get(stream_id)
         if stream is None or stream.handler is None:
             if stream_id == 0 or (stream is None and stream_id > self.last_stream_id):
@@ -427,13 +433,14 @@ class GrpcH2Protocol(asyncio.Protocol):
         buffer = stream.buffer
         if buffer:  # the rest of a message split across frames
             buffer += payload
+            self.buffered += len(payload)
             payload = memoryview(b"")
         limit = self.limits.max_message_bytes
         while True:
             source = buffer or payload
             if len(source) >= 5 and (size := int.from_bytes(source[1:5], "big")) > limit:
                 # refused from its declared length: nothing of it is kept, the rest of it is ignored as it comes
-                stream.buffer = bytearray()
+                self._discard_buffer(stream)
                 self._end_early(stream_id, flags, _trailers(GRPC_RESOURCE_EXHAUSTED, f"message of {size} bytes is "
                                                             f"larger than the limit of {limit} bytes"))
                 return
@@ -446,6 +453,7 @@ class GrpcH2Protocol(asyncio.Protocol):
                 with memoryview(buffer) as view:
                     message = bytes(view[5 : 5 + size])
                 del buffer[: 5 + size]
+                self.buffered -= 5 + size
             else:
                 message = bytes(payload[5 : 5 + size])  # the only copy of a message that came in one frame
                 payload = payload[5 + size :]
@@ -463,6 +471,7 @@ class GrpcH2Protocol(asyncio.Protocol):
                 return
         if payload:
             buffer += payload  # the start of a message that continues in a later frame
+            self.buffered += len(payload)
         if flags & END_STREAM:
             stream.remote_open = False
             self._finish(stream_id)
@@ -526,10 +535,15 @@ class GrpcH2Protocol(asyncio.Protocol):
         stream.end_after_pending = True
         self._send_stream(stream_id, stream)
 
+    def _discard_buffer(self, stream: _Stream) -> None:
+        self.buffered -= len(stream.buffer)
+        stream.buffer.clear()
+
     def _drop(self, stream_id: int) -> None:
         stream = self.streams.pop(stream_id, None)
         if stream is None:
             return
+        self._discard_buffer(stream)
         if stream.remote_open and not self.closed:
             self.half_closed.add(stream_id)
         if stream.handler is not None:
@@ -543,6 +557,10 @@ class GrpcH2Protocol(asyncio.Protocol):
             self.transport.close()
 
     def _flush(self) -> None:
+        released = self.received - self.buffered - self.acked  # bytes received and no longer held
+        if released >= min(1 << 20, self.limits.connection_window_bytes // 4):
+            self.outbox.append(_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", released)))
+            self.acked += released
         if self.outbox and self.transport is not None and not self.closed:
             self.transport.write(b"".join(self.outbox))
         self.outbox.clear()

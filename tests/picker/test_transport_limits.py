@@ -327,3 +327,47 @@ def test_grpcio_transport_has_the_same_limits_and_health_only_port(grpcio_picker
 
     assert process_call(grpcio_picker.port, bytes(5 << 20)) is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert process_call(grpcio_picker.health_port, b"") is grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_partial_messages_are_bounded_by_the_connection_window(picker: PickerProcess) -> None:
+    """100 streams each holding an incomplete 4 MiB message: the picker holds at most its connection window, and a
+    peer sending past the window is a flow-control error."""
+    conn = RawH2.connect(picker.port)
+    before = picker.rss_mib()
+    part = b"\x00" + struct.pack(">I", (4 << 20) - 16) + bytes((1 << 20) - 5)  # 1 MiB of a just-allowed message
+    conn.send(b"".join(conn.headers(2 * i + 1) for i in range(100)))
+    with pytest.raises(OSError):
+        for i in range(100):
+            conn.send(frame(DATA, 0, 2 * i + 1, part))
+    after = picker.rss_mib()
+    assert conn.goaway().code == FLOW_CONTROL_ERROR
+    report("100 streams x 1 MiB of unfinished 4 MiB messages (the rest refused)", before, after)
+    assert after - before < 40
+    conn.close()
+
+
+def test_the_window_is_given_back_as_messages_complete(picker: PickerProcess) -> None:
+    """24 MiB of complete 3 MiB messages in 16 KiB frames on one connection (past its 16 MiB window): each is
+    answered, none is a flow-control error, because the picker gives the window back as messages complete."""
+    conn = RawH2.connect(picker.port)
+    padding = bytes(3 << 20)  # an unknown protobuf field (15, bytes): parsed and ignored
+    body = health_pb2.HealthCheckRequest(service="liveness").SerializeToString() + b"\x7a" + _varint(len(padding)) + padding
+    message = grpc_message(body)
+    for stream_id in range(1, 17, 2):
+        conn.send(conn.headers(stream_id, HEALTH))
+        for start in range(0, len(message), 16_384):
+            last = start + 16_384 >= len(message)
+            conn.send(frame(DATA, END_STREAM if last else 0, stream_id, message[start : start + 16_384]))
+    frames = conn.read(ended(15), timeout=30)
+    assert not [f for f in frames if f.kind == GOAWAY]
+    assert [conn.trailers_of(frames, s).get("grpc-status") for s in range(1, 17, 2)] == ["0"] * 8
+    conn.close()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
