@@ -206,7 +206,7 @@ class HttpsFetcher:
                 parts, address = self._guard.check_url(url)
                 if parts.scheme != "https":
                     raise ArtifactError("InsecureRedirect", f"{uri} redirects to a non-https URL")
-                with client.stream("GET", _pinned(url, address), headers={"host": parts.netloc},
+                with client.stream("GET", _pinned(url, address), headers={"host": parts.netloc.rpartition("@")[2]},
                                    extensions={"sni_hostname": parts.hostname}) as resp:
                     if resp.is_redirect:
                         url = urllib.parse.urljoin(url, resp.headers["location"])
@@ -221,8 +221,9 @@ class HttpsFetcher:
 def _pinned(url: str, address: str) -> str:
     """``url`` with its host replaced by the checked ``address``."""
     parts = urllib.parse.urlsplit(url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
     host = f"[{address}]" if ":" in address else address
-    return parts._replace(netloc=f"{host}:{parts.port}" if parts.port else host).geturl()
+    return parts._replace(netloc=f"{userinfo}{at}{host}" + (f":{parts.port}" if parts.port else "")).geturl()
 
 
 class _GuardedAdapter(requests.adapters.HTTPAdapter):
