@@ -14,7 +14,9 @@ Nothing a peer sends is held without a bound (``TransportLimits``): a message wh
 limit ends its stream (RESOURCE_EXHAUSTED) before a byte of it is buffered; a header block (HEADERS plus
 CONTINUATION) over its limit ends the connection (ENHANCE_YOUR_CALM); a decoded header list over its limit ends
 the stream; streams beyond SETTINGS_MAX_CONCURRENT_STREAMS are refused (RST_STREAM REFUSED_STREAM); a stream
-silent for longer than the idle timeout is reset (CANCEL); stream ids must be odd and increasing.
+silent for longer than the idle timeout is reset (CANCEL); a stream we end before the peer does is reset with
+NO_ERROR after its trailers (the peer stops sending); stream ids must be odd and increasing; the connection
+receive window is given back only as messages complete, so unfinished messages hold at most one window.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 SETTINGS_HEADER_TABLE_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 0x1, 0x3, 0x4
 SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x5, 0x6
 MAX_WINDOW = (1 << 31) - 1
-PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = 0x1, 0x3, 0x6, 0x7, 0x8
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = 0x0, 0x1, 0x3, 0x6, 0x7, 0x8
 COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x9, 0xB
 GRPC_OK, GRPC_NOT_FOUND, GRPC_RESOURCE_EXHAUSTED, GRPC_INTERNAL, GRPC_UNIMPLEMENTED = 0, 5, 8, 13, 12
 
@@ -170,9 +172,8 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.received = self.buffered = self.acked = 0
         self.header_block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments) awaiting CONTINUATION
         self.last_stream_id = 0
-        #: streams we ended whose peer side is still open: their late DATA/trailers are ignored, and they count
-        #: towards the concurrency limit until the peer ends or resets them
-        self.half_closed: set[int] = set()
+        #: the latest streams we reset (RST_STREAM sent): trailers the peer sent before it saw the reset are ignored
+        self.reset_ids: dict[int, None] = {}
         self.closed = False
 
     # --- asyncio.Protocol ------------------------------------------------------------------------------------
@@ -212,6 +213,9 @@ class GrpcH2Protocol(asyncio.Protocol):
     def _reset(self, stream_id: int, code: int) -> None:
         """RST_STREAM ``code`` and forget the stream."""
         self.outbox.append(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", code)))
+        self.reset_ids[stream_id] = None
+        if len(self.reset_ids) > 4 * self.limits.max_concurrent_streams:
+            del self.reset_ids[next(iter(self.reset_ids))]
         stream = self.streams.get(stream_id)
         if stream is not None:
             stream.remote_open = False
@@ -308,7 +312,6 @@ class GrpcH2Protocol(asyncio.Protocol):
                 raise _ConnectionError(PROTOCOL_ERROR if stream_id == 0 else FRAME_SIZE_ERROR, "bad RST_STREAM")
             if (stream := self.streams.get(stream_id)) is not None:
                 stream.remote_open = False
-            self.half_closed.discard(stream_id)
             self._drop(stream_id)
         elif kind == GOAWAY and self.transport is not None:
             self.transport.close()
@@ -376,16 +379,14 @@ class GrpcH2Protocol(asyncio.Protocol):
                 self._finish(stream_id)
             return
         if stream_id <= self.last_stream_id:
-            if stream_id in self.half_closed:  # trailers of a stream we already ended
-                if flags & END_STREAM:
-                    self.half_closed.discard(stream_id)
+            if stream_id in self.reset_ids:  # trailers of a stream we reset, sent before the peer saw it
                 return
             raise _ConnectionError(PROTOCOL_ERROR, f"stream id {stream_id} is not above {self.last_stream_id}")
         if not stream_id & 1:
             raise _ConnectionError(PROTOCOL_ERROR, f"even stream id {stream_id} from a client")
         self.last_stream_id = stream_id
-        if len(self.streams) + len(self.half_closed) >= self.limits.max_concurrent_streams:
-            self.outbox.append(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM)))
+        if len(self.streams) >= self.limits.max_concurrent_streams:
+            self._reset(stream_id, REFUSED_STREAM)
             return
         if self.decoder.last_list_size > self.limits.max_header_list_bytes:
             self.streams[stream_id] = _Stream(None, send_window=self.peer_initial_window)
@@ -404,15 +405,10 @@ class GrpcH2Protocol(asyncio.Protocol):
             self._finish(stream_id)
 
     def _end_early(self, stream_id: int, flags: int, trailers: bytes) -> None:
-        """Answer a stream the transport refuses with ``trailers`` at once; a peer still sending on it is told to
-        stop (RST_STREAM NO_ERROR once the trailers are out)."""
-        stream = self.streams[stream_id]
+        """Answer a stream the transport refuses with ``trailers`` at once."""
         if flags & END_STREAM:
-            stream.remote_open = False
+            self.streams[stream_id].remote_open = False
         self._finish(stream_id, trailers)
-        if stream.remote_open and stream_id not in self.streams:
-            self.half_closed.discard(stream_id)
-            self.outbox.append(_frame(RST_STREAM, 0, stream_id, struct.pack(">I", 0)))
 
     def _on_data(self, stream_id: int, flags: int, payload: memoryview) -> None:
         self.received += len(payload)
@@ -423,11 +419,9 @@ class GrpcH2Protocol(asyncio.Protocol):
             if stream_id == 0 or (stream is None and stream_id > self.last_stream_id):
                 raise _ConnectionError(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
             _strip_padding(flags, payload)
-            if flags & END_STREAM:
-                self.half_closed.discard(stream_id)
-                if stream is not None:
-                    stream.remote_open = False
-            return  # a stream we already finished or refused: ignore late data
+            if flags & END_STREAM and stream is not None:
+                stream.remote_open = False
+            return  # a stream we already finished or reset: ignore late data
         stream.last_frame_at = self._now()
         payload = _strip_padding(flags, payload)
         buffer = stream.buffer
@@ -544,8 +538,9 @@ class GrpcH2Protocol(asyncio.Protocol):
         if stream is None:
             return
         self._discard_buffer(stream)
-        if stream.remote_open and not self.closed:
-            self.half_closed.add(stream_id)
+        if stream.remote_open and not self.closed:  # our trailers went out first: tell the peer to stop sending
+            stream.remote_open = False
+            self._reset(stream_id, NO_ERROR)
         if stream.handler is not None:
             stream.handler.on_close()
             stream.handler = None

@@ -371,3 +371,19 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def test_streams_the_picker_ends_first_are_reset_and_free_their_slot(picker: PickerProcess) -> None:
+    """A call that ends with an error while the client is still sending (here: an unknown health service) gets its
+    trailers, then RST_STREAM NO_ERROR; 150 of them in a row on one connection are all answered, none refused."""
+    conn = RawH2.connect(picker.port)
+    unknown = grpc_message(health_pb2.HealthCheckRequest(service="no-such-service").SerializeToString())
+    for i in range(150):
+        conn.send(conn.headers(2 * i + 1, HEALTH) + frame(DATA, 0, 2 * i + 1, unknown))  # no END_STREAM
+    frames = conn.read(lambda fs: sum(f.kind == RST_STREAM for f in fs) >= 150, timeout=10)
+    resets = [f for f in frames if f.kind == RST_STREAM]
+    assert len(resets) == 150 and {f.code for f in resets} == {0}
+    assert [conn.trailers_of(frames, 2 * i + 1).get("grpc-status") for i in range(150)] == ["5"] * 150
+    conn.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, conn.encoder.encode([("grpc-status", "0")])))  # late trailers
+    assert health_check(conn, 301).get("grpc-status") == "0"  # ignored, not a protocol error
+    conn.close()
