@@ -24,6 +24,7 @@ def test_decodes_what_hpack_encodes(blocks: list[list[tuple[str, str]]], huffman
     for headers in blocks:
         wire = encoder.encode(headers, huffman=huffman)
         assert decoder.decode(wire) == [(k.encode(), v.encode()) for k, v in headers]
+        assert decoder.last_list_size == sum(len(k.encode()) + len(v.encode()) + 32 for k, v in headers)
 
 
 @pytest.mark.parametrize("wire", [b"\x80", b"\xff\xff\xff\xff\xff\xff\x0f", b"\x40\x85abc", b"\x00\x81\xff\x00", b"\x3f\xff\xff\x7f"])
@@ -40,3 +41,6 @@ def test_with_a_zero_table_only_wanted_headers_are_decoded(blocks: list[list[tup
     for headers in blocks:
         decoded = decoder.decode(encoder.encode(headers))
         assert decoded == [(k.encode(), v.encode()) for k, v in headers if k == ":path"]
+        # skipped values count at their encoded length: never below what a Huffman code can shrink them to
+        exact = sum(len(k.encode()) + len(v.encode()) + 32 for k, v in headers)
+        assert exact * 5 // 8 <= decoder.last_list_size
