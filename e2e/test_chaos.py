@@ -331,17 +331,21 @@ def test_a_forged_or_deleted_key_is_repaired_within_one_resync(chaos: Chaos) -> 
     ours = chaos.routes()
     assert ours is not None
     forged = ours.model_copy(update={"generation": ours.generation + 100, "models": {}, "writer": "intruder"})
+    report_key = keys.residency_report(POOL, chaos.stack.engines[1].pod)
     admin.set(keys.route_table(POOL), forged.to_json())
-    admin.delete(target_key)
+    admin.delete(target_key, report_key)
+    deleted = time.monotonic()
     routes_back = _wait(lambda: (t := chaos.routes()) is not None and set(t.models) == set(HOT), within=5)
-    target_back = _wait(lambda: admin.get(target_key) is not None, within=5)
+    target_back = _wait(lambda: admin.get(target_key) is not None, within=5) + routes_back
+    report_back = time.monotonic() - deleted + _wait(lambda: admin.get(report_key) is not None, within=5)
     repaired = chaos.routes()
     _report("repair-forged-and-deleted", {"routes_back_s": round(routes_back, 2), "target_back_s": round(target_back, 2),
+                                          "report_back_s": round(report_back, 2),
                                           "resync_s": chaos.stack.options.heartbeat,
                                           "generation": repaired.generation if repaired else None})
     assert repaired is not None and repaired.generation > forged.generation
     assert TargetState.from_json(admin.get(target_key)).pod == chaos.stack.engines[0].pod  # type: ignore[arg-type]
-    assert max(routes_back, target_back) <= chaos.stack.options.heartbeat + 1.5
+    assert max(routes_back, target_back, report_back) <= chaos.stack.options.heartbeat + 1.5
 
 
 # --- faults ---------------------------------------------------------------------------------------------------------
