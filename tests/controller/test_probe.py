@@ -30,10 +30,17 @@ def _app() -> Starlette:
         async def stream() -> AsyncIterator[bytes]:
             if how == "slow":
                 await asyncio.sleep(0.3)
+            if how.startswith("vllm"):  # vLLM: no headers, each event names the model that answered
+                named = "other@v9" if how == "vllm-wrong-name" else model
+                yield f'data: {{"model": "{named}", "choices": [{{"text": "ok"}}]}}\n\n'.encode()
+                yield b"data: [DONE]\n\n"
+                return
             yield b'data: {"choices": [{"text": "ok"}]}\n\n'
 
         headers = {SERVED_ADAPTER_HEADER: "other@v9" if how == "wrong-name" else model,
                    ADAPTER_DIGEST_HEADER: digest(1) if how == "wrong-digest" else CONTENT}
+        if how.startswith("vllm"):
+            headers = {}
         return StreamingResponse(stream(), status_code=500 if how == "error" else 200, headers=headers)
 
     return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
@@ -73,6 +80,16 @@ async def test_without_a_reported_content_digest_the_digest_is_not_checked(addre
     async with httpx.AsyncClient(headers={"x-test-mode": "wrong-digest"}) as client:
         result = await HealthProber(client).probe(rev, address, None)
     assert result.ok and "digest not reported by the sidecar" in result.message
+
+
+@pytest.mark.parametrize(("mode", "ok"), [("vllm", True), ("vllm-wrong-name", False)])
+async def test_a_runtime_without_identity_headers_is_checked_by_the_model_its_stream_names(
+        address: str, mode: str, ok: bool) -> None:
+    rev = revision("v1", n=1)
+    async with httpx.AsyncClient(headers={"x-test-mode": mode}) as client:
+        result = await HealthProber(client).probe(rev, address, CONTENT)
+    assert result.ok is ok, result
+    assert "no digest stamped by the runtime" in result.message if ok else "answered by 'other@v9'" in result.message
 
 
 async def test_unreachable_pod_fails_the_probe() -> None:
