@@ -82,12 +82,16 @@ def test_only_inference_paths_reach_a_pod_with_the_gateways_token(tmp_path: Path
     assert seen[0]["forwarded"], "the pod must see that the request came through a proxy"
 
 
-def test_a_client_that_never_finishes_its_headers_is_cut_off(tmp_path: Path,
-                                                             backend: tuple[int, list[dict[str, Any]]]) -> None:
-    envoy, port = _envoy(tmp_path, backend[0], request_headers_timeout="1s")
+@pytest.mark.parametrize(("timeout", "sent"), [
+    ("request_headers_timeout", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"),  # headers never finished
+    ("stream_idle_timeout", b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n{"),  # body stalls
+], ids=["headers", "body"])
+def test_a_client_that_stalls_is_cut_off(tmp_path: Path, backend: tuple[int, list[dict[str, Any]]], timeout: str,
+                                         sent: bytes) -> None:
+    envoy, port = _envoy(tmp_path, backend[0], **{timeout: "1s"})
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
-            stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # and nothing more
+            stalled.sendall(sent)  # and nothing more
             started = time.monotonic()
             answer = stalled.recv(4096)
             while answer and b"\r\n\r\n" not in answer:
