@@ -48,10 +48,13 @@ TAIL = tuple(f"tail-{i}" for i in range(6))
 #: the hot adapter rolled out to a new revision
 ROLLED = "claims"
 RANK = 8
+PROMPT = "Write one word:"
 TARGETS = ("q_proj", "v_proj")
 GROUP_PATH = "/apis/loraplane.io/v1alpha1/namespaces/default/adapterrevisions"
 #: share of requests that may get the runtime's 404 of a just-unloaded revision (a known, documented race)
 MAX_UNLOAD_RACES = 0.02
+#: what every demo request asks beyond model, prompt and length: greedy, fixed length, the token ids back
+GREEDY_BODY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
 #: the traffic phases (``RequestRecord.phase``)
 HOT_PHASE, BURST_PHASE, ROLLOUT_PHASE = "hot adapters", "hot + burst of tail", f"{ROLLED}@v2 canary + hot"
 
@@ -187,6 +190,29 @@ def write_artifacts(root: Path, revisions: list[tuple[str, str]], model: str) ->
     return artifacts
 
 
+async def reference_tokens(model_dir: Path, adapters: dict[str, Path], prompt: str,
+                           max_tokens: int) -> dict[str, list[int]]:
+    """Greedy token ids of ``prompt`` under each adapter (served name -> PEFT directory), from loraplane's reference
+    engine run in this process on the same checkpoint.
+
+    vLLM pods send no served-adapter header, so on them the demo tells which revision answered by its tokens.
+    """
+    from loraplane.engine.app import EngineOptions, build
+
+    built = build(EngineOptions(model=str(model_dir), max_loras=1, max_cpu_loras=len(adapters), max_lora_rank=16,
+                                lora_modules=adapters))
+    transport = httpx.ASGITransport(app=built.app)
+    tokens = {}
+    async with built.app.router.lifespan_context(built.app), httpx.AsyncClient(
+            transport=transport, base_url="http://engine") as http:
+        for name in adapters:
+            body = {"model": name, "prompt": prompt, **GREEDY_BODY, "max_tokens": max_tokens}
+            response = await http.post("/v1/completions", json=body)
+            response.raise_for_status()
+            tokens[name] = response.json()["choices"][0]["token_ids"]
+    return tokens
+
+
 def manifest(artifact: Artifact, base_model: str, base_digest: str, warm_policy: str) -> dict[str, Any]:
     """The AdapterRevision of ``artifact`` with short rollout pauses (validated against ``loraplane.api``)."""
     body = {
@@ -245,6 +271,8 @@ class Demo:
         self.rng = random.Random(plan.seed)
         self.records: list[RequestRecord] = []
         self.artifacts: dict[str, Artifact] = {}
+        #: on vLLM pods: served name -> its greedy tokens for the demo's prompt
+        self.expected: dict[str, list[int]] = {}
         self.timeline: list[RolloutStep] = []
 
     # -- the cluster side ---------------------------------------------------------------------------------------
@@ -327,7 +355,7 @@ class Demo:
 
     async def _send(self, http: httpx.AsyncClient, phase: str, model: str) -> RequestRecord:
         named_before, tiers = await self._observe(model)
-        body = {"model": model, "prompt": "Write one word:", "max_tokens": self.plan.max_tokens, "temperature": 0}
+        body = {"model": model, "prompt": PROMPT, "max_tokens": self.plan.max_tokens, **GREEDY_BODY}
         started = time.perf_counter()
         try:
             response = await http.post(f"{self.stack.gateway_url}/v1/completions", json=body,
@@ -340,13 +368,18 @@ class Demo:
             record.error = response.text[:160]
             return record
         record.served = response.headers.get(SERVED_ADAPTER_HEADER)
+        if self.expected:  # a vLLM pod: the revision whose greedy tokens these are (the weights, not a header)
+            tokens = response.json()["choices"][0].get("token_ids")
+            record.served = next((name for name, want in self.expected.items()
+                                  if name.startswith(f"{model}@") and want == tokens), None)
         record.pod = self.pod_of_address.get(response.headers.get(UPSTREAM_HEADER, ""))
         record.tier_before = tiers.get((record.pod or "", record.served or ""), "absent")
         record.warm_somewhere = any(t == "gpu" for (_, s), t in tiers.items() if s == record.served)
         named_after, _ = await self._observe(model)
         record.named = record.served in named_before | named_after
         artifact = self.artifacts.get(record.served or "")
-        record.digest_ok = artifact is not None and response.headers.get(ADAPTER_DIGEST_HEADER) == artifact.content_digest
+        record.digest_ok = artifact is not None and (
+            bool(self.expected) or response.headers.get(ADAPTER_DIGEST_HEADER) == artifact.content_digest)
         return record
 
     async def _drive(self, http: httpx.AsyncClient, phase: str, total: int | None, choose: Callable[[], str],
@@ -411,10 +444,18 @@ class Demo:
         self.artifacts = await asyncio.to_thread(write_artifacts, self.stack.artifacts, [*first, (ROLLED, "v2")],
                                                  self.stack.options.model)
         async with httpx.AsyncClient(timeout=60) as http:
-            engine = self.stack.engines[0]
-            base = (await http.get(f"http://{engine.address}/admin/adapters",
-                                   headers=self.stack.admin_headers(engine.pod))).json()
-            base_model, base_digest = self.stack.options.model, base["base_model_digest"]
+            base_model = self.stack.options.model
+            if self.stack.model_dir is not None:  # vLLM pods: the checkpoint's digest, revisions told by their tokens
+                base_digest = str(self.stack.model_digest)
+                adapters = {name: self.stack.artifacts / "adapters" / f"{a.adapter}-{a.revision}"
+                            for name, a in self.artifacts.items()}
+                self.expected = await reference_tokens(self.stack.model_dir, adapters, PROMPT, self.plan.max_tokens)
+                if self.expected[served_name(ROLLED, "v1")] == self.expected[served_name(ROLLED, "v2")]:
+                    raise RuntimeError(f"{ROLLED}'s two revisions give the same tokens: they cannot be told apart")
+            else:
+                engine = self.stack.engines[0]
+                base_digest = (await http.get(f"http://{engine.address}/admin/adapters",
+                                              headers=self.stack.admin_headers(engine.pod))).json()["base_model_digest"]
             manifests = [manifest(self.artifacts[served_name(a, r)], base_model, base_digest,
                                   "gpu-preferred" if a in HOT else "cpu") for a, r in first]
             self.console.print(f"[bold]kubectl apply[/] {len(manifests)} AdapterRevisions:")

