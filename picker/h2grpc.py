@@ -16,7 +16,8 @@ CONTINUATION) over its limit ends the connection (ENHANCE_YOUR_CALM); a decoded 
 the stream; streams beyond SETTINGS_MAX_CONCURRENT_STREAMS are refused (RST_STREAM REFUSED_STREAM); a stream
 silent for longer than the idle timeout is reset (CANCEL); a stream we end before the peer does is reset with
 NO_ERROR after its trailers (the peer stops sending); stream ids must be odd and increasing; the connection
-receive window is given back only as messages complete, so unfinished messages hold at most one window.
+receive window is given back only as messages complete, so unfinished messages hold at most one window; a peer
+that does not read our answers is not read either (its frames wait in its own buffers).
 """
 
 from __future__ import annotations
@@ -220,6 +221,17 @@ class GrpcH2Protocol(asyncio.Protocol):
         if stream is not None:
             stream.remote_open = False
         self._drop(stream_id)
+
+    def pause_writing(self) -> None:
+        """The peer reads our answers slower than it sends (a PING flood that never reads its ACKs, say): stop
+        reading its frames until our write buffer drains, so nothing it sends grows it."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        """Our write buffer drained: read the peer's frames again."""
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Close every open stream's handler."""

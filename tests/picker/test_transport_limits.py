@@ -387,3 +387,25 @@ def test_streams_the_picker_ends_first_are_reset_and_free_their_slot(picker: Pic
     conn.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, conn.encoder.encode([("grpc-status", "0")])))  # late trailers
     assert health_check(conn, 301).get("grpc-status") == "0"  # ignored, not a protocol error
     conn.close()
+
+
+@pytest.mark.slow
+def test_a_peer_that_never_reads_is_not_read_either(picker: PickerProcess) -> None:
+    """A PING flood whose ACKs are never read: the picker stops reading once its write buffer is full, so the
+    flood backs up in the sender's socket instead of the picker's memory."""
+    conn = RawH2.connect(picker.port)
+    before = picker.rss_mib()
+    pings = frame(PING, 0, 0, bytes(8)) * (1 << 16)  # 1.1 MB of PINGs per send
+    conn.sock.settimeout(3)
+    sent = 0
+    with pytest.raises(TimeoutError):
+        while sent < 400 << 20:
+            conn.sock.sendall(pings)
+            sent += len(pings)
+    after = picker.rss_mib()
+    report(f"PING flood, ACKs never read ({sent / 2**20:.0f} MiB taken before the sender blocked)", before, after)
+    assert sent < 400 << 20 and after - before < 32
+    conn.close()
+    other = RawH2.connect(picker.port)
+    assert health_check(other, 1).get("grpc-status") == "0"
+    other.close()
