@@ -76,7 +76,9 @@ def write_byte_tokenizer(out_dir: Path, vocab_size: int, bos_token_id: int | Non
     tok = HfTokenizer(models.BPE(vocab={ch: b for b, ch in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    names = {bos_token_id: "<s>", **{eos: "</s>" if i == 0 else f"</s{i}>" for i, eos in enumerate(eos_token_ids)}}
+    names: dict[int, str] = {eos: "</s>" if i == 0 else f"</s{i}>" for i, eos in enumerate(eos_token_ids)}
+    if bos_token_id is not None:
+        names[bos_token_id] = "<s>"
     specials = [names.get(i, f"<extra_{i}>") for i in range(256, vocab_size)]
     tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
     if bos_token_id is not None:
