@@ -59,6 +59,8 @@ class TransportLimits:
     max_concurrent_streams: int = 100
     #: seconds a stream may go without a frame from the peer before it is reset
     stream_idle_timeout_s: float = 300.0
+    #: open streams the peer may reset per second (more is a "rapid reset" flood: GOAWAY ENHANCE_YOUR_CALM)
+    max_peer_resets_per_s: int = 1000
 
     @property
     def max_frame_bytes(self) -> int:
@@ -175,6 +177,8 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.last_stream_id = 0
         #: the latest streams we reset (RST_STREAM sent): trailers the peer sent before it saw the reset are ignored
         self.reset_ids: dict[int, None] = {}
+        self._peer_resets = 0
+        self._peer_resets_since = 0.0
         self.closed = False
 
     # --- asyncio.Protocol ------------------------------------------------------------------------------------
@@ -324,12 +328,21 @@ class GrpcH2Protocol(asyncio.Protocol):
                 raise _ConnectionError(PROTOCOL_ERROR if stream_id == 0 else FRAME_SIZE_ERROR, "bad RST_STREAM")
             if (stream := self.streams.get(stream_id)) is not None:
                 stream.remote_open = False
+                self._count_peer_reset()
             self._drop(stream_id)
         elif kind == GOAWAY and self.transport is not None:
             self.transport.close()
         elif kind == PUSH_PROMISE:
             raise _ConnectionError(PROTOCOL_ERROR, "a client may not push")
         # PRIORITY and unknown frame types are ignored, as the spec allows
+
+    def _count_peer_reset(self) -> None:
+        now = self._now()
+        if now - self._peer_resets_since >= 1.0:
+            self._peer_resets, self._peer_resets_since = 0, now
+        self._peer_resets += 1
+        if self._peer_resets > self.limits.max_peer_resets_per_s:
+            raise _ConnectionError(ENHANCE_YOUR_CALM, "too many streams reset by the peer")
 
     def _on_settings(self, payload: bytes) -> None:
         if len(payload) % 6:

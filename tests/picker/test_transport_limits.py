@@ -409,3 +409,18 @@ def test_a_peer_that_never_reads_is_not_read_either(picker: PickerProcess) -> No
     other = RawH2.connect(picker.port)
     assert health_check(other, 1).get("grpc-status") == "0"
     other.close()
+
+
+def test_a_rapid_reset_flood_ends_the_connection(picker: PickerProcess) -> None:
+    """Streams opened and reset at once, 5,000 in one write (CVE-2023-44487's pattern): GOAWAY ENHANCE_YOUR_CALM
+    after the per-second allowance (1,000); 500 of them (a burst of client aborts) are fine."""
+    conn = RawH2.connect(picker.port)
+    conn.send(b"".join(conn.headers(2 * i + 1) + frame(RST_STREAM, 0, 2 * i + 1, struct.pack(">I", CANCEL))
+                       for i in range(500)))
+    assert health_check(conn, 1001).get("grpc-status") == "0"
+    conn.close()
+    conn = RawH2.connect(picker.port)
+    conn.send(b"".join(conn.headers(2 * i + 1) + frame(RST_STREAM, 0, 2 * i + 1, struct.pack(">I", CANCEL))
+                       for i in range(5000)))
+    assert conn.goaway().code == ENHANCE_YOUR_CALM
+    conn.close()
