@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -229,6 +230,14 @@ def _report(name: str, figures: dict[str, Any]) -> None:
     print(f"CHAOS {json.dumps({'test': name, **figures})}", flush=True)
 
 
+def _envoy_stat(world: Chaos, name: str) -> int:
+    """One counter from Envoy's admin interface (its port is in the stack's Envoy config)."""
+    config = json.loads((world.stack.options.workdir / "envoy.json").read_text())
+    port = config["admin"]["address"]["socket_address"]["port_value"]
+    text = httpx.get(f"http://127.0.0.1:{port}/stats", params={"filter": f"^{name}$"}, timeout=10).text
+    return sum(int(line.rsplit(":", 1)[1]) for line in text.splitlines() if line.strip())
+
+
 def _engine_404s(traffic: Traffic) -> list[Record]:
     """Responses from a model server that does not hold the revision it was sent (its own 404)."""
     return [r for r in traffic.records if r.status == 404 and "does not exist" in r.error]
@@ -294,6 +303,21 @@ def test_admin_paths_through_the_gateway_change_nothing(chaos: Chaos) -> None:
     assert all(status in (400, 404) for status in answers.values()), answers
     assert set(direct) == {403}
     assert changed == 0, (before, after)
+
+
+def test_reloading_another_adapters_files_through_the_gateway_serves_no_wrong_revision(chaos: Chaos) -> None:
+    """The issue's attack: ``load_inplace`` of one adapter's files under another's live served name, repeated
+    through the gateway while traffic flows."""
+    attack = {"lora_name": served_name("claims", "v1"), "lora_path": "support-v1", "load_inplace": True}
+    answers: set[int] = set()
+    with Traffic(chaos) as traffic, httpx.Client(timeout=10) as http:
+        for _ in range(25):
+            for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                answers.add(http.post(f"{chaos.stack.gateway_url}{path}", json=attack).status_code)
+            time.sleep(0.2)
+    _report("hostile-load-inplace", traffic.figures(attack_answers=sorted(answers)))
+    assert answers == {404}
+    assert traffic.figures()["wrong_revision"] == 0 and traffic.failed() == []
 
 
 def test_forged_redis_payloads_need_the_password_and_the_right_user(chaos: Chaos) -> None:
@@ -423,18 +447,20 @@ def test_picker_sigkill_is_restarted_and_envoy_fails_closed_meanwhile(chaos: Cha
 
 def test_engine_sigkill_loses_no_request_another_pod_could_serve(chaos: Chaos) -> None:
     holders = chaos.holders()
-    served = served_name("support", "v1")
-    victim = next(iter(sorted(holders[served])))
-    others_hold = {name: pods - {victim} for name, pods in holders.items()}
-    restarts = chaos.stack.restarts.get(victim, 0)
+    retries_before = _envoy_stat(chaos, "cluster.pool.upstream_rq_retry")
     with Traffic(chaos) as traffic:
-        time.sleep(2)
+        time.sleep(3)
+        busiest = Counter(r.pod for r in traffic.records if r.pod is not None)
+        victim = busiest.most_common(1)[0][0]  # the pod serving most of the traffic right now
+        others_hold = {name: pods - {victim} for name, pods in holders.items()}
+        restarts = chaos.stack.restarts.get(victim, 0)
         _kill(chaos.process(victim))
         _wait_restarted(chaos, victim, restarts + 1, within=60)
         time.sleep(6)
+    retried = _envoy_stat(chaos, "cluster.pool.upstream_rq_retry") - retries_before
     servable = [r for r in traffic.failed() if others_hold.get(next(iter(chaos.named(r.model)), ""), set())]
     _report("engine-sigkill", traffic.figures(victim=victim, holders_before={k: sorted(v) for k, v in holders.items()},
-                                              failed_another_pod_could_serve=len(servable),
+                                              envoy_retries=retried, failed_another_pod_could_serve=len(servable),
                                               failures=[f"{r.status} {r.error[:60]}" for r in traffic.failed()][:5]))
     assert servable == [], servable[:3]
     assert traffic.figures()["wrong_revision"] == 0
