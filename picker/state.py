@@ -13,17 +13,32 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from loraplane.api import SCHEMA_VERSION, ResidencyReport, RouteTable, keys
+from loraplane.api import SCHEMA_VERSION, ResidencyReport, RouteTable, keys, validation
 from loraplane.api.routing import supersedes
-from loraplane.picker.routes import RouteResolver
+from loraplane.picker.body import ClientError
+from loraplane.picker.routes import Resolution, RouteResolver
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
 
 log = logging.getLogger(__name__)
+
+
+class NotLoadedResolver(RouteResolver):
+    """The resolver before the first full load from Redis: it does not know which models exist, so every request
+    gets 503 ``not-ready`` (retryable), never the 404 of an unknown model (a restarted picker would otherwise refuse
+    every model until it has read the route table)."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def resolve(self, model: str, session_key: str | None, rng: np.random.Generator) -> Resolution:
+        """Always ``ClientError(503)``."""
+        raise ClientError(503, "the picker has not read the pool's route table yet", "not-ready")
 
 
 class PoolState:
@@ -47,7 +62,7 @@ class PoolState:
         self.endpoints = endpoints
         self.metrics = metrics
         self.reports: dict[str, ResidencyReport] = {}
-        self.resolver = RouteResolver(None)
+        self.resolver: RouteResolver = NotLoadedResolver()
         self.snapshot = PoolSnapshot([])
         self.synced = False
         self.next_expiry = float("inf")
@@ -133,8 +148,10 @@ class RedisSync:
         """Read the route table and every report (one round trip each) and rebuild."""
         pool = self.state.pool
         await self._load_routes()
+        if isinstance(self.state.resolver, NotLoadedResolver):  # Redis holds no table: nothing is routable yet
+            self.state.set_routes(None)
         pods = sorted(p.decode() if isinstance(p, bytes) else p for p in await self.client.smembers(keys.residency_index(pool)))
-        valid = [p for p in pods if _valid_pod(p)]
+        valid = [p for p in pods if validation.is_pod_name(p)]
         raws = await self.client.mget([keys.residency_report(pool, p) for p in valid]) if valid else []
         stored = {r.pod: r for r in (_parse_report(raw, pool) for raw in raws) if r is not None}
         # a pod missing from Redis (emptied by a restart, its key expired) keeps its last report within the grace
@@ -146,7 +163,7 @@ class RedisSync:
         self.state.synced = True
 
     async def _load_report(self, pod: str) -> None:
-        if not _valid_pod(pod):
+        if not validation.is_pod_name(pod):
             return
         report = _parse_report(await self.client.get(keys.residency_report(self.state.pool, pod)), self.state.pool)
         if report is not None:
@@ -240,10 +257,3 @@ class RedisSync:
         if self.state.metrics is not None:
             self.state.metrics.redis_errors.inc()
 
-
-def _valid_pod(pod: str) -> bool:
-    try:
-        keys.residency_report("p", pod)
-    except ValueError:
-        return False
-    return True

@@ -4,11 +4,14 @@ silent), requests keep going to the pods last known to hold their revision, up t
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import RedisServer
 from loraplane.api import AdapterResidency, ResidencyReport, Tier, keys
+from loraplane.picker.body import ClientError
 from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.routes import UnknownModelError
 from loraplane.picker.scheduler import Outcome, Scheduler
 from loraplane.picker.snapshot import InFlightTracker
 from loraplane.picker.state import PoolState, RedisSync
@@ -81,4 +84,18 @@ async def test_an_emptied_redis_does_not_erase_what_the_picker_last_heard(redis_
     clock.now = 40.0
     await sync.load_all()
     assert state.reports == {}  # past the grace and still not back in Redis: gone
+    await client.aclose()
+
+
+async def test_a_picker_that_has_not_read_redis_yet_answers_503_not_404(redis_srv: RedisServer) -> None:
+    """A restarted picker does not know the models until its first full load: retryable 503, then the table."""
+    state = PoolState("pool", InFlightTracker(), Clock())
+    rng = np.random.default_rng(0)
+    with pytest.raises(ClientError) as refused:
+        state.resolver.resolve("claims", None, rng)
+    assert (refused.value.status, refused.value.reason) == (503, "not-ready")
+    client = aioredis.Redis.from_url(redis_srv.url)
+    await RedisSync(state, client, RequestStats(Clock()), "picker-0").load_all()  # Redis holds no table
+    with pytest.raises(UnknownModelError):
+        state.resolver.resolve("claims", None, rng)  # now known to be unknown: 404
     await client.aclose()
