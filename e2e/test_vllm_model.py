@@ -31,11 +31,13 @@ def reference_tokens(model_dir: Path, adapter_dir: Path | None, prompt: str) -> 
         import peft
 
         model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             min_new_tokens=MAX_TOKENS, pad_token_id=0)
-    return [int(t) for t in out[0, ids.shape[1]:]]
+    ids = tokenizer(prompt)["input_ids"]
+    out: list[int] = []
+    with torch.no_grad():  # greedy, past EOS as ``ignore_eos`` asks (``generate``'s min_new_tokens would mask EOS)
+        for _ in range(MAX_TOKENS):
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            out.append(int(torch.argmax(logits)))
+    return out
 
 
 def served_tokens(url: str, model: str, prompt: str) -> list[int]:
