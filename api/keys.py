@@ -18,7 +18,7 @@ def _pool(pool: str) -> str:
 
 
 def _pod(pod: str) -> str:
-    if not v.matches(v.DNS1123_SUBDOMAIN, pod):
+    if not v.is_pod_name(pod):
         raise ValueError(f"pod name {pod!r} is not a DNS-1123 subdomain")
     return pod
 

@@ -65,3 +65,25 @@ def explain_uri(uri: str) -> str | None:
     if not matches(ARTIFACT_URI, uri):
         return f"artifact uri {uri!r} is not a valid <scheme>://<path> URI"
     return None
+
+
+def is_pod_name(name: str) -> bool:
+    """True for a valid Pod name (a DNS-1123 subdomain of at most 253 characters)."""
+    return len(name) <= DNS1123_SUBDOMAIN_MAX and matches(DNS1123_SUBDOMAIN, name)
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[ipv6]:port`` -> (host without brackets, port); ValueError with the reason otherwise."""
+    host, colon, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"address {address!r}: an IPv6 host must be written in brackets, [host]:port")
+    if not colon or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address {address!r} is not host:port with a port in 0-65535")
+    return host, int(port)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """The inverse of ``parse_host_port``: ``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -30,6 +30,7 @@ from loraplane.api import (
     RouteTable,
     TargetState,
     keys,
+    validation,
 )
 from loraplane.api.base import ApiModel
 
@@ -82,7 +83,7 @@ class RedisStore:
     async def read(self, pool: str) -> PoolReadings:
         """Every report (stale ones included; the caller filters), the rates and every picker replica's counters."""
         pods = sorted(_text(p) for p in await self.client.smembers(keys.residency_index(pool)))
-        pods = [p for p in pods if _valid_name(p)]
+        pods = [p for p in pods if validation.is_pod_name(p)]
         counter_keys = [k async for k in self.client.scan_iter(match=keys.picker_counters_pattern(pool), count=500)]
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.mget([keys.residency_report(pool, p) for p in pods] or [keys.residency_report(pool, "none")])
@@ -201,10 +202,3 @@ def _generation(raw: bytes | str | None) -> int:
     generation = value.get("generation") if isinstance(value, dict) else None
     return generation if isinstance(generation, int) and generation >= 0 else 0
 
-
-def _valid_name(pod: str) -> bool:
-    try:
-        keys.residency_report("p", pod)
-    except ValueError:
-        return False
-    return True

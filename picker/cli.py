@@ -21,15 +21,18 @@ BODY_MODES = {"buffered": BUFFERED, "streamed": STREAMED, "full-duplex-streamed"
 
 def _endpoint(value: str) -> tuple[str, str]:
     pod, sep, address = value.partition("=")
-    host, colon, port = address.rpartition(":")
-    if not sep or not colon or not host or not port.isdigit() or not validation.matches(validation.DNS1123_SUBDOMAIN, pod):
+    try:
+        validation.parse_host_port(address)
+    except ValueError:
+        sep = ""
+    if not sep or not validation.is_pod_name(pod):
         raise argparse.ArgumentTypeError(f"expected POD=IP:PORT with a DNS-1123 pod name, got {value!r}")
     return pod, address
 
 
 def _default_replica() -> str:
     name = os.environ.get("POD_NAME") or socket.gethostname().split(".")[0].lower()
-    return name if validation.matches(validation.DNS1123_SUBDOMAIN, name) else "picker-0"
+    return name if validation.is_pod_name(name) else "picker-0"
 
 
 def parser() -> argparse.ArgumentParser:

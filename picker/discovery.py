@@ -1,9 +1,10 @@
 """Endpoint discovery in Kubernetes: the ready pods an ``InferencePool`` (``inference.networking.k8s.io/v1``) selects.
 
-Two list + watch informers (the controller's ``Informer``: resourceVersion, bookmarks, relist on 410 Gone) keep the
+Two list + watch informers (``loraplane.kube.Informer``: resourceVersion, bookmarks, relist on 410 Gone) keep the
 pool object and the namespace's pods current; every change recomputes the members and hands them to the picker's
-``PoolState`` when they differ. A member is a pod matching ``spec.selector.matchLabels``, not being deleted, with
-a pod IP and a ``Ready=True`` condition, addressed at ``spec.targetPorts[0].number``. A third informer follows the
+``PoolState`` when they differ. Members follow ``loraplane.kube.pool_members`` (the rule the controller uses too:
+the pool's namespace, ``spec.selector.matchLabels``, ready pods with an IP), addressed at
+``spec.targetPorts[0].number``. A third informer follows the
 namespace's GIE ``InferenceObjective``s for the pool: their priorities by name (``ObjectiveWatch``).
 """
 
@@ -17,16 +18,11 @@ from kubernetes import client as k8s
 from pydantic import ValidationError
 
 from loraplane.api import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION, InferenceObjective
-from loraplane.controller.kube import POOL_GROUP, POOL_PLURAL, POOL_VERSION, Informer, Key
+from loraplane.kube import POOL_GROUP, POOL_PLURAL, POOL_VERSION, Informer, Key, SelectorError, pool_members
 
 log = logging.getLogger(__name__)
 
 Members = list[tuple[str, str]]
-
-
-def _ready(pod: Mapping[str, Any]) -> bool:
-    conditions = pod.get("status", {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def pool_endpoints(pools: Mapping[Key, Mapping[str, Any]], pods: Mapping[Key, Mapping[str, Any]],
@@ -35,21 +31,17 @@ def pool_endpoints(pools: Mapping[Key, Mapping[str, Any]], pods: Mapping[Key, Ma
     obj = pools.get((namespace, pool))
     if obj is None:
         return None
-    spec = obj.get("spec") or {}
-    labels = (spec.get("selector") or {}).get("matchLabels") or {}
-    ports = spec.get("targetPorts") or []
-    if not labels or not ports:
+    ports = (obj.get("spec") or {}).get("targetPorts") or []
+    port = ports[0].get("number") if ports else None
+    if not isinstance(port, int):
+        log.warning("InferencePool %s/%s has no target port: no endpoints", namespace, pool)
         return []
-    port = ports[0].get("number")
-    members = []
-    for (ns, name), pod in pods.items():
-        meta = pod.get("metadata", {})
-        ip = pod.get("status", {}).get("podIP")
-        if ns != namespace or meta.get("deletionTimestamp") or not ip or not _ready(pod):
-            continue
-        if all(meta.get("labels", {}).get(k) == v for k, v in labels.items()):
-            members.append((name, f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"))
-    return sorted(members)
+    try:
+        members = pool_members({**obj, "metadata": {**(obj.get("metadata") or {}), "namespace": namespace}}, pods)
+    except SelectorError as exc:
+        log.warning("InferencePool %s/%s selects no endpoints: %s", namespace, pool, exc)
+        return []
+    return [(m.name, m.address(port)) for m in members]
 
 
 class PoolDiscovery:
@@ -90,7 +82,7 @@ class PoolDiscovery:
         """The pool's InferenceObjectives by name -> priority (empty until listed, or without the CRD)."""
         return self.objectives.priorities
 
-    def _changed(self) -> None:
+    def _changed(self, kind: str, obj: Mapping[str, Any] | None) -> None:
         if not self.synced:
             return
         members = pool_endpoints(self.pools.items, self.pods.items, self.namespace, self.pool) or []
@@ -137,5 +129,5 @@ class ObjectiveWatch:
         """Stop watching."""
         self.informer.stop()
 
-    def _changed(self) -> None:
+    def _changed(self, kind: str, obj: Mapping[str, Any] | None) -> None:
         self.priorities = objective_priorities(self.informer.items, self.namespace, self.pool)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraplane.api import validation
 from loraplane.picker.extproc import DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
 
 LOOPBACK = "127.0.0.1"
@@ -185,7 +186,7 @@ def _pool_cluster(endpoints: Sequence[str] | None) -> dict[str, Any]:
     if endpoints is None:
         return {"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
                 "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER}}
-    hosts = [{"endpoint": {"address": _socket(int(port), host)}} for host, port in (e.rsplit(":", 1) for e in endpoints)]
+    hosts = [{"endpoint": {"address": _socket(port, host)}} for host, port in map(validation.parse_host_port, endpoints)]
     override = {
         "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
         "override_host_sources": [{"metadata": {"key": LB_NAMESPACE, "path": [{"key": DESTINATION_HEADER}]}},

@@ -20,6 +20,7 @@ from grpc_health.v1.health import aio as health_aio
 from kubernetes import client as k8s
 from prometheus_client import start_http_server
 
+from loraplane.api import validation
 from loraplane.credentials import async_redis
 from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
@@ -138,11 +139,6 @@ def build_grpc_server(ctx: PickerContext | None, health: HealthStatus, addresses
     return server, ports
 
 
-def _split_host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     metrics = PickerMetrics()
@@ -172,7 +168,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
             loop.add_signal_handler(sig, stop.set)
     stop_serving = await _start_transport(options, ctx, health)
     if options.metrics_address:
-        host, port = _split_host_port(options.metrics_address)
+        host, port = validation.parse_host_port(options.metrics_address)
         start_http_server(port, host, registry=metrics.registry)
     client = async_redis(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
     sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds)
@@ -231,7 +227,7 @@ async def _start_transport(options: ServerOptions, ctx: PickerContext, health: H
             await asyncio.gather(*(grpc_server.stop(grace=2.0) for grpc_server in grpc_servers))
 
         return stop_grpcio
-    servers = [await start_server(h2_routes(served, health), *_split_host_port(address), limits=options.limits)
+    servers = [await start_server(h2_routes(served, health), *validation.parse_host_port(address), limits=options.limits)
                for served, address in listeners]
 
     async def stop() -> None:

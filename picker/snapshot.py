@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from loraplane.api import AdapterResidency, ResidencyReport, Tier
+from loraplane.api import AdapterResidency, ResidencyReport, Tier, validation
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
@@ -51,8 +51,10 @@ class EndpointState:
     @property
     def ip(self) -> str:
         """The host part of ``address`` (what a subset hint matches on)."""
-        host, _, _ = self.address.rpartition(":")
-        return host.strip("[]") or self.address
+        try:
+            return validation.parse_host_port(self.address)[0]
+        except ValueError:
+            return self.address
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from loraplane.api import SCHEMA_VERSION, ResidencyReport, RouteTable, keys
+from loraplane.api import SCHEMA_VERSION, ResidencyReport, RouteTable, keys, validation
 from loraplane.api.routing import supersedes
 from loraplane.picker.body import ClientError
 from loraplane.picker.routes import Resolution, RouteResolver
@@ -151,7 +151,7 @@ class RedisSync:
         if isinstance(self.state.resolver, NotLoadedResolver):  # Redis holds no table: nothing is routable yet
             self.state.set_routes(None)
         pods = sorted(p.decode() if isinstance(p, bytes) else p for p in await self.client.smembers(keys.residency_index(pool)))
-        valid = [p for p in pods if _valid_pod(p)]
+        valid = [p for p in pods if validation.is_pod_name(p)]
         raws = await self.client.mget([keys.residency_report(pool, p) for p in valid]) if valid else []
         stored = {r.pod: r for r in (_parse_report(raw, pool) for raw in raws) if r is not None}
         # a pod missing from Redis (emptied by a restart, its key expired) keeps its last report within the grace
@@ -163,7 +163,7 @@ class RedisSync:
         self.state.synced = True
 
     async def _load_report(self, pod: str) -> None:
-        if not _valid_pod(pod):
+        if not validation.is_pod_name(pod):
             return
         report = _parse_report(await self.client.get(keys.residency_report(self.state.pool, pod)), self.state.pool)
         if report is not None:
@@ -256,12 +256,4 @@ class RedisSync:
     def _count_error(self) -> None:
         if self.state.metrics is not None:
             self.state.metrics.redis_errors.inc()
-
-
-def _valid_pod(pod: str) -> bool:
-    try:
-        keys.residency_report("p", pod)
-    except ValueError:
-        return False
-    return True
 
