@@ -1,8 +1,15 @@
-"""The controller process: informers in, ``plan_pool`` per pool, writes out (Redis, status, Events, finalizers).
+"""The controller process, in controller-runtime's shape: watch events -> per-pool work items -> reconcile.
 
-Level-triggered: every change an informer sees, every finished probe and a periodic resync wake one reconcile of
-every pool, computed from scratch from the API objects (their persisted status included) and Redis. Only the Lease
-holder reconciles, and it checks its lease again right before writing.
+Informers keep caches of AdapterRevisions, InferencePools and Pods; each change queues the pool it concerns (a
+revision's ``spec.poolRef``, an InferencePool, the pools of a Pod's namespace) on a rate-limited ``WorkQueue``
+(a key queued twice is reconciled once, never by two workers at once). A worker reconciles one pool from scratch
+from the caches and Redis (``plan_pool``) and writes back what differs; it returns when the pool next needs to run
+(the earliest rollout gate due), and the key is queued for then. An exception of any kind in one pool is logged and
+that pool is retried with per-pool exponential backoff (reset on success), while the other pools go on; a terminal
+error (the pool cannot be reconciled as written: an invalid selector, an invalid revision) is recorded in the
+revisions' status and not retried until the objects change. A periodic resync queues every pool (level-triggered:
+reports, rates and counters in Redis change without notice, and each reconcile also repairs the Redis keys it owns).
+Only the Lease holder reconciles, and it checks its lease again right before writing.
 """
 
 from __future__ import annotations
@@ -11,24 +18,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
-from redis.exceptions import RedisError
 
 from loraplane.api import AdapterRevision, AdapterRevisionStatus
-from loraplane.controller.kube import FINALIZER, Informer, KubeApi
+from loraplane.controller.kube import FINALIZER, KubeApi
 from loraplane.controller.leader import LeaseElector
 from loraplane.controller.metrics import ControllerMetrics
 from loraplane.controller.placement import PlacementConfig, TenantBudget
 from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
 from loraplane.controller.probe import HealthProber
-from loraplane.controller.rollout import ProbeRequest, ProbeResult
+from loraplane.controller.queue import ShutDown, WorkQueue
+from loraplane.controller.rollout import ProbeRequest, ProbeResult, record_terminal_error
 from loraplane.controller.store import RedisStore
+from loraplane.kube import Informer, Key, SelectorError, object_key, pool_members
 
 log = logging.getLogger(__name__)
 
@@ -40,27 +48,34 @@ class ControllerConfig:
     namespace: str | None = None
     resync_seconds: float = 2.0
     max_concurrent_probes: int = 8
+    #: pools reconciled at the same time (a pool is never reconciled by two workers at once)
+    workers: int = 4
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     budgets: dict[str, TenantBudget] = field(default_factory=dict)
 
 
-def pool_members(pools: dict[Any, dict[str, Any]], pods: dict[Any, dict[str, Any]], pool: str) -> set[str] | None:
-    """Names of the Pods the InferencePool ``pool`` selects; None when no such InferencePool exists."""
-    spec = next((p.get("spec", {}) for (_, name), p in pools.items() if name == pool), None)
-    if spec is None:
-        return None
-    pool_ns = next(ns for (ns, name) in pools if name == pool)
-    selector = spec.get("selector") or {}
-    labels = selector.get("matchLabels", selector) if isinstance(selector, dict) else {}
-    return {
-        name
-        for (ns, name), pod in pods.items()
-        if ns == pool_ns and all(pod.get("metadata", {}).get("labels", {}).get(k) == v for k, v in labels.items())
-    }
+class TerminalError(Exception):
+    """A pool cannot be reconciled as its objects are written; retrying cannot help until they change."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _pool_of(obj: dict[str, Any] | None) -> str | None:
+    """The pool an AdapterRevision object names (read leniently: the object may not validate)."""
+    ref = ((obj or {}).get("spec") or {}).get("poolRef") or {}
+    name = ref.get("name") if isinstance(ref, dict) else None
+    return name if isinstance(name, str) and name else None
+
+
+def _namespace(obj: dict[str, Any]) -> str:
+    return obj.get("metadata", {}).get("namespace") or "default"
 
 
 class Controller:
-    """Reconciles every pool while this replica holds the lease."""
+    """Reconciles every pool, one work item per pool, while this replica holds the lease."""
 
     def __init__(
         self,
@@ -71,6 +86,7 @@ class Controller:
         config: ControllerConfig,
         wall_clock: Callable[[], float] = time.time,
         metrics: ControllerMetrics | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube = kube
         self.store = store
@@ -79,40 +95,105 @@ class Controller:
         self.config = config
         self.wall_clock = wall_clock
         self.metrics = metrics
+        self.queue: WorkQueue[str] = WorkQueue(monotonic)
         self.informers: dict[str, Informer] = {}
-        self.probe_results: dict[tuple[str, str], ProbeResult] = {}
+        #: pool -> (served name, pod) -> the latest probe result
+        self.probe_results: dict[str, dict[tuple[str, str], ProbeResult]] = {}
         self._probing: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._probe_slots = asyncio.Semaphore(config.max_concurrent_probes)
-        self._wake = asyncio.Event()
         self._was_leader = False
-        #: completed reconciles (for tests and metrics)
+        #: revision -> the pool it was last seen in (a changed poolRef queues the old pool too)
+        self._pool_of: dict[Key, str] = {}
+        #: pool -> its terminal error (not retried by the resync; any change of its objects clears it)
+        self.terminal: dict[str, TerminalError] = {}
+        #: completed pool reconciles (for tests and metrics)
         self.reconciles = 0
-
-    def wake(self) -> None:
-        """Ask for a reconcile soon."""
-        self._wake.set()
+        if elector is not None:
+            elector.on_change = self._leadership_changed
 
     def is_leader(self) -> bool:
         return self.elector is None or self.elector.is_leader()
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Watch, elect and reconcile until ``stop``."""
-        self.informers = self.kube.informers(self.config.namespace, self.wake)
+    # -- work items from watch events ----------------------------------------------------------------------------
+    def enqueue(self, pool: str) -> None:
+        """Queue one pool (a change concerns it: its terminal error, if any, is forgotten)."""
+        self.terminal.pop(pool, None)
+        self.queue.add(pool)
+
+    def pools(self) -> set[str]:
+        """Every pool the controller knows: named by a revision, or with keys it wrote."""
+        named = {_pool_of(obj) for obj in self.informers["revisions"].items.values()} if self.informers else set()
+        return {p for p in named if p is not None} | set(self.store.routes) | set(self.store.targets)
+
+    def enqueue_all(self) -> None:
+        """Queue every known pool but those whose terminal error nothing has changed since (the resync)."""
+        for pool in sorted(self.pools()):
+            if pool not in self.terminal:
+                self.queue.add(pool)
+
+    def _revision_changed(self, kind: str, obj: dict[str, Any] | None) -> None:
+        if obj is None:  # (re)listed
+            for key, o in self.informers["revisions"].items.items():
+                if (pool := _pool_of(o)) is not None:
+                    self._pool_of[key] = pool
+            self.enqueue_all()
+            return
+        key, pool = object_key(obj), _pool_of(obj)
+        old = self._pool_of.pop(key, None) if kind == "DELETED" or pool is None else self._pool_of.get(key)
+        if pool is not None and kind != "DELETED":
+            self._pool_of[key] = pool
+        for concerned in {p for p in (old, pool) if p is not None}:
+            self.enqueue(concerned)
+
+    def _pool_changed(self, kind: str, obj: dict[str, Any] | None) -> None:
+        if obj is None:
+            self.enqueue_all()
+        else:
+            self.enqueue(obj["metadata"]["name"])
+
+    def _pod_changed(self, kind: str, obj: dict[str, Any] | None) -> None:
+        if obj is None:
+            self.enqueue_all()
+            return
+        namespace = _namespace(obj)
+        for ns, name in list(self.informers["pools"].items):
+            if (ns or "default") == namespace:
+                self.enqueue(name)
+
+    def _leadership_changed(self, leading: bool) -> None:
+        if leading:
+            self.enqueue_all()
+
+    # -- the run loop --------------------------------------------------------------------------------------------
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Start the informers and wait until each has listed once (or ``stop``): nothing is reconciled from a
+        partial view. Informers retry (and log) until the API server answers."""
+        handlers = {"revisions": self._revision_changed, "pools": self._pool_changed, "pods": self._pod_changed}
+        self.informers = self.kube.informers(self.config.namespace, handlers)
         for informer in self.informers.values():
             informer.start()
+        waits = [asyncio.ensure_future(i.synced.wait()) for i in self.informers.values()]
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([asyncio.ensure_future(asyncio.wait(waits)), stopping], return_when=asyncio.FIRST_COMPLETED)
+        for w in [*waits, stopping]:
+            w.cancel()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Watch, elect and reconcile until ``stop``."""
         elector_task = asyncio.ensure_future(self.elector.run(stop)) if self.elector else None
+        workers: list[asyncio.Task[None]] = []
         try:
-            # informers retry (and log) until the API server answers; nothing is reconciled from a partial view
-            waits = [asyncio.ensure_future(i.synced.wait()) for i in self.informers.values()]
-            stopping = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([asyncio.ensure_future(asyncio.wait(waits)), stopping],
-                               return_when=asyncio.FIRST_COMPLETED)
-            for w in [*waits, stopping]:
-                w.cancel()
+            await self.watch(stop)
+            workers = [asyncio.ensure_future(self._work()) for _ in range(max(1, self.config.workers))]
             while not stop.is_set():
-                await self._sleep(stop)
-                await self.reconcile_once()
+                self.enqueue_all()  # the safety net: level-triggered against Redis and everything unwatched
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.config.resync_seconds)
         finally:
+            self.queue.shut_down()
+            for worker in workers:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await worker
             for informer in self.informers.values():
                 informer.stop()
             for task in self._probing.values():
@@ -120,49 +201,102 @@ class Controller:
             if elector_task is not None:
                 await elector_task
 
-    async def _sleep(self, stop: asyncio.Event) -> None:
-        waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
-        await asyncio.wait(waits, timeout=self.config.resync_seconds, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        self._wake.clear()
+    async def _work(self) -> None:
+        """One worker: take a pool, reconcile it, queue it again as the outcome says."""
+        while True:
+            try:
+                pool = await self.queue.get()
+            except ShutDown:
+                return
+            try:
+                await self.process(pool)
+            finally:
+                self.queue.done(pool)
 
-    async def reconcile_once(self) -> None:
-        """One level-triggered pass over every pool (nothing when not leader)."""
+    async def process(self, pool: str) -> None:
+        """Reconcile one pool and requeue it: at its next due time on success, after its backoff on an error, never
+        on a terminal error. No exception of a pool's reconcile escapes (the other pools and the process go on)."""
+        try:
+            after = await self.reconcile(pool)
+        except TerminalError as exc:
+            self.queue.forget(pool)
+            self.terminal[pool] = exc
+            log.warning("pool %s: %s (%s); not retried until its objects change", pool, exc.message, exc.reason)
+            await self._record_terminal(self._revision_objects(pool), exc.reason, exc.message)
+            self._count_error()
+        except Exception as exc:
+            delay = self.queue.add_rate_limited(pool)
+            log.warning("pool %s: reconcile failed (%s: %s); retrying in %.2fs", pool, type(exc).__name__, exc, delay)
+            self._count_error()
+        else:
+            self.queue.forget(pool)
+            if after is not None:
+                self.queue.add_after(pool, after)
+
+    def _count_error(self) -> None:
+        if self.metrics:
+            self.metrics.reconcile_errors.inc()
+
+    # -- one pool ------------------------------------------------------------------------------------------------
+    def _acting(self) -> bool:
+        """True while leader; a replica that just became leader forgets what it wrote (it reads Redis back)."""
         leader = self.is_leader()
         if self.metrics:
             self.metrics.leader.set(1 if leader else 0)
-        if not leader:
-            self._was_leader = False
-            return
-        if not self._was_leader:
+        if leader and not self._was_leader:
             self.store.targets.clear()  # another replica may have written meanwhile: read back from Redis
             self.store.routes.clear()
-            self._was_leader = True
+        self._was_leader = leader
+        return leader
+
+    def _revision_objects(self, pool: str) -> list[dict[str, Any]]:
+        return [o for o in self.informers["revisions"].items.values() if _pool_of(o) == pool]
+
+    def members(self, pool: str, namespaces: Iterable[str]) -> set[str] | None:
+        """Names of the ready pods the InferencePools named ``pool`` in ``namespaces`` select (the one membership
+        rule, ``loraplane.kube.pool_members``); None when no such InferencePool exists."""
+        wanted = set(namespaces)
+        objects = [o for (ns, name), o in self.informers["pools"].items.items()
+                   if name == pool and (ns or "default") in wanted]
+        if not objects:
+            return None
+        pods = self.informers["pods"].items
+        try:
+            return {m.name for o in objects for m in pool_members(o, pods)}
+        except SelectorError as exc:
+            raise TerminalError("InvalidPoolSelector", f"InferencePool {pool}: {exc}") from exc
+
+    async def reconcile(self, pool: str) -> float | None:
+        """Reconcile one pool (nothing when not leader); returns in how many seconds it is next due, if ever."""
+        if not self._acting():
+            return None
         started = time.perf_counter()
-        by_pool: dict[str, list[tuple[dict[str, Any], AdapterRevision]]] = {}
-        for obj in list(self.informers["revisions"].items.values()):
+        revisions: list[tuple[dict[str, Any], AdapterRevision]] = []
+        invalid: list[tuple[dict[str, Any], str]] = []
+        for obj in self._revision_objects(pool):
             try:
-                rev = AdapterRevision.model_validate(obj)
+                revisions.append((obj, AdapterRevision.model_validate(obj)))
             except ValidationError as exc:
-                log.warning("skipping AdapterRevision %s: %s", obj.get("metadata", {}).get("name"), exc.errors()[:1])
-                continue
-            by_pool.setdefault(rev.spec.pool_ref.name, []).append((obj, rev))
-        live = {rev.served_name for revs in by_pool.values() for _, rev in revs}
-        self.probe_results = {k: r for k, r in self.probe_results.items() if k[0] in live}
-        for pool in sorted(set(by_pool) | set(self.store.routes)):
-            try:
-                await self.reconcile_pool(pool, by_pool.get(pool, []))
-            except (RedisError, OSError) as exc:
-                log.warning("pool %s: redis unavailable (%s); retrying next pass", pool, exc)
+                invalid.append((obj, f"the revision does not validate: {exc.errors()[:1]}"))
+        for obj, why in invalid:  # terminal for that object only: recorded, and the rest of the pool goes on
+            await self._record_terminal([obj], "InvalidSpec", why)
+        live = {rev.served_name for _, rev in revisions}
+        probes = self.probe_results.get(pool, {})
+        self.probe_results[pool] = {k: r for k, r in probes.items() if k[0] in live}
+        now = self.wall_clock()
+        plan = await self._plan(pool, [rev for _, rev in revisions], now)
+        if plan is not None:
+            await self._write(pool, plan, {object_key(o): o for o, _ in revisions}, revisions)
         self.reconciles += 1
         if self.metrics:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        if plan is None or plan.next_due is None:
+            return None
+        return max(0.0, plan.next_due.timestamp() - self.wall_clock())
 
-    async def reconcile_pool(self, pool: str, revisions: list[tuple[dict[str, Any], AdapterRevision]]) -> PoolPlan:
-        now = self.wall_clock()
+    async def _plan(self, pool: str, revisions: list[AdapterRevision], now: float) -> PoolPlan | None:
         readings = await self.store.read(pool)
-        members = pool_members(self.informers["pools"].items, self.informers["pods"].items, pool)
+        members = self.members(pool, {rev.metadata.namespace or "default" for rev in revisions})
         reports = [r for r in readings.reports if not r.is_stale(now) and (members is None or r.pod in members)]
         if pool not in self.store.targets:
             await self.store.load_written(pool)
@@ -170,18 +304,20 @@ class Controller:
             PoolInputs(
                 pool=pool,
                 now=datetime.fromtimestamp(now, UTC),
-                revisions=[rev for _, rev in revisions],
+                revisions=revisions,
                 reports=reports,
                 rates=readings.rates,
                 counters=readings.counters,
                 previous_targets=self.store.written_targets(pool),
-                probes=self.probe_results,
+                probes=self.probe_results[pool],
                 placement=self.config.placement,
                 budgets=self.config.budgets,
             )
         )
-        if not self.is_leader():
-            return plan
+        return plan if self.is_leader() else None
+
+    async def _write(self, pool: str, plan: PoolPlan, objects: dict[Key, dict[str, Any]],
+                     revisions: list[tuple[dict[str, Any], AdapterRevision]]) -> None:
         writes_before, repairs_before = self.store.writes, self.store.repairs
         await self.store.repair(pool)  # what Redis lost or someone overwrote since the last pass comes back first
         # routes first: a revision leaves the route before any pod unloads it; one only enters it once warm
@@ -191,18 +327,30 @@ class Controller:
         if self.metrics:
             self.metrics.redis_writes.inc(self.store.writes - writes_before)
             self.metrics.redis_repairs.inc(self.store.repairs - repairs_before)
-        objects = {(o["metadata"].get("namespace") or "default", o["metadata"]["name"]): o for o, _ in revisions}
-        for (namespace, _), outcome in plan.adapters.items():
-            for name, rp in outcome.revisions.items():
-                await self._write_back(objects[(namespace, name)], rp.status, finalize=rp.finalize)
-            for event in outcome.events:
-                await self._post_event(objects[(namespace, event.object_name)], event.type, event.reason, event.message)
-            by_served = {rev.served_name: rev for _, rev in revisions if rev.metadata.namespace == namespace}
-            for request in outcome.probes:
-                self._start_probe(by_served[request.served_name], request)
-        return plan
+        for key, rp in plan.revisions.items():
+            await self._write_back(objects[key], rp.status, finalize=rp.finalize)
+        for key, event in plan.events:
+            await self._post_event(objects[key], event.type, event.reason, event.message)
+        for key, request in plan.probes:
+            self._start_probe(pool, AdapterRevision.model_validate(objects[key]), request)
 
-    async def _write_back(self, obj: dict[str, Any], status: AdapterRevisionStatus, finalize: bool) -> None:
+    async def _record_terminal(self, objects: list[dict[str, Any]], reason: str, message: str) -> None:
+        """Record a terminal error in each object's status (a ``Reconciled=False`` condition) when not yet there."""
+        if not self.is_leader():
+            return
+        for obj in objects:
+            try:
+                stored = AdapterRevisionStatus.model_validate(obj.get("status") or {})
+            except ValidationError:
+                stored = AdapterRevisionStatus()
+            status = stored.model_copy(update={"conditions": list(stored.conditions)})
+            generation = obj.get("metadata", {}).get("generation")
+            record_terminal_error(status, reason, message, datetime.fromtimestamp(self.wall_clock(), UTC),
+                                  generation if isinstance(generation, int) else None)
+            await self._write_back(obj, status, finalize=False, add_finalizer=False)
+
+    async def _write_back(self, obj: dict[str, Any], status: AdapterRevisionStatus, finalize: bool,
+                          add_finalizer: bool = True) -> None:
         """Patch the status when it changed; add our finalizer, or remove it once the revision is unloaded."""
         try:
             stored = AdapterRevisionStatus.model_validate(obj.get("status") or {})
@@ -211,14 +359,14 @@ class Controller:
         informer = self.informers["revisions"]
         try:
             if stored != status and obj["metadata"].get("deletionTimestamp") is None:
-                obj = await self.kube.patch_status(obj["metadata"]["namespace"], obj["metadata"]["name"],
+                obj = await self.kube.patch_status(_namespace(obj), obj["metadata"]["name"],
                                                    status.model_dump(mode="json", by_alias=True))
                 informer.remember(obj)
                 if self.metrics:
                     self.metrics.status_patches.inc()
             finalizers = list(obj["metadata"].get("finalizers") or [])
             deleting = obj["metadata"].get("deletionTimestamp") is not None
-            if not deleting and FINALIZER not in finalizers:
+            if add_finalizer and not deleting and FINALIZER not in finalizers:
                 informer.remember(await self.kube.set_finalizers(obj, [*finalizers, FINALIZER]))
             elif deleting and finalize and FINALIZER in finalizers:
                 await self.kube.set_finalizers(obj, [f for f in finalizers if f != FINALIZER])
@@ -232,7 +380,7 @@ class Controller:
         except ApiException as exc:
             log.warning("posting event %s on %s failed: %s", reason, obj["metadata"]["name"], exc.status)
 
-    def _start_probe(self, rev: AdapterRevision, request: ProbeRequest) -> None:
+    def _start_probe(self, pool: str, rev: AdapterRevision, request: ProbeRequest) -> None:
         key = (request.served_name, request.pod)
         if key in self._probing:
             return
@@ -240,10 +388,11 @@ class Controller:
         async def run() -> None:
             try:
                 async with self._probe_slots:
-                    self.probe_results[key] = await self.prober.probe(rev, request.address, request.expected_digest)
+                    result = await self.prober.probe(rev, request.address, request.expected_digest)
+                    self.probe_results.setdefault(pool, {})[key] = result
             finally:
                 self._probing.pop(key, None)
-                self.wake()
+                self.queue.add(pool)
 
         self._probing[key] = asyncio.ensure_future(run())
 

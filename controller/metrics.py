@@ -11,7 +11,7 @@ class ControllerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.reconcile_seconds = Histogram(
-            "loraplane_controller_reconcile_seconds", "Time of one reconcile pass over every pool",
+            "loraplane_controller_reconcile_seconds", "Time of one pool's reconcile",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5), registry=self.registry,
         )
         self.redis_writes = Counter(
@@ -22,6 +22,11 @@ class ControllerMetrics:
             "loraplane_controller_redis_repairs_total",
             "Target states and route tables rewritten because Redis no longer held what the controller last wrote "
             "(lost in a restart, or overwritten by another writer)", registry=self.registry,
+        )
+        self.reconcile_errors = Counter(
+            "loraplane_controller_reconcile_errors_total",
+            "Pool reconciles that failed (retried with backoff) or hit a terminal error (recorded, not retried)",
+            registry=self.registry,
         )
         self.status_patches = Counter(
             "loraplane_controller_status_patches_total", "AdapterRevision status patches sent", registry=self.registry,

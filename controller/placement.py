@@ -20,6 +20,9 @@ The plan, in order:
 5. a revision that loses its GPU or CPU place on a pod is demoted to CPU there if room is left, not dropped;
 6. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
+``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
+current holders at CPU until a newly planned pod serves it.
+
 Tenant budgets cap the bytes a tenant holds at the GPU and CPU tiers across the pool.
 """
 
@@ -616,3 +619,22 @@ def minimum_gpu_loads(previous: Placement, ideal: Placement) -> int:
     """The fewest GPU loads any placement with ``ideal``'s replica count per adapter needs, starting from ``previous``."""
     before = previous.replicas(Tier.GPU)
     return sum(max(0, len(pods) - len(before.get(name, set()))) for name, pods in ideal.replicas(Tier.GPU).items())
+
+
+def keep_until_replaced(placement: Placement, demands: Iterable[AdapterDemand],
+                        serving: Mapping[str, Iterable[str]]) -> Placement:
+    """Make before break: a routed revision (``min_replicas`` > 0) the plan moves stays at CPU on the pods that serve
+    it now (``serving``: served name -> pods holding it at GPU or CPU) until a pod the plan keeps warm serves it too;
+    otherwise requests routed in between would find it on no pod (404)."""
+    pods = {pod: dict(held) for pod, held in placement.pods.items()}
+    planned_warm: dict[str, set[str]] = {}
+    for pod, tiers in pods.items():
+        for name, tier in tiers.items():
+            if tier in (Tier.GPU, Tier.CPU):
+                planned_warm.setdefault(name, set()).add(pod)
+    for demand in demands:
+        now = set(serving.get(demand.served_name, ())) & pods.keys()
+        if demand.min_replicas and now and not now & planned_warm.get(demand.served_name, set()):
+            for pod in now:
+                pods[pod][demand.served_name] = Tier.CPU
+    return Placement(pods=pods, notes=placement.notes)

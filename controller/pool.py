@@ -1,8 +1,9 @@
 """One pool's reconcile as a pure function: revisions + reports + rates + counters -> statuses, targets, routes.
 
 ``plan_pool`` runs the rollout state machine for every logical adapter of the pool, turns what each revision
-needs into placement demands, runs placement, and builds every fresh pod's ``TargetState`` adapters and the
-pool's route entries. The controller feeds it from the API server and Redis and writes back what changed; the
+needs into placement demands, runs placement (every placement rule lives in ``placement``), lets the rollout
+finish its conditions with placement's notes, and builds every fresh pod's ``TargetState`` adapters and the
+pool's route entries. Its outcome is keyed by object, ``(namespace, name)`` as the informers key them. The controller feeds it from the API server and Redis and writes back what changed; the
 benchmark feeds it synthetic pools.
 """
 
@@ -32,16 +33,20 @@ from loraplane.controller.placement import (
     PodCapacity,
     Rates,
     TenantBudget,
+    keep_until_replaced,
     place,
 )
 from loraplane.controller.rollout import (
     AdapterPlan,
+    AdapterReconcile,
+    Event,
     Observation,
     PodObservation,
+    ProbeRequest,
     ProbeResult,
-    reconcile_adapter,
-    set_condition,
+    RevisionPlan,
 )
+from loraplane.kube import Key
 
 #: Adapter size assumed when neither a sidecar nor the artifact says (64 MiB: a rank-16 adapter of an 8B model).
 DEFAULT_ADAPTER_BYTES = 64 << 20
@@ -77,6 +82,13 @@ class PoolPlan:
     #: what placement was given (so a caller can compare with a from-scratch plan)
     capacity: list[PodCapacity] = field(default_factory=list)
     demands: list[AdapterDemand] = field(default_factory=list)
+    #: (namespace, name) of each AdapterRevision -> its plan
+    revisions: dict[Key, RevisionPlan] = field(default_factory=dict)
+    #: the events to post and the probes to send, each with the object it is about
+    events: list[tuple[Key, Event]] = field(default_factory=list)
+    probes: list[tuple[Key, ProbeRequest]] = field(default_factory=list)
+    #: the earliest time a timed gate of the pool is due (reconcile again then)
+    next_due: datetime | None = None
 
 
 def summed_counters(counters: Sequence[PickerCounters]) -> dict[str, RevisionCounters]:
@@ -146,44 +158,14 @@ def _target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier) -> 
     )
 
 
-def keep_until_replaced(placement: Placement, demands: Sequence[AdapterDemand],
-                        reports: Sequence[ResidencyReport]) -> Placement:
-    """Make before break: a routed revision the plan moves stays (at CPU) on the pods that serve it now until a pod
-    the plan gives it reports it loaded; otherwise requests routed in between would find it on no pod (404)."""
+def warm_holders(reports: Sequence[ResidencyReport]) -> dict[str, set[str]]:
+    """Served name -> the pods that report it at GPU or CPU (the ones serving it now)."""
     serving: dict[str, set[str]] = defaultdict(set)
     for report in reports:
         for held in report.adapters:
             if held.tier in (Tier.GPU, Tier.CPU):
                 serving[held.served_name].add(report.pod)
-    pods = {pod: dict(held) for pod, held in placement.pods.items()}
-    planned_warm: dict[str, set[str]] = defaultdict(set)
-    for pod, tiers in pods.items():
-        for name, tier in tiers.items():
-            if tier in (Tier.GPU, Tier.CPU):
-                planned_warm[name].add(pod)
-    for demand in demands:
-        now = serving.get(demand.served_name, set()) & pods.keys()
-        if demand.min_replicas and now and not now & planned_warm[demand.served_name]:
-            for pod in now:
-                pods[pod][demand.served_name] = Tier.CPU
-    return Placement(pods=pods, notes=placement.notes)
-
-
-def _report_placement(
-    adapters: Mapping[tuple[str, str], AdapterPlan],
-    groups: Mapping[tuple[str, str], list[AdapterRevision]],
-    placement: Placement,
-    now: datetime,
-) -> None:
-    """Condition ``Placed`` on every placed revision: False with placement's note when it got less than it asked."""
-    for key, outcome in adapters.items():
-        for rev in groups[key]:
-            rp = outcome.revisions[rev.metadata.name]
-            if not rp.placed:
-                continue
-            note = placement.notes.get(rp.served_name)
-            set_condition(rp.status, "Placed", note is None, "Placed" if note is None else "CapacityOrBudget",
-                          note or "", now, rev.metadata.generation)
+    return serving
 
 
 def plan_pool(inputs: PoolInputs) -> PoolPlan:
@@ -192,7 +174,8 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     groups: dict[tuple[str, str], list[AdapterRevision]] = defaultdict(list)
     for rev in inputs.revisions:
         groups[(rev.metadata.namespace or "default", rev.spec.adapter)].append(rev)
-    adapters = {key: reconcile_adapter(revs, observation) for key, revs in sorted(groups.items())}
+    reconciles = {key: AdapterReconcile(revs, observation) for key, revs in sorted(groups.items())}
+    adapters = {key: r.decide() for key, r in reconciles.items()}
 
     rates = _rates_by_adapter(inputs.rates, inputs.revisions)
     sizes = _reported_bytes(inputs.reports)
@@ -226,13 +209,21 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     ]
     previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
     placement = keep_until_replaced(place(pods, demands, previous, inputs.budgets, inputs.placement), demands,
-                                    inputs.reports)
+                                    warm_holders(inputs.reports))
+    for reconcile in reconciles.values():
+        reconcile.finish(placement.notes)
     targets = {
         pod: [_target(*by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
         for pod, held in placement.pods.items()
     }
-    _report_placement(adapters, groups, placement, inputs.now)
     routes = {adapter: outcome.route for (_, adapter), outcome in adapters.items() if outcome.route is not None}
     base_model = next((r.spec.base_model.name for r in inputs.revisions if r.spec.adapter in routes), None)
-    return PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement, base_model=base_model,
+    plan = PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement, base_model=base_model,
                     capacity=pods, demands=demands)
+    for (namespace, _), outcome in adapters.items():
+        plan.revisions.update({(namespace, name): rp for name, rp in outcome.revisions.items()})
+        plan.events.extend(((namespace, e.object_name), e) for e in outcome.events)
+        name_of = {rp.served_name: name for name, rp in outcome.revisions.items()}
+        plan.probes.extend(((namespace, name_of[p.served_name]), p) for p in outcome.probes)
+    plan.next_due = min((o.next_due for o in adapters.values() if o.next_due is not None), default=None)
+    return plan

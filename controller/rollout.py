@@ -3,9 +3,13 @@
 ``reconcile_adapter(revisions, observation)`` takes every ``AdapterRevision`` of one logical adapter in one pool
 (their specs and the statuses last written) and what the pool reports now (sidecars' residency, the picker's
 counters, health-probe results), and returns each revision's desired status, the events to post, the adapter's
-route entry, what placement must hold where, and which probes to send. It does no I/O and reads no clock, so the
-same input always gives the same output and a restarted controller continues from the persisted status: a gate
-is passed exactly when the phase moves past it (see ``docs/rollout.md``).
+route entry, what placement must hold where, which probes to send and when a timed gate is next due. It does no
+I/O and reads no clock, so the same input always gives the same output and a restarted controller continues from
+the persisted status: a gate is passed exactly when the phase moves past it (see ``docs/rollout.md``).
+
+Every condition of a revision's status is written here. ``plan_pool`` runs an ``AdapterReconcile`` in two steps:
+``decide`` (gates, route, what placement must hold) and, once placement ran, ``finish`` with placement's notes
+(the ``Ready`` and ``Placed`` conditions); ``reconcile_adapter`` does both with no placement notes.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Literal
 
 from loraplane.api import (
@@ -144,6 +148,8 @@ class AdapterPlan:
     route: RouteEntry | None
     events: list[Event]
     probes: list[ProbeRequest]
+    #: the earliest time a timed gate (a canary pause, a retiring revision's window) changes its verdict
+    next_due: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +216,7 @@ def _counts(rev: AdapterRevision, pods: Sequence[PodObservation]) -> ResidencyCo
     return counts
 
 
-def set_condition(
+def _set_condition(
     status: AdapterRevisionStatus, type_: str, value: bool | None, reason: str, message: str, now: datetime,
     generation: int | None,
 ) -> None:
@@ -230,7 +236,15 @@ def set_condition(
     )
 
 
-class _AdapterReconcile:
+def record_terminal_error(status: AdapterRevisionStatus, reason: str, message: str, now: datetime,
+                          generation: int | None) -> None:
+    """Record an error the controller does not retry (the objects must change first): ``Reconciled=False``."""
+    _set_condition(status, "Reconciled", False, reason, message, now, generation)
+
+
+class AdapterReconcile:
+    """One logical adapter's reconcile: ``decide`` then ``finish`` (see the module docstring)."""
+
     def __init__(self, revisions: Sequence[AdapterRevision], obs: Observation) -> None:
         self.obs = obs
         self.revs = sorted(revisions, key=lambda r: (r.metadata.creation_timestamp or obs.now, r.metadata.name))
@@ -240,6 +254,8 @@ class _AdapterReconcile:
         self.events: list[Event] = []
         self.probes: list[ProbeRequest] = []
         self.plans: dict[str, RevisionPlan] = {}
+        self.due: datetime | None = None
+        self.route_entry: RouteEntry | None = None
         self.eligible: dict[str, list[PodObservation]] = {}
         self.incompatible: dict[str, str] = {}
         for r in self.revs:
@@ -264,12 +280,21 @@ class _AdapterReconcile:
         st.reason, st.message = reason, message
 
     def condition(self, rev: AdapterRevision, type_: str, value: bool | None, reason: str, message: str = "") -> None:
-        set_condition(self.status[rev.metadata.name], type_, value, reason, message, self.obs.now,
+        _set_condition(self.status[rev.metadata.name], type_, value, reason, message, self.obs.now,
                       rev.metadata.generation)
 
     def elapsed(self, rev: AdapterRevision) -> float:
         since = self.status[rev.metadata.name].phase_since
         return math.inf if since is None else (self.obs.now - since).total_seconds()
+
+    def due_after(self, rev: AdapterRevision, seconds: float) -> None:
+        """Note that ``rev``'s verdict changes ``seconds`` after it entered its phase (if that is still ahead)."""
+        since = self.status[rev.metadata.name].phase_since
+        if since is None:
+            return
+        at = since + timedelta(seconds=seconds)
+        if at > self.obs.now and (self.due is None or at < self.due):
+            self.due = at
 
     def canary_step(self, rev: AdapterRevision) -> TrafficStep | None:
         """The canary step the status points at; None when the spec no longer has it."""
@@ -341,6 +366,7 @@ class _AdapterReconcile:
             return _advance(f"spec.rollout.steps has no step {(st.canary_step or 0) + 1} any more")
         left = step.pause_seconds - self.elapsed(rev)
         if left > 0:
+            self.due_after(rev, step.pause_seconds)
             return _wait("CanaryStep", f"step {(st.canary_step or 0) + 1}/{len(steps)} at {step.weight}%: "
                                        f"{math.ceil(left)}s of {step.pause_seconds}s left")
         analysis = rev.spec.rollout.analysis
@@ -363,7 +389,8 @@ class _AdapterReconcile:
         return _advance(f"analysis passed at {step.weight}% ({canary.requests} canary requests)")
 
     # -- the adapter ---------------------------------------------------------------------------------------------
-    def run(self) -> AdapterPlan:
+    def decide(self) -> AdapterPlan:
+        """Gates, route and what placement must hold; the plan's ``Ready``/``Placed`` conditions wait for ``finish``."""
         live = [r for r in self.revs if r.metadata.deletion_timestamp is None]
         stable = self.current_stable(live)
         stable = self.manual_rollback_of_stable(stable, live)
@@ -371,10 +398,23 @@ class _AdapterReconcile:
         if candidate is not None:
             stable = self.progress(candidate, stable)
         self.age_retiring(live)
-        route = self.route(live, stable, candidate)
+        self.route_entry = self.route(live, stable, candidate)
         for rev in self.revs:
             self.plan(rev)
-        return AdapterPlan(self.plans, route, self.events, self.probes)
+        return AdapterPlan(self.plans, self.route_entry, self.events, self.probes, self.due)
+
+    def finish(self, placement_notes: Mapping[str, str]) -> None:
+        """Write the ``Ready`` condition, and ``Placed`` on every placed revision: False with placement's note (served
+        name -> why it got less than it asked) when it got less."""
+        for rev in self.revs:
+            rp = self.plans[rev.metadata.name]
+            st = rp.status
+            self.condition(rev, "Reconciled", True, "Reconciled")
+            self.condition(rev, "Ready", st.traffic_weight > 0, "Serving" if st.traffic_weight else st.phase.value,
+                           f"{st.traffic_weight}% of traffic")
+            if rp.placed:
+                note = placement_notes.get(rp.served_name)
+                self.condition(rev, "Placed", note is None, "Placed" if note is None else "CapacityOrBudget", note or "")
 
     def current_stable(self, live: list[AdapterRevision]) -> AdapterRevision | None:
         stables = [r for r in live if self.phase(r) is Phase.STABLE]
@@ -470,6 +510,8 @@ class _AdapterReconcile:
             rollout = rev.spec.rollout
             if self.elapsed(rev) >= rollout.rollback_window_seconds + rollout.eviction_delay_seconds:
                 self.move(rev, Phase.RETIRED, "Evicted", "rollback window and eviction delay are over")
+            else:
+                self.due_after(rev, rollout.rollback_window_seconds + rollout.eviction_delay_seconds)
 
     def route(
         self, live: list[AdapterRevision], stable: AdapterRevision | None, candidate: AdapterRevision | None
@@ -511,8 +553,6 @@ class _AdapterReconcile:
         eligible = self.eligible[name]
         plan = RevisionPlan(name, served, st, eligible=frozenset(p.name for p in eligible))
         self.plans[name] = plan
-        self.condition(rev, "Ready", st.traffic_weight > 0, "Serving" if st.traffic_weight else st.phase.value,
-                       f"{st.traffic_weight}% of traffic")
         if rev.metadata.deletion_timestamp is not None:
             plan.finalize = not any(served in p.adapters for p in self.obs.pods)
             return
@@ -524,6 +564,7 @@ class _AdapterReconcile:
             tier = _GATE_TIERS.get(phase, Tier.GPU)
             plan.required = {p.name: tier for p in canary_pods(rev, eligible)}
         if phase is Phase.RETIRING:
+            self.due_after(rev, rev.spec.rollout.rollback_window_seconds)
             warm = self.elapsed(rev) < rev.spec.rollout.rollback_window_seconds
             plan.placed = True
             plan.required = {
@@ -534,5 +575,9 @@ class _AdapterReconcile:
 
 
 def reconcile_adapter(revisions: Sequence[AdapterRevision], observation: Observation) -> AdapterPlan:
-    """Reconcile every revision of one logical adapter in one pool (pure; see the module docstring)."""
-    return _AdapterReconcile(revisions, observation).run()
+    """Reconcile every revision of one logical adapter in one pool, without placement notes (pure; see the module
+    docstring)."""
+    reconcile = AdapterReconcile(revisions, observation)
+    plan = reconcile.decide()
+    reconcile.finish({})
+    return plan

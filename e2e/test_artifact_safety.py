@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from e2e.fixtures.devcluster import DevCluster, start_devcluster
+from e2e.fixtures.devcluster import DevCluster, mark_ready, start_devcluster
 from e2e.fixtures.processes import (
     LOOPBACK,
     ManagedProcess,
@@ -120,6 +120,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             work / "controller.log").start())
         base_digest = httpx.get(f"http://{LOOPBACK}:{port}/admin/adapters", timeout=10).json()["base_model_digest"]
         cluster.kubectl("apply", "-f", "-", stdin=_cluster_objects())
+        mark_ready(cluster, "pod-0")
         yield Stack(work, cluster, redis_server, registry, artifacts, cache_dir, port, base_digest, processes)
     finally:
         for process in processes:

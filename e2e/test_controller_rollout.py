@@ -29,7 +29,7 @@ import pytest
 import redis
 import yaml
 
-from e2e.fixtures.devcluster import DevCluster, start_devcluster
+from e2e.fixtures.devcluster import DevCluster, mark_ready, start_devcluster
 from e2e.fixtures.picker import Gateway, start_gateway
 from e2e.fixtures.processes import LOOPBACK, ManagedProcess, free_port, start_redis, wait_for_port
 from e2e.fixtures.waiting import wait_until
@@ -213,6 +213,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "base_model_digest"]
         gateway = start_gateway(work, POOL, redis_server.url)
         cluster.kubectl("apply", "-f", "-", stdin=_cluster_objects())
+        mark_ready(cluster, *PODS)
         stack = Stack(work, cluster, redis.Redis.from_url(redis_server.url), base_digest, artifacts, engines, {},
                       gateway, redis_server.url)
         stack.start_controller("controller-a")

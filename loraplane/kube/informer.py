@@ -72,8 +72,9 @@ class Informer:
             self._watch.stop()
 
     def remember(self, obj: dict[str, Any]) -> None:
-        """Cache an object the controller just wrote (the watch event may come later), unless the cache is newer."""
-        self._apply("MODIFIED", obj)
+        """Cache an object the caller just wrote (its watch event, which reports the change, may come later), unless
+        the cache is newer."""
+        self._apply("MODIFIED", obj, notify=False)
 
     # -- loop side -----------------------------------------------------------------------------------------------
     def _replace(self, items: list[dict[str, Any]]) -> None:
@@ -81,7 +82,7 @@ class Informer:
         self.synced.set()
         self.on_change("LISTED", None)
 
-    def _apply(self, kind: str, obj: dict[str, Any]) -> None:
+    def _apply(self, kind: str, obj: dict[str, Any], notify: bool = True) -> None:
         key = object_key(obj)
         if kind == "DELETED":
             self.items.pop(key, None)
@@ -91,7 +92,8 @@ class Informer:
             if new_rv is not None and old_rv is not None and new_rv < old_rv:
                 return
             self.items[key] = obj
-        self.on_change(kind, obj)
+        if notify:
+            self.on_change(kind, obj)
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None

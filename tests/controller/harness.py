@@ -138,7 +138,7 @@ def api_client(url: str, workdir: Path) -> k8s.ApiClient:
 
 def make_controller(
     url: str, workdir: Path, redis: aioredis.Redis, identity: str = "controller-a", lease: bool = True,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
 ) -> Controller:
     client = api_client(url, workdir)
     elector = LeaseElector(client, identity, FAST_LEASE, time.monotonic, clock) if lease else None
@@ -146,8 +146,22 @@ def make_controller(
 
     return Controller(
         KubeApi(client, identity, clock), RedisStore(redis, clock), HealthProber(httpx.AsyncClient()), elector,
-        ControllerConfig(resync_seconds=0.1), clock,
+        ControllerConfig(resync_seconds=0.1), clock, monotonic=monotonic,
     )
+
+
+@contextlib.asynccontextmanager
+async def running(controller: Controller) -> AsyncIterator[Controller]:
+    """Run the controller for the block; then stop it and close its probe client."""
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(controller.run(stop))
+    try:
+        yield controller
+    finally:
+        stop.set()
+        await task
+        await controller.aclose()
+        await controller.prober.client.aclose()
 
 
 def create(client: k8s.ApiClient, body: dict[str, Any], namespace: str = "default") -> dict[str, Any]:

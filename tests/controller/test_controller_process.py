@@ -7,9 +7,8 @@ target states and routes in Redis, probes over HTTP.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from kubernetes import client as k8s
 
 from e2e.fixtures.processes import RedisServer
 from loraplane.api import PickerCounters, RevisionCounters, RouteTable, TargetState, keys
-from loraplane.controller.devcluster import Cluster, ServerThread, default_crds
+from loraplane.controller.devcluster import ServerThread
 from loraplane.controller.kube import FINALIZER
 from loraplane.controller.manager import Controller
 from tests.controller.harness import (
@@ -32,6 +31,7 @@ from tests.controller.harness import (
     get,
     make_controller,
     patch_spec,
+    running,
 )
 from tests.controller.world import BASE_DIGEST, revision
 
@@ -54,15 +54,6 @@ def body(rev: str, n: int, **spec: Any) -> dict[str, Any]:
     out.pop("status")
     out["metadata"] = {"name": model.metadata.name, "namespace": "default"}
     return out
-
-
-@pytest.fixture
-def server() -> Iterator[ServerThread]:
-    cluster = Cluster()
-    for crd in default_crds():
-        cluster.install_crd(crd)
-    with ServerThread(cluster) as running:
-        yield running
 
 
 @dataclass
@@ -127,19 +118,6 @@ async def env(server: ServerThread, redis_srv: RedisServer, tmp_path: Path) -> A
         stop.set()
         await runner
         await redis.aclose()
-
-
-@contextlib.asynccontextmanager
-async def running(controller: Controller) -> AsyncIterator[Controller]:
-    stop = asyncio.Event()
-    task = asyncio.ensure_future(controller.run(stop))
-    try:
-        yield controller
-    finally:
-        stop.set()
-        await task
-        await controller.aclose()
-        await controller.prober.client.aclose()
 
 
 async def _watch_phases(env: Env, name: str, until: str, within: float = 30.0) -> list[str]:

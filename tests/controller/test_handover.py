@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from loraplane.api import ResidencyReport
 from loraplane.api.runtime import AdapterResidency, Tier
-from loraplane.controller.placement import AdapterDemand, Placement, Rates
-from loraplane.controller.pool import keep_until_replaced
+from loraplane.controller.placement import AdapterDemand, Placement, Rates, keep_until_replaced
+from loraplane.controller.pool import warm_holders
 
 
 def _report(pod: str, **tiers: Tier) -> ResidencyReport:
@@ -19,18 +19,18 @@ MOVED = Placement(pods={"pod-a": {}, "pod-b": {"tail@v1": Tier.GPU}})
 
 def test_the_old_holder_keeps_it_while_the_new_pod_still_fetches() -> None:
     reports = [_report("pod-a", tail_v1=Tier.CPU), _report("pod-b", tail_v1=Tier.DISK)]
-    plan = keep_until_replaced(MOVED, [DEMAND], reports)
+    plan = keep_until_replaced(MOVED, [DEMAND], warm_holders(reports))
     assert plan.tiers_of("tail@v1") == {"pod-a": Tier.CPU, "pod-b": Tier.GPU}
 
 
 def test_the_old_holder_lets_go_once_the_new_pod_serves_it() -> None:
     reports = [_report("pod-a", tail_v1=Tier.CPU), _report("pod-b", tail_v1=Tier.CPU)]
-    assert keep_until_replaced(MOVED, [DEMAND], reports).tiers_of("tail@v1") == {"pod-b": Tier.GPU}
+    assert keep_until_replaced(MOVED, [DEMAND], warm_holders(reports)).tiers_of("tail@v1") == {"pod-b": Tier.GPU}
 
 
 def test_unrouted_and_unserved_revisions_are_left_alone() -> None:
     unrouted = AdapterDemand("tail@v1", bytes=1 << 20, rates=Rates(), min_replicas=0)
     reports = [_report("pod-a", tail_v1=Tier.GPU), _report("pod-b")]
-    assert keep_until_replaced(MOVED, [unrouted], reports).tiers_of("tail@v1") == {"pod-b": Tier.GPU}
+    assert keep_until_replaced(MOVED, [unrouted], warm_holders(reports)).tiers_of("tail@v1") == {"pod-b": Tier.GPU}
     nowhere = [_report("pod-a", tail_v1=Tier.DISK), _report("pod-b")]
-    assert keep_until_replaced(MOVED, [DEMAND], nowhere).tiers_of("tail@v1") == {"pod-b": Tier.GPU}
+    assert keep_until_replaced(MOVED, [DEMAND], warm_holders(nowhere)).tiers_of("tail@v1") == {"pod-b": Tier.GPU}

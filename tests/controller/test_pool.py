@@ -14,7 +14,6 @@ from loraplane.api import (
     RevisionCounters,
 )
 from loraplane.api.runtime import AdapterResidency, Tier
-from loraplane.controller.manager import pool_members
 from loraplane.controller.placement import TenantBudget
 from loraplane.controller.pool import PoolInputs, plan_pool, summed_counters
 from tests.controller.world import BASE_DIGEST, T0, revision
@@ -64,15 +63,6 @@ def test_plan_pool_builds_targets_and_routes_from_rollouts_and_rates() -> None:
     assert [t.tier for t in verifying] == [Tier.DISK]  # Pending -> Verifying: fetched on its one canary pod
     assert plan.adapters[("default", "hot")].revisions["hot-v2"].status.phase == "Verifying"
     assert next(d for d in plan.demands if d.served_name == "hot@v1").bytes == 7 << 20  # the size sidecars report
-
-
-def test_pool_members_follow_the_inference_pool_selector() -> None:
-    pools = {("default", "pool"): {"spec": {"selector": {"matchLabels": {"app": "engine"}}}}}
-    pods = {("default", "pod-0"): {"metadata": {"labels": {"app": "engine"}}},
-            ("default", "pod-1"): {"metadata": {"labels": {"app": "other"}}},
-            ("other", "pod-2"): {"metadata": {"labels": {"app": "engine"}}}}
-    assert pool_members(pools, pods, "pool") == {"pod-0"}
-    assert pool_members(pools, pods, "missing") is None
 
 
 def test_a_budget_that_keeps_a_revision_cold_is_visible_in_its_conditions() -> None:
