@@ -268,6 +268,8 @@ ADMIN_PATHS = [
     ("POST", "/v1/unload_lora_adapter?x=/v1/completions", {"lora_name": "claims@v1"}),
     ("GET", "/metrics", None),
     ("GET", "/health", None),
+    ("POST", "/adapters", {"name": "claims@v1", "src": "support-v1"}),  # vLLM's SageMaker alias, not behind its key
+    ("POST", "/invocations", {"model": "claims", "prompt": "hi"}),
 ]
 
 

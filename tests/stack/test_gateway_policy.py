@@ -71,7 +71,7 @@ def test_only_inference_paths_reach_a_pod_with_the_gateways_token(tmp_path: Path
         url = f"http://127.0.0.1:{port}"
         refused = {path: httpx.post(url + path, json={}, timeout=10).status_code
                    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/admin/adapters", "/metrics",
-                                "/v1/completions/../load_lora_adapter", "/")}
+                                "/v1/completions/../load_lora_adapter", "/", "/adapters", "/invocations")}
         served = httpx.post(f"{url}/v1/completions", json={"model": "m"}, timeout=10,
                             headers={"authorization": "Bearer client-guess"})
     finally:
