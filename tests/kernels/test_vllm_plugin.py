@@ -187,3 +187,21 @@ def test_bench_against_vllm_ops_checks_both_and_times_both() -> None:
     assert case["name"] == "decode_64x16" and case["threads"] == 1
     assert case["vllm_ops_max_abs_err"] <= TOLERANCE and case["loraplane_max_abs_err"] <= TOLERANCE
     assert case["vllm_ops_ms"] > 0 and case["loraplane_ms"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_serving_bench_runs_vllm_with_and_without_the_plugin(capsys: pytest.CaptureFixture[str]) -> None:
+    """``loraplane bench vllm-lora`` on the tiny preset: ``LORAPLANE_VLLM_KERNELS=0`` gives vLLM's own wrapper,
+    ``1`` loraplane's, through real servers; every adapter count is measured."""
+    import json
+
+    from loraplane.kernels.vllm_serving_bench import ADAPTER_COUNTS, main
+
+    assert main(["--preset", "tiny-hd32", "--quick", "--batch", "4", "--max-tokens", "4", "--json"]) == 0
+    (preset,) = json.loads(capsys.readouterr().out)["presets"]
+    assert preset["vllm_ops"]["wrapper"] == "PunicaWrapperCPU"
+    assert preset["loraplane"]["wrapper"] == "LoraplanePunicaWrapperCPU"
+    for setting in ("vllm_ops", "loraplane"):
+        assert set(preset[setting]["tokens_per_s"]) == {str(count) for count in ADAPTER_COUNTS}
+        assert all(rate > 0 for rate in preset[setting]["tokens_per_s"].values())
