@@ -11,7 +11,9 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.cluster import SimConfig
+from loraplane.sim.metrics import DEFAULT_SLO_TTFT_MS
 from loraplane.sim.policies import POLICY_NAMES
 from loraplane.sim.profile import LARGE_GPU, PROFILES, ProfileError, load_profile
 from loraplane.sim.report import plot, print_table, without_curves
@@ -37,6 +39,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _scale(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 16:
+        raise argparse.ArgumentTypeError("must be in (0, 16]")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     """The command's arguments."""
     p = argparse.ArgumentParser(prog="loraplane sim", description=__doc__)
@@ -48,11 +57,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--requests", type=_positive, default=200_000, help="requests a scenario generates")
     p.add_argument("--pods", type=_positive, default=8)
+    p.add_argument("--pods-scale", type=_scale, default=1.0,
+                   help="multiply --pods by this (rounded, at least 1): 0.5 runs a scenario at half the pods")  # fmt: skip
     p.add_argument("--max-loras", type=_positive, default=4)
     p.add_argument("--max-cpu-loras", type=_positive, default=16)
     p.add_argument("--profile", default=LARGE_GPU.name,
                    help=f"{', '.join(PROFILES)} or a JSON file (saved profile or bench output)")  # fmt: skip
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")
+    p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS,
+                   help="TTFT a served request must meet for slo_attainment")  # fmt: skip
+    p.add_argument("--flow-control", action="store_true",
+                   help="loraplane only: hold requests whose endpoints are saturated in the in-simulator picker "
+                   "queue (bands, per-tenant fairness, deadline, then 429/503)")  # fmt: skip
     p.add_argument("--jobs", type=_positive, help="worker processes (default: one per CPU it may use)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write ttft_cdf.png and cold_starts.png into DIR")
@@ -66,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     err = Console(stderr=True)
     try:
         profile = load_profile(args.profile)
-        config = SimConfig(pods=args.pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
+        pods = max(1, round(args.pods * args.pods_scale))
+        config = SimConfig(pods=pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
         if args.trace is not None:
             trace = load_csv(args.trace, profile.default_adapter_bytes)
         else:
@@ -74,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ProfileError, TraceError, ValueError) as exc:
         err.print(f"loraplane sim: {exc}", markup=False)
         return 2
+    flow_control = FlowControlConfig() if args.flow_control else None
     if args.save_trace is not None:
         args.save_trace.write_text(trace.to_csv())
     if len(trace) >= PROGRESS_MIN_REQUESTS and err.is_terminal:
@@ -91,9 +109,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for task, count in zip(tasks, done, strict=True):
                     bar.update(task, completed=count)
 
-            report = run_all(trace, config, profile, args.policies, args.seed, args.picker_config, args.jobs, show)
+            report = run_all(
+                trace, config, profile, args.policies, args.seed, args.picker_config, args.jobs, show,
+                args.slo_ttft_ms, flow_control,
+            )  # fmt: skip
     else:
-        report = run_all(trace, config, profile, args.policies, args.seed, args.picker_config, args.jobs)
+        report = run_all(
+            trace, config, profile, args.policies, args.seed, args.picker_config, args.jobs, None,
+            args.slo_ttft_ms, flow_control,
+        )  # fmt: skip
     if args.plot is not None:
         for path in plot(report, args.plot):
             err.print(f"wrote {path}", markup=False)

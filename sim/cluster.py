@@ -45,11 +45,22 @@ RETRY_S = 0.05
 #: how many waiting requests a step boundary looks at (bounds the cost of a long queue)
 SCAN_LIMIT = 128
 
-_STEP, _DOWNLOAD, _RETRY, _TICK = 0, 1, 2, 3
+_STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE = 0, 1, 2, 3, 4
+#: ``SimResult.refused`` code of a served request (otherwise the HTTP status the client got: 429 or 503)
+SERVED = 0
+
+
+class Refused(Exception):
+    """A router's refusal of a request: the client gets ``status`` (429 sheddable, 503 otherwise)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
 
 
 class Router(Protocol):
-    """Chooses a pod for each request. ``pods`` are read-only to it."""
+    """Chooses a pod for each request (or raises ``Refused``). ``pods`` are read-only to it."""
 
     name: str
 
@@ -65,6 +76,37 @@ class Eviction(Protocol):
 
     def victim(self, now: float, pod: Pod, tier: Tier, candidates: list[int], incoming: int) -> int | None:
         """One of ``candidates`` (resident at ``tier``, not running, not pinned), or ``None``."""
+        ...
+
+
+class Admission(Protocol):
+    """The gate between arrival and routing: a picker-side queue driven by the simulator's clock.
+
+    On an arrival it sends the request to a pod now (``Simulator.dispatch``), refuses it (``Simulator.refuse``) or
+    holds it. The simulator calls ``capacity_freed`` whenever requests finish on some pod and ``expire`` at
+    ``next_deadline``; the gate may dispatch or refuse held requests from either."""
+
+    name: str
+
+    def arrive(self, now: float, rid: int, sim: Simulator) -> None:
+        """Request ``rid`` arrived: dispatch, refuse or hold it."""
+        ...
+
+    def capacity_freed(self, now: float, sim: Simulator) -> None:
+        """Requests finished somewhere: dispatch what may go now."""
+        ...
+
+    def expire(self, now: float, sim: Simulator) -> None:
+        """Refuse held requests whose deadline is ``now`` or earlier."""
+        ...
+
+    @property
+    def held(self) -> int:
+        """Requests waiting in the gate."""
+        ...
+
+    def next_deadline(self) -> float:
+        """The earliest deadline of a held request (``inf`` when none is held)."""
         ...
 
 
@@ -175,6 +217,10 @@ class SimResult:
     ttft: array  # seconds
     tier: bytearray  # L0..L3: the coldest tier the request's adapter came from
     pod: array
+    #: per request: ``SERVED`` or the HTTP status of its refusal (429 / 503); refused requests have no TTFT (NaN)
+    refused: array = field(default_factory=lambda: array("H"))
+    #: per request: seconds it waited in the admission gate before it was dispatched or refused
+    held_s: array = field(default_factory=lambda: array("d"))
     #: request ids in the order pods admitted them (the order adapters were really needed in)
     admitted: array = field(default_factory=lambda: array("i"))
     gpu_loads: int = 0
@@ -199,8 +245,11 @@ class Simulator:
         eviction: Eviction,
         placement: Placement | None = None,
         progress: Callable[[int], None] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.trace = trace
+        self.admission = admission
+        self._deadline_at = math.inf
         self.config = config
         self.profile = profile
         self.router = router
@@ -223,6 +272,8 @@ class Simulator:
             ttft=array("d", bytes(8 * n)),
             tier=bytearray(n),
             pod=array("i", bytes(4 * n)),
+            refused=array("H", bytes(2 * n)),
+            held_s=array("d", bytes(8 * n)),
         )
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
@@ -253,10 +304,11 @@ class Simulator:
     def run(self) -> SimResult:
         """Simulate the whole trace; returns the per-request outcomes."""
         tr = self.trace
-        arrivals, adapters, n = tr.arrival, tr.adapter, len(tr)
+        arrivals, n = tr.arrival, len(tr)
         heap = self._heap
-        pods, res = self.pods, self.result
+        pods = self.pods
         pick = self.router.pick
+        gate = self.admission
         if self.placement is not None:
             self._push(0.0, _TICK, 0, 0)
         i = 0
@@ -279,6 +331,11 @@ class Simulator:
                 elif kind == _RETRY:
                     if not pod.busy and arg == pod.version:
                         self._begin(pod, when)
+                elif kind == _DEADLINE:
+                    if gate is not None:
+                        self._deadline_at = math.inf
+                        gate.expire(when, self)
+                        self._arm_deadline()
                 elif self.placement is not None and (i < n or any(p.busy or p.waiting for p in pods)):
                     self.placement.apply(when, self)
                     self._push(when + self.placement.period_s, _TICK, 0, 0)
@@ -289,24 +346,56 @@ class Simulator:
             rid = i
             i += 1
             self.arrived = i
-            a = adapters[rid]
-            pod = pods[pick(next_arrival, rid, tr, pods)]
-            res.pod[rid] = pod.index
-            res.tier[rid] = L0 if a in pod.gpu else L1 if a in pod.cpu else L2 if a in pod.disk else L3
-            pod.waiting.append(rid)
-            queued = pod.waiting_adapters.get(a)
-            if queued is None:
-                pod.waiting_adapters[a] = deque((rid,))
+            if gate is not None:
+                gate.arrive(next_arrival, rid, self)
+                self._arm_deadline()
             else:
-                queued.append(rid)
-            if a not in pod.disk:
-                self._download(pod, a)
-            self._wake(pod, next_arrival, a)
+                try:
+                    self.dispatch(rid, pick(next_arrival, rid, tr, pods))
+                except Refused as refusal:
+                    self.refuse(rid, refusal.status)
             if self.progress is not None and i % report_every == 0:
                 self.progress(i)
+        res = self.result
         res.events = events
         res.sim_seconds = self.now
         return res
+
+    def dispatch(self, rid: int, pod_index: int) -> None:
+        """Send request ``rid`` (arrived, not yet sent) to pod ``pod_index``'s waiting queue now."""
+        pod = self.pods[pod_index]
+        res, now = self.result, self.now
+        a = self.trace.adapter[rid]
+        res.pod[rid] = pod_index
+        res.held_s[rid] = now - self.trace.arrival[rid]
+        res.tier[rid] = L0 if a in pod.gpu else L1 if a in pod.cpu else L2 if a in pod.disk else L3
+        pod.waiting.append(rid)
+        queued = pod.waiting_adapters.get(a)
+        if queued is None:
+            pod.waiting_adapters[a] = deque((rid,))
+        else:
+            queued.append(rid)
+        if a not in pod.disk:
+            self._download(pod, a)
+        self._wake(pod, now, a)
+
+    def refuse(self, rid: int, status: int) -> None:
+        """Refuse request ``rid`` (never sent to a pod) with HTTP ``status``: it has no TTFT."""
+        res = self.result
+        res.refused[rid] = status
+        res.pod[rid] = -1
+        res.ttft[rid] = math.nan
+        res.held_s[rid] = self.now - self.trace.arrival[rid]
+
+    def _arm_deadline(self) -> None:
+        """Make sure a deadline event comes at the gate's earliest deadline."""
+        gate = self.admission
+        if gate is None:
+            return
+        when = gate.next_deadline()
+        if when < self._deadline_at:
+            self._deadline_at = when
+            self._push(when, _DEADLINE, 0, 0)
 
     def _wake(self, pod: Pod, now: float, adapter: int = -1) -> None:
         """Something ``pod`` may admit appeared: start it, or end its current run of steps at the next boundary."""
@@ -342,6 +431,7 @@ class Simulator:
         pod.steps += pod.run_steps
         running, out_tokens, in_tokens = pod.running, self.trace.output_tokens, self.trace.input_tokens
         adapters = self.trace.adapter
+        finished = bool(running) and running[0][0] <= pod.steps
         while running and running[0][0] <= pod.steps:
             _, rid = heapq.heappop(running)
             a = adapters[rid]
@@ -354,6 +444,10 @@ class Simulator:
         pod.busy = False
         pod.event_time = math.inf
         self._begin(pod, now)
+        gate = self.admission
+        if finished and gate is not None and gate.held:
+            gate.capacity_freed(now, self)
+            self._arm_deadline()
 
     def _begin(self, pod: Pod, now: float) -> None:
         """Admit what fits, then schedule the end of the run of steps that follows."""

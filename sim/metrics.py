@@ -1,5 +1,5 @@
-"""Summaries of a run: TTFT percentiles (overall, warm vs cold, per tenant class), cold starts against the bound,
-thrash, hits per tier, GPU slot use."""
+"""Summaries of a run: SLO attainment and refusals, TTFT percentiles of served requests (overall, warm vs cold, per
+tenant class), cold starts against the bound, thrash, hits per tier, GPU slot use."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from typing import Any
 import numpy as np
 
 from loraplane.sim.bound import belady_misses
-from loraplane.sim.cluster import TIER_NAMES, SimConfig, SimResult
+from loraplane.sim.cluster import SERVED, TIER_NAMES, SimConfig, SimResult
 from loraplane.sim.trace import BURST, Trace
 
 PERCENTILES = (50, 95, 99)
+#: the TTFT a request must meet to count as served within its SLO (``--slo-ttft-ms``)
+DEFAULT_SLO_TTFT_MS = 2000.0
 
 
 def _percentiles_ms(values: np.ndarray) -> dict[str, float | None]:
@@ -35,27 +37,62 @@ def hot_mask(trace: Trace) -> np.ndarray:
     return np.asarray(mask)
 
 
-def hot_ttft_p99_ms(result: SimResult) -> float | None:
-    """P99 TTFT of hot tenants' requests (during the burst, when there is one)."""
+def served_mask(result: SimResult) -> np.ndarray:
+    """Requests that were served (not refused)."""
+    return np.asarray(np.frombuffer(result.refused, dtype=np.uint16) == SERVED)
+
+
+def served_ttft(result: SimResult) -> np.ndarray:
+    """TTFTs (seconds) of the served requests."""
+    return np.asarray(np.frombuffer(result.ttft, dtype=np.float64)[served_mask(result)])
+
+
+def slo_figures(result: SimResult, slo_ttft_ms: float) -> dict[str, Any]:
+    """``slo_attainment`` (served within the SLO over all requests: a refused request is a miss), ``rejected``
+    (by status too), ``p99_served_ttft_ms`` and how many requests waited in the picker and for how long."""
+    n = len(result.trace)
+    served = served_mask(result)
     ttft = np.frombuffer(result.ttft, dtype=np.float64)
-    return _p99_ms(ttft[hot_mask(result.trace)])
+    refused = np.frombuffer(result.refused, dtype=np.uint16)
+    held = np.frombuffer(result.held_s, dtype=np.float64)
+    met = int(np.count_nonzero(served & (ttft * 1e3 <= slo_ttft_ms)))
+    statuses = refused[~served]
+    return {
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_attainment": round(met / n, 4) if n else 0.0,
+        "rejected": int(statuses.size),
+        "rejected_by_status": {str(s): int(c) for s, c in zip(*np.unique(statuses, return_counts=True), strict=True)},
+        "p99_served_ttft_ms": _p99_ms(ttft[served]),
+        "held": int(np.count_nonzero(held > 0)),
+        "held_p99_ms": _p99_ms(held[held > 0]),
+    }
 
 
-def summarize(result: SimResult, config: SimConfig, bound_cold_starts: int) -> dict[str, Any]:
-    """The JSON-ready summary of one policy's run."""
+def hot_ttft_p99_ms(result: SimResult) -> float | None:
+    """P99 TTFT of hot tenants' served requests (during the burst, when there is one)."""
+    ttft = np.frombuffer(result.ttft, dtype=np.float64)
+    return _p99_ms(ttft[hot_mask(result.trace) & served_mask(result)])
+
+
+def summarize(
+    result: SimResult, config: SimConfig, bound_cold_starts: int, slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+) -> dict[str, Any]:
+    """The JSON-ready summary of one policy's run; TTFT figures are of served requests."""
     trace = result.trace
     n = len(trace)
+    served = served_mask(result)
     ttft = np.frombuffer(result.ttft, dtype=np.float64)
     tier = np.frombuffer(bytes(result.tier), dtype=np.uint8)
     warm = tier == 0
     classes = np.array([t.cls for t in trace.tenants])[np.asarray(trace.tenant, dtype=int)] if n else np.array([])
-    by_class = {str(c): _percentiles_ms(ttft[classes == c]) for c in sorted(set(classes.tolist()))}
+    by_class = {str(c): _percentiles_ms(ttft[served & (classes == c)]) for c in sorted(set(classes.tolist()))}
     capacity_s = config.pods * config.max_loras * result.sim_seconds
     return {
         "requests": n,
-        "ttft_ms": _percentiles_ms(ttft),
-        "warm_ttft_ms": _percentiles_ms(ttft[warm]),
-        "cold_ttft_ms": _percentiles_ms(ttft[~warm]),
+        **slo_figures(result, slo_ttft_ms),
+        "ttft_ms": _percentiles_ms(ttft[served]),
+        "warm_ttft_ms": _percentiles_ms(ttft[served & warm]),
+        "cold_ttft_ms": _percentiles_ms(ttft[served & ~warm]),
         "ttft_ms_by_class": by_class,
         "hot_ttft_p99_ms": hot_ttft_p99_ms(result),
         # every load into a GPU slot, on demand or ahead of it (placement): what Belady minimises
@@ -68,7 +105,10 @@ def summarize(result: SimResult, config: SimConfig, bound_cold_starts: int) -> d
         ),
         "evictions": result.gpu_evictions,
         "thrash_ratio": round(result.thrash_reloads / result.gpu_evictions, 4) if result.gpu_evictions else 0.0,
-        "hit_ratio": {name: round(float(np.mean(tier == i)), 4) if n else 0.0 for i, name in enumerate(TIER_NAMES)},
+        "hit_ratio": {
+            name: round(float(np.mean(tier[served] == i)), 4) if served.any() else 0.0
+            for i, name in enumerate(TIER_NAMES)
+        },
         "gpu_slot_use": round(result.slot_busy_s / capacity_s, 4) if capacity_s else 0.0,
         "sim_seconds": round(result.sim_seconds, 1),
     }

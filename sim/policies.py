@@ -27,10 +27,17 @@ from loraplane.controller.placement import Placement as PlacementPlan
 from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
 from loraplane.engine.tiers import AdapterState
 from loraplane.picker.plugins import SchedulingRequest
-from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
+from loraplane.picker.scheduler import (
+    Decision,
+    EndpointPickerConfig,
+    PoolSaturatedError,
+    Scheduler,
+    SchedulingError,
+)
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
+from loraplane.sim.admission import FlowControlConfig, SimFlowControl
 from loraplane.sim.baselines import BASELINES
-from loraplane.sim.cluster import Eviction, Placement, Pod, Router, SimConfig, Simulator
+from loraplane.sim.cluster import Admission, Eviction, Placement, Pod, Refused, Router, SimConfig, Simulator
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
 
@@ -155,14 +162,31 @@ class PickerRouter:
             residency=self._residency_of(pod),
         )
 
-    def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
-        """The scheduler's primary endpoint for request ``rid``."""
+    def decide(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> Decision:
+        """The scheduler's decision for request ``rid``; raises the picker's ``SchedulingError``s."""
         snapshot = self._refresh(now, pods)
         in_flight = snapshot.in_flight
         for p in pods:
             in_flight[p.index] = len(p.waiting) + len(p.running)
-        decision = self.scheduler.schedule(self._requests[trace.adapter[rid]], snapshot, self._rng)
-        return decision.indices[0]
+        return self.scheduler.schedule(self._requests[trace.adapter[rid]], snapshot, self._rng)
+
+    def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
+        """The scheduler's primary endpoint for request ``rid``; its refusals (429 / 503) as ``Refused``."""
+        try:
+            return self.decide(now, rid, trace, pods).indices[0]
+        except SchedulingError as exc:
+            raise Refused(exc.status, exc.reason) from exc
+
+    def choose(self, now: float, rid: int, sim: Simulator) -> int | None:
+        """For flow control: the primary endpoint, or ``None`` while every candidate is saturated (the request
+        may wait); refusals other than saturation as ``Refused``."""
+        try:
+            decision = self.decide(now, rid, sim.trace, sim.pods)
+        except PoolSaturatedError:
+            return None
+        except SchedulingError as exc:
+            raise Refused(exc.status, exc.reason) from exc
+        return None if decision.saturated else decision.indices[0]
 
 
 class ControllerPlacement:
@@ -242,18 +266,31 @@ class Policy:
     router: Router
     eviction: Eviction
     placement: Placement | None = None
+    admission: Admission | None = None
 
 
 def build_policy(
-    name: str, seed: int, trace: Trace, profile: Profile, config: SimConfig, picker_config: Path | None = None
+    name: str,
+    seed: int,
+    trace: Trace,
+    profile: Profile,
+    config: SimConfig,
+    picker_config: Path | None = None,
+    flow_control: FlowControlConfig | None = None,
 ) -> Policy:
-    """The named policy, ready for a ``Simulator``."""
+    """The named policy, ready for a ``Simulator``; ``flow_control`` puts ``SimFlowControl`` in front of
+    loraplane's picker (the baselines have no queue, as in the field)."""
     if name == LORAPLANE:
         scheduler = Scheduler(picker_config_for(profile, picker_config))
+        router = PickerRouter(seed, trace, profile, scheduler)
+        admission = None
+        if flow_control is not None:
+            tenants = trace.tenants
+            admission = SimFlowControl(
+                router.choose, lambda rid: tenants[trace.tenant[rid]].priority, trace.tenant.__getitem__, flow_control
+            )
         return Policy(
-            PickerRouter(seed, trace, profile, scheduler),
-            EngineEviction(KeepScorePolicy(), trace, profile),
-            ControllerPlacement(trace, config),
+            router, EngineEviction(KeepScorePolicy(), trace, profile), ControllerPlacement(trace, config), admission
         )
     if name not in BASELINES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -22,11 +22,11 @@ def table(report: dict[str, Any]) -> Table:
         f"{report['scenario']}: {report['requests']:,} requests over {report['trace_seconds']:.0f} s, "
         f"{report['pool']['pods']} pods x {report['pool']['max_loras']} GPU slots / "
         f"{report['pool']['max_cpu_loras']} CPU; Belady bound {bound['cold_starts']:,} cold starts "
-        f"({bound['cold_start_rate']:.4%}); TTFT in ms"
+        f"({bound['cold_start_rate']:.4%}); TTFT in ms (served requests); SLO {report['slo_ttft_ms']:.0f} ms"
     )
     t = Table(title=title, title_justify="left")
     columns = [
-        "policy", "p50", "p95", "p99", "warm p99", "cold p99", "hot p99", "hot p99 no burst", "burst p99",
+        "policy", "SLO met", "rejected", "p50", "p95", "p99", "warm p99", "cold p99", "hot p99", "hot p99 no burst", "burst p99",
         "cold starts", "x bound", "thrash", "L0/L1/L2/L3 hits", "slot use",
     ]  # fmt: skip
     for c in columns:
@@ -36,6 +36,8 @@ def table(report: dict[str, Any]) -> Table:
         hits = p["hit_ratio"]
         t.add_row(
             name,
+            f"{p['slo_attainment']:.2%}",
+            f"{p['rejected']:,}",
             _ms(p["ttft_ms"]["p50"]),
             _ms(p["ttft_ms"]["p95"]),
             _ms(p["ttft_ms"]["p99"]),

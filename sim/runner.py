@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.bound import belady_misses
 from loraplane.sim.cluster import SimConfig, SimResult, Simulator
-from loraplane.sim.metrics import hot_ttft_p99_ms, summarize
+from loraplane.sim.metrics import DEFAULT_SLO_TTFT_MS, hot_ttft_p99_ms, served_ttft, summarize
 from loraplane.sim.policies import build_policy
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import BURST, Trace
@@ -69,16 +70,20 @@ def simulate(
     seed: int,
     picker_config: Path | None = None,
     progress: Callable[[int], None] | None = None,
+    flow_control: FlowControlConfig | None = None,
 ) -> SimResult:
-    """One policy over one trace."""
-    built = build_policy(policy, seed, trace, profile, config, picker_config)
-    sim = Simulator(trace, config, profile, built.router, built.eviction, built.placement, progress=progress)
+    """One policy over one trace (``flow_control``: loraplane's picker queue, ignored by the baselines)."""
+    built = build_policy(policy, seed, trace, profile, config, picker_config, flow_control)
+    sim = Simulator(
+        trace, config, profile, built.router, built.eviction, built.placement, progress=progress,
+        admission=built.admission,
+    )  # fmt: skip
     return sim.run()
 
 
 def curves(result: SimResult) -> dict[str, list[float]]:
     """Plot data: the TTFT CDF (ms at evenly spaced quantiles) and cold starts per time bin."""
-    ttft = np.frombuffer(result.ttft, dtype=np.float64)
+    ttft = served_ttft(result)
     quantiles = np.linspace(0, 100, CDF_POINTS)
     bins = int(result.sim_seconds // TIMELINE_BIN_S) + 1
     timeline = np.bincount((np.asarray(result.load_times) // TIMELINE_BIN_S).astype(int), minlength=bins)
@@ -94,6 +99,8 @@ _shared: dict[str, Any] = {}
 
 def _init(trace: Trace, config: SimConfig, profile: Profile, seed: int, picker_config: Path | None, counters: Any) -> None:
     _shared.update(trace=trace, config=config, profile=profile, seed=seed, picker=picker_config, counters=counters)
+    _shared.setdefault("flow_control", None)
+    _shared.setdefault("slo_ttft_ms", DEFAULT_SLO_TTFT_MS)
     _shared["no_burst"] = without_burst(trace) if trace.has_class(BURST) else None
 
 
@@ -106,14 +113,15 @@ def _run_job(index: int, job: Job) -> tuple[int, dict[str, Any]]:
 
     start = time.process_time()
     result = simulate(
-        trace, _shared["config"], _shared["profile"], job.policy, _shared["seed"], _shared["picker"], progress
-    )
+        trace, _shared["config"], _shared["profile"], job.policy, _shared["seed"], _shared["picker"], progress,
+        _shared["flow_control"],
+    )  # fmt: skip
     counters[index] = len(trace)
     out: dict[str, Any] = {"cpu_s": round(time.process_time() - start, 2), "events": result.events}
     if job.no_burst:
         out["hot_ttft_p99_ms"] = hot_ttft_p99_ms(result)
     else:
-        out["summary"] = summarize(result, _shared["config"], _shared["bound"])
+        out["summary"] = summarize(result, _shared["config"], _shared["bound"], _shared["slo_ttft_ms"])
         out["curves"] = curves(result)
     return index, out
 
@@ -127,8 +135,11 @@ def run_all(
     picker_config: Path | None = None,
     jobs: int | None = None,
     on_progress: Callable[[list[Job], list[int], list[int]], None] | None = None,
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
+    flow_control: FlowControlConfig | None = None,
 ) -> dict[str, Any]:
-    """Run every policy (and, when the trace has a burst tenant, each again without it); the report dict."""
+    """Run every policy (and, when the trace has a burst tenant, each again without it); the report dict.
+    ``flow_control`` puts the in-simulator picker queue in front of loraplane only."""
     started = time.monotonic()
     bound = belady_misses(trace.adapter, config.pods * config.max_loras)
     work = [Job(p) for p in policies]
@@ -139,7 +150,7 @@ def run_all(
     workers = max(1, min(jobs or usable_cpus(), len(work)))
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
     counters = ctx.Array("q", len(work), lock=False)
-    _shared["bound"] = bound
+    _shared.update(bound=bound, slo_ttft_ms=slo_ttft_ms, flow_control=flow_control)
     results: dict[int, dict[str, Any]] = {}
     if workers == 1:
         _init(trace, config, profile, seed, picker_config, counters)
@@ -179,6 +190,8 @@ def run_all(
         "seed": seed,
         "pool": {"pods": config.pods, "max_loras": config.max_loras, "max_cpu_loras": config.max_cpu_loras},
         "profile": profile.name,
+        "slo_ttft_ms": slo_ttft_ms,
+        "flow_control": flow_control is not None,
         "trace_seconds": round(trace.duration, 1),
         "bound": {
             "cold_starts": bound,

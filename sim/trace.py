@@ -309,6 +309,53 @@ def rollout(requests: int, seed: int, adapter_bytes: int, rate: float = 40.0) ->
     return _assemble("rollout", tenants, v1 + v2, [(times, chosen)], rng, Lengths())
 
 
+def zipf_many(
+    requests: int,
+    seed: int,
+    adapter_bytes: int,
+    rate: float = 40.0,
+    sweep_adapters: int = 60,
+    sweep_rate: float = 8.0,
+    sweep_s: float = 90.0,
+) -> Trace:
+    """300 adapters of 8 online tenants (Zipf 0.9, the first two tenants gold) at ``rate`` with a slow +-30 % swing
+    over the trace, plus two sheddable batch tenants that, from a third of the way in, each sweep ``sweep_adapters``
+    adapters no pod has at ``sweep_rate`` for ``sweep_s`` (shortened for short traces)."""
+    rng = np.random.default_rng(seed)
+    online = [Tenant(f"tenant-{i}", HOT, priority=1 if i < 2 else 0) for i in range(8)]
+    tenants = online + [Tenant(f"batch-{i}", BURST, priority=-1) for i in range(2)]
+    adapters = [Adapter(served_name(f"adapter-{i}", "v1"), i % 8, adapter_bytes) for i in range(300)]
+    per_sweep = min(round(sweep_rate * sweep_s), requests // 10)
+    n_online = requests - 2 * per_sweep
+    duration = n_online / rate
+    times = poisson_arrivals(rng, n_online, rate, diurnal=0.3, period=duration)
+    chosen = rng.permutation(300)[rng.choice(300, size=n_online, p=zipf_weights(300, 0.9))]
+    parts = [(times, chosen)]
+    start = duration / 3
+    block = max(1, -(-per_sweep // sweep_adapters))
+    for b in range(2):
+        first = len(adapters)
+        adapters += [
+            Adapter(served_name(f"sweep-{b}-{i}", "v1"), 8 + b, adapter_bytes, on_disk=False)
+            for i in range(sweep_adapters)
+        ]
+        sweep = first + np.minimum(np.arange(per_sweep) // block, sweep_adapters - 1)
+        parts.append((poisson_arrivals(rng, per_sweep, sweep_rate, start=start), sweep))
+    end = max(float(p[0][-1]) for p in parts[1:]) if per_sweep else start
+    return _assemble("zipf-many", tenants, adapters, parts, rng, Lengths(), burst_window=(start, end))
+
+
+def diurnal_peak(requests: int, seed: int, adapter_bytes: int, rate: float = 50.0, swing: float = 0.5) -> Trace:
+    """50 adapters of 10 tenants (Zipf 1.0, three gold tenants, two sheddable) with one diurnal cycle whose peak
+    (``rate x (1 + swing)``, 75 req/s) overloads the default pool of 8 pods for a while."""
+    rng = np.random.default_rng(seed)
+    tenants = [Tenant(f"tenant-{i}", HOT, priority=1 if i < 3 else -1 if i >= 8 else 0) for i in range(10)]
+    adapters = [Adapter(served_name(f"adapter-{i}", "v1"), i % 10, adapter_bytes) for i in range(50)]
+    times = poisson_arrivals(rng, requests, rate, diurnal=swing, period=requests / rate)
+    chosen = rng.choice(50, size=requests, p=zipf_weights(50, 1.0))
+    return _assemble("diurnal-peak", tenants, adapters, [(times, chosen)], rng, Lengths())
+
+
 def rates_trace(rates: dict[str, float], nbytes: dict[str, int], requests: int, seed: int) -> Trace:
     """Poisson traffic at the given per-adapter rates (requests/s), one tenant per adapter, every adapter on disk."""
     names = [n for n, r in rates.items() if r > 0]
@@ -328,6 +375,8 @@ SCENARIOS: dict[str, Callable[[int, int, int], Trace]] = {
     "hot-plus-burst": hot_plus_burst,
     "long-tail-1k": long_tail_1k,
     "rollout": rollout,
+    "zipf-many": zipf_many,
+    "diurnal-peak": diurnal_peak,
 }
 
 

@@ -1,0 +1,186 @@
+"""SLO attainment and refusals in the report, the admission seam's in-simulator flow control, the saturating
+scenarios and ``--pods-scale``."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from loraplane.sim.admission import Band, FlowControlConfig, SimFlowControl
+from loraplane.sim.baselines import LeastRequest
+from loraplane.sim.cli import main as sim_main
+from loraplane.sim.cluster import Pod, Refused, SimConfig, Simulator
+from loraplane.sim.metrics import summarize
+from loraplane.sim.policies import build_policy
+from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.runner import simulate
+from loraplane.sim.trace import BURST, Trace, scenario
+from tests.sim.conftest import ADAPTER_BYTES
+
+POOL = SimConfig(pods=2, max_loras=2, max_cpu_loras=4)
+
+
+class RefuseEveryFourth(LeastRequest):
+    """Least-request, refusing every fourth request (503) as a picker would."""
+
+    name = "refuse-every-fourth"
+
+    def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
+        if rid % 4 == 0:
+            raise Refused(503, "test")
+        return super().pick(now, rid, trace, pods)
+
+
+def test_slo_attainment_counts_refused_requests_as_misses_and_p99_of_served_excludes_them() -> None:
+    trace = scenario("gie-multilora", 800, seed=1, adapter_bytes=ADAPTER_BYTES)
+    policy = build_policy("least-request", 0, trace, LARGE_GPU, POOL)
+    sim = Simulator(trace, POOL, LARGE_GPU, RefuseEveryFourth(0), policy.eviction)
+    result = sim.run()
+    ttft = np.frombuffer(result.ttft, dtype=np.float64)
+    refused = np.arange(len(trace)) % 4 == 0
+    assert np.isnan(ttft[refused]).all() and np.isfinite(ttft[~refused]).all()
+    served_ms = ttft[~refused] * 1e3
+    slo = float(np.median(served_ms))
+    summary = summarize(result, POOL, 1, slo_ttft_ms=slo)
+    assert summary["rejected"] == int(refused.sum()) == 200
+    assert summary["rejected_by_status"] == {"503": 200}
+    assert summary["slo_attainment"] == pytest.approx(np.count_nonzero(served_ms <= slo) / len(trace), abs=1e-4)
+    # an SLO nobody misses: attainment is the served share, not 1
+    assert summarize(result, POOL, 1, slo_ttft_ms=1e12)["slo_attainment"] == pytest.approx(0.75)
+    assert summary["p99_served_ttft_ms"] == pytest.approx(np.percentile(served_ms, 99), abs=0.01)
+    assert summary["ttft_ms"]["p99"] == summary["p99_served_ttft_ms"]
+
+
+class Recorder:
+    """The two calls a gate makes on the simulator, recorded."""
+
+    def __init__(self) -> None:
+        self.dispatched: list[int] = []
+        self.refused: dict[int, int] = {}
+
+    def dispatch(self, rid: int, pod: int) -> None:
+        self.dispatched.append(rid)
+
+    def refuse(self, rid: int, status: int) -> None:
+        self.refused[rid] = status
+
+
+#: request id -> (priority, tenant) of the unit tests' gate
+REQUESTS = {0: (0, 0), 1: (-1, 5), 2: (0, 1), 3: (1, 2), 4: (0, 0), 5: (1, 3), 6: (0, 1), 7: (0, 0), 8: (-1, 5)}
+
+
+def _gate(room: list[bool], config: FlowControlConfig | None = None) -> SimFlowControl:
+    return SimFlowControl(
+        lambda now, rid, sim: 0 if room[0] else None,
+        lambda rid: REQUESTS[rid][0],
+        lambda rid: REQUESTS[rid][1],
+        config,
+    )
+
+
+def test_held_requests_go_out_by_band_then_tenants_in_turn() -> None:
+    room = [False]
+    gate, sim = _gate(room), Recorder()
+    for rid in REQUESTS:
+        gate.arrive(0.1 * rid, rid, sim)  # type: ignore[arg-type]
+    assert gate.held == len(REQUESTS) and not sim.dispatched
+    assert (gate.held_in(Band.GOLD), gate.held_in(Band.STANDARD), gate.held_in(Band.SHEDDABLE)) == (2, 5, 2)
+    gate.capacity_freed(1.0, sim)  # type: ignore[arg-type]
+    assert not sim.dispatched  # still no room: nothing leaves
+    room[0] = True
+    gate.capacity_freed(1.0, sim)  # type: ignore[arg-type]
+    # gold first (tenants 2, 3), then standard with tenants 0 and 1 alternating, then sheddable
+    assert sim.dispatched == [3, 5, 0, 2, 4, 6, 7, 1, 8]
+    assert gate.held == 0 and gate.next_deadline() == math.inf
+
+
+def test_a_new_arrival_waits_behind_requests_held_in_its_band_or_above() -> None:
+    room = [False]
+    gate, sim = _gate(room), Recorder()
+    gate.arrive(0.0, 3, sim)  # type: ignore[arg-type]  # gold, held
+    room[0] = True
+    gate.arrive(0.1, 0, sim)  # type: ignore[arg-type]  # standard: gold is waiting, so it waits too
+    assert gate.held == 2 and not sim.dispatched
+    gate.capacity_freed(0.2, sim)  # type: ignore[arg-type]
+    assert sim.dispatched == [3, 0]
+    gate.arrive(0.3, 5, sim)  # type: ignore[arg-type]  # nothing waits: straight through
+    assert sim.dispatched == [3, 0, 5]
+
+
+def test_the_queue_is_bounded_per_band_and_refuses_at_the_deadline() -> None:
+    config = FlowControlConfig(queue_limit=(1, 2, 1), deadline_s=(1.0, 2.0, 0.5))
+    gate, sim = _gate([False], config), Recorder()
+    for rid in REQUESTS:
+        gate.arrive(0.0, rid, sim)  # type: ignore[arg-type]
+    # over the limits at once: standard 4, 6, 7 (503), gold 5 (503), sheddable 8 (429)
+    assert sim.refused == {4: 503, 6: 503, 7: 503, 5: 503, 8: 429}
+    assert gate.next_deadline() == 0.5
+    gate.expire(0.5, sim)  # type: ignore[arg-type]
+    assert sim.refused[1] == 429 and gate.held == 3
+    gate.expire(1.9, sim)  # type: ignore[arg-type]
+    assert sim.refused[3] == 503 and gate.held == 2 and gate.next_deadline() == 2.0
+    gate.expire(2.0, sim)  # type: ignore[arg-type]
+    assert gate.held == 0 and len(sim.refused) == len(REQUESTS) and not sim.dispatched
+
+
+def test_flow_control_in_the_simulator_serves_or_refuses_every_request_and_only_loraplane_gets_it() -> None:
+    trace = scenario("diurnal-peak", 3000, seed=2, adapter_bytes=ADAPTER_BYTES)
+    pool = SimConfig(pods=1, max_loras=2, max_cpu_loras=4)
+    config = FlowControlConfig(deadline_s=(0.5, 0.5, 0.25))
+    result = simulate(trace, pool, LARGE_GPU, "loraplane", 0, flow_control=config)
+    refused = np.frombuffer(result.refused, dtype=np.uint16)
+    held = np.frombuffer(result.held_s, dtype=np.float64)
+    ttft = np.frombuffer(result.ttft, dtype=np.float64)
+    served = refused == 0
+    assert 0 < np.count_nonzero(~served) < len(trace)
+    assert np.isfinite(ttft[served]).all() and (ttft[served] >= held[served]).all()
+    # refused at the deadline of their band (or at once, when the band was full): never later
+    priority = np.array([trace.tenants[t].priority for t in trace.tenant])
+    deadline = np.where(priority > 0, 0.5, np.where(priority < 0, 0.25, 0.5))
+    assert (held[~served] <= deadline[~served] + 1e-9).all()
+    assert set(np.unique(refused[~served]).tolist()) <= {429, 503}
+    assert (refused[~served & (priority < 0)] == 429).all() and (refused[~served & (priority >= 0)] == 503).all()
+    assert np.count_nonzero(held[served] > 0) > 0  # some waited and were then served
+    assert build_policy("gie-lora-filter", 0, trace, LARGE_GPU, pool, flow_control=config).admission is None
+
+
+def test_zipf_many_is_the_issues_trace() -> None:
+    trace = scenario("zipf-many", 20_000, seed=1, adapter_bytes=ADAPTER_BYTES)
+    online = [i for i, t in enumerate(trace.tenant) if trace.tenants[t].cls != BURST]
+    batch = [i for i, t in enumerate(trace.tenant) if trace.tenants[t].cls == BURST]
+    assert len({trace.tenant[i] for i in online}) == 8 and len({trace.adapter[i] for i in online}) == 300
+    counts = sorted(Counter(trace.adapter[i] for i in online).values(), reverse=True)
+    assert counts[0] / counts[9] == pytest.approx(10**0.9, rel=0.25)  # Zipf 0.9: rank 1 vs rank 10
+    assert len(online) / (trace.arrival[online[-1]] - trace.arrival[online[0]]) == pytest.approx(40, rel=0.05)
+    for tenant in {trace.tenant[i] for i in batch}:
+        sweep = [i for i in batch if trace.tenant[i] == tenant]
+        span = trace.arrival[sweep[-1]] - trace.arrival[sweep[0]]
+        assert len(sweep) == 720 and span == pytest.approx(90, rel=0.15)
+        adapters = [trace.adapter[i] for i in sweep]
+        assert adapters == sorted(adapters) and len(set(adapters)) == 60
+        assert not any(trace.adapters[a].on_disk for a in adapters)
+        assert trace.tenants[tenant].priority < 0
+
+
+def test_diurnal_peak_rises_to_its_peak_and_falls() -> None:
+    trace = scenario("diurnal-peak", 20_000, seed=1, adapter_bytes=ADAPTER_BYTES)
+    rate_per_quarter = np.histogram(trace.arrival, bins=4)[0] / (trace.duration / 4)
+    assert rate_per_quarter[0] > 1.5 * rate_per_quarter[2] and rate_per_quarter[1] > rate_per_quarter[3]
+    assert rate_per_quarter.max() > 65
+    assert {t.priority for t in trace.tenants} == {-1, 0, 1}
+
+
+def test_the_report_has_the_slo_figures_for_every_policy_and_pods_scale_halves_the_pool(capsys) -> None:
+    args = ["--scenario", "zipf-many", "--requests", "1500", "--pods", "4", "--pods-scale", "0.5",
+            "--policies", "loraplane,round-robin", "--jobs", "1", "--json", "--slo-ttft-ms", "500"]  # fmt: skip
+    assert sim_main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pool"]["pods"] == 2 and report["slo_ttft_ms"] == 500 and not report["flow_control"]
+    for entry in report["policies"].values():
+        assert 0 <= entry["slo_attainment"] <= 1
+        assert {"rejected", "p99_served_ttft_ms", "held"} <= set(entry)
+    assert report["policies"]["round-robin"]["rejected"] == 0  # no queue, no refusals: as in the field
