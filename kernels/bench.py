@@ -150,7 +150,8 @@ def arrival_slots(case: Case, generator: torch.Generator) -> list[int]:
     return zipf_token_slots(case.tokens, case.adapters, generator)
 
 
-def _build(case: Case, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> LoraSlots:
+def build_slots(case: Case, dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> LoraSlots:
+    """The case's adapters (random A/B at their ranks, scale 1) stacked in one layer's slots."""
     slots = LoraSlots(case.adapters, max(case.ranks), case.d_in, (case.d_out,), dtype=dtype, device=device)
     for slot in range(case.adapters):
         rank = case.ranks[slot % len(case.ranks)]
@@ -175,7 +176,7 @@ def run_case(
     the case's own ``sgmv`` call is faster on them in most interleaved pairs (``_useful_threads``), else one.
     """
     generator = torch.Generator().manual_seed(0)
-    slots = _build(case, dtype, device, generator)
+    slots = build_slots(case, dtype, device, generator)
     arrival = arrival_slots(case, generator)
     if case.seq_len > 1:  # prefill: whole sequences, each with one adapter, in arrival order
         grouped = arrival

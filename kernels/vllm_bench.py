@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from loraplane.kernels.bench import CASES, Case, _build, arrival_slots, cache_flusher, time_interleaved
+from loraplane.kernels.bench import CASES, Case, arrival_slots, build_slots, cache_flusher, time_interleaved
 
 #: Cases compared with vLLM's ops (the issue's shapes).
 VLLM_CASES = ("decode_64x16", "prefill_2048x8")
@@ -39,7 +39,7 @@ def compare_case(case: Case, rounds: int) -> dict:
     from loraplane.kernels.vllm_punica import LoraplanePunicaWrapperCPU
 
     generator = torch.Generator().manual_seed(0)
-    slots = _build(case, torch.float32, torch.device("cpu"), generator)
+    slots = build_slots(case, torch.float32, torch.device("cpu"), generator)
     rank = max(case.ranks)
     a_stacked = (slots.lora_a[:, :rank, : case.d_in].unsqueeze(1).contiguous(),)
     b_stacked = (slots.lora_b[:, :rank, : case.d_out].transpose(1, 2).unsqueeze(1).contiguous(),)
