@@ -64,3 +64,32 @@ def test_concurrent_base_and_lora_requests_equal_transformers_and_peft(
             answers = list(pool.map(lambda job: served_tokens(vllm_server.url, job[0], job[1]), batch))
             wrong = [job for job, answer in zip(batch, answers, strict=True) if answer != expected[job]]
             assert not wrong, f"trial {trial} with {wrapper}: {len(wrong)} of {len(batch)} answers differ: {wrong}"
+
+
+def test_adapters_swapped_through_the_slots_keep_their_own_weights(
+    vllm_server: VllmServer, servable_model: ServableModel, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Three adapters through two slots and a CPU cache of two: every request for an adapter that is not active
+    makes vLLM write it into a slot (LRU), after a reload from disk when the CPU cache dropped it, and loraplane's
+    copy of that slot must follow (the plugin's activation hook). A reload in place (``load_inplace``) too."""
+    third = tmp_path / "tenant-c"
+    servable_model.adapter(third, rank=16, seed=9)
+    every = {**adapters, "tenant-c": third}
+    for name, path in every.items():
+        resp = httpx.post(
+            vllm_server.url + "/v1/load_lora_adapter",
+            json={"lora_name": name, "lora_path": str(path), "load_inplace": True},
+            timeout=60.0,
+        )
+        assert resp.status_code == 200, resp.text
+    prompt = PROMPTS[1]
+    expected = {name: reference_tokens(servable_model.path, path, prompt) for name, path in every.items()}
+    expected[vllm_server.base_model] = reference_tokens(servable_model.path, None, prompt)
+    order = ["tenant-c", "tenant-a", "tenant-b", "tenant-c", "tenant-b", "tenant-a"]
+    for name in order:  # one at a time, each next to a base request
+        with ThreadPoolExecutor(2) as pool:
+            lora, base = pool.map(
+                lambda model: served_tokens(vllm_server.url, model, prompt), [name, vllm_server.base_model]
+            )
+        assert lora == expected[name], f"{name} after the slots were rewritten"
+        assert base == expected[vllm_server.base_model], f"base next to {name}"
