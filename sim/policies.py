@@ -178,15 +178,28 @@ class PickerRouter:
             raise Refused(exc.status, exc.reason) from exc
 
     def choose(self, now: float, rid: int, sim: Simulator) -> int | None:
-        """For flow control: the primary endpoint, or ``None`` while every candidate is saturated (the request
-        may wait); refusals other than saturation as ``Refused``."""
+        """For flow control: the first of the decision's endpoints with room for the request's adapter, or
+        ``None`` while every candidate is saturated or none has room (the request may wait); refusals other than
+        saturation as ``Refused``.
+
+        Room comes from the picker's own in-flight accounting: the endpoint has requests of this adapter in flight
+        (it holds a GPU slot), or fewer distinct adapters in flight than ``max_loras`` (a slot can be had). A
+        request sent elsewhere would wait in vLLM's queue for a slot, unseen by the saturation detector."""
         try:
             decision = self.decide(now, rid, sim.trace, sim.pods)
         except PoolSaturatedError:
             return None
         except SchedulingError as exc:
             raise Refused(exc.status, exc.reason) from exc
-        return None if decision.saturated else decision.indices[0]
+        if decision.saturated:
+            return None
+        adapter = sim.trace.adapter[rid]
+        for index in decision.indices:
+            pod = sim.pods[index]
+            running, waiting = pod.running_adapters, pod.waiting_adapters
+            if adapter in running or adapter in waiting or len(running.keys() | waiting.keys()) < pod.max_loras:
+                return index
+        return None
 
 
 class ControllerPlacement:
