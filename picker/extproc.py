@@ -32,8 +32,8 @@ from loraplane.picker.body import (
     rewrite_response_model,
     validate_api_fields,
 )
-from loraplane.picker.fairness import FairShare
 from loraplane.picker.h2grpc import GrpcStatusError
+from loraplane.picker.lifecycle import InFlightRequest, Lifecycle, PluginRuntime
 from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.routes import Resolution, RouteResolver, UnknownModelError
 from loraplane.picker.scheduler import Decision, Outcome, Scheduler, SchedulingError
@@ -119,10 +119,21 @@ class PickerContext:
     #: monotonic seconds, for decision time and TTFT
     clock: Callable[[], float]
     settings: PickerSettings = field(default_factory=PickerSettings)
-    #: per-tenant fair share under saturation; None: off
-    fairness: FairShare | None = None
     #: InferenceObjective name -> priority (from the cluster's ``InferenceObjective`` resources)
     objectives: Callable[[], Mapping[str, int]] = dict
+    #: the request plugins (in-flight accounting first); None: those the scheduler's profile names
+    lifecycle: Lifecycle | None = None
+
+    def __post_init__(self) -> None:
+        if self.lifecycle is None:
+            runtime = PluginRuntime(self.tracker, self.clock, registry=self.metrics.registry)
+            self.lifecycle = Lifecycle.from_specs(runtime, self.scheduler.request_plugins)
+
+    @property
+    def plugins(self) -> Lifecycle:
+        """The request plugins (always set after construction)."""
+        assert self.lifecycle is not None
+        return self.lifecycle
 
 
 def _header_value(header: core.HeaderValue) -> str:
@@ -243,9 +254,9 @@ class Exchange:
         "ctx",
         "destination",
         "ended",
-        "fairness_key",
         "finished",
         "headers",
+        "inflight",
         "request_body_mode",
         "response_body_mode",
         "response_held",
@@ -276,7 +287,8 @@ class Exchange:
         self.destination: str | None = None
         self.sent_at: float | None = None
         self.tenant = "none"
-        self.fairness_key: str | None = None
+        #: what the request plugins see, once the request is sent
+        self.inflight: InFlightRequest | None = None
         self.finished = False
         #: an ImmediateResponse was sent: the exchange is over, later messages get no reply
         self.ended = False
@@ -316,10 +328,8 @@ class Exchange:
         """The request is over (response end, stream end or abort): release its in-flight slot."""
         if not self.finished:
             self.finished = True
-            if self.destination is not None:
-                self.ctx.tracker.finish(self.destination)
-            if self.fairness_key is not None and self.ctx.fairness is not None:
-                self.ctx.fairness.finish(self.fairness_key)
+            if self.inflight is not None:
+                self.ctx.plugins.response_complete(self.inflight)
 
     def _refuse(self, status: int, message: str, reason: str) -> Wire:
         self.ctx.metrics.count_request(self.tenant, status)
@@ -343,10 +353,9 @@ class Exchange:
     def _follow_served(self, served: str) -> None:
         """Envoy reports the endpoint that served (a fallback, or its own choice): move the in-flight count there."""
         served = served.partition(",")[0].strip()
-        if not served or self.destination is None or served == self.destination or self.finished:
+        if not served or self.inflight is None or served == self.destination or self.finished:
             return
-        self.ctx.tracker.finish(self.destination)
-        self.ctx.tracker.start(served)
+        self.ctx.plugins.moved(self.inflight, served)
         self.destination = served
         self.ctx.metrics.destination_overrides.inc()
 
@@ -450,17 +459,13 @@ class Exchange:
         decision = ctx.scheduler.schedule(request, ctx.snapshot(), ctx.rng)
         now = ctx.clock()
         ctx.metrics.decision_seconds.observe(now - started)
-        if ctx.fairness is not None:
-            key = self.headers.get(FAIRNESS_HEADER) or request.tenant
-            if decision.saturated and request.priority <= 0 and ctx.fairness.over_share(key):
-                raise ClientError(429, f"the pool is saturated and fairness key {key!r} is above its fair share",
-                                  "rejected-fairness")
-            ctx.fairness.start(key)
-            self.fairness_key = key
+        inflight = InFlightRequest(request, self.headers.get(FAIRNESS_HEADER) or request.tenant, decision.endpoints[0])
+        ctx.plugins.admit(inflight, decision.saturated)
         ctx.metrics.decisions[decision.outcome].inc()
         self.destination = decision.endpoints[0]
         self.sent_at = now
-        ctx.tracker.start(self.destination)
+        self.inflight = inflight
+        ctx.plugins.pre_request(inflight)
         if route is not None and route.served_name is not None:
             ctx.stats.record_request(route.served_name)
         return decision

@@ -4,13 +4,15 @@ Both work on whole-pool numpy vectors so one cycle costs a few dozen vector oper
 a filter returns a boolean mask of the endpoints it keeps (None: it keeps all), a scorer returns one score in
 [0, 1] per endpoint (None: zero everywhere). The scheduler combines masks, adds weighted scores and picks among the
 remaining candidates. They see only in-memory data, so the simulator runs exactly this code. Each plugin type has
-a factory taking its YAML ``parameters``; ``FILTERS`` and ``SCORERS`` map type names to factories.
+a factory taking its YAML ``parameters``; ``REGISTRY`` maps every type name (filters, scorers, the picker and the
+request plugins of ``loraplane.picker.lifecycle``) to its kind, parameters model and factory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import numpy as np
@@ -46,6 +48,28 @@ class Cycle:
     utilisation: FloatArray
     #: utilisation < 1.0
     unsaturated: BoolArray
+
+
+class SchedulingError(Exception):
+    """The request cannot be scheduled (now); ``status`` is the HTTP status the client gets, ``reason`` the
+    ``x-llm-d-request-dropped-reason`` header. Every refusal the picker makes is one of these or a ``ClientError``."""
+
+    status = 500
+    reason = "internal"
+
+
+class NoEndpointError(SchedulingError):
+    """No candidate endpoint is left (empty pool, subset hint matching nothing, nothing ready)."""
+
+    status = 503
+    reason = "no-endpoint"
+
+
+class PoolSaturatedError(SchedulingError):
+    """A sheddable request while every candidate endpoint is saturated."""
+
+    status = 429
+    reason = "rejected-saturated"
 
 
 Filter = Callable[[SchedulingRequest, PoolSnapshot, Cycle], BoolArray | None]
@@ -241,34 +265,70 @@ def tenant_priority_scorer(_params: _NoParameters) -> Scorer:
     return run
 
 
-FILTERS: Mapping[str, tuple[type[FilterParameters], Callable[[Any], Filter]]] = {
-    "subset-hint-filter": (FilterParameters, subset_hint_filter),
-    "ready-filter": (FilterParameters, ready_filter),
-    "staleness-filter": (FilterParameters, staleness_filter),
-    "residency-filter": (FilterParameters, residency_filter),
-    "saturation-filter": (SaturationFilterParameters, saturation_filter),
-}
+class PluginKind(StrEnum):
+    """What a plugin type is: where in a request's life it runs."""
+
+    #: narrows the candidates of a scheduling cycle (``Filter``)
+    FILTER = "filter"
+    #: adds a weighted score per endpoint (``Scorer``)
+    SCORER = "scorer"
+    #: picks the endpoints from the scores (``Picker``)
+    PICKER = "picker"
+    #: lifecycle hooks around a request: admission, before it is sent, when its response completes
+    #: (``loraplane.picker.lifecycle.RequestPlugin``)
+    REQUEST = "request"
 
 
 @dataclass(frozen=True, slots=True)
-class ScorerType:
-    """A scorer type: its parameters model, its factory, and whether it depends only on the reported snapshot.
+class PluginType:
+    """A plugin type: its kind, its parameters model and its factory.
 
-    A ``snapshot_only`` scorer ignores the request and the picker's in-flight counts: the scheduler evaluates it
-    once per snapshot over the whole pool (normalising across the pool, not the candidates) and caches the result.
+    Filter, scorer and picker factories take the validated parameters; request-plugin factories take the parameters
+    and the process's ``PluginRuntime`` (clock, wake-ups, in-flight tracker, metrics). A ``snapshot_only`` scorer
+    ignores the request and the picker's in-flight counts: the scheduler evaluates it once per snapshot over the
+    whole pool (normalising across the pool, not the candidates) and caches the result.
     """
 
+    kind: PluginKind
     parameters: type[ApiModel]
-    factory: Callable[[Any], Scorer]
+    factory: Callable[..., Any]
     snapshot_only: bool = False
 
 
-SCORERS: Mapping[str, ScorerType] = {
-    "residency-affinity-scorer": ScorerType(AffinityParameters, residency_affinity_scorer),
-    "tenant-priority-scorer": ScorerType(_NoParameters, tenant_priority_scorer),
-    "in-flight-scorer": ScorerType(_NoParameters, _load_scorer("in_flight")),
-    "queue-scorer": ScorerType(_NoParameters, _load_scorer("queue_depth"), snapshot_only=True),
-    "active-tokens-scorer": ScorerType(_NoParameters, _load_scorer("active_tokens"), snapshot_only=True),
-    "evictions-scorer": ScorerType(_NoParameters, _load_scorer("recent_evictions"), snapshot_only=True),
-    "kv-usage-scorer": ScorerType(_NoParameters, kv_usage_scorer, snapshot_only=True),
-}
+#: every plugin type a config may name, by type name
+REGISTRY: dict[str, PluginType] = {}
+
+
+def register(name: str, plugin_type: PluginType) -> None:
+    """Make ``name`` usable in configs (a name is registered once)."""
+    if name in REGISTRY:
+        raise ValueError(f"plugin type {name!r} is already registered")
+    REGISTRY[name] = plugin_type
+
+
+def plugin_type(name: str) -> PluginType:
+    """The registered type ``name`` (a ValueError lists the known ones)."""
+    found = REGISTRY.get(name)
+    if found is None:
+        raise ValueError(f"unknown plugin type {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    return found
+
+
+for _name, _parameters, _factory in (
+    ("subset-hint-filter", FilterParameters, subset_hint_filter),
+    ("ready-filter", FilterParameters, ready_filter),
+    ("staleness-filter", FilterParameters, staleness_filter),
+    ("residency-filter", FilterParameters, residency_filter),
+    ("saturation-filter", SaturationFilterParameters, saturation_filter),
+):
+    register(_name, PluginType(PluginKind.FILTER, _parameters, _factory))
+for _name, _parameters, _factory, _snapshot_only in (
+    ("residency-affinity-scorer", AffinityParameters, residency_affinity_scorer, False),
+    ("tenant-priority-scorer", _NoParameters, tenant_priority_scorer, False),
+    ("in-flight-scorer", _NoParameters, _load_scorer("in_flight"), False),
+    ("queue-scorer", _NoParameters, _load_scorer("queue_depth"), True),
+    ("active-tokens-scorer", _NoParameters, _load_scorer("active_tokens"), True),
+    ("evictions-scorer", _NoParameters, _load_scorer("recent_evictions"), True),
+    ("kv-usage-scorer", _NoParameters, kv_usage_scorer, True),
+):
+    register(_name, PluginType(PluginKind.SCORER, _parameters, _factory, _snapshot_only))

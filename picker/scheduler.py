@@ -30,16 +30,23 @@ import yaml
 from pydantic import Field, model_validator
 
 from loraplane.api import ApiModel, Tier
+from loraplane.picker import lifecycle  # noqa: F401  (registers the request plugins configs may name)
 from loraplane.picker.plugins import (
-    FILTERS,
-    SCORERS,
+    REGISTRY,
     Cycle,
     Filter,
     FilterParameters,
     FloatArray,
+    NoEndpointError,
+    PluginKind,
+    PluginType,
+    PoolSaturatedError,
     SaturationThresholds,
+    SchedulingError,
     SchedulingRequest,
     Scorer,
+    plugin_type,
+    register,
     reported_utilisation,
 )
 from loraplane.picker.snapshot import BoolArray, PoolSnapshot
@@ -82,6 +89,9 @@ class PickerParameters(ApiModel):
     max_endpoints: int = Field(default=3, ge=1, le=16)
 
 
+register(PICKER_TYPE, PluginType(PluginKind.PICKER, PickerParameters, lambda params: params.max_endpoints))
+
+
 class EndpointPickerConfig(ApiModel):
     """The picker's scheduling configuration file."""
 
@@ -97,9 +107,7 @@ class EndpointPickerConfig(ApiModel):
         if len(known) != len(self.plugins):
             raise ValueError("two plugins share a name")
         for spec in self.plugins:
-            if spec.type not in FILTERS and spec.type not in SCORERS and spec.type != PICKER_TYPE:
-                choices = sorted([*FILTERS, *SCORERS, PICKER_TYPE])
-                raise ValueError(f"unknown plugin type {spec.type!r}; known: {', '.join(choices)}")
+            plugin_type(spec.type).parameters.model_validate(spec.parameters)
         for profile in self.scheduling_profiles:
             for ref in profile.plugins:
                 if ref.plugin_ref not in known:
@@ -150,25 +158,7 @@ class Decision:
     saturated: bool = False
 
 
-class SchedulingError(Exception):
-    """The request cannot be scheduled; ``status`` is the HTTP status the client gets."""
-
-    status = 500
-    reason = "internal"
-
-
-class NoEndpointError(SchedulingError):
-    """No candidate endpoint is left (empty pool, subset hint matching nothing, nothing ready)."""
-
-    status = 503
-    reason = "no-endpoint"
-
-
-class PoolSaturatedError(SchedulingError):
-    """A sheddable request while every candidate endpoint is saturated."""
-
-    status = 429
-    reason = "rejected-saturated"
+__all__ = ["NoEndpointError", "PoolSaturatedError", "SchedulingError"]  # defined in plugins, raised from here
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,25 +204,28 @@ class Scheduler:
         self.scorers: list[tuple[str, Scorer, float]] = []
         self.snapshot_scorers: list[tuple[str, Scorer, float]] = []
         self.max_endpoints = 1
+        #: (type, parameters) of the profile's request plugins, in order (``loraplane.picker.lifecycle``)
+        self.request_plugins: list[tuple[str, dict[str, object]]] = []
         self._cache: _SnapshotCache | None = None
         self._in_flight_scale = 1.0 / self.thresholds.in_flight_threshold
-        subset_params = FilterParameters()
-        self.filters.append(_FilterStep(SUBSET_FILTER_TYPE, FILTERS[SUBSET_FILTER_TYPE][1](subset_params), False))
+        self.filters.append(_FilterStep(SUBSET_FILTER_TYPE, REGISTRY[SUBSET_FILTER_TYPE].factory(FilterParameters()), False))
         for ref in chosen.plugins:
             spec = specs[ref.plugin_ref]
+            kind = REGISTRY[spec.type]
+            params = kind.parameters.model_validate(spec.parameters)
             if spec.type == SUBSET_FILTER_TYPE:
                 continue  # already first, whatever the profile says
-            if spec.type in FILTERS:
-                params_type, factory = FILTERS[spec.type]
-                filter_params = params_type.model_validate(spec.parameters)
-                self.filters.append(_FilterStep(spec.ref, factory(filter_params), filter_params.fail_open))
-            elif spec.type in SCORERS:
-                kind = SCORERS[spec.type]
-                scorer = kind.factory(kind.parameters.model_validate(spec.parameters))
+            if kind.kind is PluginKind.FILTER:
+                assert isinstance(params, FilterParameters)
+                self.filters.append(_FilterStep(spec.ref, kind.factory(params), params.fail_open))
+            elif kind.kind is PluginKind.SCORER:
                 if ref.weight > 0:
-                    (self.snapshot_scorers if kind.snapshot_only else self.scorers).append((spec.ref, scorer, ref.weight))
-            else:
-                self.max_endpoints = PickerParameters.model_validate(spec.parameters).max_endpoints
+                    scorers = self.snapshot_scorers if kind.snapshot_only else self.scorers
+                    scorers.append((spec.ref, kind.factory(params), ref.weight))
+            elif kind.kind is PluginKind.PICKER:
+                self.max_endpoints = kind.factory(params)
+            else:  # request plugins run around the cycle: see loraplane.picker.lifecycle
+                self.request_plugins.append((spec.type, spec.parameters))
 
     @classmethod
     def from_yaml(cls, text: str, profile: str | None = None) -> Scheduler:

@@ -24,8 +24,8 @@ from loraplane.api import validation
 from loraplane.credentials import async_redis
 from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
-from loraplane.picker.fairness import FairShare
 from loraplane.picker.h2grpc import GrpcStatusError, Routes, TransportLimits, start_server
+from loraplane.picker.lifecycle import FairShareParameters, FairSharePlugin
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import InFlightTracker
 from loraplane.picker.state import PoolState, RedisSync
@@ -156,8 +156,9 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         stats=stats,
         clock=time.monotonic,
         settings=options.settings,
-        fairness=FairShare(options.fair_share_factor) if options.fair_share_factor else None,
     )
+    if options.fair_share_factor:
+        ctx.plugins.add(FairSharePlugin(FairShareParameters(factor=options.fair_share_factor)))
     health = HealthStatus()
     await health.set(False)
     addresses = [options.grpc_address] + ([options.health_address] if options.health_address else [])

@@ -9,6 +9,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from loraplane.picker.extproc import Exchange
 from loraplane.picker.fairness import FairShare
+from loraplane.picker.lifecycle import FairShareParameters, FairSharePlugin
 from tests.picker.conftest import BUFFERED, REQUEST_HEADERS, body, header_map, headers, make_context, reports
 
 COMPLETION = b'{"model": "claims", "prompt": "hi"}'
@@ -38,7 +39,7 @@ def send(ctx, key: str):  # type: ignore[no-untyped-def]
 
 def test_a_tenant_above_its_share_is_refused_only_while_the_pool_is_saturated() -> None:
     ctx, state = make_context()
-    ctx.fairness = FairShare(1.5)
+    ctx.plugins.add(FairSharePlugin(FairShareParameters(factor=1.5)))
     held = [send(ctx, "big")[0] for _ in range(6)] + [send(ctx, "small")[0]]  # not saturated: all routed
     assert all(e.destination for e in held)
     for report in reports(time.time(), queue_depth=9):  # now every pod is saturated
