@@ -10,6 +10,9 @@ request rates. Measured, each as one reconcile = read Redis + ``plan_pool`` + in
   fewest any placement with the from-scratch plan's replica counts would add (``placement.minimum_gpu_loads``).
 
 Status patches are not part of it: stable revisions whose status does not change cause none.
+
+Then, unless ``--no-live``, the controller's whole loop against a devcluster (``bench_live``): ``apply_to_target_ms``
+and ``gate_delay_ms``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from loraplane.api import (
     Tier,
     keys,
 )
+from loraplane.controller import bench_live
 from loraplane.controller.placement import Placement, gpu_loads, minimum_gpu_loads, place
 from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
 from loraplane.controller.store import RedisStore
@@ -144,6 +148,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await _publish(client, _reports(args.pods, idle[-1][3], args.gpu_slots, args.cpu_slots), changed)
             change_s, change_cpu_s, change_writes, after_plan = await _reconcile(store, revs)
             fresh = _fresh_placement(after_plan)
+            await client.flushdb()
+            live = {} if args.no_live else await bench_live.run(args, server.url, Path(tmp))
         finally:
             await client.aclose()
             server.stop()
@@ -163,6 +169,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "churn_adapters_moved": gpu_loads(before, after_plan.placement),
         "churn_minimum": minimum_gpu_loads(before, fresh),
         "gpu_replicas": sum(len(p) for p in after_plan.placement.replicas(Tier.GPU).values()),
+        **live,
     }
 
 
@@ -183,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate-change", type=float, default=0.10)
     p.add_argument("--repeat", type=int, default=3, help="idle reconciles to time")
     p.add_argument("--seed", type=int, default=1)
+    bench_live.add_arguments(p)
     args = p.parse_args(argv)
     print(json.dumps(asyncio.run(run(args))))
     return 0

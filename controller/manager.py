@@ -4,11 +4,13 @@ Informers keep caches of AdapterRevisions, InferencePools and Pods; each change 
 revision's ``spec.poolRef``, an InferencePool, the pools of a Pod's namespace) on a rate-limited ``WorkQueue``
 (a key queued twice is reconciled once, never by two workers at once). A worker reconciles one pool from scratch
 from the caches and Redis (``plan_pool``) and writes back what differs; it returns when the pool next needs to run
-(the earliest rollout gate due), and the key is queued for then. An exception of any kind in one pool is logged and
-that pool is retried with per-pool exponential backoff (reset on success), while the other pools go on; a terminal
-error (the pool cannot be reconciled as written: an invalid selector, an invalid revision) is recorded in the
-revisions' status and not retried until the objects change. A periodic resync queues every pool (level-triggered:
-reports, rates and counters in Redis change without notice, and each reconcile also repairs the Redis keys it owns).
+(the earliest rollout gate due), and the key is queued for then, or for its resync (``resync_seconds`` less up to
+25 % jitter, so the pools' resyncs spread out) if that comes first: level-triggered, since reports, rates and
+counters in Redis change without notice, and each reconcile also repairs the Redis keys it owns. An exception of
+any kind in one pool is logged and that pool is retried with per-pool exponential backoff (reset on success), while
+the other pools go on; a terminal error (the pool cannot be reconciled as written: an invalid selector, an invalid
+revision) is recorded in the revisions' status and not retried until the objects change. As a safety net, every
+``resync_seconds`` any known pool the queue holds no item for is queued.
 Only the Lease holder reconciles, and it checks its lease again right before writing.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -49,7 +52,7 @@ class ControllerConfig:
     resync_seconds: float = 2.0
     max_concurrent_probes: int = 8
     #: pools reconciled at the same time (a pool is never reconciled by two workers at once)
-    workers: int = 4
+    workers: int = 2
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     budgets: dict[str, TenantBudget] = field(default_factory=dict)
 
@@ -87,6 +90,7 @@ class Controller:
         wall_clock: Callable[[], float] = time.time,
         metrics: ControllerMetrics | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
     ) -> None:
         self.kube = kube
         self.store = store
@@ -95,6 +99,7 @@ class Controller:
         self.config = config
         self.wall_clock = wall_clock
         self.metrics = metrics
+        self.rng = rng or random.Random()
         self.queue: WorkQueue[str] = WorkQueue(monotonic)
         self.informers: dict[str, Informer] = {}
         #: pool -> (served name, pod) -> the latest probe result
@@ -102,8 +107,11 @@ class Controller:
         self._probing: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._probe_slots = asyncio.Semaphore(config.max_concurrent_probes)
         self._was_leader = False
-        #: revision -> the pool it was last seen in (a changed poolRef queues the old pool too)
+        #: revision -> the pool it was last seen in (a changed poolRef queues the old pool too), and the reverse
         self._pool_of: dict[Key, str] = {}
+        self._revisions_in: dict[str, set[Key]] = {}
+        #: revision -> (resourceVersion, the parsed object or why it does not validate): parsed once per version
+        self._parsed: dict[Key, tuple[str, AdapterRevision | str]] = {}
         #: pool -> its terminal error (not retried by the resync; any change of its objects clears it)
         self.terminal: dict[str, TerminalError] = {}
         #: completed pool reconciles (for tests and metrics)
@@ -125,23 +133,34 @@ class Controller:
         named = {_pool_of(obj) for obj in self.informers["revisions"].items.values()} if self.informers else set()
         return {p for p in named if p is not None} | set(self.store.routes) | set(self.store.targets)
 
-    def enqueue_all(self) -> None:
-        """Queue every known pool but those whose terminal error nothing has changed since (the resync)."""
+    def enqueue_all(self, missing_only: bool = False) -> None:
+        """Queue every known pool (with ``missing_only``, those the queue holds no item for) but those whose terminal
+        error nothing has changed since."""
         for pool in sorted(self.pools()):
-            if pool not in self.terminal:
+            if pool not in self.terminal and not (missing_only and self.queue.knows(pool)):
                 self.queue.add(pool)
 
+    def _index(self, key: Key, pool: str | None) -> str | None:
+        """File revision ``key`` under ``pool`` (None: under none); returns the pool it was filed under before."""
+        old = self._pool_of.pop(key, None)
+        if old is not None:
+            self._revisions_in.get(old, set()).discard(key)
+        if pool is not None:
+            self._pool_of[key] = pool
+            self._revisions_in.setdefault(pool, set()).add(key)
+        return old
+
     def _revision_changed(self, kind: str, obj: dict[str, Any] | None) -> None:
-        if obj is None:  # (re)listed
+        if obj is None:  # listed
             for key, o in self.informers["revisions"].items.items():
-                if (pool := _pool_of(o)) is not None:
-                    self._pool_of[key] = pool
+                self._index(key, _pool_of(o))
             self.enqueue_all()
             return
-        key, pool = object_key(obj), _pool_of(obj)
-        old = self._pool_of.pop(key, None) if kind == "DELETED" or pool is None else self._pool_of.get(key)
-        if pool is not None and kind != "DELETED":
-            self._pool_of[key] = pool
+        key = object_key(obj)
+        pool = None if kind == "DELETED" else _pool_of(obj)
+        if kind == "DELETED":
+            self._parsed.pop(key, None)
+        old = self._index(key, pool)
         for concerned in {p for p in (old, pool) if p is not None}:
             self.enqueue(concerned)
 
@@ -185,10 +204,11 @@ class Controller:
         try:
             await self.watch(stop)
             workers = [asyncio.ensure_future(self._work()) for _ in range(max(1, self.config.workers))]
+            self.enqueue_all()
             while not stop.is_set():
-                self.enqueue_all()  # the safety net: level-triggered against Redis and everything unwatched
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.config.resync_seconds)
+                self.enqueue_all(missing_only=True)  # the safety net: a pool no item is queued for
         finally:
             self.queue.shut_down()
             for worker in workers:
@@ -214,8 +234,8 @@ class Controller:
                 self.queue.done(pool)
 
     async def process(self, pool: str) -> None:
-        """Reconcile one pool and requeue it: at its next due time on success, after its backoff on an error, never
-        on a terminal error. No exception of a pool's reconcile escapes (the other pools and the process go on)."""
+        """Reconcile one pool and requeue it: at its next due time or resync on success, after its backoff on an
+        error, never on a terminal error. No exception of a pool's reconcile escapes (the other pools and the process go on)."""
         try:
             after = await self.reconcile(pool)
         except TerminalError as exc:
@@ -230,8 +250,11 @@ class Controller:
             self._count_error()
         else:
             self.queue.forget(pool)
-            if after is not None:
+            resync = self.config.resync_seconds * (1 - 0.25 * self.rng.random())
+            if after is not None and after <= resync:
                 self.queue.add_after(pool, after)
+            else:
+                self.queue.add_after(pool, resync, background=True)  # yields to changes and due gates
 
     def _count_error(self) -> None:
         if self.metrics:
@@ -250,7 +273,21 @@ class Controller:
         return leader
 
     def _revision_objects(self, pool: str) -> list[dict[str, Any]]:
-        return [o for o in self.informers["revisions"].items.values() if _pool_of(o) == pool]
+        items = self.informers["revisions"].items
+        return [items[k] for k in sorted(self._revisions_in.get(pool, ())) if k in items]
+
+    def _parse(self, obj: dict[str, Any]) -> AdapterRevision | str:
+        """The AdapterRevision, or why it does not validate (parsed once per resourceVersion)."""
+        key, version = object_key(obj), str(obj["metadata"].get("resourceVersion", ""))
+        hit = self._parsed.get(key)
+        if hit is not None and version and hit[0] == version:
+            return hit[1]
+        try:
+            parsed: AdapterRevision | str = AdapterRevision.model_validate(obj)
+        except ValidationError as exc:
+            parsed = f"the revision does not validate: {exc.errors()[:1]}"
+        self._parsed[key] = (version, parsed)
+        return parsed
 
     def members(self, pool: str, namespaces: Iterable[str]) -> set[str] | None:
         """Names of the ready pods the InferencePools named ``pool`` in ``namespaces`` select (the one membership
@@ -274,10 +311,11 @@ class Controller:
         revisions: list[tuple[dict[str, Any], AdapterRevision]] = []
         invalid: list[tuple[dict[str, Any], str]] = []
         for obj in self._revision_objects(pool):
-            try:
-                revisions.append((obj, AdapterRevision.model_validate(obj)))
-            except ValidationError as exc:
-                invalid.append((obj, f"the revision does not validate: {exc.errors()[:1]}"))
+            parsed = self._parse(obj)
+            if isinstance(parsed, str):
+                invalid.append((obj, parsed))
+            else:
+                revisions.append((obj, parsed))
         for obj, why in invalid:  # terminal for that object only: recorded, and the rest of the pool goes on
             await self._record_terminal([obj], "InvalidSpec", why)
         live = {rev.served_name for _, rev in revisions}
@@ -327,12 +365,13 @@ class Controller:
         if self.metrics:
             self.metrics.redis_writes.inc(self.store.writes - writes_before)
             self.metrics.redis_repairs.inc(self.store.repairs - repairs_before)
+        stored = {object_key(o): rev.status for o, rev in revisions}
         for key, rp in plan.revisions.items():
-            await self._write_back(objects[key], rp.status, finalize=rp.finalize)
+            await self._write_back(objects[key], rp.status, finalize=rp.finalize, stored=stored[key])
         for key, event in plan.events:
             await self._post_event(objects[key], event.type, event.reason, event.message)
         for key, request in plan.probes:
-            self._start_probe(pool, AdapterRevision.model_validate(objects[key]), request)
+            self._start_probe(pool, next(rev for o, rev in revisions if object_key(o) == key), request)
 
     async def _record_terminal(self, objects: list[dict[str, Any]], reason: str, message: str) -> None:
         """Record a terminal error in each object's status (a ``Reconciled=False`` condition) when not yet there."""
@@ -347,15 +386,12 @@ class Controller:
             generation = obj.get("metadata", {}).get("generation")
             record_terminal_error(status, reason, message, datetime.fromtimestamp(self.wall_clock(), UTC),
                                   generation if isinstance(generation, int) else None)
-            await self._write_back(obj, status, finalize=False, add_finalizer=False)
+            await self._write_back(obj, status, finalize=False, add_finalizer=False, stored=stored)
 
     async def _write_back(self, obj: dict[str, Any], status: AdapterRevisionStatus, finalize: bool,
-                          add_finalizer: bool = True) -> None:
-        """Patch the status when it changed; add our finalizer, or remove it once the revision is unloaded."""
-        try:
-            stored = AdapterRevisionStatus.model_validate(obj.get("status") or {})
-        except ValidationError:
-            stored = None
+                          add_finalizer: bool = True, stored: AdapterRevisionStatus | None = None) -> None:
+        """Patch the status when it differs from ``stored`` (the object's, parsed); add our finalizer, or remove it
+        once the revision is unloaded."""
         informer = self.informers["revisions"]
         try:
             if stored != status and obj["metadata"].get("deletionTimestamp") is None:

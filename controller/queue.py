@@ -2,7 +2,9 @@
 
 - ``add(key)``: queue a key now. A key already waiting is not queued twice; a key being processed is queued again
   only once it is ``done`` (so it is never processed by two workers at once, and never loses a change).
-- ``add_after(key, delay)``: queue it at ``clock() + delay`` (the earliest of several such requests wins).
+- ``add_after(key, delay, background=False)``: queue it at ``clock() + delay`` (the earliest of several such
+  requests wins). A ``background`` item (a periodic resync) yields to every other due key: a change or a due gate
+  is handed out first.
 - ``add_rate_limited(key)``: queue it after its per-key exponential backoff (``base * 2**failures``, capped), and
   count one more failure; ``forget(key)`` resets the count after a success.
 - ``get()`` waits for the next due key and marks it processing; ``done(key)`` ends that.
@@ -36,6 +38,11 @@ class WorkQueue(Generic[K]):
         self.base_delay = base_delay
         self.max_delay = max_delay
         self._ready: deque[K] = deque()
+        #: due background items, handed out after ``_ready``
+        self._background: deque[K] = deque()
+        self._delayed_background: set[K] = set()
+        #: keys added in the background while being processed
+        self._dirty_background: set[K] = set()
         self._dirty: set[K] = set()
         self._processing: set[K] = set()
         self._due: dict[K, float] = {}
@@ -47,28 +54,50 @@ class WorkQueue(Generic[K]):
 
     def __len__(self) -> int:
         """Keys waiting now (not counting delayed ones)."""
-        return len(self._ready)
+        return len(self._ready) + len(self._background)
 
     def add(self, key: K) -> None:
         """Queue ``key`` now (see the module docstring for dedup)."""
-        if self._shut or key in self._dirty:
+        self._add(key, background=False)
+
+    def _add(self, key: K, background: bool) -> None:
+        if self._shut:
+            return
+        if key in self._dirty:
+            if not background:  # a change outranks the resync it was waiting as
+                self._dirty_background.discard(key)
+                if key in self._background:
+                    self._background.remove(key)
+                    self._ready.append(key)
             return
         self._dirty.add(key)
         self._due.pop(key, None)
-        if key not in self._processing:
-            self._ready.append(key)
+        self._delayed_background.discard(key)
+        if key in self._processing:
+            if background:
+                self._dirty_background.add(key)
+        else:
+            (self._background if background else self._ready).append(key)
             self._changed.set()
 
-    def add_after(self, key: K, delay: float) -> None:
+    def knows(self, key: K) -> bool:
+        """True when ``key`` is waiting, delayed or being processed."""
+        return key in self._dirty or key in self._processing or key in self._due
+
+    def add_after(self, key: K, delay: float, background: bool = False) -> None:
         """Queue ``key`` once ``delay`` seconds have passed (at once when ``delay <= 0``)."""
         if delay <= 0:
-            self.add(key)
+            self._add(key, background)
             return
         if self._shut or key in self._dirty:
             return
         at = self.clock() + delay
         if at < self._due.get(key, float("inf")):
             self._due[key] = at
+            if background:
+                self._delayed_background.add(key)
+            else:
+                self._delayed_background.discard(key)
             self._seq += 1
             heapq.heappush(self._heap, (at, self._seq, key))
             self._changed.set()
@@ -111,15 +140,17 @@ class WorkQueue(Generic[K]):
         while self._heap and self._heap[0][0] <= now:
             _, _, key = heapq.heappop(self._heap)
             del self._due[key]
-            self.add(key)
+            background = key in self._delayed_background
+            self._delayed_background.discard(key)
+            self._add(key, background)
             self._drop_stale()
 
     def pop_ready(self) -> K | None:
         """The next due key, marked processing; None when nothing is due."""
         self._promote_due()
-        if not self._ready:
+        if not self._ready and not self._background:
             return None
-        key = self._ready.popleft()
+        key = (self._ready or self._background).popleft()
         self._dirty.discard(key)
         self._processing.add(key)
         return key
@@ -144,7 +175,9 @@ class WorkQueue(Generic[K]):
         """``key``'s processing ended; it is queued again if it was added meanwhile."""
         self._processing.discard(key)
         if key in self._dirty:
-            self._ready.append(key)
+            background = key in self._dirty_background
+            self._dirty_background.discard(key)
+            (self._background if background else self._ready).append(key)
             self._changed.set()
 
     def shut_down(self) -> None:

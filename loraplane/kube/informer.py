@@ -2,7 +2,8 @@
 
 ``Informer`` keeps a cache of one resource current with list + watch (resourceVersion, bookmarks, relist on
 410 Gone) in a daemon thread; every change is applied on the event loop and reported to ``on_change`` (with the
-kind of change and the object, so a caller can tell which of its work items the change concerns).
+kind of change and the object, so a caller can tell which of its work items the change concerns). The first list
+is reported once as ``LISTED``; a later relist (after a broken watch) only as the changes it reveals.
 """
 
 from __future__ import annotations
@@ -78,9 +79,19 @@ class Informer:
 
     # -- loop side -----------------------------------------------------------------------------------------------
     def _replace(self, items: list[dict[str, Any]]) -> None:
-        self.items = {object_key(o): o for o in items}
-        self.synced.set()
-        self.on_change("LISTED", None)
+        """A (re)list: the first one is reported as ``LISTED``; a relist only as the changes it reveals (a watch that
+        broke and was listed again changes nothing the caller has to redo)."""
+        old, self.items = self.items, {object_key(o): o for o in items}
+        if not self.synced.is_set():
+            self.synced.set()
+            self.on_change("LISTED", None)
+            return
+        for key, obj in self.items.items():
+            before = old.get(key)
+            if before is None or _rv(before) != _rv(obj) or _rv(obj) is None:
+                self.on_change("ADDED" if before is None else "MODIFIED", obj)
+        for key in old.keys() - self.items.keys():
+            self.on_change("DELETED", old[key])
 
     def _apply(self, kind: str, obj: dict[str, Any], notify: bool = True) -> None:
         key = object_key(obj)

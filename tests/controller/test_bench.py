@@ -10,7 +10,9 @@ from loraplane.cli import main
 
 
 def test_bench_prints_one_json_object_and_writes_only_changes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "controller", "--json", "--revisions", "60", "--pods", "6", "--gpu-slots", "4"]) == 0
+    assert main(["bench", "controller", "--json", "--revisions", "60", "--pods", "6", "--gpu-slots", "4",
+                 "--live-revisions", "40", "--live-pools", "2", "--apply-samples", "3", "--gate-adapters", "2",
+                 "--gate-steps", "3"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"revisions", "pods", "reconcile_s", "redis_writes", "churn_adapters_moved", "churn_minimum"} <= set(result)
     assert (result["revisions"], result["pods"]) == (60, 6)
@@ -18,3 +20,7 @@ def test_bench_prints_one_json_object_and_writes_only_changes(capsys: pytest.Cap
     assert result["idle_redis_writes"] == 0  # nothing changed, nothing written
     assert result["redis_writes"] <= 6  # only pods whose targets changed
     assert result["churn_adapters_moved"] <= 2 * max(result["churn_minimum"], 1)
+    # the live loop: every created revision reached a target state, and every timed step after the first was seen
+    assert (result["live_revisions"], result["live_pools"]) == (40 + 2 * 2, 2 + 1)
+    assert result["apply_to_target_ms"]["n"] == 3 and result["apply_to_target_ms"]["p50"] > 0
+    assert result["gate_delay_ms"]["n"] == 2 * 2 and result["gate_delay_ms"]["p99"] >= 0

@@ -5,6 +5,7 @@ errors are recorded in status and not retried."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -100,6 +101,7 @@ async def test_a_gate_fires_at_its_due_time_on_a_fake_clock(
     kube = api_client(server.url, tmp_path)
     controller = make_controller(server.url, tmp_path, redis, lease=False, clock=lambda: wall[0],
                                  monotonic=lambda: wall[0])
+    controller.config = dataclasses.replace(controller.config, resync_seconds=120)  # no resync before the gate
     steps = [{"weight": 10, "pauseSeconds": 30}, {"weight": 50, "pauseSeconds": 30}]
     since = datetime.fromtimestamp(wall[0], UTC) - timedelta(seconds=10)
     await asyncio.to_thread(create, kube, manifest("v2", steps=steps, rollout={"analysis": {"minRequests": 0}}))

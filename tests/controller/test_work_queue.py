@@ -57,6 +57,18 @@ def test_add_after_waits_for_the_clock_and_the_earliest_request_wins() -> None:
     assert queue.pop_ready() == "b" and queue.next_due() is None
 
 
+def test_a_change_or_a_due_gate_is_handed_out_before_background_resyncs() -> None:
+    clock = Clock()
+    queue: WorkQueue[str] = WorkQueue(clock)
+    for key in ("r1", "r2", "r3"):
+        queue.add_after(key, 1.0, background=True)
+    queue.add_after("gate", 1.0)
+    clock.now += 1.0
+    queue.add("r3")  # a change of a pool waiting for its resync: now in front
+    queue.add("event")
+    assert [queue.pop_ready() for _ in range(6)] == ["r3", "event", "gate", "r1", "r2", None]
+
+
 def test_backoff_grows_per_key_and_resets_on_forget() -> None:
     clock = Clock()
     queue: WorkQueue[str] = WorkQueue(clock, base_delay=0.1, max_delay=1.0)
