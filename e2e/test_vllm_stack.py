@@ -5,7 +5,8 @@ Two revisions of one adapter are applied with kubectl and roll out to Stable; ev
 the greedy continuation (``transformers`` + ``peft`` on the same files) of a revision the route table named around
 the request -- vLLM sends no served-adapter header, so the tokens are what tells the revision -- for sequential
 traffic and for concurrent traffic mixing the base model and the adapter in one vLLM batch (with loraplane's
-kernels plugged into vLLM, which is what makes the base rows right).
+kernels plugged into vLLM, which is what makes the base rows right). A revision vLLM refuses ends Failed with
+vLLM's message in its status.
 """
 
 from __future__ import annotations
@@ -107,3 +108,16 @@ def test_two_revisions_roll_out_over_vllm_and_every_token_is_the_named_revisions
     assert answers == expected
     logs = [Path(e.engine.log_path).read_text(errors="replace") for e in stack.engines]
     assert all("Using LoraplanePunicaWrapperCPU" in text for text in logs), "loraplane's kernels are not plugged in"
+
+    # a revision whose tensors have another model's shapes: vLLM refuses the load (500); the revision ends Failed
+    # with vLLM's own message in its status, and the stable revision keeps serving
+    wrong = write_artifacts(stack.artifacts, [("shapes", "v1")], "small")["shapes@v1"]  # another preset's shapes
+    body = manifest(wrong, MODEL, str(stack.model_digest), "gpu-preferred")
+    stack.cluster.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(body))
+    wait_until(lambda: _phase(stack, "shapes-v1") == "Failed", 120, "shapes-v1 Failed")
+    out = json.loads(stack.cluster.kubectl("get", "adapterrevision", "shapes-v1", "-o", "json").stdout)
+    messages = " ".join(c.get("message", "") for c in out["status"]["conditions"])
+    assert "Incompatible" in json.dumps(out["status"]) and "HTTP 500" in messages, out["status"]
+    assert "must match the size of tensor" in messages, messages
+    assert served("support", PROMPTS[0]) == "support@v2"
+
