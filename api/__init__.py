@@ -46,6 +46,13 @@ from loraplane.api.objective import (
     InferenceObjectiveSpec,
     ObjectivePoolRef,
 )
+from loraplane.api.prefix import (
+    MAX_PUBLISHED_BLOCKS,
+    PREFIX_HASH_SCHEME,
+    AdapterBlocks,
+    KvBlockSet,
+    prefix_root_hash,
+)
 from loraplane.api.routing import (
     PickerCounters,
     RequestRates,
@@ -81,14 +88,17 @@ __all__ = [
     "FINAL_ERROR_REASONS",
     "GROUP",
     "KIND",
+    "MAX_PUBLISHED_BLOCKS",
     "OBJECTIVE_GROUP",
     "OBJECTIVE_PLURAL",
     "OBJECTIVE_VERSION",
     "PLURAL",
+    "PREFIX_HASH_SCHEME",
     "RUNTIME_COMPAT_VERSION",
     "SCHEMA_VERSION",
     "SERVED_ADAPTER_HEADER",
     "VERSION",
+    "AdapterBlocks",
     "AdapterResidency",
     "AdapterRevision",
     "AdapterRevisionSpec",
@@ -103,6 +113,7 @@ __all__ = [
     "HealthProbe",
     "InferenceObjective",
     "InferenceObjectiveSpec",
+    "KvBlockSet",
     "LoraSpec",
     "ObjectMeta",
     "ObjectivePoolRef",
@@ -128,6 +139,7 @@ __all__ = [
     "cache_key",
     "keys",
     "parse_served_name",
+    "prefix_root_hash",
     "served_name",
     "validation",
 ]

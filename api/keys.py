@@ -76,3 +76,13 @@ def residency_changed_channel(pool: str) -> str:
 def routes_changed_channel(pool: str) -> str:
     """Pub/sub channel: the message is the new route table generation."""
     return f"{_pool(pool)}:routes-changed"
+
+
+def kv_blocks(pool: str, pod: str) -> str:
+    """The pod's ``KvBlockSet`` (written by its sidecar from the runtime's KV-cache events, with a TTL)."""
+    return f"{_pool(pool)}:kv-blocks:{_pod(pod)}"
+
+
+def kv_blocks_changed_channel(pool: str) -> str:
+    """Pub/sub channel: the message is the pod name whose ``KvBlockSet`` changed."""
+    return f"{_pool(pool)}:kv-blocks-changed"

@@ -1,0 +1,137 @@
+"""Prefix hashing and the approximate / precise indexes (loraplane.picker.prefix)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from loraplane.api import AdapterBlocks, KvBlockSet
+from loraplane.picker.prefix import ApproximateIndex, PreciseIndex, PrefixHasher, prompt_text
+
+D17, D18 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+SYSTEM = "You are a claims assistant for ACME. Cite the policy section in every answer. " * 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chat(*turns: str) -> dict:
+    return {"model": "claims", "messages": [{"role": "system", "content": SYSTEM}]
+            + [{"role": "user", "content": t} for t in turns]}
+
+
+def test_hashes_are_stable_and_chained() -> None:
+    hasher = PrefixHasher(block_size=16)
+    a = hasher.hash_text("claims@v17", D17, "x" * 70)
+    assert len(a.hashes) == 4  # full blocks only: 70 bytes = 4 blocks of 16 and a partial one
+    assert a == hasher.hash_text("claims@v17", D17, "x" * 64 + "yz")  # the partial block does not count
+    b = hasher.hash_text("claims@v17", D17, "x" * 16 + "y" + "x" * 47)
+    assert a.hashes[0] == b.hashes[0] and len(set(a.hashes[1:]) & set(b.hashes[1:])) == 0  # chained: later differ
+    code = ("from loraplane.picker.prefix import PrefixHasher; "
+            f"print(PrefixHasher(block_size=16).hash_text('claims@v17', {D17!r}, 'x' * 70).hashes[-1].hex())")
+    other_process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other_process.stdout.strip() == a.hashes[-1].hex()  # no per-process seed
+
+
+def test_revision_and_digest_are_part_of_the_key() -> None:
+    hasher = PrefixHasher(block_size=16)
+    text = SYSTEM
+    v17 = hasher.hash_text("claims@v17", D17, text)
+    assert not set(v17.hashes) & set(hasher.hash_text("claims@v18", D18, text).hashes)
+    assert not set(v17.hashes) & set(hasher.hash_text("claims@v17", D18, text).hashes)  # same name, other bytes
+    assert not set(v17.hashes) & set(hasher.hash_text(None, None, text).hashes)  # the base model
+
+
+def test_multi_turn_chat_keeps_its_prefix() -> None:
+    hasher = PrefixHasher(block_size=32)
+    first = hasher.hash_request("claims@v17", D17, chat("my car was hit"))
+    second = hasher.hash_request("claims@v17", D17, chat("my car was hit", "what do I file?"))
+    assert first is not None and second is not None
+    assert second.hashes[:len(first.hashes)] == first.hashes
+    assert hasher.hash_request("m", None, {"prompt": [1, 2, 3]}) is None
+    assert prompt_text({"prompt": "abc"}) == "abc"
+
+
+def test_token_blocks_and_bounds() -> None:
+    hasher = PrefixHasher(block_size=4, max_blocks=3, tokenizer=lambda s: [ord(c) for c in s])
+    request = hasher.hash_text(None, None, "a" * 100)
+    assert request.unit == "tokens" and len(request.hashes) == 3
+    with pytest.raises(ValueError):
+        PrefixHasher(block_size=0)
+
+
+def test_approximate_index_matches_routed_prefixes_per_pod() -> None:
+    index = ApproximateIndex(capacity=1000, ttl_s=60, clock=Clock())
+    hasher = PrefixHasher(block_size=32)
+    first = hasher.hash_request("claims@v17", D17, chat("my car was hit"))
+    second = hasher.hash_request("claims@v17", D17, chat("my car was hit", "what do I file?"))
+    other_revision = hasher.hash_request("claims@v18", D18, chat("my car was hit", "what do I file?"))
+    assert first and second and other_revision
+    index.record("pod-a", first)
+    matched = index.match(["pod-a", "pod-b"], second)
+    assert matched.tolist() == [len(first.hashes), 0]
+    assert index.match(["pod-a"], other_revision).tolist() == [0]
+
+
+def test_ttl_expires_and_routing_refreshes() -> None:
+    clock = Clock()
+    index = ApproximateIndex(ttl_s=10, clock=clock)
+    request = PrefixHasher(block_size=16).hash_text("claims@v17", D17, SYSTEM)
+    index.record("pod-a", request)
+    clock.now += 9
+    index.record("pod-a", request)  # routed again: the TTL starts again
+    clock.now += 9
+    assert index.match(["pod-a"], request).tolist() == [len(request.hashes)]
+    clock.now += 2
+    assert index.match(["pod-a"], request).tolist() == [0]
+    assert index.blocks("pod-a") == len(request.hashes) - 1  # an expired entry is dropped once looked at
+
+
+def test_lru_bounds_per_pod_and_pods() -> None:
+    hasher = PrefixHasher(block_size=16)
+    index = ApproximateIndex(capacity=8, max_pods=2, clock=Clock())
+    old = hasher.hash_text("a@v1", None, "o" * 16 * 6)
+    new = hasher.hash_text("a@v1", None, "n" * 16 * 6)
+    index.record("pod-a", old)
+    index.record("pod-a", new)
+    assert index.blocks("pod-a") == 8
+    assert index.match(["pod-a"], new).tolist() == [6]
+    assert index.match(["pod-a"], old).tolist() == [0]  # its first blocks went first (least recently routed)
+    index.record("pod-b", new)
+    index.record("pod-c", new)
+    assert index.match(["pod-a", "pod-b", "pod-c"], new).tolist() == [0, 6, 6]  # pod-a was least recently routed
+    index.forget("pod-b")
+    assert index.match(["pod-b"], new).tolist() == [0]
+
+
+def test_precise_index_reads_published_block_sets() -> None:
+    clock = Clock()
+    hasher = PrefixHasher(block_size=4, tokenizer=lambda s: [ord(c) for c in s])
+    request = hasher.hash_text("claims@v17", D17, "abcdefghijkl")
+    published = KvBlockSet(pool="pool-a", pod="pod-a", block_size=4, heartbeat_at=clock.now, ttl_seconds=5,
+                           adapters=[AdapterBlocks(served_name="claims@v17", digest=D17,
+                                                   block_hashes=[h.hex() for h in request.hashes[:2]])])
+    index = PreciseIndex(wall_clock=clock)
+    index.update(published)
+    assert index.match(["pod-a", "pod-b"], request).tolist() == [2, 0]
+    assert index.match(["pod-a"], PrefixHasher(block_size=8, tokenizer=lambda s: [ord(c) for c in s])
+                       .hash_text("claims@v17", D17, "abcdefghijkl")).tolist() == [0]  # other block size
+    assert index.match(["pod-a"], PrefixHasher(block_size=4).hash_text("claims@v17", D17, "abcdefghijkl")
+                       ).tolist() == [0]  # byte blocks never match a runtime's token blocks
+    clock.now += 6
+    assert index.match(["pod-a"], request).tolist() == [0]  # stale
+
+
+def test_hashing_benchmark_prints_json() -> None:
+    out = subprocess.run([sys.executable, "-m", "loraplane.picker.prefix"], capture_output=True, text=True,
+                         check=True)
+    figures = json.loads(out.stdout)
+    assert figures["body_bytes"] == 65536 and figures["blocks"] == 1024 and figures["median_ms"] > 0
