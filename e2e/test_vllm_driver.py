@@ -191,13 +191,6 @@ def test_loads_vllm_refuses_are_rejections_with_vllms_message(vllm_server: VllmS
     asyncio.run(run())
 
 
-def test_the_driver_refuses_a_vllm_with_a_lora_resolver() -> None:
-    with pytest.raises(ValueError, match="VLLM_LORA_RESOLVER_CACHE_DIR"):
-        VllmDriver("http://127.0.0.1:1", LIMITS, env={"VLLM_LORA_RESOLVER_CACHE_DIR": "/adapters"})
-    with pytest.raises(ValueError, match="VLLM_PLUGINS"):
-        VllmDriver("http://127.0.0.1:1", LIMITS, env={"VLLM_PLUGINS": "lora_filesystem_resolver"})
-
-
 # --- the sidecar process over vLLM ----------------------------------------------------------------------------------
 
 

@@ -3,16 +3,22 @@ loads activate. (The same behaviour against a real vLLM process: e2e/test_vllm_d
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from loraplane.api import AdapterTarget, Artifact, LoraSpec, TargetState, Tier
 from loraplane.sidecar.drivers.base import RuntimeInfo
 from loraplane.sidecar.drivers.vllm import (
     LoraCacheModel,
+    VllmDriver,
     lora_last_served,
     lora_requests,
     parse_metrics,
     pod_load,
 )
 from loraplane.sidecar.reconcile import Reconciler
+from loraplane.vllm_server import VllmOptions, start_vllm
 
 METRICS = "\n".join([
     'vllm:num_requests_waiting{engine="0",model_name="m"} 3',
@@ -94,3 +100,16 @@ def test_a_runtime_whose_loads_activate_keeps_one_gpu_slot_for_host_tier_loads()
                            adapters=[_target("a", Tier.GPU), _target("b", Tier.GPU)])
     wanted, _ = Reconciler.within_capacity(only_gpu, info, landing_slot=True)
     assert all(t.tier is Tier.GPU for t in wanted.values())  # no host-tier loads: every slot is usable
+
+
+def test_a_vllm_with_a_lora_resolver_is_neither_driven_nor_started(tmp_path: Path) -> None:
+    limits = RuntimeInfo(base_model="", max_loras=1)
+    with pytest.raises(ValueError, match="VLLM_LORA_RESOLVER_CACHE_DIR"):
+        VllmDriver("http://127.0.0.1:1", limits, env={"VLLM_LORA_RESOLVER_CACHE_DIR": "/adapters"})
+    with pytest.raises(ValueError, match="VLLM_PLUGINS"):
+        VllmDriver("http://127.0.0.1:1", limits, env={"VLLM_PLUGINS": "lora_filesystem_resolver"})
+    VllmDriver("http://127.0.0.1:1", limits, env={"VLLM_PLUGINS": "loraplane_kernels"})  # not a resolver
+    options = VllmOptions(model=tmp_path, env={"VLLM_LORA_RESOLVER_HF_REPO_LIST": "org/repo"})
+    with pytest.raises(ValueError, match="VLLM_LORA_RESOLVER_HF_REPO_LIST"):
+        start_vllm(options, tmp_path / "vllm.log", python=tmp_path / "python")
+    assert not (tmp_path / "vllm.log").exists()  # nothing was started
