@@ -142,8 +142,12 @@ async def serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras,
         max_cpu_loras=args.max_cpu_loras,
     )
-    driver = make_driver(args.runtime, args.runtime_url, limits,
-                         token=secret(args.runtime_token, args.runtime_token_file))
+    try:
+        driver = make_driver(args.runtime, args.runtime_url, limits,
+                             token=secret(args.runtime_token, args.runtime_token_file))
+    except ValueError as exc:  # e.g. a vLLM whose LoRA resolver is on
+        print(f"loraplane-sidecar: {exc}", file=sys.stderr)
+        return 2
     sources = ArtifactSources(SourceConfig(
         file_roots=tuple(Path(r) for r in args.file_root),
         oci_plain_http=frozenset(args.oci_plain_http),
