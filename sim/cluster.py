@@ -45,7 +45,10 @@ RETRY_S = 0.05
 #: how many waiting requests a step boundary looks at (bounds the cost of a long queue)
 SCAN_LIMIT = 128
 
-_STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE = 0, 1, 2, 3, 4
+_STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE, _GATE_RETRY = 0, 1, 2, 3, 4, 5
+#: while the admission gate holds requests it is also asked to dispatch this often (besides on every finish), so
+#: held requests go out when something other than a finish makes room (a fetch done, an idle pod, fresher reports)
+GATE_RETRY_S = 0.05
 #: ``SimResult.refused`` code of a served request (otherwise the HTTP status the client got: 429 or 503)
 SERVED = 0
 
@@ -84,7 +87,8 @@ class Admission(Protocol):
 
     On an arrival it sends the request to a pod now (``Simulator.dispatch``), refuses it (``Simulator.refuse``) or
     holds it. The simulator calls ``capacity_freed`` whenever requests finish on some pod and ``expire`` at
-    ``next_deadline``; the gate may dispatch or refuse held requests from either."""
+    ``next_deadline`` (and every ``GATE_RETRY_S`` while it holds requests); the gate may dispatch or refuse held
+    requests from either."""
 
     name: str
 
@@ -250,6 +254,7 @@ class Simulator:
         self.trace = trace
         self.admission = admission
         self._deadline_at = math.inf
+        self._gate_retry_at = math.inf
         self.config = config
         self.profile = profile
         self.router = router
@@ -335,7 +340,13 @@ class Simulator:
                     if gate is not None:
                         self._deadline_at = math.inf
                         gate.expire(when, self)
-                        self._arm_deadline()
+                        self._arm_gate()
+                elif kind == _GATE_RETRY:
+                    if gate is not None:
+                        self._gate_retry_at = math.inf
+                        if gate.held:
+                            gate.capacity_freed(when, self)
+                        self._arm_gate()
                 elif self.placement is not None and (i < n or any(p.busy or p.waiting for p in pods)):
                     self.placement.apply(when, self)
                     self._push(when + self.placement.period_s, _TICK, 0, 0)
@@ -348,7 +359,7 @@ class Simulator:
             self.arrived = i
             if gate is not None:
                 gate.arrive(next_arrival, rid, self)
-                self._arm_deadline()
+                self._arm_gate()
             else:
                 try:
                     self.dispatch(rid, pick(next_arrival, rid, tr, pods))
@@ -387,15 +398,18 @@ class Simulator:
         res.ttft[rid] = math.nan
         res.held_s[rid] = self.now - self.trace.arrival[rid]
 
-    def _arm_deadline(self) -> None:
-        """Make sure a deadline event comes at the gate's earliest deadline."""
+    def _arm_gate(self) -> None:
+        """Make sure a deadline event comes at the gate's earliest deadline and, while it holds requests, a retry."""
         gate = self.admission
-        if gate is None:
+        if gate is None or not gate.held:
             return
         when = gate.next_deadline()
         if when < self._deadline_at:
             self._deadline_at = when
             self._push(when, _DEADLINE, 0, 0)
+        if self._gate_retry_at == math.inf:
+            self._gate_retry_at = self.now + GATE_RETRY_S
+            self._push(self._gate_retry_at, _GATE_RETRY, 0, 0)
 
     def _wake(self, pod: Pod, now: float, adapter: int = -1) -> None:
         """Something ``pod`` may admit appeared: start it, or end its current run of steps at the next boundary."""
@@ -447,7 +461,7 @@ class Simulator:
         gate = self.admission
         if finished and gate is not None and gate.held:
             gate.capacity_freed(now, self)
-            self._arm_deadline()
+            self._arm_gate()
 
     def _begin(self, pod: Pod, now: float) -> None:
         """Admit what fits, then schedule the end of the run of steps that follows."""

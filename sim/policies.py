@@ -48,6 +48,8 @@ POLICY_NAMES = [LORAPLANE, *BASELINES]
 REPORT_S = 1.0
 #: the controller's reconcile period for placement
 PLACEMENT_PERIOD_S = 10.0
+#: flow control sends a request whose revision a pod lacks there only if the pod's fetch lane frees within this
+FETCH_WAIT_S = 0.5
 
 
 def adapter_digest(name: str) -> str:
@@ -182,9 +184,10 @@ class PickerRouter:
         ``None`` while every candidate is saturated or none has room (the request may wait); refusals other than
         saturation as ``Refused``.
 
-        Room comes from the picker's own in-flight accounting: the endpoint has requests of this adapter in flight
-        (it holds a GPU slot), or fewer distinct adapters in flight than ``max_loras`` (a slot can be had). A
-        request sent elsewhere would wait in vLLM's queue for a slot, unseen by the saturation detector."""
+        Room comes from the picker's own in-flight accounting: the endpoint runs requests of this adapter (it holds
+        a GPU slot), or its adapters in flight, this one included, are at most ``max_loras`` (a slot can be had)
+        and the revision is on the pod or its fetch lane frees within ``FETCH_WAIT_S``. A request sent elsewhere would wait in vLLM's
+        queue for a slot (or behind other fetches), unseen by the saturation detector."""
         try:
             decision = self.decide(now, rid, sim.trace, sim.pods)
         except PoolSaturatedError:
@@ -197,7 +200,11 @@ class PickerRouter:
         for index in decision.indices:
             pod = sim.pods[index]
             running, waiting = pod.running_adapters, pod.waiting_adapters
-            if adapter in running or adapter in waiting or len(running.keys() | waiting.keys()) < pod.max_loras:
+            if adapter in running:
+                return index
+            if len(running.keys() | waiting.keys() | {adapter}) > pod.max_loras:
+                continue
+            if adapter in pod.disk or adapter in pod.cpu or pod.download_free_at <= now + FETCH_WAIT_S:
                 return index
         return None
 

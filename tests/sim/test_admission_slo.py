@@ -19,7 +19,7 @@ from loraplane.sim.policies import build_policy
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import simulate
 from loraplane.sim.trace import BURST, Trace, scenario
-from tests.sim.conftest import ADAPTER_BYTES
+from tests.sim.conftest import ADAPTER_BYTES, sparse_trace
 
 POOL = SimConfig(pods=2, max_loras=2, max_cpu_loras=4)
 
@@ -146,6 +146,46 @@ def test_flow_control_in_the_simulator_serves_or_refuses_every_request_and_only_
     assert (refused[~served & (priority < 0)] == 429).all() and (refused[~served & (priority >= 0)] == 503).all()
     assert np.count_nonzero(held[served] > 0) > 0  # some waited and were then served
     assert build_policy("gie-lora-filter", 0, trace, LARGE_GPU, pool, flow_control=config).admission is None
+
+
+class HoldUntil:
+    """A gate that holds every request and sends it to pod 0 once the clock reaches ``at``."""
+
+    name = "hold-until"
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.queue: list[int] = []
+
+    @property
+    def held(self) -> int:
+        return len(self.queue)
+
+    def arrive(self, now: float, rid: int, sim: Simulator) -> None:
+        self.queue.append(rid)
+
+    def capacity_freed(self, now: float, sim: Simulator) -> None:
+        if now >= self.at:
+            for rid in self.queue:
+                sim.dispatch(rid, 0)
+            self.queue.clear()
+
+    def expire(self, now: float, sim: Simulator) -> None:
+        pass
+
+    def next_deadline(self) -> float:
+        return math.inf
+
+
+def test_a_held_request_goes_out_while_nothing_runs_anywhere() -> None:
+    trace = sparse_trace(3, 3, 0.01, seed=1)  # nothing is running when the gate is asked again: no finish wakes it
+    policy = build_policy("least-request", 0, trace, LARGE_GPU, POOL)
+    sim = Simulator(trace, POOL, LARGE_GPU, policy.router, policy.eviction, admission=HoldUntil(1.0))
+    result = sim.run()
+    held = np.frombuffer(result.held_s, dtype=np.float64)
+    assert (np.frombuffer(result.refused, dtype=np.uint16) == 0).all()
+    assert held.tolist() == pytest.approx([1.0 - t for t in trace.arrival], abs=0.06)
+    assert (np.frombuffer(result.ttft, dtype=np.float64) > held).all()
 
 
 def test_flow_control_dispatches_only_where_the_adapter_has_a_gpu_slot_or_can_get_one() -> None:
