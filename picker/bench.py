@@ -46,7 +46,7 @@ from loraplane.api import (
 from loraplane.picker.envoy import ExtProcModes, direct_config, picker_config
 from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.routes import RouteResolver
-from loraplane.picker.scheduler import Scheduler
+from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.processes import ManagedProcess, envoy_binary, free_port, start_redis, wait_for_port
 
@@ -300,6 +300,10 @@ class _Stack:
             args = [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
                     "--grpc-address", f"{LOOPBACK}:{port}", "--health-address", "", "--metrics-address", "",
                     "--no-destination-fallbacks", "--no-response-rewrite", "--log-level", "WARNING"]
+            config = EndpointPickerConfig.load().with_parameters("flow-control", enabled=self.args.flow_control)
+            config_path = self.workdir / "picker-config.yaml"
+            config_path.write_text(config.to_yaml())
+            args += ["--config", str(config_path)]
         proc = self.start(args, "naive" if naive else "picker", port, self.args.picker_cpu)
         time.sleep(1.0)  # first Redis sync
         return proc, port
@@ -414,6 +418,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=6.0, help="seconds per open-loop row")
     p.add_argument("--closed-seconds", type=int, default=8, help="seconds of the closed-loop wrk run")
     p.add_argument("--connections", type=int, default=16, help="wrk connections in the closed-loop run")
+    p.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=True,
+                   help="the picker runs with its flow-control queue on (it stays empty: no endpoint saturates)")
     p.add_argument("--picker-cpu", type=int, default=1)
     p.add_argument("--load-cpu", type=int, default=0)
     return p

@@ -9,6 +9,7 @@ sent back in chunks of at most 62,000 bytes. Client mistakes become ``ImmediateR
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -32,9 +33,10 @@ from loraplane.picker.body import (
     rewrite_response_model,
     validate_api_fields,
 )
+from loraplane.picker.flowcontrol import FlowControl
 from loraplane.picker.h2grpc import GrpcStatusError
 from loraplane.picker.lifecycle import InFlightRequest, Lifecycle, PluginRuntime
-from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.plugins import PoolSaturatedError, SchedulingRequest
 from loraplane.picker.routes import Resolution, RouteResolver, UnknownModelError
 from loraplane.picker.scheduler import Decision, Outcome, Scheduler, SchedulingError
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
@@ -63,6 +65,8 @@ ERROR_CODES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "N
 #: Replies are wire-encoded ``ProcessingResponse``s: the constant ones are encoded once, the routed ones from cached
 #: pieces (see ``_routed``), so the hot path builds no protobuf objects.
 Wire = bytes
+#: sends replies produced after ``Exchange.handle`` returned (a request the flow-control queue held)
+Deliver = Callable[[list[Wire]], None]
 
 _CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
 _CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
@@ -128,6 +132,12 @@ class PickerContext:
         if self.lifecycle is None:
             runtime = PluginRuntime(self.tracker, self.clock, registry=self.metrics.registry)
             self.lifecycle = Lifecycle.from_specs(runtime, self.scheduler.request_plugins)
+
+    @property
+    def flow_control(self) -> FlowControl | None:
+        """The flow-control queue, when the config turns it on."""
+        found = self.plugins.find(FlowControl)
+        return found if isinstance(found, FlowControl) else None
 
     @property
     def plugins(self) -> Lifecycle:
@@ -252,6 +262,8 @@ class Exchange:
         "body",
         "client_model",
         "ctx",
+        "deferred",
+        "deliver",
         "destination",
         "ended",
         "finished",
@@ -266,6 +278,7 @@ class Exchange:
         "sent_at",
         "subset",
         "tenant",
+        "waiting",
     )
 
     def __init__(self, ctx: PickerContext) -> None:
@@ -289,6 +302,12 @@ class Exchange:
         self.tenant = "none"
         #: what the request plugins see, once the request is sent
         self.inflight: InFlightRequest | None = None
+        #: set by the transport: replies produced later (without it a saturated request is never held)
+        self.deliver: Deliver | None = None
+        #: while the flow-control queue holds the request: what it needs to be routed
+        self.waiting: tuple[SchedulingRequest, Resolution | None, Callable[[Decision], list[Wire]]] | None = None
+        #: replies to later messages while the request waits (sent after the routed reply, in order)
+        self.deferred: list[Wire] = []
         self.finished = False
         #: an ImmediateResponse was sent: the exchange is over, later messages get no reply
         self.ended = False
@@ -299,6 +318,12 @@ class Exchange:
         """The encoded responses to one message from Envoy (none while a streamed body is being collected)."""
         if self.ended:
             return []
+        if self.waiting is not None:
+            self.deferred += self._handle(request)
+            return []
+        return self._handle(request)
+
+    def _handle(self, request: pb.ProcessingRequest) -> list[Wire]:
         try:
             self._observe_context(request)
             phase = request.WhichOneof("request")
@@ -316,16 +341,55 @@ class Exchange:
                 self.close()
                 return [*self._flush_held_response(False), _CONTINUE_RESPONSE_TRAILERS]
             raise ClientError(400, f"unexpected ext_proc message {phase!r}")
-        except ClientError as exc:
-            return [self._refuse(exc.status, exc.message, exc.reason)]
-        except SchedulingError as exc:
-            return [self._refuse(exc.status, str(exc), exc.reason)]
-        except Exception:
-            log.exception("internal error while processing a request")
-            return [self._refuse(500, "internal error in the endpoint picker", "internal")]
+        except Exception as exc:
+            return [self._refusal(exc)]
+
+    def _refusal(self, exc: Exception) -> Wire:
+        """The one place a request is refused: client mistakes, scheduling and queue refusals, internal errors."""
+        if isinstance(exc, ClientError):
+            return self._refuse(exc.status, exc.message, exc.reason)
+        if isinstance(exc, SchedulingError):
+            return self._refuse(exc.status, str(exc), exc.reason)
+        log.error("internal error while processing a request", exc_info=exc)
+        return self._refuse(500, "internal error in the endpoint picker", "internal")
+
+    # --- flow control (the queue calls these while the request waits) ------------------------------------------
+
+    def try_dispatch(self) -> bool:
+        """Schedule the waiting request again; True when it is sent or refused, False while still saturated."""
+        waiting = self.waiting
+        if waiting is None or self.ended:
+            return True
+        request, route, then = waiting
+        try:
+            decision = self._decide(request, may_wait=True)
+            if decision is None:
+                return False
+            replies = then(self._send(request, route, decision))
+        except Exception as exc:
+            replies = [self._refusal(exc)]
+        self._resume(replies)
+        return True
+
+    def refuse(self, error: SchedulingError) -> None:
+        """The queue refuses the waiting request (deadline, picker stopping)."""
+        self._resume([self._refusal(error)])
+
+    def _resume(self, replies: list[Wire]) -> None:
+        self.waiting = None
+        deferred, self.deferred = self.deferred, []
+        if not self.ended:
+            replies += deferred
+        assert self.deliver is not None
+        self.deliver(replies)
 
     def close(self) -> None:
         """The request is over (response end, stream end or abort): release its in-flight slot."""
+        if self.waiting is not None:
+            self.waiting = None
+            flow = self.ctx.flow_control
+            if flow is not None:
+                flow.cancel(self)
         if not self.finished:
             self.finished = True
             if self.inflight is not None:
@@ -368,7 +432,7 @@ class Exchange:
                 self.headers[header.key] = _header_value(header)
         mode = self.request_body_mode
         if message.end_of_stream or mode == NONE:
-            return [self._route_without_body()]
+            return self._route_without_body()
         if mode == FULL_DUPLEX:
             return []  # answer once the whole body is in
         if mode == STREAMED:
@@ -394,27 +458,32 @@ class Exchange:
         return self._route_with_body(body, reassembled)
 
     def _schedule_if_pending(self) -> list[Wire]:
-        return self._route_with_body(bytes(self.body), True) if self.destination is None else []
+        pending = self.destination is None and self.waiting is None
+        return self._route_with_body(bytes(self.body), True) if pending else []
 
-    def _route_without_body(self) -> Wire:
-        decision = self._schedule(SchedulingRequest(subset=self.subset), None)
-        destination = self._destination_value(decision)
-        return _routed("request_headers", _routing_common(destination, None), _destination_metadata(destination))
+    def _route_without_body(self) -> list[Wire]:
+        def routed(decision: Decision) -> list[Wire]:
+            destination = self._destination_value(decision)
+            return [_routed("request_headers", _routing_common(destination, None), _destination_metadata(destination))]
+
+        return self._route(SchedulingRequest(subset=self.subset), None, routed)
 
     def _route_with_body(self, body: bytes, reassembled: bool) -> list[Wire]:
         """Schedule on the whole body; ``reassembled``: earlier chunks were held back, so the body goes out whole."""
         if self.ctx.settings.passthrough_parser:
-            decision = self._schedule(SchedulingRequest(subset=self.subset), None)
-            new_body = body
+            request, route, new_body = SchedulingRequest(subset=self.subset), None, body
         else:
             parsed = parse_body(body, self.ctx.settings.max_body_bytes)
             validate_api_fields(parsed.document, self.headers.get(":path"))
             route = self._resolve(parsed)
-            decision = self._schedule(self._scheduling_request(route), route)
+            request = self._scheduling_request(route)
             target = route.served_name or route.logical
             new_body = body if target == parsed.model else rewrite_request_model(body, parsed, target)
             if target != parsed.model and self.ctx.settings.rewrite_response_model:
                 self.response_names = (target, parsed.model)
+        return self._route(request, route, lambda decision: self._routed_body(decision, body, new_body, reassembled))
+
+    def _routed_body(self, decision: Decision, body: bytes, new_body: bytes, reassembled: bool) -> list[Wire]:
         destination = self._destination_value(decision)
         metadata = _destination_metadata(destination)
         if self.request_body_mode == FULL_DUPLEX:
@@ -453,13 +522,41 @@ class Exchange:
                 priority = min(priority, objective)  # an objective may lower priority, never raise it
         return SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset)
 
-    def _schedule(self, request: SchedulingRequest, route: Resolution | None) -> Decision:
+    def _route(self, request: SchedulingRequest, route: Resolution | None,
+               then: Callable[[Decision], list[Wire]]) -> list[Wire]:
+        """Schedule and send; with flow control on, a request with no unsaturated candidate waits in the queue."""
+        flow = self.ctx.flow_control if self.deliver is not None else None
+        if flow is None:
+            return then(self._send(request, route, self._decide(request, may_wait=False)))
+        decision = None if flow.busy(request.priority) else self._decide(request, may_wait=True)
+        if decision is None:
+            flow.hold(self, request.priority, self._fairness_key(request))
+            self.waiting = (request, route, then)
+            return []
+        return then(self._send(request, route, decision))
+
+    def _fairness_key(self, request: SchedulingRequest) -> str:
+        return self.headers.get(FAIRNESS_HEADER) or request.tenant
+
+    def _decide(self, request: SchedulingRequest, may_wait: bool) -> Decision | None:
+        """The scheduler's decision; ``may_wait``: None instead when every candidate is saturated."""
         ctx = self.ctx
         started = ctx.clock()
-        decision = ctx.scheduler.schedule(request, ctx.snapshot(), ctx.rng)
+        try:
+            decision = ctx.scheduler.schedule(request, ctx.snapshot(), ctx.rng)
+        except PoolSaturatedError:
+            if may_wait:
+                return None
+            raise
+        finally:
+            ctx.metrics.decision_seconds.observe(ctx.clock() - started)
+        return None if may_wait and decision.saturated else decision
+
+    def _send(self, request: SchedulingRequest, route: Resolution | None, decision: Decision) -> Decision:
+        """Admit the decision through the request plugins and account it as sent."""
+        ctx = self.ctx
         now = ctx.clock()
-        ctx.metrics.decision_seconds.observe(now - started)
-        inflight = InFlightRequest(request, self.headers.get(FAIRNESS_HEADER) or request.tenant, decision.endpoints[0])
+        inflight = InFlightRequest(request, self._fairness_key(request), decision.endpoints[0])
         ctx.plugins.admit(inflight, decision.saturated)
         ctx.metrics.decisions[decision.outcome].inc()
         self.destination = decision.endpoints[0]
@@ -579,6 +676,10 @@ class ExtProcHandler:
             raise GrpcStatusError(3, "not a ProcessingRequest") from None  # INVALID_ARGUMENT: Envoy's bug, not the client's
         return self.exchange.handle(request)
 
+    def bind(self, push: Deliver) -> None:
+        """The transport's way to send replies later (a request the flow-control queue held)."""
+        self.exchange.deliver = push
+
     def on_close(self) -> None:
         """Release the exchange's in-flight slot."""
         self.exchange.close()
@@ -594,10 +695,15 @@ class ExtProcServicer:
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest], _context: object) -> AsyncIterator[Wire]:
         """One bidirectional stream per HTTP request."""
         exchange = Exchange(self.ctx)
+        later: asyncio.Queue[list[Wire]] = asyncio.Queue()
+        exchange.deliver = later.put_nowait
         try:
             async for request in request_iterator:
                 for response in exchange.handle(request):
                     yield response
+                while exchange.waiting is not None or not later.empty():  # held by flow control: wait for its fate
+                    for response in await later.get():
+                        yield response
         finally:
             exchange.close()
 

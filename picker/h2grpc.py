@@ -7,7 +7,8 @@ reply produced by one read goes out in one write, and response headers and trail
 literals (no dynamic table on our side). Request headers are decoded by ``hpack_lite``.
 
 Handlers are plain objects: ``on_message(bytes) -> list[bytes]`` per gRPC message and ``on_close()`` when the
-stream ends for any reason. A handler that raises ends its stream with grpc-status INTERNAL; a malformed frame
+stream ends for any reason; a handler with a ``bind(push)`` method is given ``push(messages)`` to answer later
+(a request the picker holds in its flow-control queue). A handler that raises ends its stream with grpc-status INTERNAL; a malformed frame
 ends the connection with GOAWAY.
 
 Nothing a peer sends is held without a bound (``TransportLimits``): a message whose declared length is over the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import struct
 from collections.abc import Callable, Iterable, Mapping
@@ -420,8 +422,11 @@ class GrpcH2Protocol(asyncio.Protocol):
             return
         path = next((v for k, v in headers if k == b":path"), b"").decode("latin-1")
         factory = self.routes.get(path)
-        self.streams[stream_id] = _Stream(factory() if factory else None, last_frame_at=self._now(),
-                                          send_window=self.peer_initial_window)
+        handler = factory() if factory else None
+        self.streams[stream_id] = _Stream(handler, last_frame_at=self._now(), send_window=self.peer_initial_window)
+        bind = getattr(handler, "bind", None)
+        if bind is not None:  # the handler may answer later too
+            bind(functools.partial(self.push, stream_id))
         if factory is None:
             self._end_early(stream_id, flags, _trailers(GRPC_UNIMPLEMENTED, f"unknown method {path}"))
             return
@@ -508,6 +513,14 @@ class GrpcH2Protocol(asyncio.Protocol):
             else:
                 self._send_now(stream_id, stream, prefix, message)
         self._send_stream(stream_id, stream)
+
+    def push(self, stream_id: int, messages: list[bytes]) -> None:
+        """Send messages a handler produced after ``on_message`` returned (nothing if the stream is gone)."""
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.handler is None or self.closed:
+            return
+        self._send_messages(stream_id, stream, messages)
+        self._flush()
 
     def _send_now(self, stream_id: int, stream: _Stream, prefix: bytes, message: bytes) -> None:
         """DATA frames for one message the windows allow, as slices of it: the only copy is the final join."""

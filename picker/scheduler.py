@@ -30,7 +30,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from loraplane.api import ApiModel, Tier
-from loraplane.picker import lifecycle  # noqa: F401  (registers the request plugins configs may name)
+from loraplane.picker import flowcontrol, lifecycle  # noqa: F401  (register the request plugins configs may name)
 from loraplane.picker.plugins import (
     REGISTRY,
     Cycle,
@@ -122,6 +122,19 @@ class EndpointPickerConfig(ApiModel):
         else:
             text = Path(path).read_text()
         return cls.from_yaml(text)
+
+    def with_parameters(self, plugin: str, **parameters: object) -> EndpointPickerConfig:
+        """A copy with ``parameters`` merged into those of the plugin named ``plugin`` (e.g. flow control on)."""
+        data = self.model_dump(by_alias=True)
+        spec = next((p for p in data["plugins"] if (p.get("name") or p["type"]) == plugin), None)
+        if spec is None:
+            raise ValueError(f"the config has no plugin named {plugin!r}")
+        spec["parameters"] = {**spec["parameters"], **parameters}
+        return type(self).model_validate(data)
+
+    def to_yaml(self) -> str:
+        """The config as YAML (what ``load`` reads)."""
+        return yaml.safe_dump(self.model_dump(by_alias=True, exclude_none=True), sort_keys=False)
 
     @classmethod
     def from_yaml(cls, text: str) -> EndpointPickerConfig:

@@ -194,6 +194,8 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await sync.publish_once()
+        if (flow := ctx.flow_control) is not None:
+            flow.stop()  # every waiting request gets 503 picker-stopping before the connections close
         await stop_serving()
         await client.aclose()
 

@@ -1,0 +1,236 @@
+"""The flow-control queue: band order, per-key round-robin, deadlines, bounds, stop; and held ext_proc exchanges."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from loraplane.picker.extproc import Exchange, PickerContext
+from loraplane.picker.flowcontrol import (
+    FlowControl,
+    FlowControlParameters,
+    PickerStoppingError,
+    QueueFullError,
+)
+from loraplane.picker.lifecycle import Lifecycle, PluginRuntime
+from loraplane.picker.plugins import SchedulingError
+from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
+from loraplane.picker.snapshot import InFlightTracker
+from tests.picker.conftest import BUFFERED, REQUEST_HEADERS, body, header_map, headers, make_context
+
+COMPLETION = b'{"model": "claims", "prompt": "hi"}'
+
+
+class Timer:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeLoop:
+    """A clock and ``call_later`` the test advances by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._due: list[tuple[float, int, Callable[[], None], Timer]] = []
+        self._seq = itertools.count()
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        timer = Timer()
+        heapq.heappush(self._due, (self.now + delay, next(self._seq), callback, timer))
+        return timer
+
+    def advance(self, seconds: float = 0.0) -> None:
+        until = self.now + seconds
+        while self._due and self._due[0][0] <= until:
+            at, _, callback, timer = heapq.heappop(self._due)
+            self.now = at
+            if not timer.cancelled:
+                callback()
+        self.now = until
+
+
+@dataclass(eq=False)
+class Request:
+    """A waiter that goes out while the shared ``room`` allows."""
+
+    name: str
+    room: list[int]
+    log: list[str]
+    refused: list[tuple[str, int, str]] = field(default_factory=list)
+
+    def try_dispatch(self) -> bool:
+        if self.room[0] <= 0:
+            return False
+        self.room[0] -= 1
+        self.log.append(self.name)
+        return True
+
+    def refuse(self, error: SchedulingError) -> None:
+        self.refused.append((self.name, error.status, error.reason))
+
+
+def make_queue(**params: object) -> tuple[FlowControl, FakeLoop]:
+    loop = FakeLoop()
+    runtime = PluginRuntime(InFlightTracker(), lambda: loop.now, loop.call_later)
+    return FlowControl(FlowControlParameters.model_validate(params), runtime), loop
+
+
+def test_bands_go_in_priority_order_and_keys_take_turns_inside_a_band() -> None:
+    queue, loop = make_queue()
+    room, log = [0], []
+    arrivals = [("std-a1", 0, "a"), ("std-a2", 0, "a"), ("std-a3", 0, "a"), ("std-b1", 0, "b"), ("shed-c1", -1, "c"),
+                ("gold-d1", 10, "d"), ("std-b2", 0, "b"), ("gold-e1", 5, "e"), ("gold-d2", 10, "d")]
+    for name, priority, key in arrivals:
+        queue.hold(Request(name, room, log), priority, key)
+    loop.advance(0.01)
+    assert log == [] and queue.size == 9  # no room: all wait, retried on the interval
+    room[0] = 100
+    loop.advance(0.05)
+    assert log == ["gold-d1", "gold-e1", "gold-d2", "std-a1", "std-b1", "std-a2", "std-b2", "std-a3", "shed-c1"]
+    assert queue.size == 0
+
+
+def test_one_slot_at_a_time_goes_to_the_highest_band_then_the_next_key() -> None:
+    queue, loop = make_queue()
+    room, log = [0], []
+    for name, priority, key in [("a1", 0, "a"), ("a2", 0, "a"), ("b1", 0, "b"), ("g1", 1, "g")]:
+        queue.hold(Request(name, room, log), priority, key)
+    for _ in range(4):
+        room[0] = 1
+        queue.response_complete(None)  # type: ignore[arg-type]  # a request finished: a round now
+        loop.advance(0.0)
+    assert log == ["g1", "a1", "b1", "a2"]
+
+
+def test_a_request_that_outwaits_its_deadline_is_refused_429_sheddable_503_otherwise() -> None:
+    queue, loop = make_queue(deadlineSeconds={"standard": 1.0, "sheddable": 0.5})
+    room, log = [0], []
+    standard, sheddable = Request("s", room, log), Request("x", room, log)
+    queue.hold(standard, 0, "a")
+    queue.hold(sheddable, -1, "a")
+    loop.advance(0.49)
+    assert not sheddable.refused
+    loop.advance(0.02)
+    assert sheddable.refused == [("x", 429, "queue-deadline")] and queue.size == 1
+    loop.advance(0.5)
+    assert standard.refused == [("s", 503, "queue-deadline")] and queue.size == 0
+    room[0] = 5
+    loop.advance(1.0)
+    assert log == []  # refused requests are never dispatched
+
+
+def test_each_band_is_bounded() -> None:
+    queue, _ = make_queue(queueLimit={"standard": 2, "sheddable": 1})
+    room, log = [0], []
+    queue.hold(Request("s1", room, log), 0, "a")
+    queue.hold(Request("s2", room, log), 0, "b")
+    with pytest.raises(QueueFullError) as full:
+        queue.hold(Request("s3", room, log), 0, "c")
+    assert (full.value.status, full.value.reason) == (503, "queue-full")
+    queue.hold(Request("x1", room, log), -1, "a")
+    with pytest.raises(QueueFullError) as shed:
+        queue.hold(Request("x2", room, log), -1, "a")
+    assert shed.value.status == 429
+    queue.hold(Request("g1", room, log), 1, "a")  # gold has its own room
+    assert queue.size == 4
+
+
+def test_stopping_answers_every_waiting_request_and_takes_no_more() -> None:
+    queue, loop = make_queue()
+    room, log = [0], []
+    waiting = [Request(f"r{i}", room, log) for i in range(3)]
+    for i, request in enumerate(waiting):
+        queue.hold(request, i - 1, "a")
+    queue.stop()
+    assert [r.refused for r in waiting] == [[(f"r{i}", 503, "picker-stopping")] for i in range(3)]
+    with pytest.raises(PickerStoppingError):
+        queue.hold(Request("late", room, log), 0, "a")
+    room[0] = 10
+    loop.advance(5.0)
+    assert log == []
+
+
+def test_a_cancelled_request_leaves_the_queue() -> None:
+    queue, loop = make_queue()
+    room, log = [0], []
+    gone, stays = Request("gone", room, log), Request("stays", room, log)
+    queue.hold(gone, 0, "a")
+    queue.hold(stays, 0, "a")
+    queue.cancel(gone)
+    room[0] = 5
+    loop.advance(0.1)
+    assert log == ["stays"] and not gone.refused
+
+
+# --- held ext_proc exchanges ------------------------------------------------------------------------------------
+
+ONE_IN_FLIGHT = EndpointPickerConfig.load().model_dump(by_alias=True)
+ONE_IN_FLIGHT["saturationDetector"]["inFlightThreshold"] = 1
+
+
+def flow_context(**params: object) -> tuple[PickerContext, FakeLoop]:
+    ctx, _ = make_context()
+    ctx.scheduler = Scheduler(EndpointPickerConfig.model_validate(ONE_IN_FLIGHT))
+    loop = FakeLoop()
+    runtime = PluginRuntime(ctx.tracker, lambda: loop.now, loop.call_later)
+    ctx.lifecycle = Lifecycle.from_specs(runtime, [("flow-control", dict(params))])
+    return ctx, loop
+
+
+def send(ctx: PickerContext, *extra: tuple[str, str]) -> tuple[Exchange, list[pb.ProcessingResponse]]:
+    exchange = Exchange(ctx)
+    later: list[pb.ProcessingResponse] = []
+    exchange.deliver = lambda wires: later.extend(pb.ProcessingResponse.FromString(w) for w in wires)
+    exchange.handle(headers([*REQUEST_HEADERS, *extra], body_mode=BUFFERED))
+    later.extend(pb.ProcessingResponse.FromString(w) for w in exchange.handle(body(COMPLETION)))
+    return exchange, later
+
+
+def test_a_saturated_request_waits_and_goes_out_when_an_in_flight_request_completes() -> None:
+    ctx, loop = flow_context()
+    busy = [send(ctx) for _ in range(2)]  # one in flight on each pod holding the revision: both are saturated
+    assert all(replies and replies[0].WhichOneof("response") == "request_body" for _, replies in busy)
+    waiting, replies = send(ctx)
+    assert replies == [] and waiting.waiting is not None
+    loop.advance(0.2)
+    assert replies == []  # still no room
+    freed = busy[1][0].destination
+    busy[1][0].close()  # ResponseComplete: a dispatch round
+    loop.advance(0.0)
+    assert [r.WhichOneof("response") for r in replies] == ["request_body"]
+    assert waiting.destination == freed
+
+
+def test_a_held_sheddable_request_is_refused_429_at_its_deadline() -> None:
+    ctx, loop = flow_context(deadlineSeconds={"sheddable": 0.3})
+    for _ in range(2):
+        send(ctx)
+    _, replies = send(ctx, ("x-gateway-inference-objective", "sheddable"))
+    assert replies == []
+    loop.advance(0.31)
+    (refusal,) = replies
+    assert refusal.immediate_response.status.code == 429
+    assert header_map(refusal.immediate_response.headers)["x-llm-d-request-dropped-reason"] == "queue-deadline"
+
+
+def test_without_a_transport_that_can_answer_later_or_with_the_switch_off_nothing_waits() -> None:
+    ctx, _ = flow_context()
+    for _ in range(2):
+        send(ctx)
+    exchange = Exchange(ctx)  # no deliver: it cannot answer later, so it is routed now
+    exchange.handle(headers(REQUEST_HEADERS, body_mode=BUFFERED))
+    (routed,) = exchange.handle(body(COMPLETION))
+    assert pb.ProcessingResponse.FromString(routed).WhichOneof("response") == "request_body"
+    ctx, _ = flow_context(enabled=False)
+    for _ in range(2):
+        send(ctx)
+    assert send(ctx)[1][0].WhichOneof("response") == "request_body"  # the saturated pool still routes
+    assert ctx.flow_control is None
