@@ -23,6 +23,7 @@ COPY engine/ engine/
 COPY runtime-sidecar/ runtime-sidecar/
 COPY picker/ picker/
 COPY controller/ controller/
+COPY devcluster/ devcluster/
 COPY sim/ sim/
 RUN pip wheel --no-deps --wheel-dir /wheels .
 

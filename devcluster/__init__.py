@@ -4,11 +4,11 @@ kubectl, the official Python client and loraplane's controller and picker talk t
 See ``docs/devcluster.md`` for what it implements and what it does not.
 """
 
-from loraplane.controller.devcluster.cluster import Clock, Cluster, SystemClock
-from loraplane.controller.devcluster.crds import default_crds, inference_pool_crd
-from loraplane.controller.devcluster.runner import ServerThread, SnapshotFile, kubeconfig, write_kubeconfig
-from loraplane.controller.devcluster.server import ApiServer, ServerConfig
-from loraplane.controller.devcluster.store import Store
+from loraplane.devcluster.cluster import Clock, Cluster, SystemClock
+from loraplane.devcluster.crds import default_crds, inference_pool_crd
+from loraplane.devcluster.runner import ServerThread, SnapshotFile, kubeconfig, write_kubeconfig
+from loraplane.devcluster.server import ApiServer, ServerConfig
+from loraplane.devcluster.store import Store
 
 __all__ = [
     "ApiServer",

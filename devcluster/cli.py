@@ -10,12 +10,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loraplane.controller.devcluster.cluster import Cluster
-from loraplane.controller.devcluster.crds import default_crds, load_crds
-from loraplane.controller.devcluster.errors import ApiError
-from loraplane.controller.devcluster.runner import SnapshotFile, bind, serve, url_of, write_kubeconfig
-from loraplane.controller.devcluster.server import ApiServer, ServerConfig
-from loraplane.controller.devcluster.store import Store
+from loraplane.devcluster.cluster import Cluster
+from loraplane.devcluster.crds import default_crds, load_crds
+from loraplane.devcluster.errors import ApiError
+from loraplane.devcluster.runner import SnapshotFile, bind, serve, url_of, write_kubeconfig
+from loraplane.devcluster.server import ApiServer, ServerConfig
+from loraplane.devcluster.store import Store
 
 
 def _parser() -> argparse.ArgumentParser:

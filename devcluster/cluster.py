@@ -16,11 +16,11 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from loraplane.api import validation as names
-from loraplane.controller.devcluster import errors as e
-from loraplane.controller.devcluster import patch as patches
-from loraplane.controller.devcluster.resources import ResourceType, builtin_types, custom_resource_types
-from loraplane.controller.devcluster.schema import schema_errors
-from loraplane.controller.devcluster.store import Change, Key, Store, Subscription
+from loraplane.devcluster import errors as e
+from loraplane.devcluster import patch as patches
+from loraplane.devcluster.resources import ResourceType, builtin_types, custom_resource_types
+from loraplane.devcluster.schema import schema_errors
+from loraplane.devcluster.store import Change, Key, Store, Subscription
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 PROTECTED_NAMESPACES = ("default", "kube-system", "kube-public")

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from loraplane.controller.devcluster.resources import ResourceType
+from loraplane.devcluster.resources import ResourceType
 
 OBJECT_META = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
 _OBJECT_META_SCHEMA = {

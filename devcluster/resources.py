@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from loraplane.controller.devcluster import tables
-from loraplane.controller.devcluster.crds import CRD_SCHEMA
-from loraplane.controller.devcluster.patch import PatchMeta
-from loraplane.controller.devcluster.schema import CustomResourceSchema
-from loraplane.controller.devcluster.tables import Column
+from loraplane.devcluster import tables
+from loraplane.devcluster.crds import CRD_SCHEMA
+from loraplane.devcluster.patch import PatchMeta
+from loraplane.devcluster.schema import CustomResourceSchema
+from loraplane.devcluster.tables import Column
 
 VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 Converter = Callable[[dict[str, Any]], dict[str, Any]]

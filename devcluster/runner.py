@@ -18,9 +18,9 @@ import orjson
 import uvicorn
 import yaml
 
-from loraplane.controller.devcluster.cluster import Cluster
-from loraplane.controller.devcluster.server import ApiServer, ServerConfig
-from loraplane.controller.devcluster.store import Store
+from loraplane.devcluster.cluster import Cluster
+from loraplane.devcluster.server import ApiServer, ServerConfig
+from loraplane.devcluster.store import Store
 
 CONTEXT = "loraplane-devcluster"
 

@@ -16,8 +16,8 @@ from typing import Any
 import jsonschema
 
 from loraplane.api.crd import to_json_schema
-from loraplane.controller.devcluster import errors as e
-from loraplane.controller.devcluster.cel import CelError, Program, compile_rule
+from loraplane.devcluster import errors as e
+from loraplane.devcluster.cel import CelError, Program, compile_rule
 
 _ROOT_KEPT = ("apiVersion", "kind", "metadata")
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer", float: "number"}

@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from loraplane.controller.devcluster import errors as e
-from loraplane.controller.devcluster import openapi, selectors, tables
-from loraplane.controller.devcluster.cluster import Cluster, Selection, Watch
-from loraplane.controller.devcluster.resources import ResourceType
+from loraplane.devcluster import errors as e
+from loraplane.devcluster import openapi, selectors, tables
+from loraplane.devcluster.cluster import Cluster, Selection, Watch
+from loraplane.devcluster.resources import ResourceType
 
 KUBERNETES_VERSION = ("1", "32")
 TABLE_CONTENT_TYPE = "application/json;as=Table;v=v1;g=meta.k8s.io"

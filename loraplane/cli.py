@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("loraplane.sim.cli:main", "simulate a pool under a trace and compare routing/residency policies"),
     "plan": ("loraplane.sim.plan:main", "recommend max_loras / max_cpu_loras / pods for adapters and traffic"),
     "engine": ("loraplane.engine.cli:tools_main", "engine helpers (make-adapters ...)"),
-    "devcluster": ("loraplane.controller.devcluster.cli:main", "run the embedded Kubernetes API server"),
+    "devcluster": ("loraplane.devcluster.cli:main", "run the embedded Kubernetes API server"),
 }
 
 #: ``loraplane bench <name>`` -> target.

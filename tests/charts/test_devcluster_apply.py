@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from e2e.fixtures.devcluster import DevCluster, start_devcluster
-from loraplane.controller.devcluster.crds import inference_pool_crd
+from loraplane.devcluster.crds import inference_pool_crd
 from tests.charts.conftest import NAMESPACE, RenderFn, helm_template
 from tests.charts.test_render import matrix_values
 

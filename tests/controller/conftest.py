@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from loraplane.controller.devcluster import Cluster, ServerThread, default_crds
+from loraplane.devcluster import Cluster, ServerThread, default_crds
 
 
 @pytest.fixture

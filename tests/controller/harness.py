@@ -41,12 +41,12 @@ from loraplane.api import (
     TargetState,
     keys,
 )
-from loraplane.controller.devcluster.runner import write_kubeconfig
 from loraplane.controller.kube import KubeApi
 from loraplane.controller.leader import LeaseConfig, LeaseElector
 from loraplane.controller.manager import Controller, ControllerConfig
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.store import RedisStore
+from loraplane.devcluster.runner import write_kubeconfig
 
 POOL = "pool"
 

@@ -19,9 +19,9 @@ from kubernetes import client as k8s
 
 from e2e.fixtures.processes import RedisServer
 from loraplane.api import PickerCounters, RevisionCounters, RouteTable, TargetState, keys
-from loraplane.controller.devcluster import ServerThread
 from loraplane.controller.kube import FINALIZER
 from loraplane.controller.manager import Controller
+from loraplane.devcluster import ServerThread
 from tests.controller.harness import (
     POOL,
     ScriptedPods,

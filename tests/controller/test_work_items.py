@@ -17,10 +17,10 @@ from kubernetes import client as k8s
 
 from e2e.fixtures.processes import RedisServer
 from loraplane.api import GROUP, PLURAL, VERSION
-from loraplane.controller.devcluster import ServerThread
 from loraplane.controller.manager import Controller
 from loraplane.controller.metrics import ControllerMetrics
 from loraplane.controller.store import PoolReadings, RedisStore
+from loraplane.devcluster import ServerThread
 from loraplane.kube import POOL_GROUP, POOL_PLURAL, POOL_VERSION
 from tests.controller.harness import POOL, api_client, create, eventually, get, make_controller, running
 from tests.controller.world import revision

@@ -20,7 +20,7 @@ from loraplane.api import (
     ObjectMeta,
     PoolRef,
 )
-from loraplane.controller.devcluster import Cluster, ServerConfig, ServerThread, default_crds
+from loraplane.devcluster import Cluster, ServerConfig, ServerThread, default_crds
 
 DIGEST_A = "sha256:" + "a" * 64
 DIGEST_B = "sha256:" + "b" * 64

@@ -13,8 +13,8 @@ import yaml
 from kubernetes import client, config
 
 from e2e.fixtures.devcluster import start_devcluster
-from loraplane.controller.devcluster import Cluster, ServerThread, SnapshotFile
-from loraplane.controller.devcluster.cli import main
+from loraplane.devcluster import Cluster, ServerThread, SnapshotFile
+from loraplane.devcluster.cli import main
 from tests.devcluster.conftest import TLS, adapter_revision
 
 WIDGET_CRD = {

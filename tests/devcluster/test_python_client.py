@@ -14,7 +14,7 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 from loraplane.api import AdapterRevision
-from loraplane.controller.devcluster import ServerThread, write_kubeconfig
+from loraplane.devcluster import ServerThread, write_kubeconfig
 from tests.devcluster.conftest import adapter_revision
 
 GROUP, VERSION, PLURAL = "loraplane.io", "v1alpha1", "adapterrevisions"

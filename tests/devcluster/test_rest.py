@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from loraplane.api import AdapterRevision, AdapterRevisionSpec, LoraSpec
-from loraplane.controller.devcluster import ServerThread
+from loraplane.devcluster import ServerThread
 from tests.devcluster.conftest import (
     AR_PATH,
     DIGEST_B,

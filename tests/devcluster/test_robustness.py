@@ -7,8 +7,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraplane.controller.devcluster import Cluster, default_crds
-from loraplane.controller.devcluster.errors import ApiError
+from loraplane.devcluster import Cluster, default_crds
+from loraplane.devcluster.errors import ApiError
 
 _CLUSTER = Cluster()
 for _crd in default_crds():

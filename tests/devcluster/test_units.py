@@ -7,12 +7,12 @@ from typing import Any
 import pytest
 
 from loraplane.api.crd import crd
-from loraplane.controller.devcluster.cel import CelError, compile_rule
-from loraplane.controller.devcluster.errors import ApiError
-from loraplane.controller.devcluster.patch import PatchError, json_patch, merge_patch, strategic_merge
-from loraplane.controller.devcluster.schema import rule_errors
-from loraplane.controller.devcluster.selectors import matcher, parse_field_selector, parse_label_selector
-from loraplane.controller.devcluster.tables import human_duration, json_path
+from loraplane.devcluster.cel import CelError, compile_rule
+from loraplane.devcluster.errors import ApiError
+from loraplane.devcluster.patch import PatchError, json_patch, merge_patch, strategic_merge
+from loraplane.devcluster.schema import rule_errors
+from loraplane.devcluster.selectors import matcher, parse_field_selector, parse_label_selector
+from loraplane.devcluster.tables import human_duration, json_path
 
 
 @pytest.mark.parametrize(("rule", "self_value", "old", "expected"), [
