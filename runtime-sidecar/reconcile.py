@@ -168,7 +168,10 @@ class Reconciler:
         sidecar loaded it itself."""
         record = self.loaded.get(name)
         if held.digest is None:
-            return (record.artifact_digest, record.adapter_digest) if record else None
+            if record is None:  # a runtime that names the directory it loaded (vLLM) may hold a verified entry
+                record_entry = self._entry_at(name, held)
+                return (record_entry.artifact_digest, record_entry.adapter_digest) if record_entry else None
+            return record.artifact_digest, record.adapter_digest
         if record is not None and record.adapter_digest == held.digest:
             return record.artifact_digest, record.adapter_digest
         entry = next((e for e in self.cache.entries().values()
@@ -179,11 +182,23 @@ class Reconciler:
         """True/False when the runtime does/does not hold exactly the target's revision; None when unknown yet."""
         record = self.loaded.get(target.served_name)
         if held.digest is None:
+            if record is None and held.path is not None:  # e.g. a restarted sidecar: vLLM says where it loaded from
+                entry = self._entry_at(target.served_name, held)
+                if entry is not None:
+                    return entry.cache_key == target.cache_key
+                return None if self.cache.get(target.cache_key) is None else False
             return None if record is None else record.cache_key == target.cache_key
         entry = self.cache.get(target.cache_key)
         if entry is None:
             return None
         return entry.adapter_digest == held.digest
+
+    def _entry_at(self, name: str, held: RuntimeAdapter) -> CacheEntry | None:
+        """The verified cache entry of ``name`` whose directory the runtime says it loaded ``held`` from."""
+        if held.path is None:
+            return None
+        return next((e for e in self.cache.entries().values() if e.served_name == name and str(e.path) == held.path),
+                    None)
 
     # --- planning ---------------------------------------------------------------------------------------------
 

@@ -81,6 +81,8 @@ class RuntimeAdapter:
     evictions: int = 0
     last_access: float | None = None
     priority: int | None = None
+    #: the directory the runtime loaded it from, when the runtime says (vLLM's ``/v1/models`` ``root``)
+    path: str | None = None
 
 
 @dataclass

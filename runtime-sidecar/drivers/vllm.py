@@ -369,11 +369,13 @@ class VllmDriver(VllmApiDriver):
         base = next((m["id"] for m in models if not m.get("parent")), "")
         info = dataclasses.replace(self._limits, base_model=base, instance=instance)
         names = [m["id"] for m in models if m.get("parent")]
+        roots = {m["id"]: m.get("root") for m in models if m.get("parent")}
         self.cache.keep_only(names)
         self._replay_requests(samples, set(names))
         running, waiting = lora_requests(samples)
         busy = running | waiting
-        adapters = {name: RuntimeAdapter(served_name=name, tier=self.cache.tier(name), in_flight=int(name in busy))
+        adapters = {name: RuntimeAdapter(served_name=name, tier=self.cache.tier(name), in_flight=int(name in busy),
+                                         path=roots[name] if isinstance(roots[name], str) else None)
                     for name in names}
         return Observation(info, adapters, pod_load(samples, info))
 

@@ -113,3 +113,25 @@ def test_a_vllm_with_a_lora_resolver_is_neither_driven_nor_started(tmp_path: Pat
     with pytest.raises(ValueError, match="VLLM_LORA_RESOLVER_HF_REPO_LIST"):
         start_vllm(options, tmp_path / "vllm.log", python=tmp_path / "python")
     assert not (tmp_path / "vllm.log").exists()  # nothing was started
+
+
+def test_a_restarted_sidecar_adopts_what_vllm_loaded_from_its_verified_entry(tmp_path: Path) -> None:
+    """vLLM's /v1/models says which directory each adapter came from: the verified cache entry of the target's
+    revision is adopted (no reload, which would leave a second copy in vLLM), another directory is replaced."""
+    from loraplane.sidecar.cache import StageTimings
+    from loraplane.sidecar.drivers.base import RuntimeAdapter
+    from loraplane.sidecar.reconcile import Action
+    from tests.sidecar.adapters import sha256_of, target_for, write_weights
+    from tests.sidecar.test_reconcile import make_reconciler
+
+    (tmp_path / "artifacts").mkdir()
+    weights = write_weights(tmp_path / "artifacts" / "w.safetensors")
+    target = target_for(f"file://{weights}", sha256_of(weights), tier=Tier.GPU)
+    r = make_reconciler(tmp_path, runtime="vllm")
+    entry = r.cache.fetch(target, keep=(), timings=StageTimings())
+    ours = RuntimeAdapter(served_name=target.served_name, tier=Tier.GPU, path=str(entry.path))
+    assert r.next_action(target, ours) is None
+    assert r.verified_digests(target.served_name, ours) == (entry.artifact_digest, entry.adapter_digest)
+    other = RuntimeAdapter(served_name=target.served_name, tier=Tier.GPU, path=str(tmp_path / "elsewhere"))
+    assert r.next_action(target, other) is Action.RELOAD
+    assert r.verified_digests(target.served_name, other) is None
