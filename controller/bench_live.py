@@ -123,7 +123,7 @@ class _GateWatch:
 
     def __init__(self, cluster: _Cluster, pauses: dict[str, int]) -> None:
         self.pauses = pauses
-        self.seen: dict[str, tuple[str, int | None, float]] = {}
+        self.seen: dict[str, tuple[Any, Any, float]] = {}
         self.delays_ms: list[float] = []
         self.after = float("inf")
         self.finished = asyncio.Event()
