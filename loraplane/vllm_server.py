@@ -7,6 +7,7 @@ loraplane's. It is started as ``python -m vllm.entrypoints.openai.api_server`` (
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
@@ -65,6 +66,10 @@ class VllmOptions:
     #: own choice (core 0 of a 2-core machine, so two servers need one each)
     cpu_bind: str | None = None
     api_key: str | None = None
+    #: ``--block-size`` (tokens per KV block; vLLM-CPU takes multiples of 32); None: vLLM's default
+    block_size: int | None = None
+    #: where vLLM's KV-cache events are published (ZMQ PUB; ``ipc://PATH`` binds there); None: no events
+    kv_events_endpoint: str | None = None
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -77,6 +82,11 @@ class VllmOptions:
                 "--disable-uvicorn-access-log"]
         if self.served_model_name:
             args += ["--served-model-name", self.served_model_name]
+        if self.block_size:
+            args += ["--block-size", str(self.block_size)]
+        if self.kv_events_endpoint:
+            args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                       "endpoint": self.kv_events_endpoint})]
         return args + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
+from pydantic import ValidationError
 
-from loraplane.api import KvBlockSet, prefix_root_hash
+from loraplane.api import PREFIX_HASH_SCHEME, SCHEMA_VERSION, KvBlockSet, keys, prefix_root_hash
 from loraplane.api.prefix import chain, token_block_bytes
 
 #: A prefix block's chained hash (16 bytes).
@@ -194,6 +195,17 @@ class PreciseIndex:
         """Drop the pod's block set."""
         self._sets.pop(pod, None)
 
+    async def refresh(self, redis: Any, pool: str, pods: Sequence[str]) -> None:
+        """Read the pods' published sets (``keys.kv_blocks``) from a redis.asyncio client: a missing, invalid or
+        foreign set (another pool, pod, schema or hash scheme) drops what was held for that pod."""
+        raw = await redis.mget([keys.kv_blocks(pool, pod) for pod in pods]) if pods else []
+        for pod, value in zip(pods, raw, strict=True):
+            block_set = _parse_block_set(value)
+            if block_set is None or (block_set.pool, block_set.pod) != (pool, pod):
+                self.forget(pod)
+            else:
+                self.update(block_set)
+
     def match(self, endpoints: Sequence[str], request: PrefixRequest) -> IntArray:
         """Leading blocks of ``request`` each endpoint's runtime reported cached."""
         now = self._wall_clock()
@@ -207,6 +219,17 @@ class PreciseIndex:
             if fresh and request.unit == "tokens" and request.block_size == block_set.block_size:
                 out[i] = _leading_run(request.hashes, hashes.__contains__)
         return out
+
+
+def _parse_block_set(raw: bytes | str | None) -> KvBlockSet | None:
+    if raw is None:
+        return None
+    try:
+        block_set = KvBlockSet.from_json(raw)
+    except ValidationError:
+        return None
+    ok = block_set.schema_version == SCHEMA_VERSION and block_set.hash_scheme == PREFIX_HASH_SCHEME
+    return block_set if ok else None
 
 
 def bench_hashing(body_bytes: int = 64 * 1024, block_size: int = 64, repeats: int = 50,

@@ -1,4 +1,4 @@
-"""Redis: read this pod's TargetState, watch its change notices, publish its ResidencyReport.
+"""Redis: read this pod's TargetState, watch its change notices, publish its ResidencyReport (and KvBlockSet).
 
 Redis is a bus, not a lifeline: when it is unreachable every call fails fast (short socket timeouts) and further
 attempts wait for an exponential backoff; the sidecar keeps its last good target and keeps the runtime as it is.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from loraplane.api import SCHEMA_VERSION, ResidencyReport, TargetState, keys
+from loraplane.api import SCHEMA_VERSION, KvBlockSet, ResidencyReport, TargetState, keys
 from loraplane.credentials import async_redis
 from loraplane.sidecar.reconcile import Backoff
 
@@ -102,6 +102,19 @@ class RedisBus:
                 pipe.set(self.report_key, report.to_json(), px=ttl_ms)
                 pipe.sadd(keys.residency_index(self.pool), self.pod)
                 pipe.publish(keys.residency_changed_channel(self.pool), self.pod)
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise self._failed(exc) from exc
+        self._ok()
+
+    async def publish_blocks(self, block_set: KvBlockSet) -> None:
+        """SET the pod's prefix-cache block set with its TTL and PUBLISH its change notice (one round trip)."""
+        self._check_window()
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.set(keys.kv_blocks(self.pool, self.pod), block_set.to_json(),
+                         px=max(1, int(block_set.ttl_seconds * 1000)))
+                pipe.publish(keys.kv_blocks_changed_channel(self.pool), self.pod)
                 await pipe.execute()
         except (RedisError, OSError) as exc:
             raise self._failed(exc) from exc

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt("max-loras", "vllm: the server's --max-loras", default=None, type=int)
     opt("max-cpu-loras", "vllm: the server's --max-cpu-loras", default=None, type=int)
     opt("base-model-digest", "vllm: the base model digest the server serves")
+    opt("kv-events-endpoint", "vllm: the endpoint of the server's KV-events publisher (its --kv-events-config "
+        "endpoint, e.g. ipc:///run/loraplane/kv-events.sock); publishes the pod's prefix-cache block set")
+    opt("kv-events-max-blocks", "most prefix-cache blocks published", default=16_384, type=int)
     p.add_argument("--file-root", action="append", default=_list_env("file-root"),
                    help="directory file:// artifacts may come from (repeatable; none: file:// refused)")
     p.add_argument("--oci-plain-http", action="append", default=_list_env("oci-plain-http"),
@@ -167,8 +170,8 @@ async def serve(args: argparse.Namespace) -> int:
                             backoff=Backoff(args.backoff_base, args.backoff_cap), drain_grace_s=args.drain_grace)
     bus = RedisBus(args.redis_url, args.pool, args.pod)
     address = args.address or urllib.parse.urlsplit(args.runtime_url).netloc
-    sidecar = Sidecar(SidecarConfig(args.pool, args.pod, address, args.runtime, args.heartbeat, args.report_ttl),
-                      reconciler, bus)
+    sidecar = Sidecar(SidecarConfig(args.pool, args.pod, address, args.runtime, args.heartbeat, args.report_ttl,
+                                    args.kv_events_endpoint, args.kv_events_max_blocks), reconciler, bus)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

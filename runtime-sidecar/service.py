@@ -20,6 +20,7 @@ from loraplane.api import (
 from loraplane.api.routing import supersedes
 from loraplane.sidecar.bus import InvalidTarget, RedisBus, RedisUnavailable
 from loraplane.sidecar.drivers.base import Observation, RuntimeInfo, RuntimeUnavailable
+from loraplane.sidecar.kv_events import KvBlockTracker, subscribe
 from loraplane.sidecar.metrics import AdapterSample
 from loraplane.sidecar.reconcile import Reconciler
 
@@ -38,6 +39,9 @@ class SidecarConfig:
     runtime: str
     heartbeat_s: float = 1.0
     report_ttl_s: float = 5.0
+    #: vLLM's KV-events publisher (``--kv-events-config`` endpoint); None: no prefix-cache block set
+    kv_events_endpoint: str | None = None
+    kv_events_max_blocks: int = 16_384
 
 
 class Sidecar:
@@ -65,6 +69,8 @@ class Sidecar:
         self.last_report: ResidencyReport | None = None
         self._wake = asyncio.Event()
         self._evictions: collections.deque[float] = collections.deque()
+        self.kv_blocks = (KvBlockTracker(config.pool, config.pod, config.kv_events_max_blocks, config.report_ttl_s,
+                                         wall_clock) if config.kv_events_endpoint else None)
 
     def wake(self) -> None:
         """Run a pass now (a change notice arrived, an action ended)."""
@@ -136,9 +142,18 @@ class Sidecar:
             pass  # a draining row not published starts no grace: nothing leaves until routers could know
         else:
             self.reconciler.announced({a.served_name for a in report.adapters if a.draining})
+        await self._publish_blocks(report)
         self.metrics.redis_connected.set(1 if self.bus.connected else 0)
         self.last_report = report
         return report
+
+    async def _publish_blocks(self, report: ResidencyReport) -> None:
+        """Publish the prefix-cache block set, keyed by the digests this report vouches for."""
+        if self.kv_blocks is None:
+            return
+        self.kv_blocks.set_digests({a.served_name: a.digest for a in report.adapters})
+        with contextlib.suppress(RedisUnavailable):
+            await self.bus.publish_blocks(self.kv_blocks.block_set())
 
     def _recent_evictions(self) -> int:
         horizon = self._clock() - _EVICTION_WINDOW_S
@@ -206,6 +221,8 @@ class Sidecar:
     async def run(self, stop: asyncio.Event) -> None:
         """Pass after pass until ``stop`` is set: every heartbeat, on change notices and when actions end."""
         watcher = asyncio.create_task(self.bus.watch_targets(self.wake, stop))
+        events = (asyncio.create_task(subscribe(self.config.kv_events_endpoint, self.kv_blocks, stop))
+                  if self.kv_blocks is not None and self.config.kv_events_endpoint else None)
         changed = self.reconciler.changed
         try:
             while not stop.is_set():
@@ -221,7 +238,9 @@ class Sidecar:
                     for w in waits:
                         w.cancel()
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for task in (watcher, events):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await self.reconciler.cancel()
