@@ -154,6 +154,15 @@ class AdapterResidency(PayloadModel):
     )
 
 
+class LoadCosts(PayloadModel):
+    """Seconds a pod takes to make an adapter servable from each tier, as its sidecar measured them (mean of its
+    recent load stages); None where it has no measurement (the picker's cost model then uses its defaults)."""
+
+    cpu: float | None = Field(default=None, ge=0, description="host -> GPU activation")
+    disk: float | None = Field(default=None, ge=0, description="local disk -> GPU (read, parse, activate)")
+    fetch: float | None = Field(default=None, ge=0, description="not on the pod: resolve, download, verify, load")
+
+
 class PodLoad(PayloadModel):
     """Load of one model server, scraped from its metrics (GIE model-server protocol names)."""
 
@@ -166,6 +175,9 @@ class PodLoad(PayloadModel):
     max_gpu_bytes: int | None = Field(default=None, ge=0, description="adapter bytes the GPU slots hold; None: slots only")
     max_cpu_bytes: int | None = Field(default=None, ge=0, description="adapter bytes the host cache holds; None: slots only")
     recent_evictions: int = Field(default=0, ge=0, description="evictions in the last minute")
+    load_seconds: LoadCosts | None = Field(
+        default=None, description="measured load cost per tier (the picker's predicted-TTFT scorer reads it)"
+    )
 
 
 class ResidencyReport(PayloadModel):

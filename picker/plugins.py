@@ -265,6 +265,48 @@ def tenant_priority_scorer(_params: _NoParameters) -> Scorer:
     return run
 
 
+class PredictedTtftParameters(ApiModel):
+    """The cost model: seconds until a request's first token on each endpoint (defaults where pods measure nothing)."""
+
+    #: requests a pod runs in one batch before new ones queue
+    batch_slots: float = Field(default=16.0, gt=0)
+    #: mean seconds one request holds a batch slot (a queued request waits this per batch ahead of it)
+    service_seconds: float = Field(default=0.5, gt=0)
+    #: load cost of the revision at each tier when the pod reports no measurement (GPU costs nothing)
+    cpu_load_seconds: float = Field(default=0.02, ge=0)
+    disk_load_seconds: float = Field(default=0.25, ge=0)
+    fetch_load_seconds: float = Field(default=3.0, ge=0)
+    #: how much of a load's time counts against each request already running there (the batch stalls meanwhile)
+    stall_weight: float = Field(default=0.25, ge=0)
+
+
+def predicted_ttft(params: PredictedTtftParameters, request: SchedulingRequest, pool: PoolSnapshot) -> FloatArray:
+    """Predicted seconds to first token per endpoint (the part that differs between endpoints).
+
+    queue wait: the batches ahead, from the larger of the reported (running + waiting) and the picker's in-flight
+    count; plus the revision's load cost at the tier it holds there (0 on GPU; measured CPU / disk / fetch costs
+    from the pod's report, else the defaults); plus ``stall_weight`` x that cost for each request already running
+    there (a load stalls the batch). A warm pod wins until its queue wait outgrows a colder pod's load cost.
+    """
+    load = np.maximum(pool.running + pool.queue_depth, pool.in_flight)
+    wait = np.maximum(load + 1.0 - params.batch_slots, 0.0) * (params.service_seconds / params.batch_slots)
+    if request.served_name is None:
+        return wait
+    defaults = np.asarray([0.0, params.cpu_load_seconds, params.disk_load_seconds, params.fetch_load_seconds])
+    costs = np.where(np.isnan(pool.load_seconds), defaults, pool.load_seconds)
+    levels = np.full(pool.size, 3, dtype=np.intp)
+    entry = pool.lookup(request.served_name, request.digest)
+    if entry is not None:
+        levels[entry.indices] = entry.levels
+    load_cost = costs[pool.all_indices, levels]
+    return wait + load_cost * (1.0 + params.stall_weight * pool.running)
+
+
+def predicted_ttft_scorer(params: PredictedTtftParameters) -> Scorer:
+    """``1 / (1 + predicted TTFT in seconds)``: the fastest predicted first token scores highest."""
+    return lambda request, pool, _cycle: 1.0 / (1.0 + predicted_ttft(params, request, pool))
+
+
 class PluginKind(StrEnum):
     """What a plugin type is: where in a request's life it runs."""
 
@@ -330,5 +372,6 @@ for _name, _parameters, _factory, _snapshot_only in (
     ("active-tokens-scorer", _NoParameters, _load_scorer("active_tokens"), True),
     ("evictions-scorer", _NoParameters, _load_scorer("recent_evictions"), True),
     ("kv-usage-scorer", _NoParameters, kv_usage_scorer, True),
+    ("predicted-ttft-scorer", PredictedTtftParameters, predicted_ttft_scorer, False),
 ):
     register(_name, PluginType(PluginKind.SCORER, _parameters, _factory, _snapshot_only))

@@ -17,7 +17,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from loraplane.api import AdapterResidency, ResidencyReport, Tier, validation
+from loraplane.api import AdapterResidency, LoadCosts, ResidencyReport, Tier, validation
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
@@ -25,6 +25,7 @@ BoolArray = npt.NDArray[np.bool_]
 T = TypeVar("T")
 
 _MISSING = object()
+NAN = float("nan")
 
 #: Memory a snapshot's memo may hold (entries are whole-pool vectors of 1-8 bytes per endpoint).
 MEMO_BYTES = 4 << 20
@@ -43,6 +44,8 @@ class EndpointState:
     active_tokens: int = 0
     kv_utilization: float = 0.0
     recent_evictions: int = 0
+    #: measured seconds to make an adapter servable from (CPU, disk, not on the pod); NaN: not measured
+    load_seconds: tuple[float, float, float] = (NAN, NAN, NAN)
     #: served name -> (tier, digest the runtime loaded); entries without a digest never count as warm.
     residency: Mapping[str, tuple[Tier, str | None]] = field(default_factory=dict)
     #: served names in ``residency`` that are leaving this pod (the sidecar will unload them): not resident here.
@@ -97,6 +100,10 @@ class PoolSnapshot:
         self.kv_utilization: FloatArray = np.fromiter((e.kv_utilization for e in self.endpoints), np.float64, n)
         self.recent_evictions: FloatArray = np.fromiter((e.recent_evictions for e in self.endpoints), np.float64, n)
         self.in_flight: FloatArray = np.zeros(n, dtype=np.float64)
+        #: per endpoint, seconds to make a revision servable from tier level 0 (GPU: 0), 1, 2, 3 (absent); NaN where
+        #: the pod reported no measurement
+        self.load_seconds: FloatArray = np.zeros((n, 4), dtype=np.float64)
+        self.load_seconds[:, 1:] = [e.load_seconds for e in self.endpoints] if n else np.empty((0, 3))
         #: GPU-resident revisions with a positive route priority (gold) on each endpoint.
         self.protected_warm: FloatArray = np.zeros(n, dtype=np.float64)
         self._priorities = priorities
@@ -148,6 +155,7 @@ class PoolSnapshot:
         self.queue_depth[index], self.running[index] = state.queue_depth, state.running
         self.active_tokens[index], self.kv_utilization[index] = state.active_tokens, state.kv_utilization
         self.recent_evictions[index] = state.recent_evictions
+        self.load_seconds[index, 1:] = state.load_seconds
         if (old.stale, old.residency, old.draining) != (state.stale, state.residency, state.draining):
             self._reindex(index, old, state)
         self._derive_flags()
@@ -259,9 +267,16 @@ def endpoint_from_report(report: ResidencyReport, address: str | None = None) ->
         active_tokens=load.active_tokens,
         kv_utilization=load.kv_utilization,
         recent_evictions=load.recent_evictions,
+        load_seconds=_load_seconds(load.load_seconds),
         residency={a.served_name: (a.tier, a.digest) for a in report.adapters if _servable(a)},
         draining=frozenset(a.served_name for a in report.adapters if a.draining),
     )
+
+
+def _load_seconds(costs: LoadCosts | None) -> tuple[float, float, float]:
+    if costs is None:
+        return (NAN, NAN, NAN)
+    return tuple(NAN if v is None else v for v in (costs.cpu, costs.disk, costs.fetch))  # type: ignore[return-value]
 
 
 def _servable(adapter: AdapterResidency) -> bool:
