@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
-import msgpack
+import asyncio
+import time
+from pathlib import Path
 
+import msgpack
+import redis.asyncio as aioredis
+import zmq
+
+from e2e.fixtures.processes import free_port
+from loraplane.api import KvBlockSet, TargetState, Tier, keys
 from loraplane.picker.prefix import PreciseIndex, PrefixHasher
+from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
+from loraplane.sidecar.bus import RedisBus
+from loraplane.sidecar.cache import DiskCache, StageTimings
+from loraplane.sidecar.drivers import make_driver
+from loraplane.sidecar.drivers.base import RuntimeInfo
 from loraplane.sidecar.kv_events import KvBlockTracker
+from loraplane.sidecar.metrics import SidecarMetrics
+from loraplane.sidecar.reconcile import Reconciler
+from loraplane.sidecar.service import Sidecar, SidecarConfig
+from tests.sidecar.adapters import sha256_of, target_for, write_weights
 
 D17 = "sha256:" + "1" * 64
 TOKENS = [256, *range(65, 65 + 15)]  # BOS and 15 letters: 4 blocks of 4
@@ -56,3 +73,45 @@ def test_unknown_parents_gaps_and_bounds() -> None:
     assert t.resets == 1 and len(t) == 1
     t.message(8, batch(stored([51, 52, 53, 54, 55, 56, 57], None, TOKENS + TOKENS[:12], None)))
     assert len(t) == 6 and t.dropped == 2 and t.block_set().dropped_blocks == 2
+
+
+async def test_sidecar_publishes_the_block_set_with_its_reports_digests(tmp_path: Path, redis_srv) -> None:
+    """The wiring: the sidecar subscribes to the publisher, keys blocks by its report rows' digests, writes the set."""
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    weights = write_weights(artifacts / "w.safetensors")
+    target = target_for(f"file://{weights}", sha256_of(weights), tier=Tier.DISK)
+    cache = DiskCache(tmp_path / "cache", 1 << 30, ArtifactSources(SourceConfig(file_roots=(artifacts,))))
+    cache.fetch(target, keep=(), timings=StageTimings())
+    endpoint = f"ipc://{tmp_path / 'kv.sock'}"
+    publisher = zmq.Context.instance().socket(zmq.PUB)  # where vLLM binds its publisher
+    publisher.bind(endpoint)
+    driver = make_driver("engine", f"http://127.0.0.1:{free_port()}", RuntimeInfo(base_model=""))
+    bus = RedisBus(redis_srv.url, "pool-a", "pod-0")
+    sidecar = Sidecar(SidecarConfig("pool-a", "pod-0", "10.0.0.1:8000", "engine", heartbeat_s=0.1,
+                                    kv_events_endpoint=endpoint),
+                      Reconciler(driver, cache, SidecarMetrics()), bus)
+    client = aioredis.Redis.from_url(redis_srv.url)
+    stop = asyncio.Event()
+    state = TargetState(pool="pool-a", pod="pod-0", generation=1, adapters=[target], updated_at=time.time())
+    await client.set(keys.target_state("pool-a", "pod-0"), state.to_json())
+    running = asyncio.create_task(sidecar.run(stop))
+    try:
+        published, seq = None, 0
+        async with asyncio.timeout(20):
+            while published is None or target.served_name not in published.by_name():
+                seq += 1  # resent until the SUB socket has connected (a PUB drops what it sends before)
+                publisher.send_multipart([b"", seq.to_bytes(8, "big"),
+                                          batch(stored([11], None, TOKENS[:4], target.served_name))])
+                await asyncio.sleep(0.2)
+                raw = await client.get(keys.kv_blocks("pool-a", "pod-0"))
+                published = KvBlockSet.from_json(raw) if raw else None
+        assert published.by_name()[target.served_name].digest == target.artifact.digest
+        assert await client.pttl(keys.kv_blocks("pool-a", "pod-0")) > 0
+    finally:
+        stop.set()
+        await running
+        publisher.close(linger=0)
+        await driver.close()
+        await bus.close()
+        await client.aclose()
