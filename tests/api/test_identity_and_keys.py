@@ -57,6 +57,8 @@ def test_keys_share_the_pool_hash_tag() -> None:
         keys.target_changed_channel("pool-a"),
         keys.residency_changed_channel("pool-a"),
         keys.routes_changed_channel("pool-a"),
+        keys.kv_blocks("pool-a", "pod-1"),
+        keys.kv_blocks_changed_channel("pool-a"),
     ]
     assert all(n.startswith("loraplane:{pool-a}:") for n in names)
     assert len(set(names)) == len(names)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
+import redis.asyncio as aioredis
 
-from loraplane.api import AdapterBlocks, KvBlockSet
+from loraplane.api import AdapterBlocks, KvBlockSet, keys
 from loraplane.picker.prefix import ApproximateIndex, PreciseIndex, PrefixHasher, prompt_text
 
 D17, D18 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
@@ -135,3 +137,27 @@ def test_hashing_benchmark_prints_json() -> None:
                          check=True)
     figures = json.loads(out.stdout)
     assert figures["body_bytes"] == 65536 and figures["blocks"] == 1024 and figures["median_ms"] > 0
+
+
+async def test_precise_index_refresh_reads_redis_and_drops_foreign_sets(redis_srv) -> None:
+    hasher = PrefixHasher(block_size=4, tokenizer=lambda s: [ord(c) for c in s])
+    request = hasher.hash_text(None, None, "abcdefgh")
+    blocks = [AdapterBlocks(block_hashes=[h.hex() for h in request.hashes])]
+    client = aioredis.Redis.from_url(redis_srv.url)
+    index = PreciseIndex()
+    try:
+        good = KvBlockSet(pool="pool-a", pod="pod-0", block_size=4, heartbeat_at=time.time(), adapters=blocks)
+        await client.set(keys.kv_blocks("pool-a", "pod-0"), good.to_json())
+        foreign = good.model_copy(update={"pod": "pod-9"})  # a set written under another pod's key
+        await client.set(keys.kv_blocks("pool-a", "pod-1"), foreign.to_json())
+        other_scheme = good.model_copy(update={"pod": "pod-2", "hash_scheme": "other/2"})
+        await client.set(keys.kv_blocks("pool-a", "pod-2"), other_scheme.to_json())
+        await client.set(keys.kv_blocks("pool-a", "pod-3"), b"{not json")
+        pods = ["pod-0", "pod-1", "pod-2", "pod-3", "pod-4"]
+        await index.refresh(client, "pool-a", pods)
+        assert index.match(pods, request).tolist() == [2, 0, 0, 0, 0]
+        await client.delete(keys.kv_blocks("pool-a", "pod-0"))
+        await index.refresh(client, "pool-a", pods)
+        assert index.match(pods, request).tolist() == [0, 0, 0, 0, 0]  # gone from Redis: forgotten
+    finally:
+        await client.aclose()
