@@ -527,7 +527,9 @@ class Exchange:
         """Schedule and send; with flow control on, a request with no unsaturated candidate waits in the queue."""
         flow = self.ctx.flow_control if self.deliver is not None else None
         if flow is None:
-            return then(self._send(request, route, self._decide(request, may_wait=False)))
+            decision = self._decide(request, may_wait=False)
+            assert decision is not None  # without may_wait the scheduler's answer or its error
+            return then(self._send(request, route, decision))
         decision = None if flow.busy(request.priority) else self._decide(request, may_wait=True)
         if decision is None:
             flow.hold(self, request.priority, self._fairness_key(request))

@@ -16,8 +16,12 @@ In-flight accounting is one (always present, first), per-tenant fair share anoth
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 from pydantic import Field
@@ -35,11 +39,12 @@ from loraplane.picker.plugins import (
 from loraplane.picker.snapshot import InFlightTracker
 
 
-class Cancellable:
+class Cancellable(Protocol):
     """What ``call_later`` returns (``asyncio.TimerHandle`` has this shape)."""
 
     def cancel(self) -> None:
         """Stop the call from happening."""
+        ...
 
 
 #: ``call_later(delay_seconds, callback)``: a wake-up on the process's clock (the event loop's, or a test's)
@@ -49,6 +54,55 @@ CallLater = Callable[[float, Callable[[], None]], Cancellable]
 def loop_call_later(delay: float, callback: Callable[[], None]) -> Cancellable:
     """``call_later`` on the running event loop."""
     return asyncio.get_running_loop().call_later(delay, callback)
+
+
+class _Timer:
+    __slots__ = ("cancelled",)
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualTimers:
+    """A clock and ``call_later`` that someone else drives (tests, the simulator's event loop).
+
+    ``run_due(now)`` moves the clock to ``now`` and runs every callback due by then, in time order (callbacks may
+    schedule more); ``next_due()`` says when the next one is.
+    """
+
+    def __init__(self, now: float = 0.0) -> None:
+        """Start the clock at ``now``."""
+        self.now = now
+        self._due: list[tuple[float, int, Callable[[], None], _Timer]] = []
+        self._seq = itertools.count()
+
+    def clock(self) -> float:
+        """The current time."""
+        return self.now
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Cancellable:
+        """Run ``callback`` once the clock reaches now + ``delay``."""
+        timer = _Timer()
+        heapq.heappush(self._due, (self.now + delay, next(self._seq), callback, timer))
+        return timer
+
+    def next_due(self) -> float:
+        """When the earliest pending callback is due (``inf`` when none is)."""
+        while self._due and self._due[0][3].cancelled:
+            heapq.heappop(self._due)
+        return self._due[0][0] if self._due else math.inf
+
+    def run_due(self, now: float) -> None:
+        """Advance to ``now``, running what is due on the way."""
+        while self.next_due() <= now:
+            at, _, callback, timer = heapq.heappop(self._due)
+            self.now = max(self.now, at)
+            if not timer.cancelled:
+                callback()
+        self.now = max(self.now, now)
 
 
 @dataclass

@@ -356,15 +356,14 @@ def plugin_type(name: str) -> PluginType:
     return found
 
 
-for _name, _parameters, _factory in (
+_BUILT_IN_FILTERS: list[tuple[str, type[FilterParameters], Callable[..., Filter]]] = [
     ("subset-hint-filter", FilterParameters, subset_hint_filter),
     ("ready-filter", FilterParameters, ready_filter),
     ("staleness-filter", FilterParameters, staleness_filter),
     ("residency-filter", FilterParameters, residency_filter),
     ("saturation-filter", SaturationFilterParameters, saturation_filter),
-):
-    register(_name, PluginType(PluginKind.FILTER, _parameters, _factory))
-for _name, _parameters, _factory, _snapshot_only in (
+]
+_BUILT_IN_SCORERS: list[tuple[str, type[ApiModel], Callable[..., Scorer], bool]] = [
     ("residency-affinity-scorer", AffinityParameters, residency_affinity_scorer, False),
     ("tenant-priority-scorer", _NoParameters, tenant_priority_scorer, False),
     ("in-flight-scorer", _NoParameters, _load_scorer("in_flight"), False),
@@ -373,5 +372,8 @@ for _name, _parameters, _factory, _snapshot_only in (
     ("evictions-scorer", _NoParameters, _load_scorer("recent_evictions"), True),
     ("kv-usage-scorer", _NoParameters, kv_usage_scorer, True),
     ("predicted-ttft-scorer", PredictedTtftParameters, predicted_ttft_scorer, False),
-):
-    register(_name, PluginType(PluginKind.SCORER, _parameters, _factory, _snapshot_only))
+]
+for _filter in _BUILT_IN_FILTERS:
+    register(_filter[0], PluginType(PluginKind.FILTER, *_filter[1:]))
+for _scorer in _BUILT_IN_SCORERS:
+    register(_scorer[0], PluginType(PluginKind.SCORER, *_scorer[1:]))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,7 +14,7 @@ from loraplane.picker.flowcontrol import (
     PickerStoppingError,
     QueueFullError,
 )
-from loraplane.picker.lifecycle import Lifecycle, PluginRuntime
+from loraplane.picker.lifecycle import Lifecycle, ManualTimers, PluginRuntime
 from loraplane.picker.plugins import SchedulingError
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import InFlightTracker
@@ -26,35 +23,11 @@ from tests.picker.conftest import BUFFERED, REQUEST_HEADERS, body, header_map, h
 COMPLETION = b'{"model": "claims", "prompt": "hi"}'
 
 
-class Timer:
-    def __init__(self) -> None:
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-class FakeLoop:
-    """A clock and ``call_later`` the test advances by hand."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._due: list[tuple[float, int, Callable[[], None], Timer]] = []
-        self._seq = itertools.count()
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
-        timer = Timer()
-        heapq.heappush(self._due, (self.now + delay, next(self._seq), callback, timer))
-        return timer
+class FakeLoop(ManualTimers):
+    """The queue's clock, advanced by the test."""
 
     def advance(self, seconds: float = 0.0) -> None:
-        until = self.now + seconds
-        while self._due and self._due[0][0] <= until:
-            at, _, callback, timer = heapq.heappop(self._due)
-            self.now = at
-            if not timer.cancelled:
-                callback()
-        self.now = until
+        self.run_due(self.now + seconds)
 
 
 @dataclass(eq=False)
@@ -79,7 +52,7 @@ class Request:
 
 def make_queue(**params: object) -> tuple[FlowControl, FakeLoop]:
     loop = FakeLoop()
-    runtime = PluginRuntime(InFlightTracker(), lambda: loop.now, loop.call_later)
+    runtime = PluginRuntime(InFlightTracker(), loop.clock, loop.call_later)
     return FlowControl(FlowControlParameters.model_validate(params), runtime), loop
 
 
@@ -180,7 +153,7 @@ def flow_context(**params: object) -> tuple[PickerContext, FakeLoop]:
     ctx, _ = make_context()
     ctx.scheduler = Scheduler(EndpointPickerConfig.model_validate(ONE_IN_FLIGHT))
     loop = FakeLoop()
-    runtime = PluginRuntime(ctx.tracker, lambda: loop.now, loop.call_later)
+    runtime = PluginRuntime(ctx.tracker, loop.clock, loop.call_later)
     ctx.lifecycle = Lifecycle.from_specs(runtime, [("flow-control", dict(params))])
     return ctx, loop
 
