@@ -37,7 +37,7 @@ from loraplane.controller.placement import PlacementConfig, TenantBudget
 from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.queue import ShutDown, WorkQueue
-from loraplane.controller.rollout import ProbeRequest, ProbeResult, record_terminal_error
+from loraplane.controller.rollout import Event, ProbeRequest, ProbeResult, record_terminal_error
 from loraplane.controller.store import RedisStore
 from loraplane.kube import Informer, Key, SelectorError, object_key, pool_members
 
@@ -366,10 +366,13 @@ class Controller:
             self.metrics.redis_writes.inc(self.store.writes - writes_before)
             self.metrics.redis_repairs.inc(self.store.repairs - repairs_before)
         stored = {object_key(o): rev.status for o, rev in revisions}
-        for key, rp in plan.revisions.items():
-            await self._write_back(objects[key], rp.status, finalize=rp.finalize, stored=stored[key])
+        # one object's writes stay in order; different objects' go out side by side (each call blocks a thread)
+        await asyncio.gather(*(self._write_back(objects[key], rp.status, finalize=rp.finalize, stored=stored[key])
+                               for key, rp in plan.revisions.items()))
+        events: dict[Key, list[Event]] = {}
         for key, event in plan.events:
-            await self._post_event(objects[key], event.type, event.reason, event.message)
+            events.setdefault(key, []).append(event)
+        await asyncio.gather(*(self._post_events(objects[key], listed) for key, listed in events.items()))
         for key, request in plan.probes:
             self._start_probe(pool, next(rev for o, rev in revisions if object_key(o) == key), request)
 
@@ -410,11 +413,13 @@ class Controller:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass sees the new object
                 log.warning("writing %s failed: %s %s", obj["metadata"]["name"], exc.status, exc.reason)
 
-    async def _post_event(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-        try:
-            await self.kube.event(obj, type_, reason, message)
-        except ApiException as exc:
-            log.warning("posting event %s on %s failed: %s", reason, obj["metadata"]["name"], exc.status)
+    async def _post_events(self, obj: dict[str, Any], events: list[Event]) -> None:
+        """Post one object's Events, in order."""
+        for event in events:
+            try:
+                await self.kube.event(obj, event.type, event.reason, event.message)
+            except ApiException as exc:
+                log.warning("posting event %s on %s failed: %s", event.reason, obj["metadata"]["name"], exc.status)
 
     def _start_probe(self, pool: str, rev: AdapterRevision, request: ProbeRequest) -> None:
         key = (request.served_name, request.pod)
