@@ -204,6 +204,8 @@ class FlowControl(RequestPlugin):
 
     def dispatch(self) -> None:
         """One dispatch round: bands in order, keys in turn, until ``maxBlockedTries`` heads stayed blocked."""
+        if self._wake is not None:
+            self._wake.cancel()  # this round replaces the one that was due
         self._wake, self._wake_soon = None, False
         blocked = 0
         for band in Band:
