@@ -45,6 +45,7 @@ class EngineOptions:
     max_num_seqs: int = 16
     max_model_len: int = 512
     max_num_batched_tokens: int = 2048
+    scheduling_policy: str = "fcfs"
     eviction_policy: str = "lru"
     lora_modules: dict[str, Path] = field(default_factory=dict)
     adapter_root: Path | None = None
@@ -91,7 +92,8 @@ def build(options: EngineOptions, clock: Callable[[], float] = time.monotonic,
     tiers = AdapterTiers(model, options.max_loras, options.max_cpu_loras or options.max_loras, options.max_lora_rank,
                          POLICIES[options.eviction_policy](), clock=wall_clock,
                          on_evict=lambda _adapter, tier: metrics.evicted(tier))
-    limits = EngineLimits(options.max_num_seqs, options.max_model_len, options.max_num_batched_tokens)
+    limits = EngineLimits(options.max_num_seqs, options.max_model_len, options.max_num_batched_tokens,
+                          options.scheduling_policy)
     engine = Engine(model, tiers, load_tokenizer(model_dir, config.bos_token_id), metrics, limits, clock=clock, rng=rng,
                     load_read_threads=options.load_read_threads)
     metrics.bind(engine, wall_clock)

@@ -41,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host-memory adapter cache (default max-loras)")
     p.add_argument("--max-lora-rank", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="vLLM's: admit waiting requests in arrival order, or lower `priority` request values first")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
@@ -76,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model=args.model, seed=args.seed, served_model_name=args.served_model_name, dtype=args.dtype,
         device=args.device, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
         max_lora_rank=args.max_lora_rank, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, eviction_policy=args.eviction_policy,
+        max_num_batched_tokens=args.max_num_batched_tokens, scheduling_policy=args.scheduling_policy,
+        eviction_policy=args.eviction_policy,
         lora_modules=dict(args.lora_modules), adapter_root=args.adapter_root,
         allow_runtime_lora_updating=args.enable_lora_runtime_updating
         or os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),

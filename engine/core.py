@@ -63,6 +63,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    #: vLLM's request priority: with the ``priority`` scheduling policy a waiting request of a lower value is
+    #: admitted first (ties: arrival order); must be 0 under ``fcfs``
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class EngineLimits:
     max_num_seqs: int = 16
     max_model_len: int = 512
     max_num_batched_tokens: int = 2048
+    #: "fcfs" (arrival order) or "priority" (vLLM's ``--scheduling-policy``: lower ``priority`` values first)
+    scheduling_policy: str = "fcfs"
 
 
 def _slot_of(request: Request) -> int:
@@ -285,6 +290,8 @@ class Engine:
             )
         if params.temperature < 0 or not 0 < params.top_p <= 1:
             raise RequestError("temperature must be >= 0 and top_p in (0, 1]")
+        if params.priority and self.limits.scheduling_policy != "priority":
+            raise RequestError(f"Got priority {params.priority} but Priority scheduling is not enabled.")
         generator = None
         if params.temperature > 0:
             generator = torch.Generator().manual_seed(params.seed if params.seed is not None else self.rng.getrandbits(63))
@@ -347,7 +354,10 @@ class Engine:
         """This step's requests, each with True when it is prefilled now."""
         batch: list[tuple[Request, bool]] = [(r, False) for r in self.running]
         tokens = len(batch)
-        for request in list(self.waiting):
+        waiting = list(self.waiting)
+        if self.limits.scheduling_policy == "priority":
+            waiting.sort(key=lambda r: r.params.priority)  # stable: arrival order within a priority
+        for request in waiting:
             if len(batch) >= self.limits.max_num_seqs:
                 break
             adapter = request.adapter

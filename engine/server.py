@@ -75,6 +75,7 @@ class _SamplingBody(_Body):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    priority: int = 0
     n: int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -93,7 +94,7 @@ class _SamplingBody(_Body):
         return SamplingParams(
             max_tokens=self.max_tokens or self.max_completion_tokens or 16, temperature=self.temperature,
             top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=stop,
-            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, priority=self.priority,
         )
 
     @property
