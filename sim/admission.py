@@ -5,7 +5,8 @@ flow-control layer is specified: a request whose best endpoint is saturated wait
 standard, sheddable) with round-robin fair queuing over tenants inside a band, bounded by a per-band queue limit and
 a deadline, then is refused (429 sheddable, 503 otherwise). Held requests are dispatched when requests finish, by
 asking the router again (loraplane's picker prefers a pod where the revision is warm). It is the simulator's own
-model, not the picker's code: a picker queue plugin can replace it behind the same seam.
+model, not the picker's code. ``PickerFlowControl`` runs the picker's own queue (``loraplane.picker.flowcontrol``)
+behind the same seam, on the simulator's clock; ``FlowControlConfig.queue`` chooses.
 """
 
 from __future__ import annotations
@@ -14,31 +15,16 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum
 
+from loraplane.picker.flowcontrol import Band, Deadlines, FlowControl, FlowControlParameters, QueueLimits
+from loraplane.picker.lifecycle import InFlightRequest, ManualTimers, PluginRuntime
+from loraplane.picker.plugins import SchedulingError, SchedulingRequest
+from loraplane.picker.snapshot import InFlightTracker
 from loraplane.sim.cluster import Refused, Simulator
 
 #: a chooser answers the pod for a request now, or ``None`` when every candidate is saturated (hold it); it raises
 #: ``Refused`` when the request can never be placed
 Chooser = Callable[[float, int, Simulator], int | None]
-
-
-class Band(IntEnum):
-    """Priority bands, most important first (GIE convention: priority > 0 gold, < 0 sheddable)."""
-
-    GOLD = 0
-    STANDARD = 1
-    SHEDDABLE = 2
-
-    @classmethod
-    def of(cls, priority: int) -> Band:
-        """The band of a request of ``priority``."""
-        return cls.GOLD if priority > 0 else cls.SHEDDABLE if priority < 0 else cls.STANDARD
-
-    @property
-    def refusal_status(self) -> int:
-        """The HTTP status a refused request of this band gets."""
-        return 429 if self is Band.SHEDDABLE else 503
 
 
 @dataclass(frozen=True)
@@ -51,6 +37,12 @@ class FlowControlConfig:
     deadline_s: tuple[float, float, float] = (1.5, 1.5, 1.0)
     #: most held requests looked at per dispatch round that stay blocked (bounds a round's cost)
     max_blocked_tries: int = 8
+    #: ``sim``: ``SimFlowControl``; ``picker``: the picker's own queue (``PickerFlowControl``)
+    queue: str = "sim"
+
+    def __post_init__(self) -> None:
+        if self.queue not in QUEUES:
+            raise ValueError(f"unknown flow-control queue {self.queue!r}; choose from {', '.join(QUEUES)}")
 
 
 @dataclass
@@ -159,3 +151,113 @@ class SimFlowControl:
     def next_deadline(self) -> float:
         """The earliest deadline of a held request."""
         return min((q[0][1] for b in self._bands for q in b.by_tenant.values()), default=math.inf)
+
+
+#: what ``response_complete`` is told finished (the queue reads nothing of it)
+_FINISHED = InFlightRequest(SchedulingRequest(), "")
+
+
+class _SimWaiter:
+    """A request held in the picker's queue: dispatching it asks the chooser again on the simulator's clock."""
+
+    __slots__ = ("gate", "rid")
+
+    def __init__(self, gate: PickerFlowControl, rid: int) -> None:
+        self.gate = gate
+        self.rid = rid
+
+    def try_dispatch(self) -> bool:
+        return self.gate.offer(self.rid)
+
+    def refuse(self, error: SchedulingError) -> None:
+        self.gate.refuse(self.rid, error.status)
+
+
+class PickerFlowControl:
+    """The picker's ``FlowControl`` request plugin behind the simulator's ``Admission`` seam: its clock and
+    wake-ups are ``ManualTimers`` that the simulator moves; dispatch rounds run on finishes (as the picker's
+    ``response_complete`` does) and at its own wake-ups (retry interval, deadlines)."""
+
+    name = "picker-flow-control"
+
+    def __init__(self, choose: Chooser, priority_of: Callable[[int], int], tenant_of: Callable[[int], int],
+                 config: FlowControlConfig | None = None) -> None:  # fmt: skip
+        config = config or FlowControlConfig(queue="picker")
+        self._choose = choose
+        self._priority_of = priority_of
+        self._tenant_of = tenant_of
+        self._timers = ManualTimers()
+        self._sim: Simulator | None = None
+        limits, deadlines = config.queue_limit, config.deadline_s
+        params = FlowControlParameters(
+            queue_limit=QueueLimits(gold=limits[0], standard=limits[1], sheddable=limits[2]),
+            deadline_seconds=Deadlines(gold=deadlines[0], standard=deadlines[1], sheddable=deadlines[2]),
+            max_blocked_tries=config.max_blocked_tries,
+        )
+        runtime = PluginRuntime(InFlightTracker(), self._timers.clock, self._timers.call_later)
+        self.queue = FlowControl(params, runtime)
+
+    @property
+    def held(self) -> int:
+        """Requests waiting in the picker's queue."""
+        return self.queue.size
+
+    def held_in(self, band: Band) -> int:
+        """Requests waiting in ``band``."""
+        return self.queue.held_in(band)
+
+    def offer(self, rid: int) -> bool:
+        """The waiter's ``try_dispatch``: True when ``rid`` was sent or refused, False while it must wait."""
+        sim = self._sim
+        assert sim is not None
+        try:
+            pod = self._choose(sim.now, rid, sim)
+        except Refused as refusal:
+            sim.refuse(rid, refusal.status)
+            return True
+        if pod is None:
+            return False
+        sim.dispatch(rid, pod)
+        return True
+
+    def refuse(self, rid: int, status: int) -> None:
+        """The waiter's ``refuse``."""
+        assert self._sim is not None
+        self._sim.refuse(rid, status)
+
+    def _advance(self, now: float, sim: Simulator) -> None:
+        self._sim = sim
+        self._timers.run_due(now)
+
+    def arrive(self, now: float, rid: int, sim: Simulator) -> None:
+        """As the picker: straight through unless its band or a higher one waits or it must wait; else hold."""
+        self._advance(now, sim)
+        priority = self._priority_of(rid)
+        if not self.queue.busy(priority) and self.offer(rid):
+            return
+        try:
+            self.queue.hold(_SimWaiter(self, rid), priority, str(self._tenant_of(rid)))
+        except SchedulingError as exc:
+            sim.refuse(rid, exc.status)
+        self._timers.run_due(now)  # the round ``hold`` asks for at once
+
+    def capacity_freed(self, now: float, sim: Simulator) -> None:
+        """A finish: the picker's ``response_complete`` (a dispatch round at once)."""
+        self._advance(now, sim)
+        self.queue.response_complete(_FINISHED)
+        self._timers.run_due(now)
+
+    def expire(self, now: float, sim: Simulator) -> None:
+        """Run the queue's wake-ups due by ``now`` (deadlines, retry rounds)."""
+        self._advance(now, sim)
+
+    def next_deadline(self) -> float:
+        """The queue's next wake-up."""
+        return self._timers.next_due()
+
+
+#: ``FlowControlConfig.queue`` -> the gate it builds
+QUEUES: dict[str, Callable[..., SimFlowControl | PickerFlowControl]] = {
+    "sim": SimFlowControl,
+    "picker": PickerFlowControl,
+}

@@ -66,9 +66,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS,
                    help="TTFT a served request must meet for slo_attainment")  # fmt: skip
-    p.add_argument("--flow-control", action="store_true",
-                   help="loraplane only: hold requests whose endpoints are saturated in the in-simulator picker "
-                   "queue (bands, per-tenant fairness, deadline, then 429/503)")  # fmt: skip
+    p.add_argument("--flow-control", nargs="?", const="sim", choices=["sim", "picker"],
+                   help="loraplane only: hold requests whose endpoints are saturated or have no room in a queue "
+                   "(bands, per-tenant fairness, deadline, then 429/503): the simulator's (sim, the default) or "
+                   "the picker's own flow-control plugin (picker)")  # fmt: skip
     p.add_argument("--jobs", type=_positive, help="worker processes (default: one per CPU it may use)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write ttft_cdf.png and cold_starts.png into DIR")
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ProfileError, TraceError, ValueError) as exc:
         err.print(f"loraplane sim: {exc}", markup=False)
         return 2
-    flow_control = FlowControlConfig() if args.flow_control else None
+    flow_control = FlowControlConfig(queue=args.flow_control) if args.flow_control else None
     if args.save_trace is not None:
         args.save_trace.write_text(trace.to_csv())
     if len(trace) >= PROGRESS_MIN_REQUESTS and err.is_terminal:

@@ -35,7 +35,7 @@ from loraplane.picker.scheduler import (
     SchedulingError,
 )
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
-from loraplane.sim.admission import FlowControlConfig, SimFlowControl
+from loraplane.sim.admission import QUEUES, FlowControlConfig
 from loraplane.sim.baselines import BASELINES
 from loraplane.sim.cluster import Admission, Eviction, Placement, Pod, Refused, Router, SimConfig, Simulator
 from loraplane.sim.profile import Profile
@@ -298,15 +298,16 @@ def build_policy(
     picker_config: Path | None = None,
     flow_control: FlowControlConfig | None = None,
 ) -> Policy:
-    """The named policy, ready for a ``Simulator``; ``flow_control`` puts ``SimFlowControl`` in front of
-    loraplane's picker (the baselines have no queue, as in the field)."""
+    """The named policy, ready for a ``Simulator``; ``flow_control`` puts a flow-control queue (the simulator's
+    or the picker's, ``FlowControlConfig.queue``) in front of loraplane's picker (the baselines have no queue, as
+    in the field)."""
     if name == LORAPLANE:
         scheduler = Scheduler(picker_config_for(profile, picker_config))
         router = PickerRouter(seed, trace, profile, scheduler)
         admission = None
         if flow_control is not None:
             tenants = trace.tenants
-            admission = SimFlowControl(
+            admission = QUEUES[flow_control.queue](
                 router.choose, lambda rid: tenants[trace.tenant[rid]].priority, trace.tenant.__getitem__, flow_control
             )
         return Policy(
