@@ -117,6 +117,13 @@ def rewrite_request_model(body: bytes, parsed: ParsedBody, new_model: str) -> by
     return orjson.dumps({**parsed.document, "model": new_model})  # ambiguous: re-serialise
 
 
+def set_request_field(body: bytes, name: str, value: object) -> bytes:
+    """``body`` (a JSON object the picker parsed) with its top-level ``name`` set to ``value``."""
+    document = orjson.loads(body)
+    document[name] = value
+    return orjson.dumps(document)
+
+
 @lru_cache(maxsize=4096)
 def _response_pattern(served_name: str) -> re.Pattern[bytes]:
     return re.compile(rb'("model"\s*:\s*")' + re.escape(orjson.dumps(served_name)[1:-1]) + rb'"')

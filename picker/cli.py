@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--session-header", default="x-session-id", help="header keeping a user on one canary side")
     p.add_argument("--no-response-rewrite", action="store_true", help="leave the served name in response bodies")
+    p.add_argument("--runtime-priority", action="store_true",
+                   help="write each request's priority into its body as vLLM's `priority` (minus the GIE priority: "
+                        "lower is served first), replacing the client's; for pools run with --scheduling-policy priority")
     p.add_argument("--no-destination-fallbacks", action="store_true",
                    help="send one address in x-gateway-destination-endpoint (plain Envoy ORIGINAL_DST clusters)")
     p.add_argument("--body-mode", choices=sorted(BODY_MODES), default="full-duplex-streamed",
@@ -112,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings=PickerSettings(
             args.max_body_bytes, args.session_header, not args.no_response_rewrite, not args.no_destination_fallbacks,
             body_mode=BODY_MODES[args.body_mode], unknown_models_to_base=args.unknown_models_to_base,
-            passthrough_parser=args.passthrough_parser,
+            passthrough_parser=args.passthrough_parser, runtime_priority=args.runtime_priority,
         ),
         seed=args.seed,
         fair_share_factor=args.fair_share_factor,

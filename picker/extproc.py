@@ -31,6 +31,7 @@ from loraplane.picker.body import (
     parse_body,
     rewrite_request_model,
     rewrite_response_model,
+    set_request_field,
     validate_api_fields,
 )
 from loraplane.picker.flowcontrol import FlowControl
@@ -101,6 +102,9 @@ class PickerSettings:
     passthrough_parser: bool = False
     #: a non-SSE response body is collected for the ``model`` rewrite up to this size, then passed through as is
     max_response_rewrite_bytes: int = 16 << 20
+    #: write the request's priority into the body as vLLM's ``priority`` (lower served first: minus the GIE
+    #: priority), replacing whatever the client sent; for pools whose runtimes run ``--scheduling-policy priority``
+    runtime_priority: bool = False
 
     @cached_property
     def control_headers(self) -> frozenset[str]:
@@ -481,6 +485,8 @@ class Exchange:
             new_body = body if target == parsed.model else rewrite_request_model(body, parsed, target)
             if target != parsed.model and self.ctx.settings.rewrite_response_model:
                 self.response_names = (target, parsed.model)
+            if self.ctx.settings.runtime_priority:
+                new_body = set_request_field(new_body, "priority", -request.priority)
         return self._route(request, route, lambda decision: self._routed_body(decision, body, new_body, reassembled))
 
     def _routed_body(self, decision: Decision, body: bytes, new_body: bytes, reassembled: bool) -> list[Wire]:

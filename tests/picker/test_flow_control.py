@@ -207,3 +207,18 @@ def test_without_a_transport_that_can_answer_later_or_with_the_switch_off_nothin
         send(ctx)
     assert send(ctx)[1][0].WhichOneof("response") == "request_body"  # the saturated pool still routes
     assert ctx.flow_control is None
+
+
+@pytest.mark.parametrize(("extra", "body_priority"), [((), 0), ((("x-gateway-inference-objective", "sheddable"),), 1)])
+def test_runtime_priority_writes_vllms_priority_over_the_clients(extra: tuple[tuple[str, str], ...],
+                                                                  body_priority: int) -> None:
+    import json
+
+    from loraplane.picker.extproc import PickerSettings
+
+    ctx, _ = make_context(PickerSettings(runtime_priority=True))
+    exchange = Exchange(ctx)
+    exchange.handle(headers([*REQUEST_HEADERS, *extra], body_mode=BUFFERED))
+    (encoded,) = exchange.handle(body(b'{"model": "claims", "prompt": "hi", "priority": -99}'))
+    sent = json.loads(pb.ProcessingResponse.FromString(encoded).request_body.response.body_mutation.body)
+    assert sent["priority"] == body_priority and sent["model"] == "claims@v1"
