@@ -120,35 +120,9 @@ def inference_pool_crd() -> dict[str, Any]:
             },
         }}},
     }
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": "inferencepools.inference.networking.k8s.io"},
-        "spec": {
-            "group": "inference.networking.k8s.io",
-            "scope": "Namespaced",
-            "names": {"kind": "InferencePool", "listKind": "InferencePoolList", "plural": "inferencepools",
-                      "singular": "inferencepool", "shortNames": ["infpool"]},
-            "versions": [{
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "InferencePool is the Schema for the InferencePools API.",
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "metadata": {"type": "object"},
-                        "spec": spec_schema,
-                        "status": status_schema,
-                    },
-                    "required": ["spec"],
-                }},
-            }],
-        },
-    }
+    return _namespaced_crd(
+        "inference.networking.k8s.io", "v1", "InferencePool", "inferencepools", spec_schema, status_schema,
+        short_names=["infpool"], description="InferencePool is the Schema for the InferencePools API.")
 
 
 def inference_objective_crd() -> dict[str, Any]:
@@ -165,33 +139,43 @@ def inference_objective_crd() -> dict[str, Any]:
             }},
         },
     }
+    status_schema = {"type": "object", "properties": {
+        "conditions": {"type": "array", "maxItems": 8, "items": _CONDITION}}}
+    return _namespaced_crd(
+        "inference.networking.x-k8s.io", "v1alpha2", "InferenceObjective", "inferenceobjectives", spec_schema,
+        status_schema)
+
+
+def _namespaced_crd(group: str, version: str, kind: str, plural: str, spec_schema: dict[str, Any],
+                    status_schema: dict[str, Any], short_names: list[str] | None = None,
+                    description: str | None = None) -> dict[str, Any]:
+    """A namespaced CRD of one served, stored version with a status subresource and a required spec."""
+    names: dict[str, Any] = {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower()}
+    if short_names:
+        names["shortNames"] = short_names
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema,
+            "status": status_schema,
+        },
+        "required": ["spec"],
+    }
+    if description:
+        schema["description"] = description
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": "inferenceobjectives.inference.networking.x-k8s.io"},
+        "metadata": {"name": f"{plural}.{group}"},
         "spec": {
-            "group": "inference.networking.x-k8s.io",
+            "group": group,
             "scope": "Namespaced",
-            "names": {"kind": "InferenceObjective", "listKind": "InferenceObjectiveList",
-                      "plural": "inferenceobjectives", "singular": "inferenceobjective"},
-            "versions": [{
-                "name": "v1alpha2",
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "properties": {
-                        "apiVersion": {"type": "string"},
-                        "kind": {"type": "string"},
-                        "metadata": {"type": "object"},
-                        "spec": spec_schema,
-                        "status": {"type": "object", "properties": {
-                            "conditions": {"type": "array", "maxItems": 8, "items": _CONDITION}}},
-                    },
-                    "required": ["spec"],
-                }},
-            }],
+            "names": names,
+            "versions": [{"name": version, "served": True, "storage": True, "subresources": {"status": {}},
+                          "schema": {"openAPIV3Schema": schema}}],
         },
     }
 
