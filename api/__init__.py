@@ -46,6 +46,7 @@ from loraplane.api.objective import (
     InferenceObjectiveSpec,
     ObjectivePoolRef,
 )
+from loraplane.api.payload import PayloadError, PayloadRefusal, read_payload, read_payload_or_none
 from loraplane.api.prefix import (
     MAX_PUBLISHED_BLOCKS,
     PREFIX_HASH_SCHEME,
@@ -119,6 +120,8 @@ __all__ = [
     "LoraSpec",
     "ObjectMeta",
     "ObjectivePoolRef",
+    "PayloadError",
+    "PayloadRefusal",
     "Phase",
     "PickerCounters",
     "PodLoad",
@@ -142,6 +145,8 @@ __all__ = [
     "keys",
     "parse_served_name",
     "prefix_root_hash",
+    "read_payload",
+    "read_payload_or_none",
     "served_name",
     "validation",
 ]

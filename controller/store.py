@@ -14,14 +14,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import orjson
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 
 from loraplane.api import (
-    SCHEMA_VERSION,
     AdapterTarget,
     PickerCounters,
     RequestRates,
@@ -30,12 +27,11 @@ from loraplane.api import (
     RouteTable,
     TargetState,
     keys,
+    read_payload_or_none,
     validation,
 )
-from loraplane.api.base import ApiModel
 
 log = logging.getLogger(__name__)
-M = TypeVar("M", bound=ApiModel)
 
 
 @dataclass
@@ -45,20 +41,6 @@ class PoolReadings:
     reports: list[ResidencyReport] = field(default_factory=list)
     rates: RequestRates | None = None
     counters: list[PickerCounters] = field(default_factory=list)
-
-
-def _parse(model: type[M], raw: bytes | str | None, what: str) -> M | None:
-    if raw is None:
-        return None
-    try:
-        value = model.from_json(raw)
-    except ValidationError as exc:
-        log.warning("ignoring an invalid %s: %s", what, exc.errors()[:1])
-        return None
-    if getattr(value, "schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
-        log.warning("ignoring a %s of schema version %s", what, getattr(value, "schema_version", None))
-        return None
-    return value
 
 
 def _text(raw: bytes | str) -> str:
@@ -90,11 +72,11 @@ class RedisStore:
             pipe.get(keys.request_rates(pool))
             pipe.mget(counter_keys or [keys.picker_counters(pool, "none")])
             raw_reports, raw_rates, raw_counters = await pipe.execute()
-        reports = [_parse(ResidencyReport, raw, "residency report") for raw in raw_reports]
-        counters = [_parse(PickerCounters, raw, "picker counters") for raw in raw_counters]
+        reports = [read_payload_or_none(ResidencyReport, raw, log) for raw in raw_reports]
+        counters = [read_payload_or_none(PickerCounters, raw, log) for raw in raw_counters]
         return PoolReadings(
             reports=[r for r in reports if r is not None and r.pool == pool],
-            rates=_parse(RequestRates, raw_rates, "request rates"),
+            rates=read_payload_or_none(RequestRates, raw_rates, log),
             counters=[c for c in counters if c is not None],
         )
 
@@ -102,9 +84,9 @@ class RedisStore:
         """Read back the target states and route table last written for ``pool`` (on becoming leader)."""
         target_keys = [k async for k in self.client.scan_iter(match=keys.target_state_pattern(pool), count=500)]
         raws = await self.client.mget(target_keys) if target_keys else []
-        states = [_parse(TargetState, raw, "target state") for raw in raws]
+        states = [read_payload_or_none(TargetState, raw, log) for raw in raws]
         self.targets[pool] = {s.pod: s for s in states if s is not None and s.pool == pool}
-        self.routes[pool] = _parse(RouteTable, await self.client.get(keys.route_table(pool)), "route table")
+        self.routes[pool] = read_payload_or_none(RouteTable, await self.client.get(keys.route_table(pool)), log)
         return self.targets[pool]
 
     def written_targets(self, pool: str) -> dict[str, TargetState]:

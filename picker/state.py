@@ -15,10 +15,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import redis.asyncio as aioredis
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from loraplane.api import SCHEMA_VERSION, ResidencyReport, RouteTable, keys, validation
+from loraplane.api import ResidencyReport, RouteTable, keys, read_payload_or_none, validation
 from loraplane.api.routing import supersedes
 from loraplane.picker.body import ClientError
 from loraplane.picker.routes import Resolution, RouteResolver
@@ -109,15 +108,9 @@ class PoolState:
 
 
 def _parse_report(raw: bytes | str | None, pool: str) -> ResidencyReport | None:
-    if raw is None:
-        return None
-    try:
-        report = ResidencyReport.from_json(raw)
-    except ValidationError as exc:
-        log.warning("ignoring an invalid residency report: %s", exc.errors()[:1])
-        return None
-    if report.schema_version != SCHEMA_VERSION or report.pool != pool:
-        log.warning("ignoring a residency report of schema %s for pool %s", report.schema_version, report.pool)
+    report = read_payload_or_none(ResidencyReport, raw, log)
+    if report is not None and report.pool != pool:
+        log.warning("ignoring a residency report for pool %s", report.pool)
         return None
     return report
 
@@ -170,13 +163,8 @@ class RedisSync:
             self.state.set_report(report)
 
     async def _load_routes(self) -> None:
-        raw = await self.client.get(keys.route_table(self.state.pool))
-        if raw is None:
-            return
-        try:
-            table = RouteTable.from_json(raw)
-        except ValidationError as exc:
-            log.warning("ignoring an invalid route table: %s", exc.errors()[:1])
+        table = read_payload_or_none(RouteTable, await self.client.get(keys.route_table(self.state.pool)), log)
+        if table is None:
             return
         if not supersedes(table, self.state.resolver.table):
             log.warning("ignoring route table generation %d of %s: older than the one in use", table.generation,

@@ -14,10 +14,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from loraplane.api import SCHEMA_VERSION, KvBlockSet, ResidencyReport, TargetState, keys
+from loraplane.api import KvBlockSet, PayloadError, ResidencyReport, TargetState, keys, read_payload
 from loraplane.credentials import async_redis
 from loraplane.sidecar.reconcile import Backoff
 
@@ -84,11 +83,9 @@ class RedisBus:
         if raw is None:
             return None
         try:
-            target = TargetState.from_json(raw)
-        except ValidationError as exc:
-            raise InvalidTarget(f"{self.target_key} is not a valid TargetState: {exc}") from exc
-        if target.schema_version != SCHEMA_VERSION:
-            raise InvalidTarget(f"TargetState schema {target.schema_version}, this sidecar reads {SCHEMA_VERSION}")
+            target = read_payload(TargetState, raw)
+        except PayloadError as exc:
+            raise InvalidTarget(f"{self.target_key}: {exc}") from exc
         if (target.pool, target.pod) != (self.pool, self.pod):
             raise InvalidTarget(f"{self.target_key} names pool/pod {target.pool}/{target.pod}")
         return target

@@ -46,7 +46,10 @@ async def test_state_follows_redis_and_survives_outages(redis_srv: RedisServer) 
     await client.set(keys.route_table(POOL), route_table().to_json())
     await write_report(client, "pod-a", 1, clock.now)
     await client.set(keys.residency_report(POOL, "bad"), b"{not a report")
-    await client.sadd(keys.residency_index(POOL), "bad", "Not_A_Pod")
+    newer = ResidencyReport(pool=POOL, pod="newer", address="127.0.0.1:9", heartbeat_at=clock.now, ttl_seconds=5,
+                            schema_version=2)
+    await client.set(keys.residency_report(POOL, "newer"), newer.to_json())
+    await client.sadd(keys.residency_index(POOL), "bad", "newer", "Not_A_Pod")
     state = PoolState(POOL, InFlightTracker(), clock)
     stats = RequestStats(clock)
     sync = RedisSync(state, aioredis.Redis.from_url(redis_srv.url, socket_timeout=1), stats, "picker-0",
@@ -54,7 +57,7 @@ async def test_state_follows_redis_and_survives_outages(redis_srv: RedisServer) 
     task = asyncio.create_task(sync.run())
     try:
         await eventually(lambda: state.synced)
-        assert state.snapshot.addresses == ("127.0.0.1:1",)  # the invalid report was skipped
+        assert state.snapshot.addresses == ("127.0.0.1:1",)  # the invalid and the schema-2 report were skipped
         assert state.resolver.generation == 1
         # a change notice is applied without waiting for a resync
         await write_report(client, "pod-b", 2, clock.now, warm=True)
