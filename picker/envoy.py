@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplane.api import validation
-from loraplane.picker.extproc import DESTINATION_HEADER, LB_NAMESPACE, SUBSET_KEY, SUBSET_NAMESPACE
+from loraplane.picker.extproc import SUBSET_KEY, SUBSET_NAMESPACE
+from loraplane.picker.wire import DESTINATION_HEADER, LB_NAMESPACE
 
 LOOPBACK = "127.0.0.1"
 

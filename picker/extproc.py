@@ -4,25 +4,25 @@ The exchange turns each ``ProcessingRequest`` into the ``ProcessingResponse``s t
 expects. Bodies may arrive ``BUFFERED``, ``STREAMED`` or ``FULL_DUPLEX_STREAMED`` (the mode comes from the stream's
 ``protocol_config``, else from ``PickerSettings.body_mode``); split bodies are reassembled, and full-duplex bodies are
 sent back in chunks of at most 62,000 bytes. Client mistakes become ``ImmediateResponse``s (400, 404, 413, 429,
-503), never stream errors, and an ``ImmediateResponse`` ends the exchange (later messages get no reply).
+503), never stream errors, and an ``ImmediateResponse`` ends the exchange (later messages get no reply). The replies'
+wire bytes come from ``loraplane.picker.wire``; this module decides which reply, never how it is encoded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 import grpc
 import numpy as np
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 
 from loraplane.api import PriorityClass
 from loraplane.picker.body import (
@@ -42,11 +42,26 @@ from loraplane.picker.routes import Resolution, RouteResolver, UnknownModelError
 from loraplane.picker.scheduler import Decision, Outcome, Scheduler, SchedulingError
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
+from loraplane.picker.wire import (
+    CLEAR_REQUEST_CHUNK,
+    CLEAR_RESPONSE_CHUNK,
+    CONTINUE_REQUEST_HEADERS,
+    CONTINUE_REQUEST_TRAILERS,
+    CONTINUE_RESPONSE_BODY,
+    CONTINUE_RESPONSE_HEADERS,
+    CONTINUE_RESPONSE_TRAILERS,
+    LB_NAMESPACE,
+    REMOVE_CONTENT_LENGTH,
+    Wire,
+    buffer_request_body,
+    immediate,
+    response_body,
+    routed,
+    streamed_body,
+)
 
 log = logging.getLogger(__name__)
 
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
@@ -54,7 +69,6 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
-MAX_BODY_CHUNK = 62_000
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = pm.ProcessingMode.BUFFERED
 STREAMED = pm.ProcessingMode.STREAMED
@@ -63,21 +77,9 @@ NONE = pm.ProcessingMode.NONE
 ERROR_CODES = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 413: "PayloadTooLarge",
                429: "ResourceExhausted", 500: "Internal", 503: "ServiceUnavailable"}
 
-#: Replies are wire-encoded ``ProcessingResponse``s: the constant ones are encoded once, the routed ones from cached
-#: pieces (see ``_routed``), so the hot path builds no protobuf objects.
-Wire = bytes
 #: sends replies produced after ``Exchange.handle`` returned (a request the flow-control queue held)
 Deliver = Callable[[list[Wire]], None]
 
-_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
-_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
-_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse()).SerializeToString()
-_CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse()).SerializeToString()
-_CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse()).SerializeToString()
-_CLEAR_REQUEST_CHUNK = pb.ProcessingResponse(request_body=pb.BodyResponse(
-    response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))).SerializeToString()
-_CLEAR_RESPONSE_CHUNK = pb.ProcessingResponse(response_body=pb.BodyResponse(
-    response=pb.CommonResponse(body_mutation=pb.BodyMutation(clear_body=True)))).SerializeToString()
 _PRIORITY_OF_OBJECTIVE = {objective.value: objective.priority for objective in PriorityClass}
 
 
@@ -154,29 +156,10 @@ def _header_value(header: core.HeaderValue) -> str:
     return header.raw_value.decode("utf-8", "replace") if header.raw_value else header.value
 
 
-@lru_cache(maxsize=8192)
-def _header_option(key: str, value: str) -> core.HeaderValueOption:
-    """A SET (overwrite or add) of one header; cached, as destinations and lengths repeat."""
-    return core.HeaderValueOption(
-        header=core.HeaderValue(key=key, raw_value=value.encode()),
-        append_action=core.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-    )
-
-
-def _set_headers(pairs: Iterable[tuple[str, str]]) -> pb.HeaderMutation:
-    return pb.HeaderMutation(set_headers=[_header_option(k, v) for k, v in pairs])
-
-
 def immediate_response(status: int, message: str, reason: str) -> Wire:
     """An ``ImmediateResponse`` in the reference EPP's wording: ``inference error: <Code> - <message>``."""
-    return pb.ProcessingResponse(
-        immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            headers=_set_headers([("content-type", "text/plain"), (DROPPED_REASON_HEADER, reason)]),
-            body=f"inference error: {ERROR_CODES.get(status, 'Unknown')} - {message}".encode(),
-            details=reason,
-        )
-    ).SerializeToString()
+    return immediate(status, [("content-type", "text/plain"), (DROPPED_REASON_HEADER, reason)],
+                     f"inference error: {ERROR_CODES.get(status, 'Unknown')} - {message}".encode(), reason)
 
 
 def subset_hint(value: struct_pb2.Value) -> frozenset[str]:
@@ -204,59 +187,6 @@ def _subset_entry(text: str) -> str | None:
         host, _, port = text.partition(":")
         return text if host and port.isdigit() else None
     return text or None  # a bare IPv4 / IPv6 address or host name
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _key(message: type[Message], field: str) -> bytes:
-    """The wire key of a length-delimited (message or bytes) field."""
-    return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
-
-
-def _field(key: bytes, *parts: bytes) -> list[bytes]:
-    """A length-delimited field holding ``parts`` concatenated, as pieces to join."""
-    return [key, _varint(sum(map(len, parts))), *parts]
-
-
-_PHASE_KEYS = {phase: _key(pb.ProcessingResponse, phase) for phase in ("request_headers", "request_body")}
-_COMMON_KEY = _key(pb.BodyResponse, "response")  # HeadersResponse.response has the same number
-assert _COMMON_KEY == _key(pb.HeadersResponse, "response")
-_BODY_MUTATION_KEY = _key(pb.CommonResponse, "body_mutation")
-_BODY_KEY = _key(pb.BodyMutation, "body")
-
-
-@lru_cache(maxsize=8192)
-def _destination_metadata(value: str) -> bytes:
-    """The ``dynamic_metadata`` field of a routed response (``envoy.lb`` -> destination), encoded."""
-    metadata = struct_pb2.Struct()
-    metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION_HEADER] = value
-    return pb.ProcessingResponse(dynamic_metadata=metadata).SerializeToString()
-
-
-@lru_cache(maxsize=8192)
-def _routing_common(destination: str, content_length: int | None) -> bytes:
-    """The encoded ``CommonResponse`` fields of a routed response: the destination (and length) headers, clear_route_cache."""
-    pairs = [(DESTINATION_HEADER, destination)]
-    if content_length is not None:
-        pairs.append(("content-length", str(content_length)))
-    return pb.CommonResponse(header_mutation=_set_headers(pairs), clear_route_cache=True).SerializeToString()
-
-
-def _routed(phase: str, common: bytes, metadata: bytes, body: bytes | None = None) -> Wire:
-    """``ProcessingResponse{<phase>: {response: common + body_mutation{body}}, dynamic_metadata}`` on the wire.
-
-    Protobuf parsers merge repeated occurrences of a message field, so cached encoded pieces can be concatenated;
-    the body is copied once (into the joined result) instead of into a message and out again.
-    """
-    inner = [common] if body is None else [common, *_field(_BODY_MUTATION_KEY, *_field(_BODY_KEY, body))]
-    return b"".join([*_field(_PHASE_KEYS[phase], *_field(_COMMON_KEY, *inner)), metadata])
 
 
 class Exchange:
@@ -336,14 +266,14 @@ class Exchange:
             if phase == "request_body":
                 return self._on_request_body(request.request_body)
             if phase == "request_trailers":
-                return [*self._schedule_if_pending(), _CONTINUE_REQUEST_TRAILERS]
+                return [*self._schedule_if_pending(), CONTINUE_REQUEST_TRAILERS]
             if phase == "response_headers":
                 return self._on_response_headers(request.response_headers)
             if phase == "response_body":
                 return self._on_response_body(request.response_body)
             if phase == "response_trailers":
                 self.close()
-                return [*self._flush_held_response(False), _CONTINUE_RESPONSE_TRAILERS]
+                return [*self._flush_held_response(False), CONTINUE_RESPONSE_TRAILERS]
             raise ClientError(400, f"unexpected ext_proc message {phase!r}")
         except Exception as exc:
             return [self._refusal(exc)]
@@ -442,8 +372,8 @@ class Exchange:
         if mode == STREAMED:
             # Envoy would forward the headers before the body arrives: ask for the body BUFFERED (allow_mode_override)
             self.request_body_mode = BUFFERED
-            return [_buffer_request_body(self.response_body_mode)]
-        return [_CONTINUE_REQUEST_HEADERS]
+            return [buffer_request_body(self.response_body_mode)]
+        return [CONTINUE_REQUEST_HEADERS]
 
     def _on_request_body(self, message: pb.HttpBody) -> list[Wire]:
         chunk = message.body
@@ -458,7 +388,7 @@ class Exchange:
             raise ClientError(413, f"request body exceeds the limit of {limit} bytes", "body-too-large")
         if not message.end_of_stream:
             # full duplex: answer at the end; otherwise each chunk is answered, and held back until the whole is known
-            return [] if self.request_body_mode == FULL_DUPLEX else [_CLEAR_REQUEST_CHUNK]
+            return [] if self.request_body_mode == FULL_DUPLEX else [CLEAR_REQUEST_CHUNK]
         return self._route_with_body(body, reassembled)
 
     def _schedule_if_pending(self) -> list[Wire]:
@@ -466,11 +396,11 @@ class Exchange:
         return self._route_with_body(bytes(self.body), True) if pending else []
 
     def _route_without_body(self) -> list[Wire]:
-        def routed(decision: Decision) -> list[Wire]:
+        def routed_headers(decision: Decision) -> list[Wire]:
             destination = self._destination_value(decision)
-            return [_routed("request_headers", _routing_common(destination, None), _destination_metadata(destination))]
+            return [routed("request_headers", destination)]
 
-        return self._route(SchedulingRequest(subset=self.subset), None, routed)
+        return self._route(SchedulingRequest(subset=self.subset), None, routed_headers)
 
     def _route_with_body(self, body: bytes, reassembled: bool) -> list[Wire]:
         """Schedule on the whole body; ``reassembled``: earlier chunks were held back, so the body goes out whole."""
@@ -491,13 +421,11 @@ class Exchange:
 
     def _routed_body(self, decision: Decision, body: bytes, new_body: bytes, reassembled: bool) -> list[Wire]:
         destination = self._destination_value(decision)
-        metadata = _destination_metadata(destination)
         if self.request_body_mode == FULL_DUPLEX:
-            head = _routed("request_headers", _routing_common(destination, len(new_body)), metadata)
-            return [head, *_streamed_body(new_body)]
+            return [routed("request_headers", destination, len(new_body)), *streamed_body(new_body)]
         if new_body is body and not reassembled:
-            return [_routed("request_body", _routing_common(destination, None), metadata)]
-        return [_routed("request_body", _routing_common(destination, len(new_body)), metadata, new_body)]
+            return [routed("request_body", destination)]
+        return [routed("request_body", destination, len(new_body), new_body)]
 
     def _resolve(self, parsed: ParsedBody) -> Resolution:
         headers = self.headers
@@ -595,8 +523,8 @@ class Exchange:
         if message.end_of_stream:
             self.close()
         if self.response_names is not None and self.response_body_mode != BUFFERED:
-            return [_REMOVE_CONTENT_LENGTH]
-        return [_CONTINUE_RESPONSE_HEADERS]
+            return [REMOVE_CONTENT_LENGTH]
+        return [CONTINUE_RESPONSE_HEADERS]
 
     def _on_response_body(self, message: pb.HttpBody) -> list[Wire]:
         chunk, end = message.body, message.end_of_stream
@@ -607,17 +535,17 @@ class Exchange:
         if names is not None and self.response_sse:  # events are rewritten one chunk at a time
             new = rewrite_response_model(chunk, *names)
             if full_duplex:
-                return list(_streamed_body(new, end, response=True))
-            return [_CONTINUE_RESPONSE_BODY] if new == chunk else [_response_body(new, False)]
+                return list(streamed_body(new, end, response=True))
+            return [CONTINUE_RESPONSE_BODY] if new == chunk else [response_body(new, False)]
         if names is None:
-            return list(_streamed_body(chunk, end, response=True)) if full_duplex else [_CONTINUE_RESPONSE_BODY]
+            return list(streamed_body(chunk, end, response=True)) if full_duplex else [CONTINUE_RESPONSE_BODY]
         if end and not self.response_held and not full_duplex:  # the whole body in one message (BUFFERED)
             new = rewrite_response_model(chunk, *names)
-            return [_CONTINUE_RESPONSE_BODY] if new == chunk else [_response_body(new, self.response_body_mode == BUFFERED)]
+            return [CONTINUE_RESPONSE_BODY] if new == chunk else [response_body(new, self.response_body_mode == BUFFERED)]
         self.response_held += chunk
         if end or len(self.response_held) > self.ctx.settings.max_response_rewrite_bytes:
             return self._flush_held_response(end)
-        return [] if full_duplex else [_CLEAR_RESPONSE_CHUNK]
+        return [] if full_duplex else [CLEAR_RESPONSE_CHUNK]
 
     def _flush_held_response(self, end: bool) -> list[Wire]:
         """Send the collected response: rewritten when it ended, as is when it outgrew the limit (rewrite stops)."""
@@ -631,42 +559,8 @@ class Exchange:
         else:
             self.response_names = None  # too large to hold: the rest passes through untouched
         if self.response_body_mode == FULL_DUPLEX:
-            return list(_streamed_body(held, end, response=True))
-        return [_response_body(held, end and self.response_body_mode == BUFFERED)]
-
-
-def _response_body(body: bytes, with_length: bool) -> Wire:
-    """A response-body reply replacing the body (the chunk) with ``body``; ``with_length``: set ``Content-Length``."""
-    common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))
-    if with_length:
-        common.header_mutation.CopyFrom(_set_headers([("content-length", str(len(body)))]))
-    return pb.ProcessingResponse(response_body=pb.BodyResponse(response=common)).SerializeToString()
-
-
-@lru_cache(maxsize=8)
-def _buffer_request_body(response_body_mode: int) -> Wire:
-    """CONTINUE on the request headers, switching this request's body to BUFFERED (Envoy's ``mode_override``)."""
-    mode = pm.ProcessingMode(request_body_mode=BUFFERED, response_body_mode=response_body_mode)
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(), mode_override=mode).SerializeToString()
-
-
-_REMOVE_CONTENT_LENGTH = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
-    response=pb.CommonResponse(header_mutation=pb.HeaderMutation(remove_headers=["content-length"]))
-)).SerializeToString()
-
-
-def _streamed_body(body: bytes, end_of_stream: bool = True, response: bool = False) -> Iterable[Wire]:
-    """Body mutations for ``FULL_DUPLEX_STREAMED`` mode, at most ``MAX_BODY_CHUNK`` bytes each."""
-    pieces = [body[i : i + MAX_BODY_CHUNK] for i in range(0, len(body), MAX_BODY_CHUNK)] or [b""]
-    for n, piece in enumerate(pieces):
-        mutation = pb.BodyMutation(
-            streamed_response=pb.StreamedBodyResponse(body=piece, end_of_stream=end_of_stream and n == len(pieces) - 1)
-        )
-        body_response = pb.BodyResponse(response=pb.CommonResponse(body_mutation=mutation))
-        message = pb.ProcessingResponse(response_body=body_response) if response else pb.ProcessingResponse(
-            request_body=body_response
-        )
-        yield message.SerializeToString()
+            return list(streamed_body(held, end, response=True))
+        return [response_body(held, end and self.response_body_mode == BUFFERED)]
 
 
 class ExtProcHandler:

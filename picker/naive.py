@@ -18,7 +18,7 @@ from envoy.config.core.v3 import base_pb2 as core
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 
-from loraplane.picker.extproc import DESTINATION_HEADER
+from loraplane.picker.wire import DESTINATION_HEADER
 
 
 class NaiveServicer(pb_grpc.ExternalProcessorServicer):

@@ -11,7 +11,8 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraplane.picker.extproc import ERROR_CODES, MAX_BODY_CHUNK
+from loraplane.picker.extproc import ERROR_CODES
+from loraplane.picker.wire import MAX_BODY_CHUNK
 from tests.picker.conftest import (
     ADDRESSES,
     BUFFERED,
