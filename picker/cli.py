@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loraplane.api import validation
+from loraplane.helptext import HelpFormatter
 from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED, PickerSettings
-from loraplane.picker.h2grpc import TransportLimits
 from loraplane.picker.server import ServerOptions, serve
+from loraplane.picker.transport import TransportLimits
 
 BODY_MODES = {"buffered": BUFFERED, "streamed": STREAMED, "full-duplex-streamed": FULL_DUPLEX}
 
@@ -37,9 +38,10 @@ def _default_replica() -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command-line interface."""
-    p = argparse.ArgumentParser(prog="loraplane-picker", description="GIE-compatible Envoy ext_proc endpoint picker")
+    p = argparse.ArgumentParser(prog="loraplane-picker", description="GIE-compatible Envoy ext_proc endpoint picker",
+                                formatter_class=HelpFormatter)
     p.add_argument("--pool", required=True, help="InferencePool name (the Redis key namespace)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the bus: route table, reports, rates")
     p.add_argument("--config", type=Path, help="EndpointPickerConfig YAML (default: the packaged default-config.yaml)")
     p.add_argument("--grpc-address", default="127.0.0.1:9002", help="ext_proc gRPC listen address")
     p.add_argument("--health-address", default="127.0.0.1:9003", help="extra gRPC listen address for health ('' = none)")
@@ -82,13 +84,13 @@ def parser() -> argparse.ArgumentParser:
                    help="open streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS; more: REFUSED_STREAM)")
     p.add_argument("--stream-idle-timeout", type=float, default=limits.stream_idle_timeout_s,
                    help="seconds a stream may stay silent before it is reset (h2 transport)")
-    p.add_argument("--resync-seconds", type=float, default=5.0)
-    p.add_argument("--publish-seconds", type=float, default=10.0)
+    p.add_argument("--resync-seconds", type=float, default=5.0, help="full re-read of Redis besides the change notices")
+    p.add_argument("--publish-seconds", type=float, default=10.0, help="seconds between request-rate publications")
     p.add_argument("--stale-grace-seconds", type=float, default=30.0,
                    help="how long past its TTL a pod's last report still counts (routing stays on the pods last known "
                         "to hold a revision while Redis or a sidecar is silent); after it the pod is unknown")
     p.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True, help="use uvloop if installed")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="Python logging level")
     return p
 
 

@@ -35,13 +35,14 @@ from loraplane.picker.body import (
     validate_api_fields,
 )
 from loraplane.picker.flowcontrol import FlowControl
-from loraplane.picker.h2grpc import GrpcStatusError
 from loraplane.picker.lifecycle import InFlightRequest, Lifecycle, PluginRuntime
 from loraplane.picker.plugins import PoolSaturatedError, SchedulingRequest
 from loraplane.picker.routes import Resolution, RouteResolver, UnknownModelError
 from loraplane.picker.scheduler import Decision, Outcome, Scheduler, SchedulingError
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
+from loraplane.picker.transport import GrpcStatusError
+from loraplane.picker.transport.grpc import GRPC_INVALID_ARGUMENT
 from loraplane.picker.wire import (
     CLEAR_REQUEST_CHUNK,
     CLEAR_RESPONSE_CHUNK,
@@ -564,7 +565,7 @@ class Exchange:
 
 
 class ExtProcHandler:
-    """One ``Process`` call on the picker's own HTTP/2 transport (``loraplane.picker.h2grpc``)."""
+    """One ``Process`` call on the picker's own HTTP/2 transport (``loraplane.picker.transport``)."""
 
     def __init__(self, ctx: PickerContext) -> None:
         """A fresh exchange per call."""
@@ -575,7 +576,7 @@ class ExtProcHandler:
         try:
             request = pb.ProcessingRequest.FromString(message)
         except DecodeError:
-            raise GrpcStatusError(3, "not a ProcessingRequest") from None  # INVALID_ARGUMENT: Envoy's bug, not the client's
+            raise GrpcStatusError(GRPC_INVALID_ARGUMENT, "not a ProcessingRequest") from None  # Envoy's bug, not the client's
         return self.exchange.handle(request)
 
     def bind(self, push: Deliver) -> None:

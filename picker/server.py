@@ -24,12 +24,12 @@ from loraplane.api import validation
 from loraplane.credentials import async_redis
 from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
-from loraplane.picker.h2grpc import GrpcStatusError, Routes, TransportLimits, start_server
 from loraplane.picker.lifecycle import FairShareParameters, FairSharePlugin
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import InFlightTracker
 from loraplane.picker.state import PoolState, RedisSync
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
+from loraplane.picker.transport import GrpcStatusError, Routes, TransportLimits, start_server
 
 log = logging.getLogger(__name__)
 

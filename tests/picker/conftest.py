@@ -25,12 +25,12 @@ from loraplane.api import (
 )
 from loraplane.api.routing import RevisionRole
 from loraplane.picker.extproc import PickerContext, PickerSettings
-from loraplane.picker.h2grpc import start_server
 from loraplane.picker.scheduler import Scheduler
 from loraplane.picker.server import HealthStatus, build_grpc_server, h2_routes
 from loraplane.picker.snapshot import InFlightTracker
 from loraplane.picker.state import PoolState
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
+from loraplane.picker.transport import start_server
 
 POOL = "pool"
 DIGEST_V1 = "sha256:" + "1" * 64

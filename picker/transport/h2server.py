@@ -1,24 +1,11 @@
-"""A small gRPC server over HTTP/2 cleartext (prior knowledge) on asyncio, for the picker's hot path.
+"""The hand-written HTTP/2 frame layer: a small gRPC server over HTTP/2 cleartext (prior knowledge) on asyncio.
 
-grpcio's asyncio server spends most of a request's CPU in its per-message machinery (measured in
-``docs/picker.md``). Envoy's ext_proc client needs little of HTTP/2: bidirectional streams, flow control, PING and
-SETTINGS. This module implements exactly that on an ``asyncio.Protocol``: frames are parsed from each read, every
-reply produced by one read goes out in one write, and response headers and trailers are pre-encoded HPACK
-literals (no dynamic table on our side). Request headers are decoded by ``hpack_lite``.
-
-Handlers are plain objects: ``on_message(bytes) -> list[bytes]`` per gRPC message and ``on_close()`` when the
-stream ends for any reason; a handler with a ``bind(push)`` method is given ``push(messages)`` to answer later
-(a request the picker holds in its flow-control queue). A handler that raises ends its stream with grpc-status INTERNAL; a malformed frame
-ends the connection with GOAWAY.
-
-Nothing a peer sends is held without a bound (``TransportLimits``): a message whose declared length is over the
-limit ends its stream (RESOURCE_EXHAUSTED) before a byte of it is buffered; a header block (HEADERS plus
-CONTINUATION) over its limit ends the connection (ENHANCE_YOUR_CALM); a decoded header list over its limit ends
-the stream; streams beyond SETTINGS_MAX_CONCURRENT_STREAMS are refused (RST_STREAM REFUSED_STREAM); a stream
-silent for longer than the idle timeout is reset (CANCEL); a stream we end before the peer does is reset with
-NO_ERROR after its trailers (the peer stops sending); stream ids must be odd and increasing; the connection
-receive window is given back only as messages complete, so unfinished messages hold at most one window; a peer
-that does not read our answers is not read either (its frames wait in its own buffers).
+Envoy's ext_proc client needs little of HTTP/2: bidirectional streams, flow control, PING and SETTINGS. This
+module implements exactly that on an ``asyncio.Protocol``: frames are parsed from each read, every reply produced
+by one read goes out in one write, DATA payloads are passed on as slices of the read, and response headers and
+trailers are pre-encoded HPACK literals (no dynamic table on our side). Request headers are decoded by
+``hpack_decoder`` with a 0-byte table, so only ``:path`` is ever decoded. The handlers and the limits it enforces
+are described in ``loraplane.picker.transport``.
 """
 
 from __future__ import annotations
@@ -28,11 +15,20 @@ import contextlib
 import functools
 import logging
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from loraplane.picker.hpack_lite import HpackDecoder, HpackError
+from loraplane.picker.transport.grpc import (
+    GRPC_OK,
+    GRPC_RESOURCE_EXHAUSTED,
+    GRPC_UNIMPLEMENTED,
+    GrpcStatusError,
+    Routes,
+    StreamHandler,
+    TransportLimits,
+    answer,
+)
+from loraplane.picker.transport.hpack_decoder import HpackDecoder, HpackError
 
 log = logging.getLogger(__name__)
 
@@ -44,35 +40,7 @@ SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x5, 0x6
 MAX_WINDOW = (1 << 31) - 1
 NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = 0x0, 0x1, 0x3, 0x6, 0x7, 0x8
 COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x9, 0xB
-GRPC_OK, GRPC_NOT_FOUND, GRPC_RESOURCE_EXHAUSTED, GRPC_INTERNAL, GRPC_UNIMPLEMENTED = 0, 5, 8, 13, 12
 
-
-@dataclass(frozen=True)
-class TransportLimits:
-    """What one connection may make the server hold (see the module docstring for the answers)."""
-
-    #: largest gRPC message (its declared length prefix), bytes
-    max_message_bytes: int = 4 << 20
-    #: largest decoded header list (RFC 7541 sizes: name + value + 32 per field), bytes
-    max_header_list_bytes: int = 16 << 10
-    #: largest header block as sent (HEADERS plus CONTINUATION fragments), bytes
-    max_header_block_bytes: int = 64 << 10
-    #: open streams per connection (SETTINGS_MAX_CONCURRENT_STREAMS)
-    max_concurrent_streams: int = 100
-    #: seconds a stream may go without a frame from the peer before it is reset
-    stream_idle_timeout_s: float = 300.0
-    #: open streams the peer may reset per second (more is a "rapid reset" flood: GOAWAY ENHANCE_YOUR_CALM)
-    max_peer_resets_per_s: int = 1000
-
-    @property
-    def max_frame_bytes(self) -> int:
-        """The SETTINGS_MAX_FRAME_SIZE we advertise: one largest message fits one frame."""
-        return min((1 << 24) - 1, max(1 << 14, self.max_message_bytes + 5))
-
-    @property
-    def connection_window_bytes(self) -> int:
-        """Our receive window per connection: DATA bytes a peer may send that we still hold (partial messages)."""
-        return 4 * self.max_frame_bytes
 
 def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return _frame_header(kind, flags, stream_id, len(payload)) + payload
@@ -110,32 +78,6 @@ def _trailers(status: int, message: str = "") -> bytes:
 
 
 _OK_TRAILERS = _trailers(GRPC_OK)
-
-
-class GrpcStatusError(Exception):
-    """Raised by a handler to end its call with a gRPC status other than OK."""
-
-    def __init__(self, code: int, message: str) -> None:
-        """``code`` is a gRPC status code (5 NOT_FOUND, 12 UNIMPLEMENTED ...)."""
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class StreamHandler(Protocol):
-    """Serves one gRPC call: messages in, serialized messages out."""
-
-    def on_message(self, message: bytes) -> list[bytes]:
-        """Answer one request message."""
-        ...
-
-    def on_close(self) -> None:
-        """The stream is over (client half-close, reset or connection loss)."""
-        ...
-
-
-#: method path (``/package.Service/Method``) -> a factory of handlers, one per call
-Routes = Mapping[str, Callable[[], StreamHandler]]
 
 
 @dataclass
@@ -482,13 +424,9 @@ class GrpcH2Protocol(asyncio.Protocol):
                 message = bytes(payload[5 : 5 + size])  # the only copy of a message that came in one frame
                 payload = payload[5 + size :]
             try:
-                replies = stream.handler.on_message(message)
+                replies = answer(stream.handler, message)
             except GrpcStatusError as exc:
                 self._finish(stream_id, _trailers(exc.code, exc.message))
-                return
-            except Exception:
-                log.exception("gRPC handler failed")
-                self._finish(stream_id, _trailers(GRPC_INTERNAL, "internal error"))
                 return
             self._send_messages(stream_id, stream, replies)
             if stream.handler is None:

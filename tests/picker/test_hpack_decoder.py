@@ -7,7 +7,7 @@ from hpack import Encoder
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraplane.picker.hpack_lite import HpackDecoder, HpackError
+from loraplane.picker.transport.hpack_decoder import HpackDecoder, HpackError
 
 header_lists = st.lists(
     st.tuples(st.sampled_from([":path", ":method", "content-type", "x-request-id", "grpc-timeout", "x-a", "x-b"]),
