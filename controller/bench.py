@@ -44,6 +44,7 @@ from loraplane.controller import bench_live
 from loraplane.controller.placement import Placement, gpu_loads, minimum_gpu_loads, place
 from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
 from loraplane.controller.store import RedisStore
+from loraplane.helptext import HelpFormatter
 from loraplane.processes import start_redis
 
 POOL = "bench"
@@ -180,16 +181,17 @@ def _fresh_placement(plan: PoolPlan) -> Placement:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``loraplane bench controller [--json]``."""
-    p = argparse.ArgumentParser(prog="loraplane bench controller", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="loraplane bench controller", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
-    p.add_argument("--revisions", type=int, default=1000)
-    p.add_argument("--pods", type=int, default=50)
-    p.add_argument("--gpu-slots", type=int, default=8)
-    p.add_argument("--cpu-slots", type=int, default=32)
+    p.add_argument("--revisions", type=int, default=1000, help="stable AdapterRevisions in the planned pool")
+    p.add_argument("--pods", type=int, default=50, help="pods reporting in that pool")
+    p.add_argument("--gpu-slots", type=int, default=8, help="GPU adapter slots per pod")
+    p.add_argument("--cpu-slots", type=int, default=32, help="host-memory adapter slots per pod")
     p.add_argument("--top-rate", type=float, default=200.0, help="requests/s of the most popular adapter")
-    p.add_argument("--rate-change", type=float, default=0.10)
+    p.add_argument("--rate-change", type=float, default=0.10, help="largest relative rate change in the churn reconcile")
     p.add_argument("--repeat", type=int, default=3, help="idle reconciles to time")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seed of the rates")
     bench_live.add_arguments(p)
     args = p.parse_args(argv)
     print(json.dumps(asyncio.run(run(args))))

@@ -28,6 +28,7 @@ from loraplane.controller.placement import PlacementConfig, TenantBudget
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.store import RedisStore
 from loraplane.credentials import async_redis, secret
+from loraplane.helptext import HelpFormatter
 
 log = logging.getLogger("loraplane.controller")
 
@@ -85,7 +86,8 @@ RUNTIME_TOKEN_FILE_ENV = "LORAPLANE_CONTROLLER_RUNTIME_TOKEN_FILE"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loraplane-controller", description="the loraplane AdapterRevision controller")
+    p = argparse.ArgumentParser(prog="loraplane-controller", description="the loraplane AdapterRevision controller",
+                                formatter_class=HelpFormatter)
     p.add_argument("--kubeconfig", type=Path, default=os.environ.get("KUBECONFIG"),
                    help="kubeconfig file (default: $KUBECONFIG, else the in-cluster service account)")
     p.add_argument("--namespace", help="watch only this namespace (default: all)")
@@ -94,8 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="YAML with placement settings and tenant budgets (docs/controller.md)")
     p.add_argument("--identity", default=f"{socket.gethostname()}-{os.getpid()}",
                    help="this replica's name in the Lease (default: hostname-pid)")
-    p.add_argument("--lease-name", default="loraplane-controller")
-    p.add_argument("--lease-namespace", default="default")
+    p.add_argument("--lease-name", default="loraplane-controller", help="Lease object of the leader election")
+    p.add_argument("--lease-namespace", default="default", help="namespace of that Lease")
     p.add_argument("--lease-duration", type=float, default=15.0, help="seconds (default 15)")
     p.add_argument("--renew-deadline", type=float, default=10.0, help="seconds (default 10)")
     p.add_argument("--retry-period", type=float, default=2.0, help="seconds (default 2)")
@@ -105,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="reconcile at least this often, even without a change notice (default 2)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics port (default loopback)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="Python logging level")
     return p
 
 

@@ -16,10 +16,11 @@ from loraplane.devcluster.errors import ApiError
 from loraplane.devcluster.runner import SnapshotFile, bind, serve, url_of, write_kubeconfig
 from loraplane.devcluster.server import ApiServer, ServerConfig
 from loraplane.devcluster.store import Store
+from loraplane.helptext import HelpFormatter
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loraplane devcluster", description=(
+    parser = argparse.ArgumentParser(prog="loraplane devcluster", formatter_class=HelpFormatter, description=(
         "Serve an in-memory Kubernetes API server (plain HTTP) that kubectl, the official clients and loraplane "
         "talk to, with the AdapterRevision and InferencePool CRDs installed."))
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")

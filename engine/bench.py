@@ -28,6 +28,7 @@ from loraplane.engine.core import Engine, SamplingParams
 from loraplane.engine.make_adapters import write_adapter
 from loraplane.engine.model import PRESETS
 from loraplane.engine.tiers import AdapterState
+from loraplane.helptext import HelpFormatter
 
 _STAGES = ("disk_read", "parse", "host_to_device")
 
@@ -167,17 +168,17 @@ async def run(options: argparse.Namespace) -> dict[str, object]:
 
 def main(argv: Sequence[str]) -> int:
     """Print one JSON object."""
-    parser = argparse.ArgumentParser(prog="loraplane bench engine", description=__doc__)
+    parser = argparse.ArgumentParser(prog="loraplane bench engine", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object (the only output format)")
-    parser.add_argument("--model", default="small", choices=sorted(PRESETS))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--model", default="small", choices=sorted(PRESETS), help="engine preset")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights dtype")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (short: TTFT is mostly the adapter's tier)")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--trials", type=int, default=31)
+    parser.add_argument("--rank", type=int, default=16, help="rank of the adapters written")
+    parser.add_argument("--trials", type=int, default=31, help="timed requests per tier (medians of these)")
     parser.add_argument("--batch", type=int, default=8, help="sequences (and distinct adapters) in the decode runs")
     parser.add_argument("--adapters", type=int, default=16, help="adapters written and loaded (tiers, RSS)")
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=32, help="tokens each decode run generates")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1, as loraplane-engine's --torch-threads)")
     args = parser.parse_args(list(argv))

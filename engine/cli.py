@@ -10,6 +10,7 @@ from pathlib import Path
 
 from loraplane.credentials import secret
 from loraplane.engine.policies import POLICIES
+from loraplane.helptext import HelpFormatter
 
 #: vLLM's switch for the dynamic LoRA endpoints; ``--enable-lora-runtime-updating`` does the same.
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -28,24 +29,26 @@ def _lora_module(value: str) -> tuple[str, Path]:
 
 def parser() -> argparse.ArgumentParser:
     """The server's flags (vLLM's names where vLLM has the same knob)."""
-    p = argparse.ArgumentParser(prog="loraplane-engine",
+    p = argparse.ArgumentParser(prog="loraplane-engine", formatter_class=HelpFormatter,
                                 description="vLLM-compatible multi-LoRA reference engine with GPU/CPU adapter tiers")
     p.add_argument("--model", default="tiny", help="preset (tiny, small, medium) or a transformers Llama directory")
     p.add_argument("--seed", type=int, default=0, help="seed of a preset's weights")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--served-model-name", default=None, help="the base model's name in the API (default: --model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations dtype")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--max-loras", type=int, default=1, help="adapters usable in one batch (device slots)")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="host-memory adapter cache (default max-loras)")
-    p.add_argument("--max-lora-rank", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="requests running in one batch at most")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="vLLM's: admit waiting requests in arrival order, or lower `priority` request values first")
-    p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES))
+    p.add_argument("--max-model-len", type=int, default=512, help="prompt plus output tokens per request at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one forward pass at most")
+    p.add_argument("--eviction-policy", default="lru", choices=sorted(POLICIES),
+                   help="which adapter leaves a full GPU or host tier")
     p.add_argument("--lora-modules", nargs="*", type=_lora_module, default=[], metavar="NAME=PATH",
                    help="adapters to load at start (operator-given paths: not confined to --adapter-root)")
     p.add_argument("--adapter-root", type=Path, default=None,
@@ -61,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=1, help="intra-op CPU threads (1 lets several engines share cores)")
     p.add_argument("--load-read-threads", type=int, default=None,
                    help="threads that read one large adapter file at once (default: this process's CPUs, at most 4)")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", help="uvicorn's log level")
     return p
 
 
@@ -97,13 +100,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def tools_main(argv: Sequence[str]) -> int:
-    """``loraplane engine <tool> ...`` (tools: make-adapters, make-model)."""
-    from loraplane.engine import make_adapters
+#: ``loraplane engine <tool>`` -> (target, one-line help)
+TOOLS: dict[str, tuple[str, str]] = {
+    "serve": ("loraplane.engine.cli:main", "serve the engine until SIGINT/SIGTERM (same as loraplane-engine)"),
+    "make-adapters": ("loraplane.engine.make_adapters:main", "write random PEFT LoRA adapters for a model"),
+    "make-model": ("loraplane.engine.make_adapters:model_main", "write a preset model as a transformers checkpoint"),
+}
 
-    tools = {"make-adapters": make_adapters.main, "make-model": make_adapters.model_main}
-    argv = list(argv)
-    if not argv or argv[0] not in tools:
-        print(f"usage: loraplane engine {{{','.join(tools)}}} ...", file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    return tools[argv[0]](argv[1:])
+
+def tools_main(argv: Sequence[str]) -> int:
+    """``loraplane engine <tool> ...`` (tools: serve, make-adapters, make-model)."""
+    from loraplane.cli import dispatch, dispatcher
+
+    parser = dispatcher("loraplane engine", "the multi-LoRA reference engine and its helpers", TOOLS, "TOOL")
+    return dispatch(parser, TOOLS, argv, missing=2)

@@ -24,6 +24,7 @@ from loraplane.engine.model import (
     seeded_weights,
 )
 from loraplane.engine.tokenizer import write_byte_tokenizer
+from loraplane.helptext import HelpFormatter
 
 #: The weights file of a checkpoint written by :func:`write_model`.
 MODEL_WEIGHTS_FILE = "model.safetensors"
@@ -97,10 +98,10 @@ def model_config(model: str) -> ModelConfig:
 
 def model_main(argv: Sequence[str]) -> int:
     """``loraplane engine make-model``: writes a checkpoint directory, prints one JSON line (path, digest)."""
-    parser = argparse.ArgumentParser(prog="loraplane engine make-model",
+    parser = argparse.ArgumentParser(prog="loraplane engine make-model", formatter_class=HelpFormatter,
                                      description="write a seeded preset as a Llama checkpoint vLLM and the engine serve")
-    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model preset")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights")
     parser.add_argument("--out", type=Path, required=True, help="directory to write the checkpoint into")
     args = parser.parse_args(list(argv))
     digest = write_model(args.out, args.preset, args.seed)
@@ -110,15 +111,15 @@ def model_main(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """``loraplane engine make-adapters``: prints one JSON line per adapter (name, path, rank, digest)."""
-    parser = argparse.ArgumentParser(prog="loraplane engine make-adapters",
+    parser = argparse.ArgumentParser(prog="loraplane engine make-adapters", formatter_class=HelpFormatter,
                                      description="write real PEFT LoRA adapters for a model (for tests and demos)")
     parser.add_argument("--model", default="tiny", help="preset name or checkpoint directory (default tiny)")
     parser.add_argument("--out", type=Path, required=True, help="directory to write <prefix>-NNN/ adapters into")
-    parser.add_argument("--count", type=int, default=10)
+    parser.add_argument("--count", type=int, default=10, help="adapters to write")
     parser.add_argument("--ranks", default="8", help="comma-separated ranks, used in turn (e.g. 8,16,32)")
     parser.add_argument("--targets", default=",".join(LORA_MODULES), help="comma-separated target modules")
-    parser.add_argument("--prefix", default="adapter")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix", default="adapter", help="adapter directory names: <prefix>-NNN")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the adapters' weights")
     parser.add_argument("--strength", type=float, default=0.5, help="relative size of the LoRA delta")
     args = parser.parse_args(list(argv))
     try:

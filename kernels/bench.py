@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from loraplane.helptext import HelpFormatter
 from loraplane.kernels.ops import apply_lora, select_backend
 from loraplane.kernels.plan import BatchPlanner, DecodeGroups
 from loraplane.kernels.slots import LoraSlots
@@ -275,9 +276,9 @@ def _describe(device: torch.device, threads: int) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``loraplane bench kernels``."""
-    parser = argparse.ArgumentParser(prog="loraplane bench kernels", description=__doc__)
+    parser = argparse.ArgumentParser(prog="loraplane bench kernels", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds (CI)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the kernels run")
     parser.add_argument("--json", action="store_true", help="print the JSON object (the only output format)")
     parser.add_argument(
         "--threads",

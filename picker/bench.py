@@ -43,6 +43,7 @@ from loraplane.api import (
     WeightedRevision,
     keys,
 )
+from loraplane.helptext import HelpFormatter
 from loraplane.picker.envoy import ExtProcModes, direct_config, picker_config
 from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.routes import RouteResolver
@@ -406,22 +407,23 @@ def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def parser() -> argparse.ArgumentParser:
     """Flags of ``loraplane bench picker``."""
-    p = argparse.ArgumentParser(prog="loraplane bench picker", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(prog="loraplane bench picker", description=__doc__.split("\n\n")[0] if __doc__ else None,
+                                formatter_class=HelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object (always on; kept for symmetry)")
     p.add_argument("--quick", action="store_true", help="shorter runs (smoke test; numbers are noisier)")
     p.add_argument("--scoring-only", action="store_true", help="skip the Envoy part")
-    p.add_argument("--decisions", type=int, default=5000)
-    p.add_argument("--adapters", type=int, default=10_000)
+    p.add_argument("--decisions", type=int, default=5000, help="scoring decisions timed per pool size")
+    p.add_argument("--adapters", type=int, default=10_000, help="adapters in the scoring route table")
     p.add_argument("--endpoints", type=int, default=4, help="nginx server blocks behind Envoy (pool endpoints)")
-    p.add_argument("--rates", type=int, nargs="+", default=[100, 200, 500, 1000])
-    p.add_argument("--body-sizes", type=int, nargs="+", default=[1024, 65536])
+    p.add_argument("--rates", type=int, nargs="+", default=[100, 200, 500, 1000], help="open-loop request rates (req/s)")
+    p.add_argument("--body-sizes", type=int, nargs="+", default=[1024, 65536], help="request body sizes (bytes)")
     p.add_argument("--duration", type=float, default=6.0, help="seconds per open-loop row")
     p.add_argument("--closed-seconds", type=int, default=8, help="seconds of the closed-loop wrk run")
     p.add_argument("--connections", type=int, default=16, help="wrk connections in the closed-loop run")
     p.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=True,
                    help="the picker runs with its flow-control queue on (it stays empty: no endpoint saturates)")
-    p.add_argument("--picker-cpu", type=int, default=1)
-    p.add_argument("--load-cpu", type=int, default=0)
+    p.add_argument("--picker-cpu", type=int, default=1, help="CPU the picker (or the naive baseline) is pinned to")
+    p.add_argument("--load-cpu", type=int, default=0, help="CPU the load generator, Envoy and nginx are pinned to")
     return p
 
 

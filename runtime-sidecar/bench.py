@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from loraplane.api import AdapterTarget, Artifact, LoraSpec, Tier, cache_key, served_name
+from loraplane.helptext import HelpFormatter
 from loraplane.sidecar import peft
 from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig, parse_allowance
 from loraplane.sidecar.cache import DiskCache, StageTimings, sha256_hex
@@ -382,9 +383,10 @@ def run(model: str, rank: int, repeats: int, read_threads: int | None = None) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``loraplane bench sidecar``."""
-    parser = argparse.ArgumentParser(prog="loraplane bench sidecar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="loraplane bench sidecar", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--model", default="medium", help="engine preset (medium: a ~40 MB rank-64 adapter)")
-    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=64, help="rank of the adapter loaded")
     parser.add_argument("--repeats", type=int, default=9, help="L3, L2 and L1 rounds (medians of these)")
     parser.add_argument("--load-read-threads", type=int, default=None,
                         help="the engine's --load-read-threads, and the threads of the parallel raw read (default: the engine's)")

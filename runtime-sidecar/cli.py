@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from loraplane.api import validation
 from loraplane.credentials import secret
+from loraplane.helptext import HelpFormatter
 from loraplane.sidecar.artifacts import Allowance, ArtifactSources, SourceConfig, parse_allowance
 from loraplane.sidecar.bus import RedisBus
 from loraplane.sidecar.cache import DiskCache, UnpackLimits
@@ -60,7 +61,7 @@ def _allowance(text: str) -> Allowance:
 def build_parser() -> argparse.ArgumentParser:
     """The command's flags (defaults from the environment)."""
     p = argparse.ArgumentParser(
-        prog="loraplane-sidecar",
+        prog="loraplane-sidecar", formatter_class=HelpFormatter,
         description="Drive one model server into its TargetState and report its residency. "
         f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}REDIS_URL).",
     )

@@ -11,6 +11,7 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from loraplane.helptext import HelpFormatter
 from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.cluster import SimConfig
 from loraplane.sim.metrics import DEFAULT_SLO_TTFT_MS
@@ -48,19 +49,19 @@ def _scale(text: str) -> float:
 
 def parser() -> argparse.ArgumentParser:
     """The command's arguments."""
-    p = argparse.ArgumentParser(prog="loraplane sim", description=__doc__)
+    p = argparse.ArgumentParser(prog="loraplane sim", description=__doc__, formatter_class=HelpFormatter)
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--scenario", choices=list(SCENARIOS), default="hot-plus-burst")
+    source.add_argument("--scenario", choices=list(SCENARIOS), default="hot-plus-burst", help="generated trace")
     source.add_argument("--trace", type=Path, help="a recorded trace (CSV: timestamp, adapter, tenant, "
                         "input_tokens, output_tokens[, tenant_class])")  # fmt: skip
     p.add_argument("--policies", type=_policies, default=POLICY_NAMES, help=f"comma-separated: {', '.join(POLICY_NAMES)}")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated trace and the policies")
     p.add_argument("--requests", type=_positive, default=200_000, help="requests a scenario generates")
-    p.add_argument("--pods", type=_positive, default=8)
+    p.add_argument("--pods", type=_positive, default=8, help="model-server pods in the pool")
     p.add_argument("--pods-scale", type=_scale, default=1.0,
                    help="multiply --pods by this (rounded, at least 1): 0.5 runs a scenario at half the pods")  # fmt: skip
-    p.add_argument("--max-loras", type=_positive, default=4)
-    p.add_argument("--max-cpu-loras", type=_positive, default=16)
+    p.add_argument("--max-loras", type=_positive, default=4, help="GPU adapter slots per pod")
+    p.add_argument("--max-cpu-loras", type=_positive, default=16, help="host-memory adapter slots per pod")
     p.add_argument("--profile", default=LARGE_GPU.name,
                    help=f"{', '.join(PROFILES)} or a JSON file (saved profile or bench output)")  # fmt: skip
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")

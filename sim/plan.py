@@ -26,6 +26,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from loraplane.helptext import HelpFormatter
 from loraplane.sim.cluster import SimConfig
 from loraplane.sim.profile import DTYPE_BYTES, LARGE_GPU, Profile, ProfileError, load_profile
 from loraplane.sim.runner import simulate
@@ -340,7 +341,8 @@ def _bytes(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``loraplane plan``."""
-    p = argparse.ArgumentParser(prog="loraplane plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="loraplane plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--base-model", type=Path, required=True, help="transformers config.json (or its directory)")
     p.add_argument("--adapters", type=Path, required=True, help="PEFT adapter dir(s) or a JSON/YAML manifest")
     p.add_argument("--traffic", required=True, help="total req/s (Zipf over adapters), name=rate,... or a file")
@@ -348,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpu-memory", type=_bytes, default=80_000_000_000, help="per GPU (default 80G)")
     p.add_argument("--host-memory", type=_bytes, default=64_000_000_000, help="host memory for adapters (64G)")
     p.add_argument("--profile", default=LARGE_GPU.name, help="calibration profile (name or JSON file)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the simulated traffic")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     err = Console(stderr=True)

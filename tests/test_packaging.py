@@ -33,7 +33,7 @@ def test_console_script_help(script: str) -> None:
 
 
 def test_cli_targets_name_real_modules_or_say_not_yet() -> None:
-    for target in [t for t, _ in COMMANDS.values()] + list(BENCHMARKS.values()):
+    for target, _ in [*COMMANDS.values(), *BENCHMARKS.values()]:
         module = target.partition(":")[0]
         assert module.startswith("loraplane.")
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 
+from loraplane.helptext import HelpFormatter
 from loraplane.stack.services import POOL, LocalStack, StackOptions, StartCancelled
 
 __all__ = ["POOL", "LocalStack", "StackOptions", "main"]
@@ -22,7 +23,7 @@ __all__ = ["POOL", "LocalStack", "StackOptions", "main"]
 def parser() -> argparse.ArgumentParser:
     """The command's flags."""
     p = argparse.ArgumentParser(
-        prog="loraplane up",
+        prog="loraplane up", formatter_class=HelpFormatter,
         description="run the embedded API server, Redis, engines with sidecars, the picker behind Envoy and the "
         "controller on this machine until Ctrl-C",
     )
