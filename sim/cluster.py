@@ -5,7 +5,10 @@ Each pod runs vLLM-style continuous batching: at every step boundary it admits w
 *inside* that step (a load stalls the whole batch, as in vLLM), runs the prefill of new requests and one decode token
 for every running one. A request's first token comes at the end of the step that admitted it, so
 
-    TTFT = queue wait + load stall (by tier) + prefill + decode of the co-scheduled batch + step overhead.
+    TTFT = queue wait + load stall (by tier) + prefill + decode of the co-scheduled batch + step overhead,
+
+where prefill covers the prompt tokens the pod's prefix cache does not hold (traces with prefix structure only:
+``loraplane.sim.prefix``).
 
 Between two events that change a pod's batch (an arrival it could admit, a request finishing, a download finishing)
 every step costs the same, so the simulator jumps over the steps in between in one event: the work is O(events),
@@ -30,6 +33,7 @@ from itertools import islice
 from typing import Protocol
 
 from loraplane.api import Tier
+from loraplane.sim.prefix import PodPrefixCaches
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
 
@@ -227,6 +231,8 @@ class SimResult:
     held_s: array = field(default_factory=lambda: array("d"))
     #: request ids in the order pods admitted them (the order adapters were really needed in)
     admitted: array = field(default_factory=lambda: array("i"))
+    #: per request: prompt tokens served from its pod's prefix cache (all 0 on traces without prefix structure)
+    cached_tokens: array = field(default_factory=lambda: array("i"))
     gpu_loads: int = 0
     demand_loads: int = 0
     load_times: list[float] = field(default_factory=list)
@@ -279,7 +285,10 @@ class Simulator:
             pod=array("i", bytes(4 * n)),
             refused=array("H", bytes(2 * n)),
             held_s=array("d", bytes(8 * n)),
+            cached_tokens=array("i", bytes(4 * n)),
         )
+        #: the pods' prefix caches, on traces with prefix structure
+        self.prefix = PodPrefixCaches(trace, profile, config.pods) if trace.has_prefixes else None
         self._heap: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self.now = 0.0
@@ -455,6 +464,8 @@ class Simulator:
             else:
                 del pod.running_adapters[a]
             pod.kv_reserved -= in_tokens[rid] + out_tokens[rid]
+            if self.prefix is not None:
+                self.prefix.finished(pod.index, rid, pod.kv_reserved)
         pod.busy = False
         pod.event_time = math.inf
         self._begin(pod, now)
@@ -516,6 +527,7 @@ class Simulator:
         max_seqs = prof.max_num_seqs
         admitted: list[int] = []
         prefill_tokens = 0
+        prefix = self.prefix
         pos = 0  # waiting[:pos] were looked at in this step and skipped
         left = SCAN_LIMIT  # how many more the scan may look at
         budget_hit = False
@@ -523,7 +535,7 @@ class Simulator:
             stop = min(len(waiting), pos + left)
             jump = _next_admissible(pod, pos, stop)
             if jump > pos:
-                ends = self._scan_ends(waiting, pos, jump, budget, kv_free, bool(admitted), bool(admitted or running))
+                ends = self._scan_ends(pod, pos, jump, budget, kv_free, bool(admitted), bool(admitted or running))
                 if ends is not None:
                     budget_hit = ends
                     break
@@ -533,7 +545,9 @@ class Simulator:
             rid = waiting[pos]
             n_in = in_tokens[rid]
             need_kv = n_in + out_tokens[rid]
-            if admitted and n_in > budget:
+            cached = prefix.match(pod.index, rid) if prefix is not None else 0
+            n_new = n_in - cached  # tokens to prefill
+            if admitted and n_new > budget:
                 budget_hit = True
                 break
             if need_kv > kv_free and (admitted or running):
@@ -558,10 +572,13 @@ class Simulator:
             queued.popleft()  # its oldest: an adapter's earlier requests were admitted or it would be skipped too
             if not queued:
                 del waiting_adapters[a]
-            budget -= n_in
+            budget -= n_new
             kv_free -= need_kv
             pod.kv_reserved += need_kv
-            prefill_tokens += n_in
+            prefill_tokens += n_new
+            if prefix is not None:
+                res.cached_tokens[rid] = cached
+                prefix.admitted(pod.index, rid, pod.kv_reserved)
             admitted.append(rid)
             admitted_log.append(rid)
             running_adapters[a] = running_adapters.get(a, 0) + 1
@@ -571,16 +588,17 @@ class Simulator:
         return stall, prefill_tokens, admitted, budget_hit
 
     def _scan_ends(
-        self, waiting: deque[int], start: int, stop: int, budget: int, kv_free: int, admitted: bool, kv_binds: bool
+        self, pod: Pod, start: int, stop: int, budget: int, kv_free: int, admitted: bool, kv_binds: bool
     ) -> bool | None:
-        """Whether one of ``waiting[start:stop]``, looked at in order, ends the scan: ``True`` on the prefill budget
-        (only once something was admitted), ``False`` on the free KV capacity (``kv_binds``), ``None`` if none does."""
+        """Whether one of ``pod.waiting[start:stop]``, looked at in order, ends the scan: ``True`` on the prefill
+        budget (only once something was admitted; tokens its prefix cache holds are not prefilled), ``False`` on
+        the free KV capacity (``kv_binds``), ``None`` if none does."""
         if (not admitted or self._max_prompt <= budget) and (not kv_binds or self._max_kv <= kv_free):
             return None
-        in_tokens, out_tokens = self.trace.input_tokens, self.trace.output_tokens
-        for rid in islice(waiting, start, stop):
+        in_tokens, out_tokens, prefix = self.trace.input_tokens, self.trace.output_tokens, self.prefix
+        for rid in islice(pod.waiting, start, stop):
             n_in = in_tokens[rid]
-            if admitted and n_in > budget:
+            if admitted and n_in - (prefix.match(pod.index, rid) if prefix is not None else 0) > budget:
                 return True
             if kv_binds and n_in + out_tokens[rid] > kv_free:
                 return False

@@ -1,5 +1,5 @@
 """Summaries of a run: SLO attainment and refusals, TTFT percentiles of served requests (overall, warm vs cold, per
-tenant class), cold starts against the bound, thrash, hits per tier, GPU slot use."""
+tenant class), cold starts against the bound, thrash, hits per tier, GPU slot use, prefix-cache hit rate."""
 
 from __future__ import annotations
 
@@ -68,6 +68,16 @@ def slo_figures(result: SimResult, slo_ttft_ms: float) -> dict[str, Any]:
     }
 
 
+def prefix_hit_rate(result: SimResult) -> float:
+    """Prompt tokens served from a prefix cache over all prompt tokens, of served requests (0 without prefixes)."""
+    served = served_mask(result)
+    cached = np.frombuffer(result.cached_tokens, dtype=np.int32)
+    if cached.size != served.size:
+        return 0.0
+    prompt = int(np.asarray(result.trace.input_tokens, dtype=np.int64)[served].sum())
+    return round(int(cached[served].sum()) / prompt, 4) if prompt else 0.0
+
+
 def hot_ttft_p99_ms(result: SimResult) -> float | None:
     """P99 TTFT of hot tenants' served requests (during the burst, when there is one)."""
     ttft = np.frombuffer(result.ttft, dtype=np.float64)
@@ -110,5 +120,6 @@ def summarize(
             for i, name in enumerate(TIER_NAMES)
         },
         "gpu_slot_use": round(result.slot_busy_s / capacity_s, 4) if capacity_s else 0.0,
+        "prefix_hit_rate": prefix_hit_rate(result),
         "sim_seconds": round(result.sim_seconds, 1),
     }

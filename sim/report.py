@@ -27,7 +27,7 @@ def table(report: dict[str, Any]) -> Table:
     t = Table(title=title, title_justify="left")
     columns = [
         "policy", "SLO met", "rejected", "p50", "p95", "p99", "warm p99", "cold p99", "hot p99", "hot p99 no burst", "burst p99",
-        "cold starts", "x bound", "thrash", "L0/L1/L2/L3 hits", "slot use",
+        "cold starts", "x bound", "thrash", "L0/L1/L2/L3 hits", "slot use", "prefix hits",
     ]  # fmt: skip
     for c in columns:
         t.add_column(c, justify="left" if c == "policy" else "right")
@@ -51,6 +51,7 @@ def table(report: dict[str, Any]) -> Table:
             f"{p['thrash_ratio']:.2f}",
             "/".join(f"{hits[k]:.2f}" for k in ("L0", "L1", "L2", "L3")),
             f"{p['gpu_slot_use']:.2f}",
+            f"{p.get('prefix_hit_rate', 0.0):.2%}",
         )
     return t
 

@@ -56,9 +56,25 @@ class Trace:
     #: (start, end) seconds of the burst, when the trace has one
     burst_window: tuple[float, float] | None = None
     meta: dict[str, str] = field(default_factory=dict)
+    #: prefix structure (all three or none): per request its prefix group (-1: none), whose first ``prefix_tokens``
+    #: prompt tokens every request of the group shares (a system prompt), and its session (-1: none), whose turns
+    #: each start with the previous turn's prompt and answer (``loraplane.sim.prefix``)
+    prefix_group: list[int] | None = None
+    prefix_tokens: list[int] | None = None
+    session: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.arrival)
+
+    @property
+    def has_prefixes(self) -> bool:
+        """True when the trace carries prefix groups and sessions (the simulator then models prefix caches)."""
+        return self.prefix_group is not None
+
+    def prefix_columns(self) -> list[list[int]]:
+        """The per-request prefix columns the trace has (none or all three)."""
+        columns = (self.prefix_group, self.prefix_tokens, self.session)
+        return [c for c in columns if c is not None]
 
     @property
     def duration(self) -> float:
@@ -85,29 +101,40 @@ class Trace:
             output_tokens=[self.output_tokens[i] for i in keep],
             burst_window=self.burst_window,
             meta=dict(self.meta),
+            **{k: [c[i] for i in keep] for k, c in self._prefix_fields().items()},
         )
+
+    def _prefix_fields(self) -> dict[str, list[int]]:
+        if self.prefix_group is None or self.prefix_tokens is None or self.session is None:
+            return {}
+        return {"prefix_group": self.prefix_group, "prefix_tokens": self.prefix_tokens, "session": self.session}
 
     def to_csv(self) -> str:
         """The trace in the CSV format ``load_csv`` reads."""
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow([*CSV_COLUMNS, "tenant_class"])
+        prefix = self._prefix_fields()
+        writer.writerow([*CSV_COLUMNS, "tenant_class", *(PREFIX_COLUMNS if prefix else ())])
         for i in range(len(self)):
             tenant = self.tenants[self.tenant[i]]
-            writer.writerow(
-                [
-                    f"{self.arrival[i]:.6f}",
-                    self.adapters[self.adapter[i]].name,
-                    tenant.name,
-                    self.input_tokens[i],
-                    self.output_tokens[i],
-                    tenant.cls,
-                ]
-            )
+            row = [
+                f"{self.arrival[i]:.6f}",
+                self.adapters[self.adapter[i]].name,
+                tenant.name,
+                self.input_tokens[i],
+                self.output_tokens[i],
+                tenant.cls,
+            ]
+            if prefix:
+                group, session = prefix["prefix_group"][i], prefix["session"][i]
+                row += [f"g{group}" if group >= 0 else "", prefix["prefix_tokens"][i], f"s{session}" if session >= 0 else ""]
+            writer.writerow(row)
         return out.getvalue()
 
 
 CSV_COLUMNS = ["timestamp", "adapter", "tenant", "input_tokens", "output_tokens"]
+#: optional: a request's prefix group (any name; empty: none), the prompt tokens the group shares, its session
+PREFIX_COLUMNS = ["prefix_group", "prefix_tokens", "session"]
 
 
 class TraceError(ValueError):
@@ -116,7 +143,12 @@ class TraceError(ValueError):
 
 def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trace:
     """Read a recorded trace: a header with ``timestamp, adapter, tenant, input_tokens, output_tokens``
-    (optionally ``tenant_class``), one request per row. Timestamps are seconds (any origin; rows may be unsorted)."""
+    (optionally ``tenant_class``), one request per row. Timestamps are seconds (any origin; rows may be unsorted).
+
+    Optional prefix columns (any of them makes the trace one with prefix structure): ``prefix_group`` (a name;
+    empty: none) with ``prefix_tokens`` (the prompt tokens every request of the group starts with, at most
+    ``input_tokens``), and ``session`` (a name; empty: none): a session's turns, in timestamp order, each start
+    with the previous turn's prompt and answer."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
@@ -130,7 +162,10 @@ def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trac
     tenant_list: list[Tenant] = []
     adapters: dict[str, int] = {}
     adapter_list: list[Adapter] = []
-    rows: list[tuple[float, int, int, int, int]] = []
+    with_prefixes = any(c in header for c in PREFIX_COLUMNS)
+    groups: dict[str, int] = {}
+    sessions: dict[str, int] = {}
+    rows: list[tuple[float, int, int, int, int, int, int, int]] = []
     for line, row in enumerate(reader, start=2):
         if len(rows) >= max_rows:
             raise TraceError(f"{path}: more than {max_rows} rows")
@@ -151,7 +186,10 @@ def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trac
         if adapter_name not in adapters:
             adapters[adapter_name] = len(adapter_list)
             adapter_list.append(Adapter(adapter_name, tenants[tenant_name], adapter_bytes))
-        rows.append((ts, adapters[adapter_name], tenants[tenant_name], n_in, n_out))
+        group, shared, session = _prefix_cells(row, n_in, groups, sessions) if with_prefixes else (-1, 0, -1)
+        if shared < 0:
+            raise TraceError(f"{path}:{line}: a prefix_group needs prefix_tokens, an integer in [0, input_tokens]")
+        rows.append((ts, adapters[adapter_name], tenants[tenant_name], n_in, n_out, group, shared, session))
     if not rows:
         raise TraceError(f"{path}: no requests")
     rows.sort(key=lambda r: r[0])
@@ -165,7 +203,28 @@ def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trac
         tenant=[r[2] for r in rows],
         input_tokens=[r[3] for r in rows],
         output_tokens=[r[4] for r in rows],
+        prefix_group=[r[5] for r in rows] if with_prefixes else None,
+        prefix_tokens=[r[6] for r in rows] if with_prefixes else None,
+        session=[r[7] for r in rows] if with_prefixes else None,
     )
+
+
+def _prefix_cells(row: dict[str, str], n_in: int, groups: dict[str, int], sessions: dict[str, int]) -> tuple[int, int, int]:
+    """A CSV row's (prefix group, shared prefix tokens, session), names numbered in order of appearance; shared
+    tokens -1 when a named group has no valid ``prefix_tokens``."""
+    group_name, session_name = (row.get("prefix_group") or "").strip(), (row.get("session") or "").strip()
+    group, shared, session = -1, 0, -1
+    if group_name:
+        group = groups.setdefault(group_name, len(groups))
+        try:
+            shared = int(row.get("prefix_tokens") or "")
+        except ValueError:
+            shared = -1
+        if shared > n_in:
+            shared = -1
+    if session_name:
+        session = sessions.setdefault(session_name, len(sessions))
+    return group, shared, session
 
 
 @dataclass(frozen=True)
@@ -356,6 +415,67 @@ def diurnal_peak(requests: int, seed: int, adapter_bytes: int, rate: float = 50.
     return _assemble("diurnal-peak", tenants, adapters, [(times, chosen)], rng, Lengths())
 
 
+def prefix_chat(
+    requests: int,
+    seed: int,
+    adapter_bytes: int,
+    rate: float = 40.0,
+    adapters_per_tenant: int = 4,
+    think_s: float = 15.0,
+    context_tokens: int = 8192,
+) -> Trace:
+    """Multi-turn chat on 32 adapters of 8 tenants (Zipf 1.0 over the adapters): each tenant has a system prompt
+    (800-2,500 tokens) every one of its sessions starts with; a session's turns (about 6, at most 20) come
+    ``think_s`` apart on average (exponential, at least 2 s), each turn's prompt the previous prompt plus its answer
+    plus new user text, until the context would pass ``context_tokens``. ``rate`` requests/s over all sessions."""
+    rng = np.random.default_rng(seed)
+    n_tenants = 8
+    tenants = [Tenant(f"tenant-{i}") for i in range(n_tenants)]
+    n_adapters = n_tenants * adapters_per_tenant
+    adapters = [Adapter(served_name(f"chat-{i}", "v1"), i % n_tenants, adapter_bytes) for i in range(n_adapters)]
+    system = rng.integers(800, 2500, n_tenants)
+    weights = zipf_weights(n_adapters, 1.0)[rng.permutation(n_adapters)]
+    mean_turns = 6.0
+    rows: list[tuple[float, int, int, int, int]] = []  # arrival, adapter, input, output, session
+    start, session, max_turns = 0.0, 0, 20
+    while len(rows) < requests * 1.1 + 100:
+        batch = requests // 4 + 100  # sessions drawn at once
+        starts = start + np.cumsum(rng.exponential(mean_turns / rate, batch))
+        start = float(starts[-1])
+        chosen = rng.choice(n_adapters, size=batch, p=weights).tolist()
+        turns = np.minimum(max_turns, rng.geometric(1.0 / mean_turns, batch)).tolist()
+        user = np.clip(rng.lognormal(np.log(120), 0.8, (batch, max_turns)), 8, 1024).astype(int).tolist()
+        answer = np.clip(rng.lognormal(np.log(150), 0.6, (batch, max_turns)), 8, 512).astype(int).tolist()
+        think = np.maximum(2.0, rng.exponential(think_s, (batch, max_turns))).tolist()
+        for k in range(batch):
+            adapter, at = chosen[k], float(starts[k])
+            context = int(system[adapter % n_tenants])
+            for turn in range(turns[k]):
+                asked, answered = user[k][turn], answer[k][turn]
+                if context + asked + answered > context_tokens:
+                    break
+                rows.append((at, adapter, context + asked, answered, session))
+                context += asked + answered
+                at += think[k][turn]
+            session += 1
+    rows.sort(key=lambda r: r[0])
+    del rows[requests:]
+    chosen = [r[1] for r in rows]
+    return Trace(
+        name="prefix-chat",
+        tenants=tenants,
+        adapters=adapters,
+        arrival=[r[0] for r in rows],
+        adapter=chosen,
+        tenant=[adapters[a].tenant for a in chosen],
+        input_tokens=[r[2] for r in rows],
+        output_tokens=[r[3] for r in rows],
+        prefix_group=[adapters[a].tenant for a in chosen],
+        prefix_tokens=[int(system[adapters[a].tenant]) for a in chosen],
+        session=[r[4] for r in rows],
+    )
+
+
 def rates_trace(rates: dict[str, float], nbytes: dict[str, int], requests: int, seed: int) -> Trace:
     """Poisson traffic at the given per-adapter rates (requests/s), one tenant per adapter, every adapter on disk."""
     names = [n for n, r in rates.items() if r > 0]
@@ -377,6 +497,7 @@ SCENARIOS: dict[str, Callable[[int, int, int], Trace]] = {
     "rollout": rollout,
     "zipf-many": zipf_many,
     "diurnal-peak": diurnal_peak,
+    "prefix-chat": prefix_chat,
 }
 
 
