@@ -11,14 +11,21 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from loraplane.picker.prefix import ApproximateIndex
 from loraplane.sim.cluster import Pod, Router
+from loraplane.sim.prefix import PrefixLayout
 from loraplane.sim.trace import Trace
 
-#: GIE default profile weights (prefix-cache scorer left out: traces carry no prefixes)
+#: GIE default profile weights (the prefix-cache scorer only in ``llmd-prefix``)
 QUEUE_WEIGHT = 2.0
 KV_WEIGHT = 2.0
 #: weight given to the LoRA scorers added to the default profile (the same as queue and KV)
 LORA_WEIGHT = 2.0
+#: llm-d's inference-scheduling profile: queue 2, KV utilisation 2, prefix cache 3; the prefix plugin's defaults
+#: (16-token blocks, at most 256 matched, an LRU of 31,250 block hashes per pod, no TTL)
+LLMD_PREFIX_WEIGHT = 3.0
+LLMD_MAX_PREFIX_BLOCKS = 256
+LLMD_LRU_CAPACITY_PER_SERVER = 31_250
 #: the old GIE LoRA filter: probability of keeping affinity pods, and the queue length above which a pod is skipped
 LORA_FILTER_PROBABILITY = 0.999
 LORA_QUEUE_THRESHOLD = 128
@@ -126,6 +133,40 @@ class LlmdLoadState(GieDefault):
         return 0.0
 
 
+class LlmdPrefix(GieDefault):
+    """llm-d's default scheduling profile: queue scorer x2 + KV-cache scorer x2 + approximate prefix-cache scorer x3
+    (matched / total prefix blocks of the request, from an LRU per pod of the block hashes it routed there; the
+    served name is part of the hash, nothing else about adapters)."""
+
+    name = "llmd-prefix"
+
+    def __init__(self, seed: int, kv_capacity: int) -> None:
+        super().__init__(seed, kv_capacity)
+        self._now = 0.0
+        self._index = ApproximateIndex(LLMD_LRU_CAPACITY_PER_SERVER, ttl_s=1e18, clock=lambda: self._now)
+        self._layout: tuple[Trace, PrefixLayout] | None = None
+        self._names: list[str] = []
+
+    def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
+        """The best pod by the weighted scores; the request's blocks are recorded on it."""
+        scores = _default_scores(pods, self._kv)
+        if not trace.has_prefixes:
+            return self._best(scores)
+        if self._layout is None or self._layout[0] is not trace:
+            self._layout = (trace, PrefixLayout(trace))
+        if len(self._names) != len(pods):
+            self._names = [f"pod-{p.index}" for p in pods]
+        self._now = now
+        request = self._layout[1].request(rid, LLMD_MAX_PREFIX_BLOCKS)
+        if request.hashes:
+            matched = self._index.match(self._names, request)
+            share = LLMD_PREFIX_WEIGHT / len(request.hashes)
+            scores = [s + share * int(m) for s, m in zip(scores, matched, strict=True)]
+        chosen = self._best(scores)
+        self._index.record(self._names[chosen], request)
+        return chosen
+
+
 class GieLoraFilter(_MaxScore):
     """The old GIE filter chain: pods with queue < 128; with probability 0.999 those where the adapter is running or
     waiting, else (or if none) those with room for another adapter; then least queue, then least KV usage."""
@@ -161,4 +202,5 @@ BASELINES: dict[str, Callable[[int, int], Router]] = {
     "gie-lora-affinity": GieLoraAffinity,
     "gie-lora-filter": GieLoraFilter,
     "llmd-load-state": LlmdLoadState,
+    "llmd-prefix": LlmdPrefix,
 }

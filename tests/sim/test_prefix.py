@@ -182,3 +182,23 @@ def test_routing_on_prefixes_matters_in_prefix_chat() -> None:
     assert 0 < rates[0] < rates[1]
     cached = np.frombuffer(sticky.result.cached_tokens, dtype=np.int32)
     assert (cached <= np.asarray(trace.input_tokens) - 1).all()
+
+
+def test_llmd_prefix_follows_the_prefix_it_routed_and_is_gie_default_without_prefixes() -> None:
+    # light load: a session's later turns go back to the pod its earlier turns were routed to
+    trace = scenario("prefix-chat", 1500, seed=4, adapter_bytes=ADAPTER_BYTES)
+    trace.arrival = [t * 20 for t in trace.arrival]  # a twentieth of the rate: queues stay empty
+    sim = run(trace, "llmd-prefix", pods=4)
+    assert trace.session is not None
+    previous: dict[int, int] = {}
+    same = later = 0
+    for rid, s in enumerate(trace.session):
+        if s in previous:
+            later += 1
+            same += sim.result.pod[rid] == sim.result.pod[previous[s]]
+        previous[s] = rid
+    assert same / later > 0.95
+    assert prefix_hit_rate(sim.result) > prefix_hit_rate(run(trace, "gie-default", pods=4).result)
+    plain = scenario("gie-multilora", 2000, seed=4, adapter_bytes=ADAPTER_BYTES)
+    picks = [list(run(plain, p, pods=4).result.pod) for p in ("llmd-prefix", "gie-default")]
+    assert picks[0] == picks[1]
