@@ -138,7 +138,7 @@ class PickerContext:
     def __post_init__(self) -> None:
         if self.lifecycle is None:
             runtime = PluginRuntime(self.tracker, self.clock, registry=self.metrics.registry)
-            self.lifecycle = Lifecycle.from_specs(runtime, self.scheduler.request_plugins)
+            self.lifecycle = self.scheduler.lifecycle(runtime)
 
     @property
     def flow_control(self) -> FlowControl | None:
@@ -411,7 +411,7 @@ class Exchange:
             parsed = parse_body(body, self.ctx.settings.max_body_bytes)
             validate_api_fields(parsed.document, self.headers.get(":path"))
             route = self._resolve(parsed)
-            request = self._scheduling_request(route)
+            request = self._scheduling_request(route, parsed)
             target = route.served_name or route.logical
             new_body = body if target == parsed.model else rewrite_request_model(body, parsed, target)
             if target != parsed.model and self.ctx.settings.rewrite_response_model:
@@ -446,7 +446,7 @@ class Exchange:
         self.tenant = route.tenant
         return route
 
-    def _scheduling_request(self, route: Resolution) -> SchedulingRequest:
+    def _scheduling_request(self, route: Resolution, parsed: ParsedBody) -> SchedulingRequest:
         priority = route.priority
         name = self.headers.get(OBJECTIVE_HEADER)
         if name:
@@ -455,7 +455,10 @@ class Exchange:
                 objective = _PRIORITY_OF_OBJECTIVE.get(name)
             if objective is not None:
                 priority = min(priority, objective)  # an objective may lower priority, never raise it
-        return SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset)
+        prefix_scorer = self.ctx.scheduler.prefix
+        prefix = (None if prefix_scorer is None
+                  else prefix_scorer.hash_request(route.served_name, route.digest, parsed.document))
+        return SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset, prefix)
 
     def _route(self, request: SchedulingRequest, route: Resolution | None,
                then: Callable[[Decision], list[Wire]]) -> list[Wire]:

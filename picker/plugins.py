@@ -13,13 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import Field
 
 from loraplane.api import ApiModel
 from loraplane.picker.snapshot import BoolArray, FloatArray, PoolSnapshot
+
+if TYPE_CHECKING:
+    from loraplane.picker.prefix import PrefixRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class SchedulingRequest:
     tenant: str = "default"
     #: the gateway's subset hint, entries ``ip:port`` or ``ip`` (see ``subset_hint_filter``); None: no hint.
     subset: frozenset[str] | None = None
+    #: the prompt's prefix blocks, hashed once per request (``PrefixCacheScorer.hash_request``); None: no prefix signal
+    prefix: PrefixRequest | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +53,11 @@ class Cycle:
     utilisation: FloatArray
     #: utilisation < 1.0
     unsaturated: BoolArray
+    #: per endpoint (whole pool): the share of the request's prefix blocks it holds, set once per cycle by the
+    #: profile's ``prefix-cache-scorer`` (``PrefixCacheScorer.cycle_match``); None: no prefix signal
+    prefix_hit: FloatArray | None = None
+    #: the request's hashed prompt length in tokens (what a full prefix hit saves in prefill)
+    prefix_tokens: float = 0.0
 
 
 class SchedulingError(Exception):
@@ -278,6 +288,9 @@ class PredictedTtftParameters(ApiModel):
     fetch_load_seconds: float = Field(default=3.0, ge=0)
     #: how much of a load's time counts against each request already running there (the batch stalls meanwhile)
     stall_weight: float = Field(default=0.25, ge=0)
+    #: prefill seconds per prompt token not found in the pod's prefix cache (``prefix-cache-scorer`` in the profile,
+    #: at any weight, supplies the hit); 0 ignores prefix hits
+    prefill_seconds_per_token: float = Field(default=1e-4, ge=0)
 
 
 def predicted_ttft(params: PredictedTtftParameters, request: SchedulingRequest, pool: PoolSnapshot) -> FloatArray:
@@ -302,9 +315,18 @@ def predicted_ttft(params: PredictedTtftParameters, request: SchedulingRequest, 
     return wait + load_cost * (1.0 + params.stall_weight * pool.running)
 
 
+def prefill_seconds(params: PredictedTtftParameters, cycle: Cycle) -> FloatArray | float:
+    """Prefill of the prompt tokens each endpoint does not hold in its prefix cache (0 without a prefix signal)."""
+    if cycle.prefix_hit is None:
+        return 0.0
+    return (params.prefill_seconds_per_token * cycle.prefix_tokens) * (1.0 - cycle.prefix_hit)
+
+
 def predicted_ttft_scorer(params: PredictedTtftParameters) -> Scorer:
-    """``1 / (1 + predicted TTFT in seconds)``: the fastest predicted first token scores highest."""
-    return lambda request, pool, _cycle: 1.0 / (1.0 + predicted_ttft(params, request, pool))
+    """``1 / (1 + predicted TTFT in seconds)``: the fastest predicted first token scores highest; with a prefix
+    signal, the prefill of the uncached part of the prompt counts too (saved prefill tokens)."""
+    return lambda request, pool, cycle: 1.0 / (1.0 + predicted_ttft(params, request, pool)
+                                                + prefill_seconds(params, cycle))
 
 
 class PluginKind(StrEnum):

@@ -14,16 +14,30 @@ Two indexes answer ``match(endpoints, request)`` (matched prefix length per endp
 from __future__ import annotations
 
 import collections
+import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
-from pydantic import ValidationError
+from prometheus_client import Counter
+from pydantic import Field, model_validator
 
-from loraplane.api import PREFIX_HASH_SCHEME, SCHEMA_VERSION, KvBlockSet, keys, prefix_root_hash
+from loraplane.api import (
+    PREFIX_HASH_SCHEME,
+    ApiModel,
+    KvBlockSet,
+    keys,
+    prefix_root_hash,
+    read_payload_or_none,
+)
 from loraplane.api.prefix import chain, token_block_bytes
+from loraplane.picker.lifecycle import InFlightRequest, PluginRuntime, RequestPlugin
+from loraplane.picker.plugins import Cycle, PluginKind, PluginType, SchedulingRequest, register
+from loraplane.picker.snapshot import FloatArray, PoolSnapshot
+
+log = logging.getLogger(__name__)
 
 #: A prefix block's chained hash (16 bytes).
 BlockHash = bytes
@@ -103,23 +117,39 @@ class PrefixHasher:
 
 
 class PrefixMatcher(Protocol):
-    """What a prefix scorer calls: matched prefix length (blocks) of ``request`` on each of ``endpoints``."""
+    """What a prefix scorer calls: the endpoints holding leading blocks of ``request``."""
 
-    def match(self, endpoints: Sequence[str], request: PrefixRequest) -> IntArray:
-        """One count per endpoint: how many leading blocks of the request the endpoint holds."""
+    def matches(self, request: PrefixRequest) -> dict[str, int]:
+        """Endpoint -> how many leading blocks of the request it holds (endpoints holding none are left out)."""
         ...
 
 
-def _leading_run(hashes: Sequence[BlockHash], held: Callable[[BlockHash], bool]) -> int:
+def leading_runs(hashes: Sequence[BlockHash], holders: Callable[[BlockHash], Iterable[str]]) -> dict[str, int]:
+    """Endpoint -> length of the leading run of ``hashes`` it holds, walking the blocks once: block ``i`` is looked
+    up only while some endpoint still holds blocks ``0 .. i-1`` (the work is the matched prefix, not the pool)."""
+    runs: dict[str, int] = {}
+    alive: set[str] = set()
     for i, h in enumerate(hashes):
-        if not held(h):
-            return i
-    return len(hashes)
+        held = holders(h)
+        current = set(held) if i == 0 else alive.intersection(held)
+        for pod in alive - current:
+            runs[pod] = i
+        alive = current
+        if not alive:
+            return runs
+    for pod in alive:
+        runs[pod] = len(hashes)
+    return runs
+
+
+def _vector(runs: Mapping[str, int], endpoints: Sequence[str]) -> IntArray:
+    return np.fromiter((runs.get(e, 0) for e in endpoints), np.int64, len(endpoints))
 
 
 class ApproximateIndex:
     """Where requests were routed: per pod, a bounded LRU of block hashes (``capacity`` per pod), each expiring
-    ``ttl_s`` after it was last routed there. ``max_pods`` bounds the pods remembered (least recently routed go)."""
+    ``ttl_s`` after it was last routed there. ``max_pods`` bounds the pods remembered (least recently routed go).
+    Indexed both ways: per pod (its LRU order) and per hash (the pods it was routed to, with their expiry)."""
 
     def __init__(self, capacity: int = 65_536, ttl_s: float = 600.0, max_pods: int = 4096,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -127,8 +157,9 @@ class ApproximateIndex:
             raise ValueError("capacity and max_pods must be >= 1, ttl_s > 0")
         self.capacity, self.ttl_s, self.max_pods = capacity, ttl_s, max_pods
         self._clock = clock
-        self._pods: collections.OrderedDict[str, collections.OrderedDict[BlockHash, float]] = (
+        self._pods: collections.OrderedDict[str, collections.OrderedDict[BlockHash, None]] = (
             collections.OrderedDict())
+        self._holders: dict[BlockHash, dict[str, float]] = {}
 
     def record(self, pod: str, request: PrefixRequest) -> None:
         """The request was routed to ``pod``: its blocks are (about to be) cached there."""
@@ -137,42 +168,50 @@ class ApproximateIndex:
             blocks = collections.OrderedDict()
         self._pods[pod] = blocks
         while len(self._pods) > self.max_pods:
-            self._pods.popitem(last=False)
+            self.forget(next(iter(self._pods)))
         expires = self._clock() + self.ttl_s
+        holders = self._holders
         for h in request.hashes:
-            blocks[h] = expires
+            blocks[h] = None
             blocks.move_to_end(h)
+            holders.setdefault(h, {})[pod] = expires
         while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+            self._drop(pod, blocks.popitem(last=False)[0])
+
+    def _drop(self, pod: str, h: BlockHash) -> None:
+        pods = self._holders.get(h)
+        if pods is not None:
+            pods.pop(pod, None)
+            if not pods:
+                del self._holders[h]
 
     def forget(self, pod: str) -> None:
         """Drop everything recorded for ``pod`` (it left the pool or its runtime restarted)."""
-        self._pods.pop(pod, None)
+        for h in self._pods.pop(pod, ()):
+            self._drop(pod, h)
 
     def blocks(self, pod: str) -> int:
         """How many block hashes are remembered for ``pod`` (expired ones included until they are looked at)."""
         return len(self._pods.get(pod, ()))
 
-    def match(self, endpoints: Sequence[str], request: PrefixRequest) -> IntArray:
-        """Leading blocks of ``request`` routed to each endpoint within the TTL."""
+    def matches(self, request: PrefixRequest) -> dict[str, int]:
+        """Pod -> leading blocks of ``request`` routed there within the TTL (expired entries met are dropped)."""
         now = self._clock()
-        out = np.zeros(len(endpoints), dtype=np.int64)
-        for i, pod in enumerate(endpoints):
-            blocks = self._pods.get(pod)
-            if not blocks:
-                continue
 
-            def held(h: BlockHash, blocks: collections.OrderedDict[BlockHash, float] = blocks) -> bool:
-                expires = blocks.get(h)
-                if expires is None:
-                    return False
-                if expires <= now:
-                    del blocks[h]
-                    return False
-                return True
+        def holders(h: BlockHash) -> Iterable[str]:
+            pods = self._holders.get(h)
+            if not pods:
+                return ()
+            for pod in [pod for pod, expires in pods.items() if expires <= now]:
+                self._pods[pod].pop(h, None)
+                self._drop(pod, h)
+            return pods
 
-            out[i] = _leading_run(request.hashes, held)
-        return out
+        return leading_runs(request.hashes, holders)
+
+    def match(self, endpoints: Sequence[str], request: PrefixRequest) -> IntArray:
+        """``matches`` as one count per endpoint of ``endpoints``."""
+        return _vector(self.matches(request), endpoints)
 
 
 class PreciseIndex:
@@ -185,15 +224,31 @@ class PreciseIndex:
     def __init__(self, wall_clock: Callable[[], float] = time.time) -> None:
         self._wall_clock = wall_clock
         self._sets: dict[str, tuple[KvBlockSet, frozenset[BlockHash]]] = {}
+        self._holders: dict[BlockHash, set[str]] = {}
 
     def update(self, block_set: KvBlockSet) -> None:
         """Replace the pod's block set."""
         hashes = frozenset(bytes.fromhex(h) for entry in block_set.adapters for h in entry.block_hashes)
+        old = self._sets.get(block_set.pod)
         self._sets[block_set.pod] = (block_set, hashes)
+        pod = block_set.pod
+        for h in old[1] - hashes if old is not None else ():
+            self._unhold(pod, h)
+        for h in hashes - old[1] if old is not None else hashes:
+            self._holders.setdefault(h, set()).add(pod)
+
+    def _unhold(self, pod: str, h: BlockHash) -> None:
+        pods = self._holders.get(h)
+        if pods is not None:
+            pods.discard(pod)
+            if not pods:
+                del self._holders[h]
 
     def forget(self, pod: str) -> None:
         """Drop the pod's block set."""
-        self._sets.pop(pod, None)
+        old = self._sets.pop(pod, None)
+        for h in old[1] if old is not None else ():
+            self._unhold(pod, h)
 
     async def refresh(self, redis: Any, pool: str, pods: Sequence[str]) -> None:
         """Read the pods' published sets (``keys.kv_blocks``) from a redis.asyncio client: a missing, invalid or
@@ -206,30 +261,180 @@ class PreciseIndex:
             else:
                 self.update(block_set)
 
-    def match(self, endpoints: Sequence[str], request: PrefixRequest) -> IntArray:
-        """Leading blocks of ``request`` each endpoint's runtime reported cached."""
+    def matches(self, request: PrefixRequest) -> dict[str, int]:
+        """Pod -> leading blocks of ``request`` its runtime reported cached (fresh sets of the request's block
+        size in tokens only)."""
+        if request.unit != "tokens":
+            return {}
         now = self._wall_clock()
-        out = np.zeros(len(endpoints), dtype=np.int64)
-        for i, pod in enumerate(endpoints):
-            entry = self._sets.get(pod)
-            if entry is None:
-                continue
-            block_set, hashes = entry
-            fresh = block_set.heartbeat_at + block_set.ttl_seconds > now
-            if fresh and request.unit == "tokens" and request.block_size == block_set.block_size:
-                out[i] = _leading_run(request.hashes, hashes.__contains__)
-        return out
+        runs = leading_runs(request.hashes, lambda h: self._holders.get(h, ()))
+        for pod in list(runs):
+            block_set = self._sets[pod][0]
+            if block_set.block_size != request.block_size or block_set.heartbeat_at + block_set.ttl_seconds <= now:
+                del runs[pod]
+        return runs
+
+    def match(self, endpoints: Sequence[str], request: PrefixRequest) -> IntArray:
+        """``matches`` as one count per endpoint of ``endpoints``."""
+        return _vector(self.matches(request), endpoints)
 
 
 def _parse_block_set(raw: bytes | str | None) -> KvBlockSet | None:
-    if raw is None:
-        return None
-    try:
-        block_set = KvBlockSet.from_json(raw)
-    except ValidationError:
-        return None
-    ok = block_set.schema_version == SCHEMA_VERSION and block_set.hash_scheme == PREFIX_HASH_SCHEME
-    return block_set if ok else None
+    block_set = read_payload_or_none(KvBlockSet, raw, log)
+    return block_set if block_set is not None and block_set.hash_scheme == PREFIX_HASH_SCHEME else None
+
+
+# --- the scorer plugin -------------------------------------------------------------------------------------------
+
+
+class PrefixCacheParameters(ApiModel):
+    """``prefix-cache-scorer``: how prompts are cut into blocks and where the blocks' whereabouts come from."""
+
+    #: approximate: where this picker routed each prefix; precise: what the pods' runtimes report cached
+    #: (``KvBlockSet`` from vLLM's KV-cache events, read from Redis; needs ``unit: tokens``)
+    mode: Literal["approximate", "precise"] = "approximate"
+    #: bytes or tokens per block; in precise mode the runtime's ``--block-size``
+    block_size: int = Field(default=64, ge=1)
+    unit: Literal["bytes", "tokens"] = "bytes"
+    #: the model's ``tokenizer.json`` (``unit: tokens``): prompts are tokenised as the runtime does, BOS included
+    tokenizer: str | None = None
+    #: the most blocks hashed per request (a longer prompt matches at most this many)
+    max_blocks: int = Field(default=1024, ge=1)
+    #: approximate mode: block hashes remembered per pod, their TTL after the last routing there, pods remembered
+    lru_capacity: int = Field(default=65_536, ge=1)
+    ttl_seconds: float = Field(default=600.0, gt=0)
+    max_pods: int = Field(default=4096, ge=1)
+    #: converts byte blocks to tokens for the cost model's saved prefill (``predicted-ttft-scorer``)
+    bytes_per_token: float = Field(default=4.0, gt=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PrefixCacheParameters:
+        if self.unit == "tokens" and not self.tokenizer:
+            raise ValueError("unit: tokens needs a tokenizer (the model's tokenizer.json)")
+        if self.mode == "precise" and self.unit != "tokens":
+            raise ValueError("mode: precise needs unit: tokens (runtimes report token blocks)")
+        return self
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    import tokenizers
+
+    tokenizer = tokenizers.Tokenizer.from_file(path)
+    return lambda text: tokenizer.encode(text).ids
+
+
+class PrefixCacheScorer:
+    """``prefix-cache-scorer``: the share of a request's prefix blocks each endpoint holds (in [0, 1], on endpoints
+    below saturation only, like tier affinity), for the same served name and digest.
+
+    How a caller feeds it (the picker does all of this; the simulator and tests call the same methods):
+
+    1. hash once per request from the parsed body: ``prefix = scheduler.prefix.hash_request(served_name, digest,
+       document)`` (or ``hash_text``, or any ``PrefixRequest``), and pass it as ``SchedulingRequest(...,
+       prefix=prefix)``; a request without one gets no prefix score;
+    2. ``Scheduler.schedule`` matches it once per cycle (``cycle_match``) and fills ``Cycle.prefix_hit`` /
+       ``Cycle.prefix_tokens``, which this score and the ``predicted-ttft-scorer``'s saved prefill both read;
+    3. after the decision, ``routed(prefix, endpoint_address)``: the approximate index learns where the prefix went
+       (the picker's lifecycle does it in ``pre_request``, ``PrefixRouting``; it also counts the metrics);
+    4. precise mode: the pods' block sets go into ``index`` (a ``PreciseIndex``: ``refresh`` from Redis, the
+       picker's state sync does it; or ``update(KvBlockSet)``).
+
+    Approximate mode keys pods by address (what routing returns), precise mode by pod name (what sidecars publish).
+    """
+
+    def __init__(self, params: PrefixCacheParameters, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.params = params
+        tokenizer = _load_tokenizer(params.tokenizer) if params.unit == "tokens" and params.tokenizer else None
+        self.hasher = PrefixHasher(params.block_size, params.max_blocks, tokenizer)
+        self.index: ApproximateIndex | PreciseIndex = (
+            PreciseIndex(wall_clock) if params.mode == "precise"
+            else ApproximateIndex(params.lru_capacity, params.ttl_seconds, params.max_pods, clock))
+        self._tokens_per_block = params.block_size / (params.bytes_per_token if params.unit == "bytes" else 1.0)
+        #: the last cycle's match (the request, the snapshot, matched blocks per endpoint), for ``routed``
+        self._last: tuple[PrefixRequest, PoolSnapshot, IntArray] | None = None
+
+    @property
+    def precise_index(self) -> PreciseIndex | None:
+        """The index the pods' published block sets go into (precise mode), else None."""
+        return self.index if isinstance(self.index, PreciseIndex) else None
+
+    def hash_request(self, served_name: str | None, digest: str | None,
+                     document: Mapping[str, Any]) -> PrefixRequest | None:
+        """The request's prefix blocks from its parsed body (None: no text prompt)."""
+        return self.hasher.hash_request(served_name, digest, document)
+
+    def hash_text(self, served_name: str | None, digest: str | None, text: str) -> PrefixRequest:
+        """The prefix blocks of a prompt text."""
+        return self.hasher.hash_text(served_name, digest, text)
+
+    def cycle_match(self, prefix: PrefixRequest, pool: PoolSnapshot, cycle: Cycle) -> None:
+        """Match ``prefix`` over the whole pool once; set ``cycle.prefix_hit`` and ``cycle.prefix_tokens``."""
+        blocks = np.zeros(pool.size, dtype=np.int64)
+        runs = self.index.matches(prefix)
+        if runs:
+            by_key = pool.index_by_address if isinstance(self.index, ApproximateIndex) else _index_by_name(pool)
+            for key, count in runs.items():
+                i = by_key.get(key)
+                if i is not None:
+                    blocks[i] = count
+        self._last = (prefix, pool, blocks)
+        total = len(prefix.hashes)
+        cycle.prefix_hit = blocks * (1.0 / total) if total else blocks.astype(np.float64)
+        cycle.prefix_tokens = total * self._tokens_per_block
+
+    def __call__(self, request: SchedulingRequest, _pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
+        """The scorer: ``cycle.prefix_hit`` where the endpoint is below saturation."""
+        hit = cycle.prefix_hit
+        if request.prefix is None or hit is None or not hit.any():
+            return None
+        return hit * cycle.unsaturated
+
+    def routed(self, prefix: PrefixRequest, endpoint: str) -> int:
+        """``prefix`` was sent to ``endpoint`` (an address): recorded there in approximate mode. Returns the blocks
+        the last cycle matched there (0 when that cycle was for another request)."""
+        if isinstance(self.index, ApproximateIndex):
+            self.index.record(endpoint, prefix)
+        last = self._last
+        if last is None or last[0] is not prefix:
+            return 0
+        i = last[1].index_by_address.get(endpoint)
+        return 0 if i is None else int(last[2][i])
+
+
+_NAMES = object()
+
+
+def _index_by_name(pool: PoolSnapshot) -> dict[str, int]:
+    return pool.memo(_NAMES, lambda: {e.name: i for i, e in enumerate(pool.endpoints)})
+
+
+class PrefixRouting(RequestPlugin):
+    """The prefix scorer's ``pre_request`` hook: tell it where the request went, and count the prefix metrics
+    (``loraplane_picker_prefix_blocks_total{state}``: ``hashed`` blocks of routed requests, ``matched`` of them held
+    at the chosen endpoint; ``loraplane_picker_prefix_requests_total{hit}``)."""
+
+    def __init__(self, scorer: PrefixCacheScorer, runtime: PluginRuntime) -> None:
+        self.scorer = scorer
+        self.blocks = Counter("loraplane_picker_prefix_blocks", "Prefix blocks of routed requests: hashed, and "
+                              "matched at the chosen endpoint", ["state"], registry=runtime.registry)
+        self.requests = Counter("loraplane_picker_prefix_requests", "Routed requests with a hashed prefix, by "
+                                "whether the chosen endpoint held some of it", ["hit"], registry=runtime.registry)
+        self._hashed, self._matched = self.blocks.labels("hashed"), self.blocks.labels("matched")
+        self._hit, self._miss = self.requests.labels("true"), self.requests.labels("false")
+
+    def pre_request(self, request: InFlightRequest) -> None:
+        """Record the routing; count hashed and matched blocks."""
+        prefix = request.scheduling.prefix
+        if prefix is None or request.endpoint is None:
+            return
+        matched = self.scorer.routed(prefix, request.endpoint)
+        self._hashed.inc(len(prefix.hashes))
+        self._matched.inc(matched)
+        (self._hit if matched else self._miss).inc()
+
+
+register("prefix-cache-scorer", PluginType(PluginKind.SCORER, PrefixCacheParameters, PrefixCacheScorer))
 
 
 def bench_hashing(body_bytes: int = 64 * 1024, block_size: int = 64, repeats: int = 50,

@@ -49,6 +49,7 @@ from loraplane.picker.plugins import (
     register,
     reported_utilisation,
 )
+from loraplane.picker.prefix import PrefixCacheScorer, PrefixRouting
 from loraplane.picker.snapshot import BoolArray, PoolSnapshot
 
 PICKER_TYPE = "max-score-picker"
@@ -220,6 +221,8 @@ class Scheduler:
         #: (type, parameters) of the profile's request plugins, in order (``loraplane.picker.lifecycle``)
         self.request_plugins: list[tuple[str, dict[str, object]]] = []
         self._cache: _SnapshotCache | None = None
+        #: the profile's ``prefix-cache-scorer`` (at any weight: weight 0 only feeds the cost model), else None
+        self.prefix: PrefixCacheScorer | None = None
         self._in_flight_scale = 1.0 / self.thresholds.in_flight_threshold
         self.filters.append(_FilterStep(SUBSET_FILTER_TYPE, REGISTRY[SUBSET_FILTER_TYPE].factory(FilterParameters()), False))
         for ref in chosen.plugins:
@@ -232,13 +235,23 @@ class Scheduler:
                 assert isinstance(params, FilterParameters)
                 self.filters.append(_FilterStep(spec.ref, kind.factory(params), params.fail_open))
             elif kind.kind is PluginKind.SCORER:
+                scorer = kind.factory(params)
+                if isinstance(scorer, PrefixCacheScorer) and self.prefix is None:
+                    self.prefix = scorer  # matched once per cycle, for its own score and the cost model
                 if ref.weight > 0:
                     scorers = self.snapshot_scorers if kind.snapshot_only else self.scorers
-                    scorers.append((spec.ref, kind.factory(params), ref.weight))
+                    scorers.append((spec.ref, scorer, ref.weight))
             elif kind.kind is PluginKind.PICKER:
                 self.max_endpoints = kind.factory(params)
             else:  # request plugins run around the cycle: see loraplane.picker.lifecycle
                 self.request_plugins.append((spec.type, spec.parameters))
+
+    def lifecycle(self, runtime: lifecycle.PluginRuntime) -> lifecycle.Lifecycle:
+        """The profile's request plugins (in-flight accounting first), and the prefix scorer's routing hook."""
+        plugins = lifecycle.Lifecycle.from_specs(runtime, self.request_plugins)
+        if self.prefix is not None:
+            plugins.add(PrefixRouting(self.prefix, runtime))
+        return plugins
 
     @classmethod
     def from_yaml(cls, text: str, profile: str | None = None) -> Scheduler:
@@ -274,6 +287,8 @@ class Scheduler:
         saturated = not np.count_nonzero(unsaturated & cycle.candidates)
         if saturated and request.priority < 0:
             raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
+        if self.prefix is not None and request.prefix is not None:
+            self.prefix.cycle_match(request.prefix, pool, cycle)
         scores = cache.scores
         for _name, scorer, weight in self.scorers:
             score = scorer(request, pool, cycle)

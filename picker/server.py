@@ -172,7 +172,9 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         host, port = validation.parse_host_port(options.metrics_address)
         start_http_server(port, host, registry=metrics.registry)
     client = async_redis(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-    sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds)
+    block_sets = scheduler.prefix.precise_index if scheduler.prefix is not None else None
+    sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds,
+                     block_sets)
     log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
     tasks = [asyncio.create_task(coro) for coro in (sync.run(), sync.expire_stale(), sync.publish_forever())]
     discovery = _start_discovery(options, state)

@@ -20,6 +20,7 @@ from redis.exceptions import RedisError
 from loraplane.api import ResidencyReport, RouteTable, keys, read_payload_or_none, validation
 from loraplane.api.routing import supersedes
 from loraplane.picker.body import ClientError
+from loraplane.picker.prefix import PreciseIndex
 from loraplane.picker.routes import Resolution, RouteResolver
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
@@ -126,8 +127,10 @@ class RedisSync:
         replica: str,
         resync_seconds: float = 5.0,
         publish_seconds: float = 10.0,
+        block_sets: PreciseIndex | None = None,
     ) -> None:
-        """Sync ``state`` from ``client``; publish ``stats`` as ``replica``."""
+        """Sync ``state`` from ``client``; publish ``stats`` as ``replica``; with ``block_sets`` (the precise
+        prefix scorer's index) also the pods' published ``KvBlockSet``s."""
         self.state = state
         self.client = client
         self.stats = stats
@@ -135,7 +138,9 @@ class RedisSync:
         self.resync_seconds = resync_seconds
         self.publish_seconds = publish_seconds
         pool = state.pool
+        self.block_sets = block_sets
         self._channels = (keys.residency_changed_channel(pool), keys.routes_changed_channel(pool))
+        self._blocks_channel = keys.kv_blocks_changed_channel(pool) if block_sets is not None else None
 
     async def load_all(self) -> None:
         """Read the route table and every report (one round trip each) and rebuild."""
@@ -153,6 +158,8 @@ class RedisSync:
                 if pod not in stored and now - r.heartbeat_at <= r.ttl_seconds + grace}
         self.state.reports = {**kept, **stored}
         self.state.rebuild()
+        if self.block_sets is not None:
+            await self.block_sets.refresh(self.client, pool, valid)
         self.state.synced = True
 
     async def _load_report(self, pod: str) -> None:
@@ -161,6 +168,10 @@ class RedisSync:
         report = _parse_report(await self.client.get(keys.residency_report(self.state.pool, pod)), self.state.pool)
         if report is not None:
             self.state.set_report(report)
+
+    async def _load_blocks(self, pod: str) -> None:
+        if self.block_sets is not None and validation.is_pod_name(pod):
+            await self.block_sets.refresh(self.client, self.state.pool, [pod])
 
     async def _load_routes(self) -> None:
         table = read_payload_or_none(RouteTable, await self.client.get(keys.route_table(self.state.pool)), log)
@@ -189,7 +200,7 @@ class RedisSync:
     async def _follow(self) -> None:
         pubsub = self.client.pubsub()
         try:
-            await pubsub.subscribe(*self._channels)
+            await pubsub.subscribe(*self._channels, *([self._blocks_channel] if self._blocks_channel else []))
             await self.load_all()
             loop = asyncio.get_running_loop()
             next_resync = loop.time() + self.resync_seconds
@@ -197,12 +208,15 @@ class RedisSync:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25)
                 dirty = False
                 while message is not None:
-                    dirty = True
                     channel = message["channel"].decode() if isinstance(message["channel"], bytes) else message["channel"]
                     data = message["data"].decode(errors="replace") if isinstance(message["data"], bytes) else str(message["data"])
-                    if channel == self._channels[0]:
+                    if channel == self._blocks_channel:
+                        await self._load_blocks(data)  # no snapshot rebuild: the index is read per request
+                    elif channel == self._channels[0]:
+                        dirty = True
                         await self._load_report(data)
                     else:
+                        dirty = True
                         await self._load_routes()
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
                 if loop.time() >= next_resync:
