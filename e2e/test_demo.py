@@ -63,6 +63,14 @@ def test_demo_scenario(tmp_path: Path) -> None:
     assert result["previous_revision_phase"] in ("Retiring", "Retired")
     assert set(result["served_after_rollout"]) == {"claims@v2"}, result["served_after_rollout"]
 
+    # the HTML report: written in the workdir, its path printed, its three charts drawn from every timed request
+    report = Path(result["report"])
+    assert report.parent == workdir.resolve() and f"report: {report}" in done.stderr
+    page = report.read_text()
+    assert all(f'<h2 id="{section}">' in page for section in ("ttft", "rollout", "decisions"))
+    assert page.count('r="2.2"') >= result["requests"] - len(result["errors"])
+    assert all(f">{step['phase']}</text>" in page for step in result["rollout"])
+
     # the manifests went through the real kubectl, and nothing is left running
     assert (workdir / "manifests" / "v2.yaml").exists()
     assert "adapterrevision.loraplane.io/claims-v2 created" in done.stderr

@@ -1,5 +1,6 @@
 """``loraplane up --demo``: adapters, AdapterRevisions applied with kubectl, hot-plus-burst traffic through Envoy, a
-canary rollout of one hot adapter, and a summary (warm vs cold TTFT, picker decisions by tier, rollout timeline).
+canary rollout of one hot adapter, and a summary (warm vs cold TTFT, picker decisions by tier, rollout timeline), also
+written as an HTML report with charts (``loraplane.stack.report``).
 
 Every response is checked as it arrives: the served name and digest headers must belong to a revision the route
 table named for the requested model around the request, and the serving pod's reported tier for that revision
@@ -41,6 +42,7 @@ from loraplane.api import (
 )
 from loraplane.picker.envoy import UPSTREAM_HEADER
 from loraplane.processes import LOOPBACK
+from loraplane.stack.report import demo_report
 from loraplane.stack.services import POOL, LocalStack
 
 HOT = ("support", "claims")
@@ -55,6 +57,8 @@ GROUP_PATH = "/apis/loraplane.io/v1alpha1/namespaces/default/adapterrevisions"
 MAX_UNLOAD_RACES = 0.02
 #: what every demo request asks beyond model, prompt and length: greedy, fixed length, the token ids back
 GREEDY_BODY = {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
+#: the HTML report, in the stack's workdir
+REPORT_FILE = "demo-report.html"
 #: the traffic phases (``RequestRecord.phase``)
 HOT_PHASE, BURST_PHASE, ROLLOUT_PHASE = "hot adapters", "hot + burst of tail", f"{ROLLED}@v2 canary + hot"
 
@@ -96,6 +100,8 @@ class RequestRecord:
     digest_ok: bool = True
     #: why the request failed (transport error or the non-200 body)
     error: str | None = None
+    #: seconds after the demo's first request that this one was sent
+    sent_at_s: float = 0.0
 
 
 @dataclass
@@ -138,6 +144,10 @@ class DemoResult:
     pids: dict[str, int]
     gateway_url: str
     wall_seconds: float
+    #: seconds after the demo's first request that the rollout's new revision was applied
+    rollout_applied_at_s: float | None = None
+    #: the HTML report written for this run
+    report: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -274,6 +284,9 @@ class Demo:
         #: on vLLM pods: served name -> its greedy tokens for the demo's prompt
         self.expected: dict[str, list[int]] = {}
         self.timeline: list[RolloutStep] = []
+        #: the demo's clock: time.monotonic() at its first request
+        self.clock_zero = time.monotonic()
+        self.applied_at_s: float | None = None
 
     # -- the cluster side ---------------------------------------------------------------------------------------
     async def _phases(self, http: httpx.AsyncClient) -> dict[str, str]:
@@ -356,14 +369,15 @@ class Demo:
     async def _send(self, http: httpx.AsyncClient, phase: str, model: str) -> RequestRecord:
         named_before, tiers = await self._observe(model)
         body = {"model": model, "prompt": PROMPT, "max_tokens": self.plan.max_tokens, **GREEDY_BODY}
+        sent_at_s = round(time.monotonic() - self.clock_zero, 3)
         started = time.perf_counter()
         try:
             response = await http.post(f"{self.stack.gateway_url}/v1/completions", json=body,
                                        headers={"x-session-id": f"user-{self.rng.randrange(10_000)}"})
         except httpx.HTTPError as exc:
-            return RequestRecord(phase, model, 0, error=f"{type(exc).__name__}: {exc}")
+            return RequestRecord(phase, model, 0, error=f"{type(exc).__name__}: {exc}", sent_at_s=sent_at_s)
         ttft_ms = (time.perf_counter() - started) * 1000  # the whole head arrived: the first byte was before it
-        record = RequestRecord(phase, model, response.status_code, ttft_ms=ttft_ms)
+        record = RequestRecord(phase, model, response.status_code, ttft_ms=ttft_ms, sent_at_s=sent_at_s)
         if response.status_code != 200:
             record.error = response.text[:160]
             return record
@@ -457,12 +471,13 @@ class Demo:
                 base_digest = (await http.get(f"http://{engine.address}/admin/adapters",
                                               headers=self.stack.admin_headers(engine.pod))).json()["base_model_digest"]
             manifests = [manifest(self.artifacts[served_name(a, r)], base_model, base_digest,
-                                  "gpu-preferred" if a in HOT else "cpu") for a, r in first]
+                                  "gpu-preferred" if a in HOT else "on-demand") for a, r in first]
             self.console.print(f"[bold]kubectl apply[/] {len(manifests)} AdapterRevisions:")
             self.console.print(self._apply(manifests, "v1").rstrip())
             await self._wait_stable(http, [m["metadata"]["name"] for m in manifests], within=240)
             decisions_before = await self._decisions(http)
 
+            self.clock_zero = time.monotonic()
             await self._drive(http, HOT_PHASE, self.plan.hot_requests, self._hot)
             await self._drive(http, BURST_PHASE, self.plan.burst_requests, self._hot_or_burst)
 
@@ -471,6 +486,7 @@ class Demo:
             since = (await self._list(http))["metadata"]["resourceVersion"]
             self.console.print(self._apply([new], "v2").rstrip())
             applied_at = time.monotonic()
+            self.applied_at_s = round(applied_at - self.clock_zero, 3)
             done = asyncio.Event()
             follower = asyncio.create_task(self._follow_rollout(http, new["metadata"]["name"], since, applied_at,
                                                                 done))
@@ -511,6 +527,7 @@ class Demo:
             pids=self.stack.pids(),
             gateway_url=self.stack.gateway_url,
             wall_seconds=round(time.monotonic() - started, 1),
+            rollout_applied_at_s=self.applied_at_s,
         )
 
 
@@ -553,6 +570,10 @@ def run_demo(stack: LocalStack, stop: threading.Event, as_json: bool = False, pl
         console.print("interrupted")
         return 130
     render(result, console)
+    report = stack.options.workdir / REPORT_FILE
+    result.report = str(report)
+    report.write_text(demo_report(result, demo.records, f"{ROLLED}@v2"))
+    console.print(f"[bold]report[/]: {report}", soft_wrap=True)
     if as_json:
         sys.stdout.write(result.to_json() + "\n")
         sys.stdout.flush()
