@@ -71,8 +71,9 @@ def parser() -> argparse.ArgumentParser:
                    help="while the pool is saturated, refuse (429) non-gold requests of a fairness key holding more "
                         "than this multiple of the average in-flight per key (off by default; e.g. 1.5)")
     p.add_argument("--seed", type=int, help="seed of the tie-breaking RNG")
-    p.add_argument("--transport", choices=("h2", "grpcio"), default="h2",
-                   help="h2: the picker's own HTTP/2 gRPC transport (least CPU); grpcio: grpcio's asyncio server")
+    p.add_argument("--transport", choices=("h2", "grpcio", "h2lib"), default="h2",
+                   help="h2: the picker's own HTTP/2 gRPC transport (least CPU); grpcio: grpcio's asyncio server; "
+                        "h2lib: the own transport framed by the h2 package (measured by bench picker)")
     limits = TransportLimits()
     p.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes,
                    help="largest gRPC message accepted, refused from its declared length (RESOURCE_EXHAUSTED)")

@@ -29,7 +29,7 @@ from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import InFlightTracker
 from loraplane.picker.state import PoolState, RedisSync
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
-from loraplane.picker.transport import GrpcStatusError, Routes, TransportLimits, start_server
+from loraplane.picker.transport import FrameLayer, GrpcStatusError, Routes, TransportLimits, start_server
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class ServerOptions:
     namespace: str = "default"
     #: kubeconfig file; None: in-cluster config
     kubeconfig: Path | None = None
-    #: "h2": the picker's own HTTP/2 gRPC transport (fast path); "grpcio": grpcio's asyncio server
+    #: "h2": the picker's own HTTP/2 gRPC transport (fast path); "grpcio": grpcio's asyncio server; "h2lib": the own
+    #: transport with the ``h2`` package as its frame layer (for ``loraplane bench picker``)
     transport: str = "h2"
     #: message, header and stream limits of either transport
     limits: TransportLimits = field(default_factory=TransportLimits)
@@ -232,8 +233,9 @@ async def _start_transport(options: ServerOptions, ctx: PickerContext, health: H
             await asyncio.gather(*(grpc_server.stop(grace=2.0) for grpc_server in grpc_servers))
 
         return stop_grpcio
-    servers = [await start_server(h2_routes(served, health), *validation.parse_host_port(address), limits=options.limits)
-               for served, address in listeners]
+    layer: FrameLayer = "h2lib" if options.transport == "h2lib" else "hand"
+    servers = [await start_server(h2_routes(served, health), *validation.parse_host_port(address), limits=options.limits,
+                                  frame_layer=layer) for served, address in listeners]
 
     async def stop() -> None:
         await asyncio.gather(*(server.close() for server in servers))

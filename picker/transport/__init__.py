@@ -23,6 +23,6 @@ frames wait in its own buffers).
 """
 
 from loraplane.picker.transport.grpc import GrpcStatusError, Routes, StreamHandler, TransportLimits
-from loraplane.picker.transport.h2server import GrpcH2Server, start_server
+from loraplane.picker.transport.listen import FRAME_LAYERS, FrameLayer, GrpcH2Server, start_server
 
-__all__ = ["GrpcH2Server", "GrpcStatusError", "Routes", "StreamHandler", "TransportLimits", "start_server"]
+__all__ = ["FRAME_LAYERS", "FrameLayer", "GrpcH2Server", "GrpcStatusError", "Routes", "StreamHandler", "TransportLimits", "start_server"]

@@ -63,6 +63,14 @@ class StreamHandler(Protocol):
         ...
 
 
+class Connection(Protocol):
+    """An open connection of either frame layer, as its server sees it."""
+
+    def shutdown(self) -> None:
+        """GOAWAY (no error) and close: the server is stopping."""
+        ...
+
+
 #: method path (``/package.Service/Method``) -> a factory of handlers, one per call
 Routes = Mapping[str, Callable[[], StreamHandler]]
 

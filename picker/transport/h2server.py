@@ -11,7 +11,6 @@ are described in ``loraplane.picker.transport``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import struct
@@ -22,6 +21,7 @@ from loraplane.picker.transport.grpc import (
     GRPC_OK,
     GRPC_RESOURCE_EXHAUSTED,
     GRPC_UNIMPLEMENTED,
+    Connection,
     GrpcStatusError,
     Routes,
     StreamHandler,
@@ -96,7 +96,7 @@ class _Stream:
 class GrpcH2Protocol(asyncio.Protocol):
     """One HTTP/2 connection from a gRPC client."""
 
-    def __init__(self, routes: Routes, connections: set[GrpcH2Protocol] | None = None,
+    def __init__(self, routes: Routes, connections: set[Connection] | None = None,
                  limits: TransportLimits | None = None, clock: Callable[[], float] | None = None) -> None:
         """Serve ``routes`` on this connection (registered in ``connections`` while open); ``clock`` (seconds,
         monotonic) defaults to the event loop's."""
@@ -549,35 +549,3 @@ def _strip_padding(flags: int, payload: memoryview) -> memoryview:
     if not payload or payload[0] >= len(payload):
         raise _ConnectionError(PROTOCOL_ERROR, "bad padding")
     return payload[1 : len(payload) - payload[0]]
-
-
-class GrpcH2Server:
-    """A listening socket and its open connections."""
-
-    def __init__(self, server: asyncio.Server, connections: set[GrpcH2Protocol]) -> None:
-        """Wrap a started ``asyncio.Server``."""
-        self.server = server
-        self.connections = connections
-
-    @property
-    def port(self) -> int:
-        """The bound port."""
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def close(self, grace: float = 2.0) -> None:
-        """Stop accepting, send GOAWAY on every connection, and wait (at most ``grace`` s) for them to go."""
-        self.server.close()
-        for connection in list(self.connections):
-            connection.shutdown()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.server.wait_closed(), grace)
-
-
-async def start_server(routes: Routes, host: str, port: int, reuse_port: bool = True,
-                       limits: TransportLimits | None = None) -> GrpcH2Server:
-    """Listen on ``host:port`` (port 0 picks one) and serve ``routes`` within ``limits``."""
-    loop = asyncio.get_running_loop()
-    connections: set[GrpcH2Protocol] = set()
-    server = await loop.create_server(lambda: GrpcH2Protocol(routes, connections, limits), host, port,
-                                      reuse_port=reuse_port)
-    return GrpcH2Server(server, connections)
