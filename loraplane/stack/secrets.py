@@ -45,15 +45,16 @@ def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = (
         "picker": f"resetkeys %R~{prefix}:* %W~{keys.request_rates(pool)} "
         + " ".join(f"%W~{keys.picker_counters(pool, r)}" for r in picker_replicas)
         + f" resetchannels &{keys.residency_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
-        f"-@all {_CONNECT} {_READ} {_SUBSCRIBE} +set",
+        f"&{keys.kv_blocks_changed_channel(pool)} -@all {_CONNECT} {_READ} {_SUBSCRIBE} +set",
         "observer": f"resetkeys %R~{prefix}:* resetchannels &{prefix}:* -@all {_CONNECT} {_READ} {_SUBSCRIBE}",
         "admin": "~* &* +@all",
     }
     for pod in pods:
         rules[sidecar_user(pod)] = (
             f"resetkeys %R~{keys.target_state(pool, pod)} %W~{keys.residency_report(pool, pod)} "
-            f"%W~{keys.residency_index(pool)} resetchannels &{keys.target_changed_channel(pool)} "
-            f"&{keys.residency_changed_channel(pool)} -@all {_CONNECT} +get {_SUBSCRIBE} +set +sadd +publish "
+            f"%W~{keys.residency_index(pool)} %W~{keys.kv_blocks(pool, pod)} "
+            f"resetchannels &{keys.target_changed_channel(pool)} &{keys.residency_changed_channel(pool)} "
+            f"&{keys.kv_blocks_changed_channel(pool)} -@all {_CONNECT} +get {_SUBSCRIBE} +set +sadd +publish "
             "+multi +exec +discard"
         )
     return rules

@@ -72,5 +72,14 @@ def test_each_chart_user_writes_only_its_own_keys(chart_redis: tuple[int, dict[s
         pipe.sadd(keys.residency_index(POOL), "pod-1")
         pipe.publish(keys.residency_changed_channel(POOL), "pod-1")
         assert pipe.execute()[:2] == [True, 1]
+    notices = picker.pubsub()
+    notices.subscribe(keys.kv_blocks_changed_channel(POOL))
+    assert notices.get_message(timeout=5)["type"] == "subscribe"
+    with sidecar.pipeline(transaction=True) as pipe:  # the sidecar's KvBlockSet (RedisBus.publish_blocks)
+        pipe.set(keys.kv_blocks(POOL, "pod-1"), b"{}", px=3000)
+        pipe.publish(keys.kv_blocks_changed_channel(POOL), "pod-1")
+        assert pipe.execute() == [True, 1]
+    assert notices.get_message(timeout=5)["data"] == b"pod-1"
+    notices.close()
     assert sidecar.get(keys.target_state(POOL, "pod-0")) == b"{}"
     assert picker.get(keys.route_table(POOL)) == b"{}"

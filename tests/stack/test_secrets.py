@@ -102,6 +102,25 @@ def test_the_sidecars_report_transaction_runs_under_its_acl(secured: tuple[Redis
         assert pipe.execute()[:2] == [True, 1]
 
 
+def test_the_sidecars_block_set_is_written_under_its_acl_and_the_picker_follows_it(
+        secured: tuple[RedisServer, StackSecrets]) -> None:
+    sidecar, picker = _as(secured, sidecar_user(PODS[1])), _as(secured, "picker")
+    notices = picker.pubsub()
+    notices.subscribe(keys.kv_blocks_changed_channel(POOL))
+    assert notices.get_message(timeout=5)["type"] == "subscribe"
+    with sidecar.pipeline(transaction=True) as pipe:  # what RedisBus.publish_blocks sends
+        pipe.set(keys.kv_blocks(POOL, PODS[1]), b"{}", px=3000)
+        pipe.publish(keys.kv_blocks_changed_channel(POOL), PODS[1])
+        assert pipe.execute() == [True, 1]
+    assert notices.get_message(timeout=5)["data"] == PODS[1].encode()
+    assert picker.mget([keys.kv_blocks(POOL, PODS[1])]) == [b"{}"]
+    with pytest.raises(NoPermissionError):
+        sidecar.set(keys.kv_blocks(POOL, PODS[0]), b"forged")  # another pod's blocks
+    with pytest.raises(NoPermissionError):
+        picker.set(keys.kv_blocks(POOL, PODS[1]), b"forged")
+    notices.close()
+
+
 def test_credentials_come_from_the_environment_or_a_file(tmp_path: Path) -> None:
     secret = tmp_path / "pw"
     secret.write_text("from-file\n")
