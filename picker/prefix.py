@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -314,6 +315,12 @@ class PrefixCacheParameters(ApiModel):
         if self.mode == "precise" and self.unit != "tokens":
             raise ValueError("mode: precise needs unit: tokens (runtimes report token blocks)")
         return self
+
+
+def precise_parameters(block_size: int, tokenizer: str | Path) -> dict[str, object]:
+    """``prefix-cache-scorer`` parameters for precise mode against a runtime with ``--block-size block_size`` and
+    KV-cache events on (``EndpointPickerConfig.with_parameters("prefix-cache-scorer", **precise_parameters(...))``)."""
+    return {"mode": "precise", "unit": "tokens", "blockSize": block_size, "tokenizer": str(tokenizer)}
 
 
 def _load_tokenizer(path: str) -> Tokenizer:

@@ -38,6 +38,8 @@ POOL = "local"
 ENGINE_LABELS = {"app": "loraplane-engine"}
 #: ``--max-lora-rank`` of the stack's vLLM pods (the demo's adapters are rank 8)
 VLLM_MAX_LORA_RANK = 16
+#: ``--block-size`` of the stack's vLLM pods (vLLM-CPU takes multiples of 32): the precise prefix scorer's block
+VLLM_BLOCK_SIZE = 32
 
 
 #: Backoff of a child's restarts: the first after RESTART_BASE_S, doubling up to RESTART_CAP_S; a child that ran
@@ -127,6 +129,8 @@ class Engine:
     port: int
     engine: ManagedProcess
     sidecar: ManagedProcess | None = None
+    #: where the runtime publishes its KV-cache events (vLLM's ``--kv-events-config``); None: it does not
+    kv_events: str | None = None
 
     @property
     def address(self) -> str:
@@ -297,16 +301,20 @@ class LocalStack:
         self.model_digest = write_model(self.model_dir, self.options.model)
 
     def _start_vllm(self, pod: str, port: int) -> Engine:
-        """A vLLM pod: the checkpoint served under the preset's name, its worker on a core of its own."""
+        """A vLLM pod: the checkpoint served under the preset's name, its worker on a core of its own, its KV-cache
+        events published for its sidecar (the picker's precise prefix scorer reads the blocks they name)."""
         from loraplane.vllm_server import VllmOptions, start_vllm
 
         assert self.model_dir is not None
         index = len(self.engines)
+        events = f"tcp://{LOOPBACK}:{free_port()}"
         options = VllmOptions(model=self.model_dir, served_model_name=self.options.model,
                               max_loras=self.options.max_loras, max_cpu_loras=self.options.max_cpu_loras,
-                              max_lora_rank=VLLM_MAX_LORA_RANK, cpu_bind=str(index % (os.cpu_count() or 1)))
+                              max_lora_rank=VLLM_MAX_LORA_RANK, cpu_bind=str(index % (os.cpu_count() or 1)),
+                              block_size=VLLM_BLOCK_SIZE, kv_events_endpoint=events,
+                              extra_args=("--enable-prompt-tokens-details",))
         server = start_vllm(options, self.logs / f"{pod}.log", port=port)
-        return Engine(pod, port, server.process)
+        return Engine(pod, port, server.process, kv_events=events)
 
     def _start_engine(self, pod: str) -> Engine:
         port = free_port()
@@ -331,6 +339,8 @@ class LocalStack:
         if self.options.runtime == "vllm":  # vLLM does not say its limits or its model's digest: the sidecar is told
             args += ["--max-loras", str(self.options.max_loras), "--max-cpu-loras", str(self.options.max_cpu_loras),
                      "--max-lora-rank", str(VLLM_MAX_LORA_RANK), "--base-model-digest", str(self.model_digest)]
+        if engine.kv_events:
+            args += ["--kv-events-endpoint", engine.kv_events]
         env = {**self.secrets.redis_env(sidecar_user(engine.pod)),
                "LORAPLANE_SIDECAR_RUNTIME_TOKEN_FILE": str(self.secrets.token_file(engine.pod))}
         return ManagedProcess(args, self.logs / f"sidecar-{engine.pod}.log", env=env).start()
@@ -354,7 +364,8 @@ class LocalStack:
              "--grpc-address", f"{LOOPBACK}:{picker_port}", "--health-address", f"{LOOPBACK}:{health_port}",
              "--metrics-address", f"{LOOPBACK}:{self.picker_metrics_port}", "--replica", "picker-0",
              "--no-destination-fallbacks", "--resync-seconds", "1",
-             "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING"],
+             "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING",
+             *self._picker_config_args()],
             self.logs / "picker.log", env=self.secrets.redis_env("picker")).start()
         self._wait(picker_port, self.picker)
         self.gateway_port, admin_port = free_port(), free_port()
@@ -366,6 +377,20 @@ class LocalStack:
         self.envoy = ManagedProcess([envoy_binary(), "-c", str(config), "--concurrency", "1", "-l", "warning",
                                      "--base-id", str(self.gateway_port)], self.logs / "envoy.log").start()
         self._wait(self.gateway_port, self.envoy)
+
+    def _picker_config_args(self) -> list[str]:
+        """Over vLLM pods, the default config with the prefix scorer in precise mode (their KV-cache events, the
+        model's tokenizer); over engines, the packaged default (approximate)."""
+        if self.options.runtime != "vllm" or self.model_dir is None:
+            return []
+        from loraplane.picker.prefix import precise_parameters
+        from loraplane.picker.scheduler import EndpointPickerConfig
+
+        config = EndpointPickerConfig.load().with_parameters(
+            "prefix-cache-scorer", **precise_parameters(VLLM_BLOCK_SIZE, self.model_dir / "tokenizer.json"))
+        path = self.options.workdir / "picker-config.yaml"
+        path.write_text(config.to_yaml())
+        return ["--config", str(path)]
 
     def stop(self) -> dict[str, int | None]:
         """Stop every child (the controller first, so it writes nothing while the rest goes; then all at once).

@@ -6,6 +6,7 @@ import argparse
 import functools
 import importlib
 import itertools
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -558,6 +559,23 @@ def test_placement_values_reach_their_pods_only(render: RenderFn) -> None:
     assert "podAntiAffinity" in pods[name_of("controller")]["spec"]["affinity"]
     for name in (name_of("picker"), name_of("envoy"), name_of("redis")):
         assert not {"nodeSelector", "tolerations", "affinity"} & set(pods[name]["spec"]), name
+
+
+def test_vllm_publishes_kv_events_to_its_sidecar_when_asked(render: RenderFn) -> None:
+    for enabled in (False, True):
+        rendered = render({"modelServer": {"runtime": "vllm", "model": "m",
+                                           "kvEvents": {"enabled": enabled, "port": 5600, "blockSize": 32}}})
+        _validate_schemas(rendered)
+        pod = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]["spec"]
+        sidecar, (runtime,) = pod["initContainers"][0], pod["containers"]
+        sidecar_flags, runtime_flags = _flags(sidecar["args"]), _flags(runtime["args"])
+        if not enabled:
+            assert "--kv-events-endpoint" not in sidecar_flags and "--kv-events-config" not in runtime_flags
+            continue
+        assert sidecar_flags["--kv-events-endpoint"] == "tcp://127.0.0.1:5600"
+        assert json.loads(runtime_flags["--kv-events-config"]) == {
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:5600"}
+        assert runtime_flags["--block-size"] == "32"
 
 
 def test_single_replica_components_get_no_blocking_disruption_budget(render: RenderFn) -> None:
