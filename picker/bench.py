@@ -10,6 +10,9 @@ Prints one JSON object. Sections:
   closed-loop ``wrk`` run with the picker pinned to its own core (``max_rps_one_core`` = achieved req/s divided by
   the fraction of that core the picker used, i.e. extrapolated to a full core when something else was the limit).
 - ``naive``: the same for ``loraplane.picker.naive``.
+- ``frame_layers`` (``--frame-layers``): the picker's closed-loop CPU per request and max req/s on one core with its
+  hand-written HTTP/2 frame layer (``hand``) and with the ``h2`` package's (``h2lib``), alternated in one run behind
+  the same Envoy, each run's errors from a short open-loop check, and the medians' ratios.
 
 Pinning: the picker (or the naive servicer) runs on ``--picker-cpu``; Envoy, nginx, wrk and this process's load
 generator on ``--load-cpu``.
@@ -292,7 +295,7 @@ class _Stack:
         args = [envoy_binary(), "-c", str(path), "--concurrency", "1", "-l", "error", "--base-id", str(listen)]
         return self.start(args, name, listen, self.args.load_cpu), listen
 
-    def picker(self, naive: bool) -> tuple[ManagedProcess, int]:
+    def picker(self, naive: bool, transport: str = "h2") -> tuple[ManagedProcess, int]:
         port = free_port()
         if naive:
             args = [sys.executable, "-m", "loraplane.picker.naive", "--address", f"{LOOPBACK}:{port}",
@@ -300,7 +303,8 @@ class _Stack:
         else:
             args = [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
                     "--grpc-address", f"{LOOPBACK}:{port}", "--health-address", "", "--metrics-address", "",
-                    "--no-destination-fallbacks", "--no-response-rewrite", "--log-level", "WARNING"]
+                    "--no-destination-fallbacks", "--no-response-rewrite", "--log-level", "WARNING",
+                    "--transport", transport]
             config = EndpointPickerConfig.load().with_parameters("flow-control", enabled=self.args.flow_control)
             config_path = self.workdir / "picker-config.yaml"
             config_path.write_text(config.to_yaml())
@@ -375,6 +379,31 @@ def _closed_loop(stack: _Stack, proc: ManagedProcess, listen: int) -> dict[str, 
             "closed_loop_rps": round(rps, 1), "picker_core_utilisation": round(utilisation, 3)}
 
 
+#: ``--transport`` of the picker for each frame layer
+FRAME_LAYER_TRANSPORTS = {"hand": "h2", "h2lib": "h2lib"}
+
+
+def _frame_layers(stack: _Stack, modes: ExtProcModes) -> dict[str, Any]:
+    """Closed-loop CPU and max req/s of the picker with each frame layer, alternated ``--frame-layer-rounds`` times."""
+    runs: dict[str, list[dict[str, float]]] = {layer: [] for layer in FRAME_LAYER_TRANSPORTS}
+    for _ in range(stack.args.frame_layer_rounds):
+        for layer, transport in FRAME_LAYER_TRANSPORTS.items():
+            proc, picker_port = stack.picker(False, transport)
+            envoy, listen = stack.envoy(picker_config(free_port(), picker_port, free_port(), modes), f"envoy-{layer}")
+            check = asyncio.run(_open_loop(listen, _http_request(listen, _body(1024)), 200, 1.0))
+            runs[layer].append({**_closed_loop(stack, proc, listen), "errors": int(check["errors"])})
+            envoy.stop()
+            proc.stop()
+    out: dict[str, Any] = {}
+    for layer, rows in runs.items():
+        out[layer] = {key: round(float(np.median([r[key] for r in rows])), 1)
+                      for key in ("cpu_us_per_request", "max_rps_one_core")}
+        out[layer].update(errors=sum(int(r["errors"]) for r in rows), runs=rows)
+    out["h2lib_over_hand_cpu_us"] = round(out["h2lib"]["cpu_us_per_request"] / out["hand"]["cpu_us_per_request"], 2)
+    out["hand_over_h2lib_max_rps"] = round(out["hand"]["max_rps_one_core"] / out["h2lib"]["max_rps_one_core"], 2)
+    return out
+
+
 def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """The ``envoy``, ``cpu_us_per_request``, ``max_rps_one_core`` and ``naive`` parts."""
     with tempfile.TemporaryDirectory(prefix="loraplane-bench-picker-") as tmp:
@@ -398,6 +427,8 @@ def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 results[name] = {"envoy": _rows(stack, listen, direct), **_closed_loop(stack, proc, listen)}
                 envoy.stop()
                 proc.stop()
+            if args.frame_layers:
+                results["frame_layers"] = _frame_layers(stack, modes)
             results["envoy_alone"] = [{"offered_rps": r, "body_bytes": s, "p50_ms": round(v["p50_ms"], 3),
                                        "p99_ms": round(v["p99_ms"], 3)} for (r, s), v in direct.items()]
             return results
@@ -422,6 +453,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=int, default=16, help="wrk connections in the closed-loop run")
     p.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=True,
                    help="the picker runs with its flow-control queue on (it stays empty: no endpoint saturates)")
+    p.add_argument("--frame-layers", action="store_true",
+                   help="add frame_layers: the picker with its own HTTP/2 frame layer and with the h2 package's")
+    p.add_argument("--frame-layer-rounds", type=int, default=3, help="alternated runs per frame layer")
     p.add_argument("--picker-cpu", type=int, default=1, help="CPU the picker (or the naive baseline) is pinned to")
     p.add_argument("--load-cpu", type=int, default=0, help="CPU the load generator, Envoy and nginx are pinned to")
     return p
@@ -446,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "max_rps_one_core": picker["max_rps_one_core"], "closed_loop_rps": picker["closed_loop_rps"],
                     "picker_core_utilisation": picker["picker_core_utilisation"], "naive": results["naive"],
                     "envoy_alone": results["envoy_alone"]})
+        if "frame_layers" in results:
+            out["frame_layers"] = results["frame_layers"]
     out["machine"] = {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
     print(json.dumps(out))
     return 0

@@ -25,7 +25,7 @@ from h2.events import (
     StreamReset,
     WindowUpdated,
 )
-from h2.exceptions import ProtocolError
+from h2.exceptions import ProtocolError, StreamClosedError, StreamIDTooLowError
 from h2.settings import SettingCodes, Settings
 from hyperframe.frame import GoAwayFrame
 
@@ -106,7 +106,11 @@ class H2LibProtocol(asyncio.Protocol):
                 self.transport.close()
             return
         for event in events:
-            self._on_event(event)
+            try:
+                self._on_event(event)
+            except (StreamClosedError, StreamIDTooLowError) as exc:  # a later RST_STREAM of the same read closed it
+                if (call := self.calls.pop(exc.stream_id, None)) is not None:
+                    self._close_handler(call)
         self._flush()
 
     def _on_event(self, event: Event) -> None:
@@ -176,7 +180,10 @@ class H2LibProtocol(asyncio.Protocol):
         call = self.calls.get(stream_id)
         if call is None or call.handler is None or self.transport is None:
             return
-        self._send(stream_id, messages)
+        try:
+            self._send(stream_id, messages)
+        except (StreamClosedError, StreamIDTooLowError):
+            self._close_handler(self.calls.pop(stream_id))
         self._flush()
 
     def _send(self, stream_id: int, messages: list[bytes]) -> None:

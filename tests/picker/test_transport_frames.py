@@ -298,6 +298,21 @@ async def test_a_client_reset_closes_the_handler_and_frees_the_slot(layer: str) 
 
 
 @LAYERS
+async def test_a_reset_right_behind_the_end_of_a_call_leaves_the_connection_serving(layer: str) -> None:
+    """Envoy ends an ext_proc call and resets it in one write: the call's trailers cannot go out, and nothing else
+    on the connection suffers."""
+    served = await serve(layer)
+    raw = await Raw.open(served.port)
+    await raw.send(frame(HEADERS, END_HEADERS, 1, raw.block()) + frame(DATA, END_STREAM, 1, grpc_message(b"a"))
+                   + frame(RST_STREAM, 0, 1, struct.pack(">I", ErrorCodes.CANCEL)))
+    await raw.send(frame(HEADERS, END_HEADERS, 3, raw.block()) + frame(DATA, END_STREAM, 3, grpc_message(b"b")))
+    await raw.read(ends(3))
+    assert served.calls.messages == [b"a", b"b"] and served.calls.open == 0 and not raw.eof
+    raw.close()
+    await served.server.close(grace=0.5)
+
+
+@LAYERS
 async def test_a_handler_error_ends_its_call_with_trailers_and_a_reset(layer: str) -> None:
     served = await serve(layer)
     client = await Client.open(served.port)
