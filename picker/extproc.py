@@ -479,7 +479,8 @@ class Exchange:
         return self.headers.get(FAIRNESS_HEADER) or request.tenant
 
     def _decide(self, request: SchedulingRequest, may_wait: bool) -> Decision | None:
-        """The scheduler's decision; ``may_wait``: None instead when every candidate is saturated."""
+        """The scheduler's decision; ``may_wait``: None instead when it should wait (every candidate saturated, or
+        none with room for the revision: ``Decision.should_wait``)."""
         ctx = self.ctx
         started = ctx.clock()
         try:
@@ -490,7 +491,7 @@ class Exchange:
             raise
         finally:
             ctx.metrics.decision_seconds.observe(ctx.clock() - started)
-        return None if may_wait and decision.saturated else decision
+        return None if may_wait and decision.should_wait else decision
 
     def _send(self, request: SchedulingRequest, route: Resolution | None, decision: Decision) -> Decision:
         """Admit the decision through the request plugins and account it as sent."""

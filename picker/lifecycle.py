@@ -142,7 +142,8 @@ class RequestPlugin:
 
 
 class InFlightAccounting(RequestPlugin):
-    """The picker's own in-flight count per endpoint (fresher than any report): the in-flight scorer reads it."""
+    """The picker's own in-flight count per endpoint and served name (fresher than any report): the in-flight
+    scorer and the GPU-slot room check (``PoolSnapshot.has_room``) read it."""
 
     def __init__(self, tracker: InFlightTracker) -> None:
         """Count into ``tracker``."""
@@ -151,12 +152,12 @@ class InFlightAccounting(RequestPlugin):
     def pre_request(self, request: InFlightRequest) -> None:
         """One more in flight at the endpoint."""
         assert request.endpoint is not None
-        self.tracker.start(request.endpoint)
+        self.tracker.start(request.endpoint, request.scheduling.served_name)
 
     def response_complete(self, request: InFlightRequest) -> None:
         """One fewer."""
         assert request.endpoint is not None
-        self.tracker.finish(request.endpoint)
+        self.tracker.finish(request.endpoint, request.scheduling.served_name)
 
 
 class FairShareExceededError(SchedulingError):

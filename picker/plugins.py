@@ -200,6 +200,16 @@ def saturation_filter(params: SaturationFilterParameters) -> Filter:
     return lambda _request, _pool, cycle: cycle.utilisation <= limit
 
 
+def adapter_room_filter(_params: FilterParameters) -> Filter:
+    """Keep endpoints with room for the request's revision (``PoolSnapshot.has_room``, from the picker's own
+    in-flight count per served name): a GPU slot against the pod's reported ``maxGpuSlots`` (a pod whose in-flight
+    requests already use ``max_loras`` other adapters would hold this one in its queue until one drains), and no
+    other fetch in flight where the pod lacks the revision. Pair with
+    ``failOpen: true``; when no candidate has room the decision says so (``Decision.room``) and flow control holds
+    the request."""
+    return lambda request, pool, _cycle: pool.has_room(request.served_name, request.digest)
+
+
 # --- scorers ----------------------------------------------------------------------------------------------------
 
 
@@ -384,6 +394,7 @@ _BUILT_IN_FILTERS: list[tuple[str, type[FilterParameters], Callable[..., Filter]
     ("staleness-filter", FilterParameters, staleness_filter),
     ("residency-filter", FilterParameters, residency_filter),
     ("saturation-filter", SaturationFilterParameters, saturation_filter),
+    ("adapter-room-filter", FilterParameters, adapter_room_filter),
 ]
 _BUILT_IN_SCORERS: list[tuple[str, type[ApiModel], Callable[..., Scorer], bool]] = [
     ("residency-affinity-scorer", AffinityParameters, residency_affinity_scorer, False),

@@ -170,6 +170,14 @@ class Decision:
     tier: Tier
     #: every candidate was saturated (the saturation filter failed open): the pool is under pressure
     saturated: bool = False
+    #: the primary endpoint has room for the revision: a GPU slot, no other fetch ahead (``PoolSnapshot.room_at``)
+    room: bool = True
+
+    @property
+    def should_wait(self) -> bool:
+        """With flow control on, the request waits instead: every candidate is saturated, or the chosen one has no
+        room for its revision (so no candidate has, when the profile runs ``adapter-room-filter``)."""
+        return self.saturated or not self.room
 
 
 __all__ = ["NoEndpointError", "PoolSaturatedError", "SchedulingError"]  # defined in plugins, raised from here
@@ -328,10 +336,12 @@ class Scheduler:
         entry = pool.lookup(request.served_name, request.digest)
         level = entry.level_of.get(indices[0], 3) if entry is not None else 3
         tier = _TIER_OF_LEVEL[level]
+        room = pool.room_at(indices[0], request.served_name, request.digest)
         if level > 0 and entry is not None and np.count_nonzero((entry.levels < level) & ~unsaturated[entry.indices]):
-            return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier, saturated)  # a warmer pod was saturated
+            # a warmer pod was saturated
+            return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier, saturated, room)
         outcome = Outcome.WARM_GPU if level == 0 else Outcome.WARM_CPU if level == 1 else Outcome.COLD
-        return Decision(endpoints, indices, outcome, tier, saturated)
+        return Decision(endpoints, indices, outcome, tier, saturated, room)
 
 
 _TIER_OF_LEVEL = {t.level: t for t in Tier}

@@ -46,6 +46,8 @@ class EndpointState:
     recent_evictions: int = 0
     #: measured seconds to make an adapter servable from (CPU, disk, not on the pod); NaN: not measured
     load_seconds: tuple[float, float, float] = (NAN, NAN, NAN)
+    #: adapters the runtime batches at once (vLLM's ``max_loras``); 0: not reported (no slot limit assumed)
+    gpu_slots: int = 0
     #: served name -> (tier, digest the runtime loaded); entries without a digest never count as warm.
     residency: Mapping[str, tuple[Tier, str | None]] = field(default_factory=dict)
     #: served names in ``residency`` that are leaving this pod (the sidecar will unload them): not resident here.
@@ -100,6 +102,17 @@ class PoolSnapshot:
         self.kv_utilization: FloatArray = np.fromiter((e.kv_utilization for e in self.endpoints), np.float64, n)
         self.recent_evictions: FloatArray = np.fromiter((e.recent_evictions for e in self.endpoints), np.float64, n)
         self.in_flight: FloatArray = np.zeros(n, dtype=np.float64)
+        #: the picker's own in-flight requests per served name: name -> {endpoint index: count} (``InFlightTracker``)
+        self.in_flight_by_name: dict[str, dict[int, int]] = {}
+        #: per endpoint, the distinct served names among those in flight
+        self.adapters_in_flight: FloatArray = np.zeros(n, dtype=np.float64)
+        self._names_at: list[set[str]] = [set() for _ in range(n)]
+        #: per endpoint, the revisions in flight there that it does not hold (being fetched)
+        self.fetching: FloatArray = np.zeros(n, dtype=np.float64)
+        #: per endpoint, its GPU slots (``gpu_slots``), inf where not reported
+        self.slot_limit: FloatArray = np.fromiter(
+            (e.gpu_slots or np.inf for e in self.endpoints), np.float64, n
+        )
         #: per endpoint, seconds to make a revision servable from tier level 0 (GPU: 0), 1, 2, 3 (absent); NaN where
         #: the pod reported no measurement
         self.load_seconds: FloatArray = np.zeros((n, 4), dtype=np.float64)
@@ -156,6 +169,8 @@ class PoolSnapshot:
         self.active_tokens[index], self.kv_utilization[index] = state.active_tokens, state.kv_utilization
         self.recent_evictions[index] = state.recent_evictions
         self.load_seconds[index, 1:] = state.load_seconds
+        self.slot_limit[index] = state.gpu_slots or np.inf
+        self._count_fetching(index)
         if (old.stale, old.residency, old.draining) != (state.stale, state.residency, state.draining):
             self._reindex(index, old, state)
         self._derive_flags()
@@ -216,6 +231,83 @@ class PoolSnapshot:
             return None
         return self.draining.get((served_name, digest))
 
+    def has_room(self, served_name: str | None, digest: str | None = None) -> BoolArray | None:
+        """Endpoints with room for this revision by the picker's own in-flight count: requests of it are in flight
+        there; or fewer distinct revisions than the pod's GPU slots are (a pod already running ``max_loras`` other
+        adapters batches this one only after one of them drains: vLLM's queue holds it meanwhile) and, where the pod
+        does not hold the revision, no other revision it lacks is in flight there (its fetch would queue behind that
+        fetch). None: every endpoint has room."""
+        if served_name is None:
+            return None
+        blocked = self.adapters_in_flight >= self.slot_limit
+        if self.any_fetching:
+            cold = self.fetching > 0
+            entry = self.lookup(served_name, digest)
+            if entry is not None:
+                cold[entry.indices] = False
+            blocked |= cold
+        if not blocked.any():
+            return None
+        room = ~blocked
+        for i in self.in_flight_by_name.get(served_name, ()):
+            room[i] = True
+        return room
+
+    def room_at(self, index: int, served_name: str | None, digest: str | None = None) -> bool:
+        """``has_room`` for one endpoint."""
+        if served_name is None or index in self.in_flight_by_name.get(served_name, ()):
+            return True
+        if self.adapters_in_flight[index] >= self.slot_limit[index]:
+            return False
+        if not self.fetching[index]:
+            return True
+        entry = self.lookup(served_name, digest)
+        return entry is not None and index in entry.level_of
+
+    @property
+    def any_fetching(self) -> bool:
+        """Does some endpoint have requests in flight for a revision it does not hold (fetching it)?"""
+        return bool(self.fetching.any())
+
+    def set_in_flight(self, by_endpoint: Sequence[Mapping[str, int]]) -> None:
+        """Every endpoint's in-flight requests per served name at once (a driver that counts them itself: the
+        simulator), replacing the counts an ``InFlightTracker`` keeps."""
+        self.in_flight_by_name.clear()
+        for index, by_name in enumerate(by_endpoint):
+            self.in_flight[index] = sum(by_name.values())
+            self.adapters_in_flight[index] = len(by_name)
+            self._names_at[index] = set(by_name)
+            for name, count in by_name.items():
+                self.in_flight_by_name.setdefault(name, {})[index] = count
+            self._count_fetching(index)
+
+    def note_in_flight(self, index: int, served_name: str, count: int) -> None:
+        """Endpoint ``index`` now has ``count`` requests of ``served_name`` in flight."""
+        at = self.in_flight_by_name.get(served_name)
+        names = self._names_at[index]
+        if count:
+            if at is None:
+                at = self.in_flight_by_name[served_name] = {}
+            at[index] = count
+            names.add(served_name)
+        else:
+            if at is not None:
+                at.pop(index, None)
+                if not at:
+                    del self.in_flight_by_name[served_name]
+            names.discard(served_name)
+        self.adapters_in_flight[index] = len(names)
+        self._count_fetching(index)
+
+    def _count_fetching(self, index: int) -> None:
+        """How many revisions in flight at ``index`` its report does not show it holding (unknown when stale)."""
+        endpoint = self.endpoints[index]
+        if endpoint.stale:
+            self.fetching[index] = 0
+            return
+        residency = endpoint.residency
+        self.fetching[index] = sum(1 for name in self._names_at[index] if not _holds(residency.get(name)))
+
     @classmethod
     def from_reports(
         cls,
@@ -254,6 +346,10 @@ def _resident_rows(endpoint: EndpointState) -> Iterator[tuple[tuple[str, str], i
             yield (name, digest), tier.level, name in endpoint.draining
 
 
+def _holds(row: tuple[Tier, str | None] | None) -> bool:
+    return row is not None and row[1] is not None and row[0] is not Tier.ABSENT
+
+
 def endpoint_from_report(report: ResidencyReport, address: str | None = None) -> EndpointState:
     """The ``EndpointState`` a fresh report describes."""
     load = report.load
@@ -268,6 +364,7 @@ def endpoint_from_report(report: ResidencyReport, address: str | None = None) ->
         kv_utilization=load.kv_utilization,
         recent_evictions=load.recent_evictions,
         load_seconds=_load_seconds(load.load_seconds),
+        gpu_slots=load.max_gpu_slots,
         residency={a.served_name: (a.tier, a.digest) for a in report.adapters if _servable(a)},
         draining=frozenset(a.served_name for a in report.adapters if a.draining),
     )
@@ -289,35 +386,56 @@ def _servable(adapter: AdapterResidency) -> bool:
 
 
 class InFlightTracker:
-    """The picker's own in-flight count per endpoint address, carried across snapshot rebuilds."""
+    """The picker's own in-flight count per endpoint address (and per served name there), carried across snapshot
+    rebuilds."""
 
     def __init__(self) -> None:
         """Start with nothing in flight."""
         self.counts: dict[str, int] = {}
+        #: address -> served name -> requests in flight
+        self.by_name: dict[str, dict[str, int]] = {}
         self._snapshot: PoolSnapshot | None = None
 
     def attach(self, snapshot: PoolSnapshot) -> None:
-        """Make ``snapshot.in_flight`` reflect the current counts and keep it updated."""
+        """Make ``snapshot.in_flight`` (and its per-name counts) reflect the current counts and keep them updated."""
         for address, count in self.counts.items():
             i = snapshot.index_by_address.get(address)
             if i is not None:
                 snapshot.in_flight[i] = count
+        for address, names in self.by_name.items():
+            i = snapshot.index_by_address.get(address)
+            if i is not None:
+                for name, count in names.items():
+                    snapshot.note_in_flight(i, name, count)
         self._snapshot = snapshot
 
-    def start(self, address: str) -> None:
-        """A request was sent to ``address``."""
-        self._add(address, 1)
+    def start(self, address: str, served_name: str | None = None) -> None:
+        """A request (of ``served_name``; None: the base model) was sent to ``address``."""
+        self._add(address, served_name, 1)
 
-    def finish(self, address: str) -> None:
+    def finish(self, address: str, served_name: str | None = None) -> None:
         """A request to ``address`` finished (response end, error or client abort)."""
-        self._add(address, -1)
+        self._add(address, served_name, -1)
 
-    def _add(self, address: str, delta: int) -> None:
+    def _add(self, address: str, served_name: str | None, delta: int) -> None:
         count = max(0, self.counts.get(address, 0) + delta)
         if count:
             self.counts[address] = count
         else:
             self.counts.pop(address, None)
+        left = 0
+        names: dict[str, int] = {}
+        if served_name is not None:
+            names = self.by_name.setdefault(address, names)
+            left = max(0, names.get(served_name, 0) + delta)
+            if left:
+                names[served_name] = left
+            else:
+                names.pop(served_name, None)
+                if not names:
+                    del self.by_name[address]
         snapshot = self._snapshot
         if snapshot is not None and (i := snapshot.index_by_address.get(address)) is not None:
             snapshot.in_flight[i] = count
+            if served_name is not None:
+                snapshot.note_in_flight(i, served_name, left)

@@ -48,8 +48,6 @@ POLICY_NAMES = [LORAPLANE, *BASELINES]
 REPORT_S = 1.0
 #: the controller's reconcile period for placement
 PLACEMENT_PERIOD_S = 10.0
-#: flow control sends a request whose revision a pod lacks there only if the pod's fetch lane frees within this
-FETCH_WAIT_S = 0.5
 
 
 def adapter_digest(name: str) -> str:
@@ -105,7 +103,7 @@ class PickerRouter:
         self.scheduler = scheduler
         self._rng = np.random.default_rng(seed)
         self._kv = profile.kv_capacity_tokens
-        names = [a.name for a in trace.adapters]
+        names = self._names = [a.name for a in trace.adapters]
         self._digests = [adapter_digest(n) for n in names]
         prio = [trace.tenants[a.tenant].priority for a in trace.adapters]
         self._priorities = {n: p for n, p in zip(names, prio, strict=True) if p}
@@ -161,16 +159,24 @@ class PickerRouter:
             active_tokens=pod.kv_reserved,
             kv_utilization=min(1.0, pod.kv_reserved / self._kv),
             recent_evictions=pod.recent_evictions(now),
+            gpu_slots=pod.max_loras,
             residency=self._residency_of(pod),
         )
 
     def decide(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> Decision:
-        """The scheduler's decision for request ``rid``; raises the picker's ``SchedulingError``s."""
+        """The scheduler's decision for request ``rid``; raises the picker's ``SchedulingError``s. The picker's own
+        in-flight count, per endpoint and served name, is every request sent to a pod and not finished there."""
         snapshot = self._refresh(now, pods)
-        in_flight = snapshot.in_flight
-        for p in pods:
-            in_flight[p.index] = len(p.waiting) + len(p.running)
+        snapshot.set_in_flight([self._in_flight(p) for p in pods])
         return self.scheduler.schedule(self._requests[trace.adapter[rid]], snapshot, self._rng)
+
+    def _in_flight(self, pod: Pod) -> dict[str, int]:
+        """``pod``'s requests running or waiting, per served name."""
+        names = self._names
+        counts = {names[a]: n for a, n in pod.running_adapters.items()}
+        for a, queued in pod.waiting_adapters.items():
+            counts[names[a]] = counts.get(names[a], 0) + len(queued)
+        return counts
 
     def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
         """The scheduler's primary endpoint for request ``rid``; its refusals (429 / 503) as ``Refused``."""
@@ -180,33 +186,16 @@ class PickerRouter:
             raise Refused(exc.status, exc.reason) from exc
 
     def choose(self, now: float, rid: int, sim: Simulator) -> int | None:
-        """For flow control: the first of the decision's endpoints with room for the request's adapter, or
-        ``None`` while every candidate is saturated or none has room (the request may wait); refusals other than
-        saturation as ``Refused``.
-
-        Room comes from the picker's own in-flight accounting: the endpoint runs requests of this adapter (it holds
-        a GPU slot), or its adapters in flight, this one included, are at most ``max_loras`` (a slot can be had)
-        and the revision is on the pod or its fetch lane frees within ``FETCH_WAIT_S``. A request sent elsewhere would wait in vLLM's
-        queue for a slot (or behind other fetches), unseen by the saturation detector."""
+        """For flow control, as the picker's: the decision's primary endpoint, or ``None`` while the request should
+        wait (``Decision.should_wait``: every candidate saturated, or none with room for its adapter: a GPU slot,
+        no other fetch ahead); refusals other than saturation as ``Refused``."""
         try:
             decision = self.decide(now, rid, sim.trace, sim.pods)
         except PoolSaturatedError:
             return None
         except SchedulingError as exc:
             raise Refused(exc.status, exc.reason) from exc
-        if decision.saturated:
-            return None
-        adapter = sim.trace.adapter[rid]
-        for index in decision.indices:
-            pod = sim.pods[index]
-            running, waiting = pod.running_adapters, pod.waiting_adapters
-            if adapter in running:
-                return index
-            if len(running.keys() | waiting.keys() | {adapter}) > pod.max_loras:
-                continue
-            if adapter in pod.disk or adapter in pod.cpu or pod.download_free_at <= now + FETCH_WAIT_S:
-                return index
-        return None
+        return None if decision.should_wait else decision.indices[0]
 
 
 class ControllerPlacement:

@@ -217,6 +217,20 @@ def test_flow_control_dispatches_only_where_the_adapter_has_a_gpu_slot_or_can_ge
     assert choose(0.0, 0, sim) == 0  # a slot is free
 
 
+def test_without_a_queue_the_pickers_room_rule_spills_to_the_pod_with_a_free_slot() -> None:
+    trace = scenario("diurnal-peak", 200, seed=2, adapter_bytes=ADAPTER_BYTES)
+    policy = build_policy("loraplane", 0, trace, LARGE_GPU, POOL)
+    sim = Simulator(trace, POOL, LARGE_GPU, policy.router, policy.eviction)
+    mine = trace.adapter[0]
+    others = [a for a in range(len(trace.adapters)) if a != mine][:2]
+    for pod in sim.pods:
+        pod.disk.add(mine)  # both pods hold it on disk; pod-0 is warmer (host memory) but its slots are taken
+    sim.pods[0].cpu.add(mine)
+    assert policy.router.pick(0.0, 0, trace, sim.pods) == 0  # idle: the warmer pod
+    sim.pods[0].running_adapters.update(dict.fromkeys(others, 1))
+    assert policy.router.pick(0.0, 0, trace, sim.pods) == 1
+
+
 def test_flow_control_raises_slo_attainment_on_a_saturated_pool() -> None:
     trace = scenario("hot-plus-burst", 4000, seed=3, adapter_bytes=ADAPTER_BYTES)
     pool = SimConfig(pods=2, max_loras=4, max_cpu_loras=16)
