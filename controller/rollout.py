@@ -224,6 +224,8 @@ def _set_condition(
     text = "Unknown" if value is None else "True" if value else "False"
     for i, cond in enumerate(status.conditions):
         if cond.type == type_:
+            if (cond.status, cond.reason, cond.message, cond.observed_generation) == (text, reason, message, generation):
+                return  # unchanged: no new object to validate
             since = cond.last_transition_time if cond.status == text else now
             status.conditions[i] = Condition(
                 type=type_, status=text, reason=reason, message=message, last_transition_time=since,
@@ -364,11 +366,12 @@ class AdapterReconcile:
         step = self.canary_step(rev)
         if step is None:  # the steps were shortened under a running canary: nothing left to wait for
             return _advance(f"spec.rollout.steps has no step {(st.canary_step or 0) + 1} any more")
-        left = step.pause_seconds - self.elapsed(rev)
-        if left > 0:
+        if st.phase_since is not None and self.elapsed(rev) < step.pause_seconds:
             self.due_after(rev, step.pause_seconds)
-            return _wait("CanaryStep", f"step {(st.canary_step or 0) + 1}/{len(steps)} at {step.weight}%: "
-                                       f"{math.ceil(left)}s of {step.pause_seconds}s left")
+            # the due time, not a countdown: a waiting canary's status stays the same (nothing to patch)
+            due = st.phase_since + timedelta(seconds=step.pause_seconds)
+            return _wait("CanaryStep", f"step {(st.canary_step or 0) + 1}/{len(steps)} at {step.weight}% for "
+                                       f"{step.pause_seconds}s, until {due.isoformat(timespec='seconds')}")
         analysis = rev.spec.rollout.analysis
         canary = self.obs.counters.get(rev.served_name, RevisionCounters())
         base = self.obs.counters.get(stable.served_name, RevisionCounters()) if stable else RevisionCounters()

@@ -92,10 +92,12 @@ def test_canary_traffic_follows_the_steps() -> None:
     revs.append(revision("v2", n=2, created=10))
     _drive(world, revs, Phase.CANARY, "claims-v2")
     assert _weights(step(world, revs)) == {"v1": 90, "v2": 10}
+    waiting = [r.status.model_copy(deep=True) for r in revs]
     world.tick(59)
     _healthy_traffic(world, *revs)
     plan = step(world, revs)
     assert _weights(plan) == {"v1": 90, "v2": 10} and revs[1].status.reason == "CanaryStep"
+    assert [r.status for r in revs] == waiting  # waiting changes no status (no countdown): nothing to patch
     world.tick(1)
     plan = step(world, revs)
     assert _weights(plan) == {"v1": 50, "v2": 50} and revs[1].status.canary_step == 1
@@ -308,7 +310,9 @@ def test_restart_resumes_from_status_without_repeating_or_skipping_a_gate() -> N
     plan = step(world, revs)
     assert plan.probes == [] and plan.events == []  # the passed probe gate is not repeated
     assert revs[1].status.phase is Phase.CANARY and revs[1].status.canary_step == 0
-    assert revs[1].status.message is not None and "30s of 60s left" in revs[1].status.message  # the timer continues
+    since = revs[1].status.phase_since
+    assert since is not None and revs[1].status.message is not None  # the timer continues: the same due time
+    assert f"for 60s, until {(since + timedelta(seconds=60)).isoformat(timespec='seconds')}" in revs[1].status.message
     world.tick(30)
     step(world, revs)
     assert revs[1].status.canary_step == 1  # and the step is not skipped either
