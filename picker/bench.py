@@ -4,6 +4,8 @@ Prints one JSON object. Sections:
 
 - ``scoring``: decision time (route resolution + scheduling) at 10 / 100 / 1,000 endpoints, 10,000 adapters.
 - ``proto``: parse + serialise cost of one ext_proc exchange's messages with each proto package available.
+- ``prefix``: thread CPU per request of the prefix scorer's work (hash the parsed body, match, record) per body size,
+  next to scheduling without it, in this process (``--no-prefix-scorer`` runs the Envoy part without it).
 - ``envoy``: a real Envoy with the ext_proc filter in front of Debian's nginx (one server block per endpoint, the
   sidecars' reports written to a real Redis). Open-loop offered loads at 1 KiB and 64 KiB bodies; added latency =
   (Envoy + picker) - (Envoy alone) from the same run. ``cpu_us_per_request`` and ``max_rps_one_core`` come from a
@@ -49,6 +51,7 @@ from loraplane.api import (
 from loraplane.helptext import HelpFormatter
 from loraplane.picker.envoy import ExtProcModes, direct_config, picker_config
 from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.prefix import bench_request_path, without_prefix_scorer
 from loraplane.picker.routes import RouteResolver
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
@@ -306,6 +309,8 @@ class _Stack:
                     "--no-destination-fallbacks", "--no-response-rewrite", "--log-level", "WARNING",
                     "--transport", transport]
             config = EndpointPickerConfig.load().with_parameters("flow-control", enabled=self.args.flow_control)
+            if not self.args.prefix_scorer:
+                config = without_prefix_scorer(config)
             config_path = self.workdir / "picker-config.yaml"
             config_path.write_text(config.to_yaml())
             args += ["--config", str(config_path)]
@@ -453,6 +458,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--connections", type=int, default=16, help="wrk connections in the closed-loop run")
     p.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=True,
                    help="the picker runs with its flow-control queue on (it stays empty: no endpoint saturates)")
+    p.add_argument("--prefix-scorer", action=argparse.BooleanOptionalAction, default=True,
+                   help="the picker runs the default config's prefix-cache-scorer (hashing every body)")
     p.add_argument("--frame-layers", action="store_true",
                    help="add frame_layers: the picker with its own HTTP/2 frame layer and with the h2 package's")
     p.add_argument("--frame-layer-rounds", type=int, default=3, help="alternated runs per frame layer")
@@ -468,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.decisions, args.duration, args.closed_seconds, args.rates = 1000, 2.0, 3, [100, 500]
     if os.cpu_count() == 1:
         args.picker_cpu = args.load_cpu = 0
-    out: dict[str, Any] = {"scoring": scoring((10, 100, 1000), args.adapters, args.decisions), "proto": proto_costs()}
+    out: dict[str, Any] = {"scoring": scoring((10, 100, 1000), args.adapters, args.decisions), "proto": proto_costs(),
+                           "prefix": bench_request_path(args.body_sizes, 100 if args.quick else 400)}
     if not args.scoring_only:
         for tool in ("nginx", "wrk", "redis-server", "taskset"):
             if shutil.which(tool) is None:

@@ -14,12 +14,13 @@ Two indexes answer ``match(endpoints, request)`` (matched prefix length per endp
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 from prometheus_client import Counter
@@ -37,6 +38,9 @@ from loraplane.api.prefix import chain, token_block_bytes
 from loraplane.picker.lifecycle import InFlightRequest, PluginRuntime, RequestPlugin
 from loraplane.picker.plugins import Cycle, PluginKind, PluginType, SchedulingRequest, register
 from loraplane.picker.snapshot import FloatArray, PoolSnapshot
+
+if TYPE_CHECKING:
+    from loraplane.picker.scheduler import EndpointPickerConfig
 
 log = logging.getLogger(__name__)
 
@@ -125,24 +129,6 @@ class PrefixMatcher(Protocol):
         ...
 
 
-def leading_runs(hashes: Sequence[BlockHash], holders: Callable[[BlockHash], Iterable[str]]) -> dict[str, int]:
-    """Endpoint -> length of the leading run of ``hashes`` it holds, walking the blocks once: block ``i`` is looked
-    up only while some endpoint still holds blocks ``0 .. i-1`` (the work is the matched prefix, not the pool)."""
-    runs: dict[str, int] = {}
-    alive: set[str] = set()
-    for i, h in enumerate(hashes):
-        held = holders(h)
-        current = set(held) if i == 0 else alive.intersection(held)
-        for pod in alive - current:
-            runs[pod] = i
-        alive = current
-        if not alive:
-            return runs
-    for pod in alive:
-        runs[pod] = len(hashes)
-    return runs
-
-
 def _vector(runs: Mapping[str, int], endpoints: Sequence[str]) -> IntArray:
     return np.fromiter((runs.get(e, 0) for e in endpoints), np.int64, len(endpoints))
 
@@ -150,7 +136,12 @@ def _vector(runs: Mapping[str, int], endpoints: Sequence[str]) -> IntArray:
 class ApproximateIndex:
     """Where requests were routed: per pod, a bounded LRU of block hashes (``capacity`` per pod), each expiring
     ``ttl_s`` after it was last routed there. ``max_pods`` bounds the pods remembered (least recently routed go).
-    Indexed both ways: per pod (its LRU order) and per hash (the pods it was routed to, with their expiry)."""
+
+    A routed prefix is recorded last block first, so under LRU pressure a prefix loses its tail before its head
+    (as a runtime's cache does). Only first blocks are indexed by hash (the pods they were routed to): a match looks
+    up the request's first block, then walks the blocks in each of those pods' own LRU, so it costs the matched
+    prefix, not the pool.
+    """
 
     def __init__(self, capacity: int = 65_536, ttl_s: float = 600.0, max_pods: int = 4096,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -158,57 +149,69 @@ class ApproximateIndex:
             raise ValueError("capacity and max_pods must be >= 1, ttl_s > 0")
         self.capacity, self.ttl_s, self.max_pods = capacity, ttl_s, max_pods
         self._clock = clock
-        self._pods: collections.OrderedDict[str, collections.OrderedDict[BlockHash, None]] = (
-            collections.OrderedDict())
-        self._holders: dict[BlockHash, dict[str, float]] = {}
+        #: pod -> block hash -> expiry, least recently routed first
+        self._pods: collections.OrderedDict[str, dict[BlockHash, float]] = collections.OrderedDict()
+        #: first block hash -> the pods it was routed to
+        self._first: dict[BlockHash, set[str]] = {}
 
     def record(self, pod: str, request: PrefixRequest) -> None:
         """The request was routed to ``pod``: its blocks are (about to be) cached there."""
+        if not request.hashes:
+            return
         blocks = self._pods.pop(pod, None)
         if blocks is None:
-            blocks = collections.OrderedDict()
+            blocks = {}
         self._pods[pod] = blocks
         while len(self._pods) > self.max_pods:
             self.forget(next(iter(self._pods)))
         expires = self._clock() + self.ttl_s
-        holders = self._holders
-        for h in request.hashes:
-            blocks[h] = None
-            blocks.move_to_end(h)
-            holders.setdefault(h, {})[pod] = expires
-        while len(blocks) > self.capacity:
-            self._drop(pod, blocks.popitem(last=False)[0])
+        drop = blocks.pop
+        for h in reversed(request.hashes):  # a plain dict keeps insertion order: re-inserting moves it last
+            drop(h, None)
+            blocks[h] = expires
+        self._first.setdefault(request.hashes[0], set()).add(pod)
+        excess = len(blocks) - self.capacity
+        if excess > 0:
+            for h in list(itertools.islice(blocks, excess)):
+                del blocks[h]
+                self._unfirst(pod, h)
 
-    def _drop(self, pod: str, h: BlockHash) -> None:
-        pods = self._holders.get(h)
+    def _unfirst(self, pod: str, h: BlockHash) -> None:
+        pods = self._first.get(h)
         if pods is not None:
-            pods.pop(pod, None)
+            pods.discard(pod)
             if not pods:
-                del self._holders[h]
+                del self._first[h]
 
     def forget(self, pod: str) -> None:
         """Drop everything recorded for ``pod`` (it left the pool or its runtime restarted)."""
         for h in self._pods.pop(pod, ()):
-            self._drop(pod, h)
+            self._unfirst(pod, h)
 
     def blocks(self, pod: str) -> int:
         """How many block hashes are remembered for ``pod`` (expired ones included until they are looked at)."""
         return len(self._pods.get(pod, ()))
 
     def matches(self, request: PrefixRequest) -> dict[str, int]:
-        """Pod -> leading blocks of ``request`` routed there within the TTL (expired entries met are dropped)."""
+        """Pod -> leading blocks of ``request`` routed there within the TTL (an expired block met is dropped)."""
+        if not request.hashes:
+            return {}
         now = self._clock()
-
-        def holders(h: BlockHash) -> Iterable[str]:
-            pods = self._holders.get(h)
-            if not pods:
-                return ()
-            for pod in [pod for pod, expires in pods.items() if expires <= now]:
-                self._pods[pod].pop(h, None)
-                self._drop(pod, h)
-            return pods
-
-        return leading_runs(request.hashes, holders)
+        hashes, runs = request.hashes, {}
+        for pod in list(self._first.get(hashes[0], ())):
+            blocks = self._pods[pod]
+            get, n = blocks.get, 0
+            for h in hashes:
+                if get(h, 0.0) <= now:
+                    break
+                n += 1
+            if n < len(hashes) and blocks.get(hashes[n], now + 1.0) <= now:
+                del blocks[hashes[n]]
+                if n == 0:
+                    self._unfirst(pod, hashes[0])
+            if n:
+                runs[pod] = n
+        return runs
 
     def match(self, endpoints: Sequence[str], request: PrefixRequest) -> IntArray:
         """``matches`` as one count per endpoint of ``endpoints``."""
@@ -265,14 +268,20 @@ class PreciseIndex:
     def matches(self, request: PrefixRequest) -> dict[str, int]:
         """Pod -> leading blocks of ``request`` its runtime reported cached (fresh sets of the request's block
         size in tokens only)."""
-        if request.unit != "tokens":
+        if request.unit != "tokens" or not request.hashes:
             return {}
         now = self._wall_clock()
-        runs = leading_runs(request.hashes, lambda h: self._holders.get(h, ()))
-        for pod in list(runs):
-            block_set = self._sets[pod][0]
+        runs = {}
+        for pod in self._holders.get(request.hashes[0], ()):
+            block_set, held = self._sets[pod]
             if block_set.block_size != request.block_size or block_set.heartbeat_at + block_set.ttl_seconds <= now:
-                del runs[pod]
+                continue
+            n = 0
+            for h in request.hashes:
+                if h not in held:
+                    break
+                n += 1
+            runs[pod] = n
         return runs
 
     def match(self, endpoints: Sequence[str], request: PrefixRequest) -> IntArray:
@@ -462,6 +471,58 @@ def bench_hashing(body_bytes: int = 64 * 1024, block_size: int = 64, repeats: in
     return {"benchmark": "prefix-hash", "body_bytes": body_bytes, "block_size": block_size, "unit": "bytes",
             "blocks": len(request.hashes), "repeats": repeats,
             "median_ms": round(float(np.median(times)) * 1000, 3), "p99_ms": round(float(np.quantile(times, 0.99)) * 1000, 3)}
+
+
+def without_prefix_scorer(config: EndpointPickerConfig) -> EndpointPickerConfig:
+    """``config`` with the prefix scorer taken out of every profile (no hashing, no prefix signal)."""
+    data = config.model_dump(by_alias=True)
+    refs = {p["name"] or p["type"] for p in data["plugins"] if p["type"] == "prefix-cache-scorer"}
+    for profile in data["schedulingProfiles"]:
+        profile["plugins"] = [ref for ref in profile["plugins"] if ref["pluginRef"] not in refs]
+    return type(config).model_validate(data)
+
+
+def bench_request_path(body_sizes: Sequence[int] = (1024, 65536), rounds: int = 400,
+                       endpoints: int = 4) -> list[dict[str, Any]]:
+    """Thread CPU per request (median, microseconds) of the picker's prefix work with the default profile: hashing
+    the parsed body, scheduling with the match, and recording where it went; next to scheduling the same request
+    with a profile without the scorer, alternated in one run. The same completion body every request (as the
+    Envoy rows of ``loraplane bench picker`` send), so after the first every block matches on one pod."""
+    import orjson
+
+    from loraplane.api import Tier
+    from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
+    from loraplane.picker.snapshot import EndpointState
+
+    digest = "sha256:" + "d" * 64
+    pool = PoolSnapshot([EndpointState(name=f"pod-{i}", address=f"10.0.0.{i + 1}:8000",
+                                       residency={"claims@v1": (Tier.GPU if i == 0 else Tier.CPU, digest)})
+                         for i in range(endpoints)])
+    config = EndpointPickerConfig.load()
+    with_prefix, without = Scheduler(config), Scheduler(without_prefix_scorer(config))
+    assert with_prefix.prefix is not None and without.prefix is None
+    recorder = PrefixRouting(with_prefix.prefix, PluginRuntime(None, time.monotonic))  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    rows = []
+    for size in body_sizes:
+        prompt = "x" * max(0, size - 60)
+        document = orjson.loads(orjson.dumps({"model": "claims", "max_tokens": 16, "prompt": prompt}))
+        on, off = np.empty(rounds), np.empty(rounds)
+        for n in range(rounds):
+            start = time.thread_time_ns()
+            prefix = with_prefix.prefix.hash_request("claims@v1", digest, document)
+            request = SchedulingRequest("claims@v1", digest, prefix=prefix)
+            decision = with_prefix.schedule(request, pool, rng)
+            recorder.pre_request(InFlightRequest(request, "t", decision.endpoints[0]))
+            on[n] = time.thread_time_ns() - start
+            start = time.thread_time_ns()
+            without.schedule(SchedulingRequest("claims@v1", digest), pool, rng)
+            off[n] = time.thread_time_ns() - start
+        on_us, off_us = float(np.median(on)) / 1e3, float(np.median(off)) / 1e3
+        rows.append({"body_bytes": size, "blocks": len(prefix.hashes) if prefix else 0,
+                     "with_prefix_us": round(on_us, 1), "without_us": round(off_us, 1),
+                     "added_us": round(on_us - off_us, 1)})
+    return rows
 
 
 if __name__ == "__main__":

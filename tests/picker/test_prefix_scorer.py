@@ -17,7 +17,13 @@ from loraplane.engine.tokenizer import write_byte_tokenizer
 from loraplane.picker.extproc import ExtProcHandler
 from loraplane.picker.lifecycle import InFlightRequest, Lifecycle, PluginRuntime
 from loraplane.picker.plugins import Cycle, SchedulingRequest
-from loraplane.picker.prefix import PrefixCacheParameters, PrefixCacheScorer, PrefixHasher
+from loraplane.picker.prefix import (
+    PrefixCacheParameters,
+    PrefixCacheScorer,
+    PrefixHasher,
+    bench_request_path,
+    without_prefix_scorer,
+)
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import EndpointState, InFlightTracker, PoolSnapshot
 from tests.picker.conftest import DIGEST_V1, REQUEST_HEADERS, body, headers, make_context
@@ -118,7 +124,7 @@ def test_ttl_and_lru_capacity_come_from_the_config() -> None:
     scorer.routed(old, "10.0.0.1:8000")
     scorer.routed(new, "10.0.0.1:8000")
     assert scorer.index.match(["10.0.0.1:8000"], new).tolist() == [6]
-    assert scorer.index.match(["10.0.0.1:8000"], old).tolist() == [0]  # evicted: least recently routed
+    assert scorer.index.match(["10.0.0.1:8000"], old).tolist() == [2]  # least recently routed: tail evicted
     clock.now += 11
     assert scorer.index.match(["10.0.0.1:8000"], new).tolist() == [0]  # expired
 
@@ -195,3 +201,9 @@ def test_the_picker_hashes_the_parsed_body_once_and_counts_the_metrics(monkeypat
     assert (hashed, matched) == (2 * blocks, blocks)
     assert registry.get_sample_value("loraplane_picker_prefix_requests_total", {"hit": "true"}) == 1
     assert registry.get_sample_value("loraplane_picker_prefix_requests_total", {"hit": "false"}) == 1
+
+
+def test_benchmark_rows_and_the_config_without_the_scorer() -> None:
+    assert Scheduler(without_prefix_scorer(EndpointPickerConfig.load())).prefix is None
+    (row,) = bench_request_path((1024,), rounds=5)
+    assert row["body_bytes"] == 1024 and row["blocks"] == (1024 - 60) // 64 and row["with_prefix_us"] > 0
