@@ -45,8 +45,10 @@ async def start_server(routes: Routes, host: str, port: int, reuse_port: bool = 
     connections: set[Connection] = set()
     factory: Callable[[], asyncio.Protocol]
     if frame_layer == "h2lib":
-        # the h2 package is a bench and test dependency
-        from loraplane.picker.transport.h2lib import H2LibProtocol
+        try:
+            from loraplane.picker.transport.h2lib import H2LibProtocol
+        except ImportError as exc:  # the h2 package is a dev extra (tests and bench picker --frame-layers)
+            raise RuntimeError("the h2lib frame layer needs the h2 package (pip install h2)") from exc
 
         factory = functools.partial(H2LibProtocol, routes, connections, limits)
     else:
