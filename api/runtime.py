@@ -192,6 +192,12 @@ class ResidencyReport(PayloadModel):
     residency_inferred: bool = Field(
         default=False, description="True when the runtime cannot report tiers (vLLM) and the sidecar infers them"
     )
+    demotes_to_disk: bool = Field(
+        default=False,
+        description="a `disk` target for a revision this runtime has registered demotes it (out of GPU and host "
+        "memory, still registered: a request reads it back from local disk) instead of unloading it, so it stays "
+        "servable (the engine); false: a disk target drains and unloads it (vLLM, and sidecars before this field)",
+    )
     base_model_digest: str | None = None
     max_lora_rank: int | None = None
     target_generation: int | None = Field(default=None, description="the TargetState generation last applied")

@@ -227,11 +227,22 @@ class Engine:
     async def offload(self, adapter: AdapterState) -> None:
         """Move an adapter out of its slot into host memory; :class:`AdapterBusyError` if pinned or in flight."""
         async with self.lock:
-            if adapter.pinned:
-                raise AdapterBusyError(f"adapter {adapter.name!r} is pinned: unpin it first")
-            if adapter.in_flight:
-                raise AdapterBusyError(f"adapter {adapter.name!r} has {adapter.in_flight} requests in flight")
+            self._check_removable(adapter)
             self.tiers.offload(adapter)
+
+    @staticmethod
+    def _check_removable(adapter: AdapterState) -> None:
+        if adapter.pinned:
+            raise AdapterBusyError(f"adapter {adapter.name!r} is pinned: unpin it first")
+        if adapter.in_flight:
+            raise AdapterBusyError(f"adapter {adapter.name!r} has {adapter.in_flight} requests in flight")
+
+    async def demote(self, adapter: AdapterState) -> None:
+        """Drop an adapter's weights from memory, keeping it registered (read back from disk when a request needs
+        it); :class:`AdapterBusyError` if pinned or in flight."""
+        async with self.lock:
+            self._check_removable(adapter)
+            self.tiers.demote(adapter)
 
     def _activate(self, adapter: AdapterState) -> bool:
         started = time.perf_counter()

@@ -397,9 +397,9 @@ class EngineApi:
                 raise ApiError(409, f"no GPU slot can be freed for '{name}' (every slot is pinned or busy)", "ConflictError")
             if action == "pin":
                 tiers.pin(adapter)
-        elif action == "offload":
+        elif action in ("offload", "demote"):
             try:
-                await self.engine.offload(adapter)
+                await (self.engine.offload if action == "offload" else self.engine.demote)(adapter)
             except AdapterBusyError as exc:
                 raise ApiError(409, str(exc), "ConflictError") from None
         elif action == "unpin":

@@ -179,16 +179,21 @@ class AdapterTiers:
             self.drop_host(self.policy.victim(candidates, self.clock()))
 
     def drop_host(self, adapter: AdapterState) -> None:
-        """Host -> disk (also frees its slot)."""
+        """Evict host -> disk (also frees its slot); counted as an eviction."""
+        if self.demote(adapter):
+            adapter.evictions += 1
+            if self.on_evict:
+                self.on_evict(adapter, Tier.CPU)
+
+    def demote(self, adapter: AdapterState) -> bool:
+        """Host -> disk, keeping it registered (a request reads it back); False when it was on disk already."""
         if adapter.weights is None:
-            return
+            return False
         self.offload(adapter)
         self.host.remove(adapter)
         adapter.weights = None
         adapter.tier_since = self.clock()
-        adapter.evictions += 1
-        if self.on_evict:
-            self.on_evict(adapter, Tier.CPU)
+        return True
 
     # --- device tier (L0) ---------------------------------------------------------------------------------------
     def activate(self, adapter: AdapterState, busy: Iterable[AdapterState] = ()) -> bool:

@@ -379,9 +379,10 @@ def _load_seconds(costs: LoadCosts | None) -> tuple[float, float, float]:
 def _servable(adapter: AdapterResidency) -> bool:
     """A reported row the runtime can serve: no sidecar error, or one about an action on an adapter still loaded
     (e.g. ``RequestsInFlight`` while it waits to offload: it still serves those requests and new ones). A row the
-    sidecar marks as not registered in the runtime (only in its disk cache) is not servable: the runtime would 404."""
-    if adapter.registered is False:
-        return False
+    sidecar marks as not registered in the runtime (only in its disk cache) is not servable: the runtime would 404;
+    one it marks as registered is, at any tier (e.g. kept on disk below its target tier, ``CapacityExceeded``)."""
+    if adapter.registered is not None:
+        return adapter.registered
     return adapter.error is None or adapter.tier in (Tier.GPU, Tier.CPU)
 
 

@@ -1,14 +1,16 @@
 """The level-triggered reconcile step: compare the target with one observation and start the next actions.
 
 Every pass looks at the whole target and the whole observation and starts at most one action per adapter (fetch,
-load, activate, offload, pin, unpin, priority, unload); when an action ends, the next pass re-observes and goes on. So a missed
+load, activate, offload, demote, pin, unpin, priority, unload); when an action ends, the next pass re-observes and goes on. So a missed
 notice, a crashed runtime or a restarted sidecar all heal by themselves. Actions run concurrently (bounded), each
 adapter backs off exponentially (capped, with jitter) after failures, and each adapter carries a status that says
 why it is not where the target wants it. Nothing is unloaded or offloaded while it has requests in flight.
 
-An adapter leaving the runtime (out of the target, or demoted to disk) is drained first: its report row says
-``draining`` (routers stop sending it new requests), and only when that report was published, ``drain_grace_s``
-has passed since, and its requests in flight are done, is it unloaded.
+An adapter leaving the runtime (out of the target, or demoted to disk on a runtime that cannot keep it registered
+there) is drained first: its report row says ``draining`` (routers stop sending it new requests), and only when that
+report was published, ``drain_grace_s`` has passed since, and its requests in flight are done, is it unloaded. On a
+runtime that can (``Capabilities.demote``), a disk-tier target demotes a registered adapter instead: it stays
+servable (the runtime reads it back from local disk when a request needs it), so it is not drained.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Action(enum.StrEnum):
     RELOAD = "reload"
     ACTIVATE = "activate"
     OFFLOAD = "offload"
+    DEMOTE = "demote"
     PIN = "pin"
     UNPIN = "unpin"
     PRIORITY = "priority"
@@ -74,7 +77,7 @@ class Action(enum.StrEnum):
     @property
     def removes(self) -> bool:
         """True for actions that take an adapter out of a tier (never while requests are in flight)."""
-        return self in (Action.OFFLOAD, Action.UNLOAD)
+        return self in (Action.OFFLOAD, Action.DEMOTE, Action.UNLOAD)
 
 
 #: Actions that put an adapter into the runtime's memory.
@@ -217,7 +220,7 @@ class Reconciler:
             if held is not None and held.pinned and caps.pin:
                 return Action.UNPIN
             if in_runtime:
-                return Action.UNLOAD
+                return Action.DEMOTE if caps.demote else Action.UNLOAD
             return None if cached else Action.FETCH
         if held is None or held.tier is Tier.ABSENT:
             return Action.LOAD
@@ -279,14 +282,16 @@ class Reconciler:
             actions[name] = (Action.UNPIN if pin else Action.UNLOAD, None)
         return actions
 
-    @staticmethod
-    def leaving(wanted: dict[str, AdapterTarget], observation: Observation) -> set[str]:
-        """Adapters the runtime serves that the (clipped) target takes out of it: they are drained, then unloaded."""
+    def leaving(self, wanted: dict[str, AdapterTarget], observation: Observation) -> set[str]:
+        """Adapters the runtime serves that the (clipped) target takes out of it: they are drained, then unloaded.
+
+        A disk-tier target takes an adapter out only on a runtime that cannot demote it (it stays servable else)."""
+        unloads_for_disk = not self.driver.capabilities.demote
         out = set()
         for name, held in observation.adapters.items():
             t = wanted.get(name)
             if held.tier is not Tier.ABSENT and (
-                t is None or (t.tier is Tier.DISK and held.tier in (Tier.GPU, Tier.CPU))
+                t is None or (unloads_for_disk and t.tier is Tier.DISK and held.tier in (Tier.GPU, Tier.CPU))
             ):
                 out.add(name)
         return out
@@ -452,8 +457,8 @@ class Reconciler:
             await driver.unload(name)
             self.loaded.pop(name, None)
             self._removed_by_us.add(name)
-        elif action is Action.OFFLOAD:
-            await driver.offload(name)
+        elif action in (Action.OFFLOAD, Action.DEMOTE):
+            await (driver.offload if action is Action.OFFLOAD else driver.demote)(name)
             self._removed_by_us.add(name)
         elif action in (Action.PIN, Action.UNPIN):
             await driver.set_pinned(name, action is Action.PIN)

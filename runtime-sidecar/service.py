@@ -197,6 +197,7 @@ class Sidecar:
             ready=self.ready,
             runtime=self.config.runtime,
             residency_inferred=not self.driver.capabilities.reports_residency,
+            demotes_to_disk=self.driver.capabilities.demote,
             base_model_digest=info.base_model_digest,
             max_lora_rank=info.max_lora_rank,
             target_generation=self.target.generation if self.target else None,

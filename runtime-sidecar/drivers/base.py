@@ -33,6 +33,10 @@ class Capabilities:
     ``load_activates``: a load (and a request for an adapter out of its GPU slot) puts the adapter into a GPU slot,
     evicting the least recently used active one (vLLM): the reconciler loads one at a time, host-tier targets first,
     and keeps one GPU slot free of GPU-tier targets for those loads.
+    ``demote``: an adapter can leave GPU and host memory while staying registered (``demote``), and a request for
+    it reads it back from local disk: a disk-tier target demotes it, and it stays servable (the engine). Without it
+    a disk-tier target drains and unloads it (vLLM reloads a registered adapter its CPU cache evicted, but cannot be
+    told to evict one).
     """
 
     tier_control: bool
@@ -41,6 +45,7 @@ class Capabilities:
     exports_residency_metrics: bool
     priority: bool = False
     load_activates: bool = False
+    demote: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,10 @@ class RuntimeDriver(ABC):
     async def offload(self, served_name: str) -> None:
         """Move an adapter from its GPU slot to host memory (only with ``tier_control``)."""
         raise NotImplementedError(f"the {self.kind} runtime has no offload")
+
+    async def demote(self, served_name: str) -> None:
+        """Move a registered adapter out of GPU and host memory, keeping it registered (only with ``demote``)."""
+        raise NotImplementedError(f"the {self.kind} runtime has no demote")
 
     async def set_pinned(self, served_name: str, pinned: bool) -> None:
         """Pin or unpin an adapter (only with ``pin``)."""

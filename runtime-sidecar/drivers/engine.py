@@ -21,7 +21,7 @@ class EngineDriver(VllmApiDriver):
 
     kind = "engine"
     capabilities = Capabilities(tier_control=True, pin=True, reports_residency=True, exports_residency_metrics=True,
-                                priority=True)
+                                priority=True, demote=True)
 
     async def observe(self) -> Observation:
         """The engine's own listing (tiers, digests, counters) and its /metrics."""
@@ -62,6 +62,10 @@ class EngineDriver(VllmApiDriver):
     async def offload(self, served_name: str) -> None:
         """Free the adapter's GPU slot, keeping it in host memory."""
         await self._admin(served_name, "offload")
+
+    async def demote(self, served_name: str) -> None:
+        """Drop the adapter from GPU and host memory; it stays registered and is read back from disk on demand."""
+        await self._admin(served_name, "demote")
 
     async def set_pinned(self, served_name: str, pinned: bool) -> None:
         """Pin (activating first) or unpin."""

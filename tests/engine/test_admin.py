@@ -137,3 +137,24 @@ async def test_tier_controls_and_listing(tiny_adapters: list[GeneratedAdapter], 
         assert (offloaded.json()["tier"], offloaded.json()["pinned"]) == ("cpu", False)
         unknown = await http.post("/admin/adapters/ghost@v1/pin")
         assert unknown.status_code == 404
+
+
+async def test_demote_keeps_the_adapter_registered_and_a_request_reads_it_back(
+    tiny_adapters: list[GeneratedAdapter], adapter_root: Path
+) -> None:
+    options = EngineOptions(max_loras=2, max_cpu_loras=3, lora_modules={tiny_adapters[0].name: tiny_adapters[0].path})
+    name = tiny_adapters[0].name
+    async with inprocess(options) as (built, http):
+        adapter = built.engine.tiers.registered[name]
+        await http.post(f"/admin/adapters/{name}/pin")
+        assert (await http.post(f"/admin/adapters/{name}/demote")).status_code == 409  # pinned
+        await http.post(f"/admin/adapters/{name}/unpin")
+        demoted = (await http.post(f"/admin/adapters/{name}/demote")).json()
+        assert (demoted["tier"], demoted["registered"], demoted["evictions"]) == ("disk", True, 0)
+        assert adapter.weights is None and adapter.slot is None and name not in built.engine.tiers.host
+        assert (await http.post(f"/admin/adapters/{name}/demote")).json()["tier"] == "disk"  # already there: no-op
+        served = await http.post("/v1/completions", json=completion(name, "hi"))
+        metrics = (await http.get("/metrics")).text
+    assert served.status_code == 200  # served after a real read from disk
+    assert adapter.loads == 2 and adapter.tier is not Tier.DISK
+    assert 'loraplane_engine_time_to_first_token_seconds_count{tier="L2"} 1.0' in metrics

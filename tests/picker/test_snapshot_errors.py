@@ -29,7 +29,11 @@ def test_disk_rows_count_only_when_the_runtime_has_them_registered() -> None:
         AdapterResidency(served_name="loaded@v1", tier=Tier.DISK, digest=DIGEST, registered=True),
         AdapterResidency(served_name="cached@v1", tier=Tier.DISK, digest=DIGEST, registered=False),
         AdapterResidency(served_name="older-sidecar@v1", tier=Tier.DISK, digest=DIGEST),
+        # demoted by the sidecar because the target wanted more in host memory than fits: registered, still served
+        AdapterResidency(served_name="clipped@v1", tier=Tier.DISK, digest=DIGEST, registered=True,
+                         error="kept below its target tier", error_reason="CapacityExceeded"),
     ]
     report = ResidencyReport(pool="pool", pod="pod-0", address="10.0.0.1:8000", heartbeat_at=0.0, adapters=rows)
     residency = endpoint_from_report(report).residency
-    assert residency == {"loaded@v1": (Tier.DISK, DIGEST), "older-sidecar@v1": (Tier.DISK, DIGEST)}
+    assert residency == {"loaded@v1": (Tier.DISK, DIGEST), "older-sidecar@v1": (Tier.DISK, DIGEST),
+                         "clipped@v1": (Tier.DISK, DIGEST)}

@@ -185,7 +185,16 @@ async def test_a_disk_row_says_whether_the_runtime_has_the_revision_registered(t
                 engine.tiers.drop_host(engine.tiers.registered[support.served_name])
             evicted = (await sidecar.run_once()).by_name()[support.served_name]
             assert (evicted.tier, evicted.registered) == (Tier.DISK, True)
-            cached = await row(2, support.model_copy(update={"tier": Tier.DISK}))  # unloaded: only in the cache
+            back = await row(2, support)  # its target is host memory: read back from disk
+            assert (back.tier, back.registered) == (Tier.CPU, True)
+            on_disk = support.model_copy(update={"tier": Tier.DISK})
+            demoted = await row(3, on_disk)  # the engine keeps it registered: demoted, not drained and unloaded
+            assert (demoted.tier, demoted.registered, demoted.draining) == (Tier.DISK, True, False)
+            assert demoted.evictions == evicted.evictions  # asked for, not an eviction
+            assert support.served_name in engine.tiers.registered and sidecar.last_report is not None
+            assert sidecar.last_report.demotes_to_disk
+            await engine.remove_adapter(support.served_name)  # gone from the runtime: only in the cache
+            cached = await row(3, on_disk)
             assert (cached.tier, cached.registered) == (Tier.DISK, False)
             assert support.served_name not in engine.tiers.registered
         finally:

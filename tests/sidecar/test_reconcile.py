@@ -76,7 +76,11 @@ def test_next_action_walks_each_tier(tmp_path: Path, target) -> None:
     assert r.next_action(cpu, held(cpu, Tier.GPU, r)) is Action.OFFLOAD
     assert r.next_action(cpu, held(cpu, Tier.CPU, r)) is None
     assert r.next_action(cpu, held(cpu, Tier.CPU, r, priority=5)) is Action.PRIORITY  # the target says 0
-    assert r.next_action(disk, held(disk, Tier.CPU, r)) is Action.UNLOAD
+    # the engine keeps a revision registered on disk: a disk target demotes it (still servable), never unloads it
+    assert r.next_action(disk, held(disk, Tier.CPU, r)) is Action.DEMOTE
+    assert r.next_action(disk, held(disk, Tier.GPU, r)) is Action.DEMOTE
+    assert r.next_action(disk, held(disk, Tier.GPU, r, pinned=True)) is Action.UNPIN
+    assert r.next_action(disk, held(disk, Tier.DISK, r)) is None
     # the runtime holds other bytes under this name: replace them
     assert r.next_action(gpu, held(gpu, Tier.GPU, digest="sha256:" + "e" * 64, pinned=True)) is Action.RELOAD
 
@@ -87,6 +91,47 @@ def test_vllm_cannot_offload_or_pin(tmp_path: Path, target) -> None:
     cached(r, gpu)
     assert r.next_action(cpu, held(cpu, Tier.GPU, r)) is None
     assert r.next_action(gpu, held(gpu, Tier.GPU, r)) is None
+
+
+def test_a_disk_target_drains_and_unloads_on_vllm_but_demotes_on_the_engine_without_draining(
+    tmp_path: Path, target
+) -> None:
+    now = [100.0]
+
+    async def run() -> None:
+        vllm = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0], drain_grace_s=1.0)
+        engine = make_reconciler(tmp_path, clock=lambda: now[0], drain_grace_s=1.0)
+        disk = target(Tier.DISK)
+        for r in (vllm, engine):
+            cached(r, disk)
+        in_host = observe(held(disk, Tier.CPU, vllm))
+        assert vllm.next_action(disk, in_host.adapters[disk.served_name]) is Action.UNLOAD
+        assert vllm.step(state(disk), in_host) == []  # drained first: the row says draining, nothing unloaded yet
+        assert vllm.draining == {disk.served_name: None}
+        vllm.announced({disk.served_name})
+        now[0] += 1.5
+        assert vllm.step(state(disk), in_host) == [(disk.served_name, Action.UNLOAD)]
+        assert engine.step(state(disk), observe(held(disk, Tier.CPU, engine))) == [(disk.served_name, Action.DEMOTE)]
+        assert engine.draining == {}  # it stays servable: routers keep sending it requests
+        busy = observe(held(disk, Tier.GPU, engine, in_flight=2))
+        await engine.drain()  # (it fails: nobody listens) past its backoff
+        now[0] += 10
+        assert engine.step(state(disk), busy) == []  # never while requests are in flight
+        assert engine.status[disk.served_name].reason == "RequestsInFlight"
+        # more host-tier targets than host slots: the ones clipped to disk are demoted on the engine
+        crowd = [target(Tier.CPU, adapter=f"t{i}") for i in range(5)]
+        for t in crowd:
+            cached(engine, t)
+        all_in_host = observe(*(held(t, Tier.CPU, engine) for t in crowd))
+        await engine.drain()
+        started = engine.step(state(*crowd), all_in_host)
+        assert started == [(crowd[4].served_name, Action.DEMOTE)]  # 4 host slots: the last by name goes to disk
+        assert engine.draining == {}
+        await engine.drain()
+        for r in (vllm, engine):
+            await r.cancel()
+
+    asyncio.run(run())
 
 
 def test_unknown_revision_is_verified_before_use(tmp_path: Path, target) -> None:
@@ -248,7 +293,7 @@ def test_a_leaving_adapter_is_unloaded_only_after_its_announced_grace_and_its_re
 
 def test_draining_covers_demotion_to_disk_and_ends_when_the_target_takes_it_back(tmp_path: Path, target) -> None:
     async def run() -> None:
-        r = make_reconciler(tmp_path, drain_grace_s=1.0)
+        r = make_reconciler(tmp_path, runtime="vllm", drain_grace_s=1.0)  # vLLM: a disk target unloads
         disk, cpu = target(Tier.DISK), target(Tier.CPU)
         cached(r, disk)
         assert r.step(state(disk), observe(held(disk, Tier.CPU, r))) == []
