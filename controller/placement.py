@@ -21,7 +21,8 @@ The plan, in order:
 6. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
-current holders at CPU until a newly planned pod serves it.
+current holders serving it (at CPU, or at disk where the runtime keeps disk-tier revisions registered) until a
+newly planned pod serves it.
 
 Tenant budgets cap the bytes a tenant holds at the GPU and CPU tiers across the pool.
 """
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from loraplane.api import WarmPolicy
@@ -622,19 +623,23 @@ def minimum_gpu_loads(previous: Placement, ideal: Placement) -> int:
 
 
 def keep_until_replaced(placement: Placement, demands: Iterable[AdapterDemand],
-                        serving: Mapping[str, Iterable[str]]) -> Placement:
-    """Make before break: a routed revision (``min_replicas`` > 0) the plan moves stays at CPU on the pods that serve
-    it now (``serving``: served name -> pods holding it at GPU or CPU) until a pod the plan keeps warm serves it too;
-    otherwise requests routed in between would find it on no pod (404)."""
+                        serving: Mapping[str, Iterable[str]], keeps_on_disk: Collection[str] = frozenset()) -> Placement:
+    """Make before break: a routed revision (``min_replicas`` > 0) the plan moves stays on the pods that serve it now
+    (``serving``: served name -> pods where a request for it is served now) until a pod the plan keeps serving it
+    serves it too; otherwise requests routed in between would find it on no pod (404).
+
+    The plan keeps a pod serving a revision at GPU or CPU, and at disk on the pods in ``keeps_on_disk`` (their runtime
+    keeps a disk-tier revision registered and reads it back on a request: ``ResidencyReport.demotes_to_disk``); a
+    kept revision stays at disk on those pods and at CPU on the others (where a disk target would unload it)."""
     pods = {pod: dict(held) for pod, held in placement.pods.items()}
-    planned_warm: dict[str, set[str]] = {}
+    planned_serving: dict[str, set[str]] = {}
     for pod, tiers in pods.items():
         for name, tier in tiers.items():
-            if tier in (Tier.GPU, Tier.CPU):
-                planned_warm.setdefault(name, set()).add(pod)
+            if tier in (Tier.GPU, Tier.CPU) or (tier is Tier.DISK and pod in keeps_on_disk):
+                planned_serving.setdefault(name, set()).add(pod)
     for demand in demands:
         now = set(serving.get(demand.served_name, ())) & pods.keys()
-        if demand.min_replicas and now and not now & planned_warm.get(demand.served_name, set()):
+        if demand.min_replicas and now and not now & planned_serving.get(demand.served_name, set()):
             for pod in now:
-                pods[pod][demand.served_name] = Tier.CPU
+                pods[pod][demand.served_name] = Tier.DISK if pod in keeps_on_disk else Tier.CPU
     return Placement(pods=pods, notes=placement.notes)

@@ -158,12 +158,13 @@ def _target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier) -> 
     )
 
 
-def warm_holders(reports: Sequence[ResidencyReport]) -> dict[str, set[str]]:
-    """Served name -> the pods that report it at GPU or CPU (the ones serving it now)."""
+def serving_holders(reports: Sequence[ResidencyReport]) -> dict[str, set[str]]:
+    """Served name -> the pods serving it now: those reporting it at GPU or CPU, and those whose runtime keeps
+    disk-tier revisions registered (``demotes_to_disk``) reporting it registered at disk."""
     serving: dict[str, set[str]] = defaultdict(set)
     for report in reports:
         for held in report.adapters:
-            if held.tier in (Tier.GPU, Tier.CPU):
+            if held.tier in (Tier.GPU, Tier.CPU) or (report.demotes_to_disk and held.tier is Tier.DISK and held.registered):
                 serving[held.served_name].add(report.pod)
     return serving
 
@@ -209,7 +210,7 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     ]
     previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
     placement = keep_until_replaced(place(pods, demands, previous, inputs.budgets, inputs.placement), demands,
-                                    warm_holders(inputs.reports))
+                                    serving_holders(inputs.reports), {r.pod for r in inputs.reports if r.demotes_to_disk})
     for reconcile in reconciles.values():
         reconcile.finish(placement.notes)
     targets = {
