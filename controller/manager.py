@@ -107,6 +107,8 @@ class Controller:
         self.probe_results: dict[str, dict[tuple[str, str], ProbeResult]] = {}
         self._probing: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._probe_slots = asyncio.Semaphore(config.max_concurrent_probes)
+        #: the last of the background Event posts (each waits for the one before: Events go out in order)
+        self._events_posted: asyncio.Future[None] | None = None
         self._was_leader = False
         #: revision -> the pool it was last seen in (a changed poolRef queues the old pool too), and the reverse
         self._pool_of: dict[Key, str] = {}
@@ -375,10 +377,8 @@ class Controller:
         # one object's writes stay in order; different objects' go out side by side (each call blocks a thread)
         await asyncio.gather(*(self._write_back(objects[key], rp.status, finalize=rp.finalize, stored=stored[key])
                                for key, rp in plan.revisions.items()))
-        events: dict[Key, list[Event]] = {}
-        for key, event in plan.events:
-            events.setdefault(key, []).append(event)
-        await asyncio.gather(*(self._post_events(objects[key], listed) for key, listed in events.items()))
+        if plan.events:
+            self._record_events([(objects[key], event) for key, event in plan.events])
         for key, request in plan.probes:
             self._start_probe(pool, next(rev for o, rev in revisions if object_key(o) == key), request)
 
@@ -419,13 +419,21 @@ class Controller:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass sees the new object
                 log.warning("writing %s failed: %s %s", obj["metadata"]["name"], exc.status, exc.reason)
 
-    async def _post_events(self, obj: dict[str, Any], events: list[Event]) -> None:
-        """Post one object's Events, in order."""
-        for event in events:
-            try:
-                await self.kube.event(obj, event.type, event.reason, event.message)
-            except ApiException as exc:
-                log.warning("posting event %s on %s failed: %s", event.reason, obj["metadata"]["name"], exc.status)
+    def _record_events(self, events: list[tuple[dict[str, Any], Event]]) -> None:
+        """Post Events in the background, one at a time and in the order recorded (as client-go's recorder does):
+        a reconcile, and the due gates of its pool queued behind it, never wait for them."""
+        previous = self._events_posted
+
+        async def post() -> None:
+            if previous is not None:
+                await previous
+            for obj, event in events:
+                try:
+                    await self.kube.event(obj, event.type, event.reason, event.message)
+                except Exception as exc:  # logged; the Events after it still go out
+                    log.warning("posting event %s on %s failed: %s", event.reason, obj["metadata"]["name"], exc)
+
+        self._events_posted = asyncio.ensure_future(post())
 
     def _start_probe(self, pool: str, rev: AdapterRevision, request: ProbeRequest) -> None:
         key = (request.served_name, request.pod)
@@ -444,8 +452,10 @@ class Controller:
         self._probing[key] = asyncio.ensure_future(run())
 
     async def aclose(self) -> None:
-        """Cancel probes still running."""
+        """Cancel probes still running; post the Events still queued."""
         for task in list(self._probing.values()):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._events_posted is not None:
+            await self._events_posted

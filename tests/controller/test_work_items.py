@@ -132,6 +132,45 @@ async def test_a_gate_fires_at_its_due_time_on_a_fake_clock(
         await controller.prober.client.aclose()
 
 
+async def test_events_are_posted_in_the_background_in_the_order_recorded(
+        server: ServerThread, redis: aioredis.Redis, tmp_path: Path) -> None:
+    kube = api_client(server.url, tmp_path)
+    controller = make_controller(server.url, tmp_path, redis, lease=False)
+    release, posted = asyncio.Event(), []
+    post = controller.kube.event
+
+    async def held(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        await release.wait()
+        posted.append(message)
+        await post(obj, type_, reason, message)
+
+    controller.kube.event = held  # type: ignore[method-assign]
+    steps = [{"weight": 10, "pauseSeconds": 30}, {"weight": 50, "pauseSeconds": 1}]
+    since = datetime.now(UTC) - timedelta(seconds=60)  # step 1 is overdue
+    await asyncio.to_thread(create, kube, manifest("v2", steps=steps, rollout={"analysis": {"minRequests": 0}}))
+    await asyncio.to_thread(set_status, kube, "claims-v2", {"phase": "Canary", "canaryStep": 0,
+                                                            "phaseSince": since.isoformat()})
+    stop = asyncio.Event()
+    await controller.watch(stop)
+    try:
+        await eventually(lambda: "claims-v2" in {n for _, n in controller.informers["revisions"].items}, 5)
+        await drain(controller)  # step 1 -> step 2: reconciled and written while its Event waits
+        assert get(kube, "claims-v2")["status"]["canaryStep"] == 1 and posted == []
+        await asyncio.sleep(1.0)
+        await drain(controller)  # step 2's pause is over: promoted
+        assert get(kube, "claims-v2")["status"]["phase"] == "Stable" and posted == []
+        release.set()
+        await controller.aclose()  # posts what is still queued
+        assert [m.split(":")[0] for m in posted] == ["Canary step 2", "Stable"]
+        listed = k8s.CoreV1Api(kube).list_namespaced_event("default").items
+        assert [e.message for e in listed if e.involved_object.name == "claims-v2"] == posted
+    finally:
+        stop.set()
+        for informer in controller.informers.values():
+            informer.stop()
+        await controller.prober.client.aclose()
+
+
 async def test_a_terminal_error_is_recorded_in_status_and_not_retried(
         server: ServerThread, redis: aioredis.Redis, tmp_path: Path) -> None:
     kube = api_client(server.url, tmp_path)
