@@ -67,6 +67,16 @@ async def drain(controller: Controller) -> None:
         await asyncio.sleep(0.3)
 
 
+async def watching_a_canary(controller: Controller, kube: k8s.ApiClient, steps: list[dict[str, Any]],
+                            since: datetime, stop: asyncio.Event) -> None:
+    """Create ``claims-v2`` at canary step 1 since ``since`` and start the controller's informers on it."""
+    await asyncio.to_thread(create, kube, manifest("v2", steps=steps, rollout={"analysis": {"minRequests": 0}}))
+    await asyncio.to_thread(set_status, kube, "claims-v2", {"phase": "Canary", "canaryStep": 0,
+                                                            "phaseSince": since.isoformat()})
+    await controller.watch(stop)
+    await eventually(lambda: "claims-v2" in {n for _, n in controller.informers["revisions"].items}, 5)
+
+
 @pytest.fixture
 async def redis(redis_srv: RedisServer) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.from_url(redis_srv.url)
@@ -105,13 +115,9 @@ async def test_a_gate_fires_at_its_due_time_on_a_fake_clock(
     controller.config = dataclasses.replace(controller.config, resync_seconds=120)  # no resync before the gate
     steps = [{"weight": 10, "pauseSeconds": 30}, {"weight": 50, "pauseSeconds": 30}]
     since = datetime.fromtimestamp(wall[0], UTC) - timedelta(seconds=10)
-    await asyncio.to_thread(create, kube, manifest("v2", steps=steps, rollout={"analysis": {"minRequests": 0}}))
-    await asyncio.to_thread(set_status, kube, "claims-v2", {"phase": "Canary", "canaryStep": 0,
-                                                            "phaseSince": since.isoformat()})
     stop = asyncio.Event()
-    await controller.watch(stop)
     try:
-        await eventually(lambda: "claims-v2" in {n for _, n in controller.informers["revisions"].items}, 5)
+        await watching_a_canary(controller, kube, steps, since, stop)
         await drain(controller)
         due = since.timestamp() + 30
         assert controller.queue.next_due() == pytest.approx(due, abs=0.1)  # requeued for the gate, not a resync
@@ -146,14 +152,9 @@ async def test_events_are_posted_in_the_background_in_the_order_recorded(
 
     controller.kube.event = held  # type: ignore[method-assign]
     steps = [{"weight": 10, "pauseSeconds": 30}, {"weight": 50, "pauseSeconds": 1}]
-    since = datetime.now(UTC) - timedelta(seconds=60)  # step 1 is overdue
-    await asyncio.to_thread(create, kube, manifest("v2", steps=steps, rollout={"analysis": {"minRequests": 0}}))
-    await asyncio.to_thread(set_status, kube, "claims-v2", {"phase": "Canary", "canaryStep": 0,
-                                                            "phaseSince": since.isoformat()})
     stop = asyncio.Event()
-    await controller.watch(stop)
     try:
-        await eventually(lambda: "claims-v2" in {n for _, n in controller.informers["revisions"].items}, 5)
+        await watching_a_canary(controller, kube, steps, datetime.now(UTC) - timedelta(seconds=60), stop)  # overdue
         await drain(controller)  # step 1 -> step 2: reconciled and written while its Event waits
         assert get(kube, "claims-v2")["status"]["canaryStep"] == 1 and posted == []
         await asyncio.sleep(1.0)
