@@ -133,22 +133,28 @@ class KvBlockTracker:
 
 def _check_endpoint(endpoint: str) -> None:
     if not endpoint.startswith(("ipc://", "tcp://")) or "*" in endpoint:
-        raise ValueError(f"KV events endpoint {endpoint!r}: give vLLM's publisher address (ipc://PATH or "
-                         "tcp://HOST:PORT), not a wildcard")
+        raise ValueError(f"KV events endpoint {endpoint!r}: give the endpoint of vLLM's --kv-events-config "
+                         "(ipc://PATH, or tcp://HOST:PORT, e.g. tcp://127.0.0.1:5557), not a wildcard")
 
 
 async def subscribe(endpoint: str, tracker: KvBlockTracker, stop: asyncio.Event,
                     on_change: Callable[[], None] | None = None, topic: str = "") -> None:
-    """Connect a SUB socket to vLLM's publisher at ``endpoint`` and apply every batch until ``stop`` is set.
+    """Subscribe to vLLM's publisher at ``endpoint`` and apply every batch until ``stop`` is set.
 
-    A batch that does not decode is logged and skipped (the set is cleared: it may have held removals).
+    vLLM binds its PUB socket to ``ipc://`` and wildcard endpoints and connects it to a ``tcp://HOST:PORT`` one, so
+    this SUB socket does the other: it connects to ``ipc://PATH`` and binds ``tcp://HOST:PORT`` (keep HOST loopback:
+    the events carry the prompts' token ids). A batch that does not decode is logged and skipped (the set is cleared:
+    it may have held removals).
     """
     _check_endpoint(endpoint)
     context = zmq.asyncio.Context.instance()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt_string(zmq.SUBSCRIBE, topic)
-    socket.connect(endpoint)
+    if endpoint.startswith("tcp://"):
+        socket.bind(endpoint)
+    else:
+        socket.connect(endpoint)
     try:
         while not stop.is_set():
             if not await socket.poll(timeout=500):

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 import redis.asyncio as aioredis
 import zmq
 
@@ -75,17 +76,23 @@ def test_unknown_parents_gaps_and_bounds() -> None:
     assert len(t) == 6 and t.dropped == 2 and t.block_set().dropped_blocks == 2
 
 
-async def test_sidecar_publishes_the_block_set_with_its_reports_digests(tmp_path: Path, redis_srv) -> None:
-    """The wiring: the sidecar subscribes to the publisher, keys blocks by its report rows' digests, writes the set."""
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+async def test_sidecar_publishes_the_block_set_with_its_reports_digests(tmp_path: Path, redis_srv,
+                                                                       transport: str) -> None:
+    """The wiring: the sidecar subscribes to the publisher, keys blocks by its report rows' digests, writes the set.
+    vLLM binds an ipc:// endpoint and connects to a tcp:// one: the sidecar does the other."""
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
     weights = write_weights(artifacts / "w.safetensors")
     target = target_for(f"file://{weights}", sha256_of(weights), tier=Tier.DISK)
     cache = DiskCache(tmp_path / "cache", 1 << 30, ArtifactSources(SourceConfig(file_roots=(artifacts,))))
     cache.fetch(target, keep=(), timings=StageTimings())
-    endpoint = f"ipc://{tmp_path / 'kv.sock'}"
-    publisher = zmq.Context.instance().socket(zmq.PUB)  # where vLLM binds its publisher
-    publisher.bind(endpoint)
+    endpoint = f"ipc://{tmp_path / 'kv.sock'}" if transport == "ipc" else f"tcp://127.0.0.1:{free_port()}"
+    publisher = zmq.Context.instance().socket(zmq.PUB)  # as vLLM's publisher does
+    if transport == "ipc":
+        publisher.bind(endpoint)
+    else:
+        publisher.connect(endpoint)
     driver = make_driver("engine", f"http://127.0.0.1:{free_port()}", RuntimeInfo(base_model=""))
     bus = RedisBus(redis_srv.url, "pool-a", "pod-0")
     sidecar = Sidecar(SidecarConfig("pool-a", "pod-0", "10.0.0.1:8000", "engine", heartbeat_s=0.1,
