@@ -72,16 +72,34 @@ def is_pod_name(name: str) -> bool:
     return len(name) <= DNS1123_SUBDOMAIN_MAX and matches(DNS1123_SUBDOMAIN, name)
 
 
+def split_host_port(text: str) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``[ipv6]``, ``[ipv6]:port`` or a bare IPv6 address -> (host without brackets, port
+    or None); ValueError with the reason otherwise. The host is not checked (it may be a name, an address or a
+    CIDR)."""
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"address {text!r}: a bracketed host is [host] or [host]:port")
+        port = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:  # no port, or a bare IPv6 address
+        host, port = text, None
+    if not host:
+        raise ValueError(f"address {text!r} has no host")
+    if port is not None and (not port.isdigit() or int(port) > 65535):
+        raise ValueError(f"address {text!r} is not host:port with a port in 0-65535")
+    return host, None if port is None else int(port)
+
+
 def parse_host_port(address: str) -> tuple[str, int]:
     """``host:port`` or ``[ipv6]:port`` -> (host without brackets, port); ValueError with the reason otherwise."""
-    host, colon, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"address {address!r}: an IPv6 host must be written in brackets, [host]:port")
-    if not colon or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"address {address!r} is not host:port with a port in 0-65535")
-    return host, int(port)
+    host, port = split_host_port(address)
+    if port is None:
+        if ":" in host:
+            raise ValueError(f"address {address!r}: an IPv6 host must be written in brackets, [host]:port")
+        raise ValueError(f"address {address!r} is not host:port")
+    return host, port
 
 
 def join_host_port(host: str, port: int) -> str:

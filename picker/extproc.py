@@ -24,7 +24,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 
-from loraplane.api import PriorityClass
+from loraplane.api import PriorityClass, validation
 from loraplane.picker.body import (
     ClientError,
     ParsedBody,
@@ -177,17 +177,12 @@ def subset_hint(value: struct_pb2.Value) -> frozenset[str]:
 
 
 def _subset_entry(text: str) -> str | None:
-    if text.startswith("["):  # [v6] or [v6]:port
-        host, bracket, port = text[1:].partition("]")
-        if not bracket or not host:
-            return None
-        if not port:
-            return host
-        return text if port[0] == ":" and port[1:].isdigit() else None
-    if text.count(":") == 1:
-        host, _, port = text.partition(":")
-        return text if host and port.isdigit() else None
-    return text or None  # a bare IPv4 / IPv6 address or host name
+    """``host:port`` as given; a host without a port (``[v6]`` unbracketed); None when it does not parse."""
+    try:
+        host, port = validation.split_host_port(text)
+    except ValueError:
+        return None
+    return host if port is None else text
 
 
 class Exchange:

@@ -54,15 +54,8 @@ Allowance = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, int | None]
 
 def parse_allowance(text: str) -> Allowance:
     """``CIDR``, ``ADDRESS:PORT``, ``CIDR:PORT`` or ``[IPv6 CIDR]:PORT`` -> (network, port or None for any port)."""
-    body, port = text.strip(), None
-    if body.startswith("["):
-        body, _, rest = body[1:].partition("]")
-        if rest:
-            port = int(rest.removeprefix(":"))
-    elif body.count(":") == 1:
-        body, _, port_text = body.partition(":")
-        port = int(port_text)
-    return ipaddress.ip_network(body, strict=False), port
+    network, port = validation.split_host_port(text.strip())
+    return ipaddress.ip_network(network, strict=False), port
 
 
 @dataclass(frozen=True)

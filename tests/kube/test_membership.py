@@ -65,6 +65,14 @@ def test_member_addresses_and_the_one_address_parser() -> None:
     for bad in ("fd00::1:80", "host", "host:", ":80", "host:http", "host:65536", "[::1]"):
         with pytest.raises(ValueError):
             validation.parse_host_port(bad)
+    # the port optional (subset hints, CIDR allowances): the same parser
+    assert validation.split_host_port("[fd00::/8]:443") == ("fd00::/8", 443)
+    assert validation.split_host_port("fd00::1") == ("fd00::1", None)
+    assert validation.split_host_port("[fd00::1]") == ("fd00::1", None)
+    assert validation.split_host_port("10.0.0.0/8:80") == ("10.0.0.0/8", 80)
+    for bad in ("", "[]", "[::1]80", "[::1", "host:", "host:65536"):
+        with pytest.raises(ValueError):
+            validation.split_host_port(bad)
 
 
 def test_the_one_pod_name_validator() -> None:
