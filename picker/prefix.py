@@ -406,14 +406,14 @@ class PrefixCacheScorer:
             return None
         return hit * cycle.unsaturated
 
-    def routed(self, prefix: PrefixRequest, endpoint: str) -> int:
+    def routed(self, prefix: PrefixRequest, endpoint: str) -> int | None:
         """``prefix`` was sent to ``endpoint`` (an address): recorded there in approximate mode. Returns the blocks
-        the last cycle matched there (0 when that cycle was for another request)."""
+        the last cycle matched there, once (None when that cycle was for another request or was reported already)."""
         if isinstance(self.index, ApproximateIndex):
             self.index.record(endpoint, prefix)
-        last = self._last
+        last, self._last = self._last, None
         if last is None or last[0] is not prefix:
-            return 0
+            return None
         i = last[1].index_by_address.get(endpoint)
         return 0 if i is None else int(last[2][i])
 
@@ -440,11 +440,14 @@ class PrefixRouting(RequestPlugin):
         self._hit, self._miss = self.requests.labels("true"), self.requests.labels("false")
 
     def pre_request(self, request: InFlightRequest) -> None:
-        """Record the routing; count hashed and matched blocks."""
+        """Record the routing; count hashed and matched blocks (once per decision: not again when Envoy reports
+        that another endpoint served it)."""
         prefix = request.scheduling.prefix
         if prefix is None or request.endpoint is None:
             return
         matched = self.scorer.routed(prefix, request.endpoint)
+        if matched is None:
+            return
         self._hashed.inc(len(prefix.hashes))
         self._matched.inc(matched)
         (self._hit if matched else self._miss).inc()

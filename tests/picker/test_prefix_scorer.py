@@ -162,6 +162,8 @@ def test_precise_mode_scores_from_published_block_sets(tmp_path: Path) -> None:
     cycle = _cycle(scheduler, SchedulingRequest("claims@v17", D17, prefix=prefix), pool())
     assert cycle.prefix_hit is not None and cycle.prefix_hit.tolist() == [0.0, 1.0]  # keyed by pod name
     assert scorer.routed(prefix, "10.0.0.2:8000") == len(prefix.hashes)  # precise mode records nothing itself
+    assert scorer.routed(prefix, "10.0.0.2:8000") is None  # reported once per decision
+    _cycle(scheduler, SchedulingRequest("claims@v17", D17, prefix=prefix), pool())
     assert scorer.routed(prefix, "10.0.0.1:8000") == 0
 
 
