@@ -396,7 +396,7 @@ class PrefixCacheScorer:
                     blocks[i] = count
         self._last = (prefix, pool, blocks)
         total = len(prefix.hashes)
-        cycle.prefix_hit = blocks * (1.0 / total) if total else blocks.astype(np.float64)
+        cycle.prefix_hit = np.multiply(blocks, 1.0 / total if total else 0.0, dtype=np.float64)
         cycle.prefix_tokens = total * self._tokens_per_block
 
     def __call__(self, request: SchedulingRequest, _pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
