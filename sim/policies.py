@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,7 @@ from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.sim.admission import QUEUES, FlowControlConfig
 from loraplane.sim.baselines import BASELINES
 from loraplane.sim.cluster import Admission, Eviction, Placement, Pod, Refused, Router, SimConfig, Simulator
+from loraplane.sim.prefix import PickerPrefixSignal
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
 
@@ -101,6 +102,11 @@ class PickerRouter:
 
     def __init__(self, seed: int, trace: Trace, profile: Profile, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        #: the picker's prefix-cache scorer, fed each request's prefix blocks and where it went (prefix traces)
+        self._now = 0.0
+        self._prefix = (PickerPrefixSignal(scheduler.prefix, trace, lambda: self._now)
+                        if scheduler.prefix is not None and trace.has_prefixes else None)  # fmt: skip
+        self._last_request: SchedulingRequest | None = None
         self._rng = np.random.default_rng(seed)
         self._kv = profile.kv_capacity_tokens
         names = self._names = [a.name for a in trace.adapters]
@@ -168,7 +174,19 @@ class PickerRouter:
         in-flight count, per endpoint and served name, is every request sent to a pod and not finished there."""
         snapshot = self._refresh(now, pods)
         snapshot.set_in_flight([self._in_flight(p) for p in pods])
-        return self.scheduler.schedule(self._requests[trace.adapter[rid]], snapshot, self._rng)
+        request = self._requests[trace.adapter[rid]]
+        if self._prefix is not None:
+            self._now = now
+            request = replace(request, prefix=self._prefix.request(rid))
+        self._last_request = request
+        return self.scheduler.schedule(request, snapshot, self._rng)
+
+    def _sent(self, decision: Decision) -> int:
+        """The last decided request goes to the decision's primary endpoint (the prefix index learns it)."""
+        prefix = self._last_request.prefix if self._last_request is not None else None
+        if self._prefix is not None and prefix is not None:
+            self._prefix.routed(prefix, decision.endpoints[0])
+        return decision.indices[0]
 
     def _in_flight(self, pod: Pod) -> dict[str, int]:
         """``pod``'s requests running or waiting, per served name."""
@@ -181,7 +199,7 @@ class PickerRouter:
     def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
         """The scheduler's primary endpoint for request ``rid``; its refusals (429 / 503) as ``Refused``."""
         try:
-            return self.decide(now, rid, trace, pods).indices[0]
+            return self._sent(self.decide(now, rid, trace, pods))
         except SchedulingError as exc:
             raise Refused(exc.status, exc.reason) from exc
 

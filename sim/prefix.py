@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from loraplane.picker.prefix import PrefixRequest
+from loraplane.picker.prefix import ApproximateIndex, PrefixRequest
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
+
+if TYPE_CHECKING:
+    from loraplane.picker.prefix import PrefixCacheScorer
 
 #: vLLM's default KV-cache block size on GPUs (``--block-size 16``); runtimes cache and match only full blocks
 BLOCK_TOKENS = 16
@@ -160,3 +165,29 @@ class PodPrefixCaches:
 
     def _trim(self, cache: PrefixCache, kv_reserved: int) -> None:
         self.evicted += cache.trim(max(0, self.capacity_blocks - math.ceil(kv_reserved / self.block_tokens)))
+
+
+class PickerPrefixSignal:
+    """Feeds the picker's own ``prefix-cache-scorer`` in the simulator, as the picker does: each request's prefix
+    blocks (``request``: one block of the scorer's ``blockSize`` in its ``unit`` is taken as its tokens' worth,
+    ``blockSize / bytesPerToken`` tokens for byte blocks, and blocks of one segment are equal exactly when their
+    tokens are) and, after the decision, where it went (``routed``: the approximate index learns it). The index is
+    rebuilt with the scorer's parameters on the simulator's clock (its TTL counts simulated seconds)."""
+
+    def __init__(self, scorer: PrefixCacheScorer, trace: Trace, clock: Callable[[], float]) -> None:
+        params = scorer.params
+        if params.mode != "approximate":
+            raise ValueError("the simulator runs the prefix-cache scorer in approximate mode only")
+        scorer.index = ApproximateIndex(params.lru_capacity, params.ttl_seconds, params.max_pods, clock)
+        tokens = params.block_size / params.bytes_per_token if params.unit == "bytes" else params.block_size
+        self.layout = PrefixLayout(trace, max(1, round(tokens)))
+        self._scorer = scorer
+        self._max_blocks = params.max_blocks
+
+    def request(self, rid: int) -> PrefixRequest:
+        """Request ``rid``'s prefix blocks, as the scorer's hasher would cut them."""
+        return self.layout.request(rid, self._max_blocks)
+
+    def routed(self, prefix: PrefixRequest, address: str) -> None:
+        """The request was sent to ``address``."""
+        self._scorer.routed(prefix, address)

@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loraplane.picker.prefix import without_prefix_scorer
+from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.sim.cluster import SimConfig, Simulator
 from loraplane.sim.metrics import prefix_hit_rate, summarize
-from loraplane.sim.policies import build_policy
-from loraplane.sim.prefix import BLOCK_TOKENS, PodPrefixCaches, PrefixCache
+from loraplane.sim.policies import build_policy, picker_config_for
+from loraplane.sim.prefix import BLOCK_TOKENS, PickerPrefixSignal, PodPrefixCaches, PrefixCache
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.trace import Adapter, Tenant, Trace, TraceError, load_csv, scenario
 from tests.sim.conftest import ADAPTER_BYTES, free_loads
@@ -93,10 +95,10 @@ def trace_tail(caches: PodPrefixCaches, rid: int) -> int:
     return caches.layout.segments(rid)[2]
 
 
-def run(trace: Trace, policy: str = "least-request", pods: int = 1) -> Simulator:
+def run(trace: Trace, policy: str = "least-request", pods: int = 1, picker_config: Path | None = None) -> Simulator:
     profile = free_loads()
     config = SimConfig(pods=pods)
-    built = build_policy(policy, 0, trace, profile, config)
+    built = build_policy(policy, 0, trace, profile, config, picker_config)
     sim = Simulator(trace, config, profile, built.router, built.eviction, built.placement)
     sim.run()
     return sim
@@ -189,6 +191,15 @@ def test_llmd_prefix_follows_the_prefix_it_routed_and_is_gie_default_without_pre
     trace = scenario("prefix-chat", 1500, seed=4, adapter_bytes=ADAPTER_BYTES)
     trace.arrival = [t * 20 for t in trace.arrival]  # a twentieth of the rate: queues stay empty
     sim = run(trace, "llmd-prefix", pods=4)
+    assert sticky_share(trace, sim) > 0.95
+    assert prefix_hit_rate(sim.result) > prefix_hit_rate(run(trace, "gie-default", pods=4).result)
+    plain = scenario("gie-multilora", 2000, seed=4, adapter_bytes=ADAPTER_BYTES)
+    picks = [list(run(plain, p, pods=4).result.pod) for p in ("llmd-prefix", "gie-default")]
+    assert picks[0] == picks[1]
+
+
+def sticky_share(trace: Trace, sim: Simulator) -> float:
+    """Of the requests that continue a session, the share sent to the pod of the session's previous turn."""
     assert trace.session is not None
     previous: dict[int, int] = {}
     same = later = 0
@@ -197,8 +208,37 @@ def test_llmd_prefix_follows_the_prefix_it_routed_and_is_gie_default_without_pre
             later += 1
             same += sim.result.pod[rid] == sim.result.pod[previous[s]]
         previous[s] = rid
-    assert same / later > 0.95
-    assert prefix_hit_rate(sim.result) > prefix_hit_rate(run(trace, "gie-default", pods=4).result)
-    plain = scenario("gie-multilora", 2000, seed=4, adapter_bytes=ADAPTER_BYTES)
-    picks = [list(run(plain, p, pods=4).result.pod) for p in ("llmd-prefix", "gie-default")]
-    assert picks[0] == picks[1]
+    return same / later
+
+
+def test_loraplane_runs_the_pickers_prefix_scorer_on_its_own_routing(tmp_path: Path) -> None:
+    # one adapter, warm everywhere: tier affinity cannot keep a session together, only the prefix signal can
+    rows = sorted(
+        (s * 0.4 + turn * 12.0, 0, 1200 + 300 * turn, 100, 0, 1000, s) for s in range(150) for turn in range(5)
+    )
+    trace = chat(rows, adapters=1)
+    path = tmp_path / "no-prefix.yaml"
+    path.write_text(without_prefix_scorer(picker_config_for(free_loads())).to_yaml())
+    with_scorer, without = run(trace, "loraplane", pods=4), run(trace, "loraplane", pods=4, picker_config=path)
+    assert with_scorer.router.scheduler.prefix is not None and without.router.scheduler.prefix is None
+    assert sticky_share(trace, with_scorer) > sticky_share(trace, without) + 0.05
+    assert prefix_hit_rate(with_scorer.result) > prefix_hit_rate(without.result)
+
+
+def test_picker_prefix_signal_keys_by_adapter_and_expires_on_the_simulators_clock() -> None:
+    trace = chat([(0.0, 0, 2000, 10, 0, 1000, 0), (1.0, 1, 2000, 10, 0, 1000, 0)])
+    scheduler = Scheduler(EndpointPickerConfig.load())
+    assert scheduler.prefix is not None
+    now = [0.0]
+    signal = PickerPrefixSignal(scheduler.prefix, trace, lambda: now[0])
+    first, other = signal.request(0), signal.request(1)
+    assert len(first.hashes) == 2000 // 16  # 64-byte blocks taken as 16 tokens each
+    signal.routed(first, "10.0.0.1:8000")
+    assert scheduler.prefix.index.matches(first) == {"10.0.0.1:8000": 125}
+    assert scheduler.prefix.index.matches(other) == {}  # the same text under another adapter
+    now[0] = scheduler.prefix.params.ttl_seconds + 1.0
+    assert scheduler.prefix.index.matches(first) == {}
+    precise = scheduler.prefix.params.model_copy(update={"mode": "precise"})
+    scheduler.prefix.params = precise
+    with pytest.raises(ValueError, match="approximate mode only"):
+        PickerPrefixSignal(scheduler.prefix, trace, lambda: 0.0)
