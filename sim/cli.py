@@ -53,7 +53,9 @@ def parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--scenario", choices=list(SCENARIOS), default="hot-plus-burst", help="generated trace")
     source.add_argument("--trace", type=Path, help="a recorded trace (CSV: timestamp, adapter, tenant, "
-                        "input_tokens, output_tokens[, tenant_class])")  # fmt: skip
+                        "input_tokens, output_tokens[, tenant_class][, prefix_group, prefix_tokens, session]: the "
+                        "optional prefix columns name a shared-prefix group with its prompt tokens and a multi-turn "
+                        "session; with them the pods model prefix caches)")  # fmt: skip
     p.add_argument("--policies", type=_policies, default=POLICY_NAMES, help=f"comma-separated: {', '.join(POLICY_NAMES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated trace and the policies")
     p.add_argument("--requests", type=_positive, default=200_000, help="requests a scenario generates")
