@@ -169,6 +169,17 @@ def serving_holders(reports: Sequence[ResidencyReport]) -> dict[str, set[str]]:
     return serving
 
 
+def pod_capacity(report: ResidencyReport) -> PodCapacity:
+    """What a pod can hold, from its report. The runtime's host cache holds its GPU-resident adapters too, so on a
+    runtime that keeps disk-tier revisions registered (``demotes_to_disk``) only the slots beyond the GPU ones are
+    planned for host-tier revisions: planning more would have its sidecar clip the extra ones to disk by name,
+    ahead of the plan's own order (rollout requirements first), and a canary clipped so waits forever. Elsewhere the
+    host slots are planned as reported."""
+    load = report.load
+    cpu_slots = max(0, load.max_cpu_slots - load.max_gpu_slots) if report.demotes_to_disk else load.max_cpu_slots
+    return PodCapacity(report.pod, load.max_gpu_slots, cpu_slots, load.max_gpu_bytes, load.max_cpu_bytes)
+
+
 def plan_pool(inputs: PoolInputs) -> PoolPlan:
     """Reconcile one pool (pure; see the module docstring)."""
     observation = _observation(inputs)
@@ -203,11 +214,7 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
                 )
             )
 
-    pods = [
-        PodCapacity(r.pod, r.load.max_gpu_slots, r.load.max_cpu_slots, r.load.max_gpu_bytes, r.load.max_cpu_bytes)
-        for r in inputs.reports
-        if r.ready
-    ]
+    pods = [pod_capacity(r) for r in inputs.reports if r.ready]
     previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
     placement = keep_until_replaced(place(pods, demands, previous, inputs.budgets, inputs.placement), demands,
                                     serving_holders(inputs.reports), {r.pod for r in inputs.reports if r.demotes_to_disk})

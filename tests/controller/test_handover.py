@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from loraplane.api import ResidencyReport
+from loraplane.api import PodLoad, ResidencyReport
 from loraplane.api.runtime import AdapterResidency, Tier
 from loraplane.controller.placement import AdapterDemand, Placement, Rates, keep_until_replaced
-from loraplane.controller.pool import serving_holders
+from loraplane.controller.pool import pod_capacity, serving_holders
 
 
 def _report(pod: str, demotes_to_disk: bool = False, **tiers: Tier) -> ResidencyReport:
@@ -65,3 +65,14 @@ def test_a_runtime_that_unloads_disk_revisions_keeps_them_at_cpu() -> None:
     vllm = [_report("pod-a", tail_v1=Tier.CPU), _report("pod-b")]
     assert keep_until_replaced(ON_DISK, [DEMAND], serving_holders(vllm)).tiers_of("tail@v1") == {"pod-a": Tier.CPU}
     assert serving_holders([_report("pod-a", tail_v1=Tier.DISK)]) == {}
+
+
+def test_host_slots_beyond_the_gpu_ones_are_planned_where_disk_revisions_stay_registered() -> None:
+    """The host cache holds the GPU-resident adapters too: on the engine only the rest is planned for host-tier
+    revisions (else the sidecar would clip the plan's extra ones to disk by name, a rollout's canary included)."""
+    load = PodLoad(max_gpu_slots=4, max_cpu_slots=6)
+    engine = ResidencyReport(pool="pool", pod="pod-a", address="127.0.0.1:1", heartbeat_at=0.0, load=load,
+                             demotes_to_disk=True)
+    assert (pod_capacity(engine).gpu_slots, pod_capacity(engine).cpu_slots) == (4, 2)
+    vllm = engine.model_copy(update={"demotes_to_disk": False})
+    assert pod_capacity(vllm).cpu_slots == 6  # as reported, unchanged
