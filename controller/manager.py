@@ -44,6 +44,9 @@ from loraplane.kube import Informer, Key, SelectorError, object_key, pool_member
 
 log = logging.getLogger(__name__)
 
+#: middle-generation collections between two full ones (``gc.set_threshold``'s third value; CPython's default is 10)
+FULL_COLLECTION_EVERY = 100
+
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -206,11 +209,7 @@ class Controller:
         workers: list[asyncio.Task[None]] = []
         try:
             await self.watch(stop)
-            for obj in list(self.informers["revisions"].items.values()):
-                self._parse(obj)
-            # the caches just listed, their parsed revisions and every start-up object are never traversed by a
-            # collection again: a full collection over them stalls every pool (and a due gate) for 0.1-0.4 s
-            gc.freeze()
+            self._freeze_caches()
             workers = [asyncio.ensure_future(self._work()) for _ in range(max(1, self.config.workers))]
             self.enqueue_all()
             while not stop.is_set():
@@ -283,6 +282,18 @@ class Controller:
     def _revision_objects(self, pool: str) -> list[dict[str, Any]]:
         items = self.informers["revisions"].items
         return [items[k] for k in sorted(self._revisions_in.get(pool, ())) if k in items]
+
+    def _freeze_caches(self) -> None:
+        """Parse every listed revision, then keep full collections rare and off what lives now: a full collection
+        traverses every cached revision (~70 objects each) and stalls every pool, and a due gate, for 0.1-0.4 s
+        with a thousand of them. ``gc.freeze`` moves the start-up objects out of the collector's reach (what of
+        them is freed later is freed by reference counting as usual); ``FULL_COLLECTION_EVERY`` young-generation
+        collections instead of CPython's 10 must pass before the next full one."""
+        for obj in list(self.informers["revisions"].items.values()):
+            self._parse(obj)
+        gc.freeze()
+        young, middle, _ = gc.get_threshold()
+        gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
 
     def _parse(self, obj: dict[str, Any]) -> AdapterRevision | str:
         """The AdapterRevision, or why it does not validate (parsed once per resourceVersion)."""
