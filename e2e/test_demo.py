@@ -1,6 +1,7 @@
 """``loraplane up --demo`` end to end: the real command, every process real, and the demo's own JSON summary checked.
 
-Asserts behaviour, not just that it ran: requests for a revision some pod holds on GPU land on such a pod, the
+Asserts behaviour, not just that it ran: requests for a revision some pod holds on GPU land on such a pod, some
+requests find their tail adapter on disk and the engines read it back first (their own per-tier TTFT counts), the
 picker's decisions account for every request, the canary rollout passes every phase in order and ends Stable,
 no response came from a revision the route table did not name (served-name and digest headers), the new revision
 serves all traffic afterwards, and every child process is gone once the command exits.
@@ -50,6 +51,11 @@ def test_demo_scenario(tmp_path: Path) -> None:
     assert result["warm_available"] >= 200
     assert result["warm_landed"] >= 0.95 * result["warm_available"], (result["warm_landed"], result["warm_available"])
     assert result["ttft_by_tier"]["gpu"]["count"] >= 200
+    # tail adapters kept on disk (registered: the engine demoted them) are served after a real read from disk
+    assert result["ttft_by_tier"]["cold"]["count"] > 0, result["ttft_by_tier"]
+    assert result["engine_requests_by_tier"].get("L2", 0) > 0, result["engine_requests_by_tier"]
+    # every served request is counted (and the controller's health probes of the new revision)
+    assert sum(result["engine_requests_by_tier"].values()) >= result["requests"] - len(result["errors"])
     decisions = result["decisions"]
     assert sum(decisions.values()) == result["requests"], decisions  # the picker routed every request
     assert decisions.get("warm-gpu", 0) >= 0.8 * result["requests"], decisions

@@ -99,8 +99,13 @@ def main(argv: Sequence[str]) -> int:
     workdir = args.workdir.resolve()
     stop = _StopSignal()
     model = "tiny-hd32" if args.runtime == "vllm" else "tiny"
-    stack = LocalStack(StackOptions(workdir=workdir, engines=args.engines, failure_mode=args.failure_mode,
-                                    runtime=args.runtime, model=model), cancel=stop.event)
+    options = StackOptions(workdir=workdir, engines=args.engines, failure_mode=args.failure_mode,
+                           runtime=args.runtime, model=model)
+    if args.demo and args.runtime == "engine":  # a small host cache, so tail adapters are served from disk
+        from loraplane.stack.demo import DEMO_MAX_CPU_LORAS
+
+        options.max_cpu_loras = DEMO_MAX_CPU_LORAS
+    stack = LocalStack(options, cancel=stop.event)
     try:
         print(f"starting {args.engines} {'vLLM pods' if args.runtime == 'vllm' else 'engines'}, their sidecars, Redis, the API server, the picker, Envoy and the "
               f"controller (logs in {workdir / 'logs'}) ...", file=sys.stderr, flush=True)

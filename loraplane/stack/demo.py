@@ -21,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,12 @@ from loraplane.stack.report import demo_report
 from loraplane.stack.services import POOL, LocalStack
 
 HOT = ("support", "claims")
-TAIL = tuple(f"tail-{i}" for i in range(6))
+TAIL = tuple(f"tail-{i}" for i in range(12))
+#: the engines' host caches in the demo: their GPU slots' adapters (``max_loras`` 4) plus two, so most tails are kept
+#: on disk (registered: the engine reads one back when a request needs it) and the cold row shows real disk loads
+DEMO_MAX_CPU_LORAS = 6
+#: tail requests in a row that go to one tail adapter before the burst moves on to the next
+TAIL_TURN = 4
 #: the hot adapter rolled out to a new revision
 ROLLED = "claims"
 RANK = 8
@@ -148,6 +153,9 @@ class DemoResult:
     rollout_applied_at_s: float | None = None
     #: the HTML report written for this run
     report: str | None = None
+    #: requests the engines served during the traffic by the tier their adapter was in on arrival (L0 slot, L1
+    #: host, L2 disk: read from disk first), from their own TTFT histograms (empty on vLLM pods)
+    engine_requests_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -269,6 +277,16 @@ def parse_decisions(metrics_text: str) -> dict[str, int]:
     return {outcome: int(float(value)) for outcome, value in _DECISION_LINE.findall(metrics_text)}
 
 
+_TIER_TTFT_LINE = re.compile(r'^loraplane_engine_time_to_first_token_seconds_count\{tier="(L[0-9])"\} ([0-9.e+]+)$',
+                             re.M)
+
+
+def parse_engine_tiers(metrics_text: str) -> dict[str, int]:
+    """Requests an engine served by the adapter's tier on arrival (``L0``/``L1``/``L2``; base-model ones left out),
+    from its ``loraplane_engine_time_to_first_token_seconds`` histogram."""
+    return {tier: int(float(value)) for tier, value in _TIER_TTFT_LINE.findall(metrics_text)}
+
+
 class Demo:
     """The demo scenario against a started ``LocalStack``."""
 
@@ -287,6 +305,8 @@ class Demo:
         #: the demo's clock: time.monotonic() at its first request
         self.clock_zero = time.monotonic()
         self.applied_at_s: float | None = None
+        #: burst requests sent to tail adapters so far (their turns)
+        self.tail_sent = 0
 
     # -- the cluster side ---------------------------------------------------------------------------------------
     async def _phases(self, http: httpx.AsyncClient) -> dict[str, str]:
@@ -442,7 +462,22 @@ class Demo:
         return self.rng.choice(HOT)
 
     def _hot_or_burst(self) -> str:
-        return self.rng.choice(HOT) if self.rng.random() < 0.5 else self.rng.choice(TAIL)
+        """Half hot, half the tail adapters in turns (``TAIL_TURN`` requests each), so a turn starts on disk."""
+        if self.rng.random() < 0.5:
+            return self.rng.choice(HOT)
+        self.tail_sent += 1
+        return TAIL[(self.tail_sent - 1) // TAIL_TURN % len(TAIL)]
+
+    async def _engine_tiers(self, http: httpx.AsyncClient) -> Counter[str]:
+        """Requests served so far by the adapter's tier on arrival, summed over the engines."""
+        total: Counter[str] = Counter()
+        if self.expected:  # vLLM pods: no per-tier histogram
+            return total
+        for engine in self.stack.engines:
+            response = await http.get(f"http://{engine.address}/metrics")
+            response.raise_for_status()
+            total.update(parse_engine_tiers(response.text))
+        return total
 
     async def _decisions(self, http: httpx.AsyncClient) -> dict[str, int]:
         response = await http.get(f"http://{LOOPBACK}:{self.stack.picker_metrics_port}/metrics")
@@ -476,6 +511,7 @@ class Demo:
             self.console.print(self._apply(manifests, "v1").rstrip())
             await self._wait_stable(http, [m["metadata"]["name"] for m in manifests], within=240)
             decisions_before = await self._decisions(http)
+            tiers_before = await self._engine_tiers(http)
 
             self.clock_zero = time.monotonic()
             await self._drive(http, HOT_PHASE, self.plan.hot_requests, self._hot)
@@ -496,9 +532,13 @@ class Demo:
             done.set()
             await follower
             decisions_after = await self._decisions(http)
+            engine_tiers = await self._engine_tiers(http)
+            engine_tiers.subtract(tiers_before)
             phases = await self._phases(http)
         await self.redis.aclose()
-        return self._summarise(started, decisions_before, decisions_after, phases)
+        result = self._summarise(started, decisions_before, decisions_after, phases)
+        result.engine_requests_by_tier = {tier: n for tier, n in sorted(engine_tiers.items()) if n}
+        return result
 
     def _summarise(self, started: float, before: dict[str, int], after: dict[str, int],
                    phases: dict[str, str]) -> DemoResult:
@@ -557,6 +597,7 @@ def render(result: DemoResult, console: Console) -> None:
                   f"errors: {len(result.errors)}; warm revisions served by a warm pod: {landed}; "
                   f"wrong-revision responses: {len(result.wrong_revision)}; {ROLLED}-v1 is now "
                   f"{result.previous_revision_phase}; served after the rollout: {result.served_after_rollout}; "
+                  f"engine requests by adapter tier on arrival: {result.engine_requests_by_tier}; "
                   f"{result.wall_seconds} s")
     console.print("[bold green]demo ok[/]" if result.ok else "[bold red]demo found problems[/] (see above)")
 

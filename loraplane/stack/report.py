@@ -159,7 +159,9 @@ def demo_report(result: DemoResult, records: Sequence[RequestRecord], rollout_na
               ("errors", len(result.errors)), ("wrong-revision responses", len(result.wrong_revision)),
               ("warm revisions served by a warm pod", f"{result.warm_landed}/{result.warm_available}"),
               ("rollout ended", result.rollout_final_phase), ("previous revision", result.previous_revision_phase),
-              ("served after the rollout", result.served_after_rollout), ("wall time", f"{result.wall_seconds} s")]
+              ("served after the rollout", result.served_after_rollout),
+              ("engine requests by adapter tier on arrival (L2: read from disk first)", result.engine_requests_by_tier),
+              ("wall time", f"{result.wall_seconds} s")]
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>loraplane demo report</title>
 <style>body{{font-family:sans-serif;max-width:940px;margin:2em auto;color:#222}}

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from loraplane.api import AdapterRevision, adapter_digest
+from loraplane.api import AdapterRevision, Tier, adapter_digest
+from loraplane.engine.metrics import EngineMetrics
 from loraplane.processes import ManagedProcess
 from loraplane.stack import main
 from loraplane.stack.demo import (
@@ -19,6 +20,7 @@ from loraplane.stack.demo import (
     latency_summary,
     manifest,
     parse_decisions,
+    parse_engine_tiers,
     render,
     write_artifacts,
 )
@@ -65,6 +67,13 @@ def test_decisions_are_read_from_prometheus_text() -> None:
             'loraplane_picker_decisions_total{outcome="cold"} 3.0\n'
             'loraplane_picker_decisions_created{outcome="cold"} 1.7e9\n')
     assert parse_decisions(text) == {"warm-gpu": 412, "cold": 3}
+
+
+def test_engine_tiers_are_read_from_the_engines_own_ttft_histogram() -> None:
+    metrics = EngineMetrics("tiny")
+    for tier in (Tier.GPU, Tier.GPU, Tier.DISK, None):
+        metrics.first_token(tier, 0.01)
+    assert parse_engine_tiers(metrics.render().decode()) == {"L0": 2, "L2": 1}
 
 
 def test_latency_summary() -> None:
