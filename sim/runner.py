@@ -49,7 +49,9 @@ def without_burst(trace: Trace) -> Trace:
     start, end = trace.burst_window[0] - NO_BURST_WARMUP_S, trace.burst_window[1] + NO_BURST_TAIL_S
     first = bisect.bisect_left(cut.arrival, start)
     last = bisect.bisect_left(cut.arrival, end)
-    for column in (cut.arrival, cut.adapter, cut.tenant, cut.input_tokens, cut.output_tokens, *cut.prefix_columns()):
+    columns: list[list[float] | list[int]] = [cut.arrival, cut.adapter, cut.tenant, cut.input_tokens, cut.output_tokens]
+    columns.extend(cut.prefix_columns())
+    for column in columns:
         del column[last:]
         del column[:first]
     return cut

@@ -15,6 +15,7 @@ from loraplane.sim.metrics import prefix_hit_rate, summarize
 from loraplane.sim.policies import build_policy, picker_config_for
 from loraplane.sim.prefix import BLOCK_TOKENS, PickerPrefixSignal, PodPrefixCaches, PrefixCache
 from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.runner import without_burst
 from loraplane.sim.trace import Adapter, Tenant, Trace, TraceError, load_csv, scenario
 from tests.sim.conftest import ADAPTER_BYTES, free_loads
 
@@ -242,3 +243,16 @@ def test_picker_prefix_signal_keys_by_adapter_and_expires_on_the_simulators_cloc
     scheduler.prefix.params = precise
     with pytest.raises(ValueError, match="approximate mode only"):
         PickerPrefixSignal(scheduler.prefix, trace, lambda: 0.0)
+
+
+def test_the_no_burst_companion_keeps_the_prefix_columns_aligned() -> None:
+    rows = [(float(i), 0, 100 + i, 5, 0, 50, i // 3) for i in range(30)]
+    trace = chat(rows)
+    trace.tenants = [Tenant("t"), Tenant("b", cls="burst")]
+    trace.tenant = [1 if i % 5 == 0 else 0 for i in range(30)]
+    trace.burst_window = (10.0, 12.0)
+    cut = without_burst(trace)
+    kept = [i for i in range(30) if i % 5 != 0]
+    assert cut.input_tokens == [trace.input_tokens[i] for i in kept]
+    assert cut.session == [i // 3 for i in kept] and cut.prefix_group == [0] * len(kept)
+    assert cut.prefix_tokens == [50] * len(kept)
