@@ -47,6 +47,8 @@ from loraplane.stack.services import POOL, LocalStack
 
 HOT = ("support", "claims")
 TAIL = tuple(f"tail-{i}" for i in range(12))
+#: on vLLM pods (a host cache of 16, no demotion to disk) the demo keeps its first six tails
+VLLM_TAILS = 6
 #: the engines' host caches in the demo: their GPU slots' adapters (``max_loras`` 4) plus two, so most tails are kept
 #: on disk (registered: the engine reads one back when a request needs it) and the cold row shows real disk loads
 DEMO_MAX_CPU_LORAS = 6
@@ -305,7 +307,8 @@ class Demo:
         #: the demo's clock: time.monotonic() at its first request
         self.clock_zero = time.monotonic()
         self.applied_at_s: float | None = None
-        #: burst requests sent to tail adapters so far (their turns)
+        #: the tail adapters, and the burst requests sent to them so far (their turns)
+        self.tails = TAIL[:VLLM_TAILS] if stack.options.runtime == "vllm" else TAIL
         self.tail_sent = 0
 
     # -- the cluster side ---------------------------------------------------------------------------------------
@@ -466,7 +469,7 @@ class Demo:
         if self.rng.random() < 0.5:
             return self.rng.choice(HOT)
         self.tail_sent += 1
-        return TAIL[(self.tail_sent - 1) // TAIL_TURN % len(TAIL)]
+        return self.tails[(self.tail_sent - 1) // TAIL_TURN % len(self.tails)]
 
     async def _engine_tiers(self, http: httpx.AsyncClient) -> Counter[str]:
         """Requests served so far by the adapter's tier on arrival, summed over the engines."""
@@ -488,7 +491,7 @@ class Demo:
     async def run(self) -> DemoResult:
         """Run the whole scenario and summarise it."""
         started = time.monotonic()
-        first = [(a, "v1") for a in (*HOT, *TAIL)]
+        first = [(a, "v1") for a in (*HOT, *self.tails)]
         self.console.print(f"[bold]writing {len(first) + 1} PEFT adapters[/] (tiny model, rank {RANK}) ...")
         self.artifacts = await asyncio.to_thread(write_artifacts, self.stack.artifacts, [*first, (ROLLED, "v2")],
                                                  self.stack.options.model)
