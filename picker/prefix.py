@@ -103,7 +103,7 @@ class PrefixHasher:
         """The prompt's full blocks, as the bytes that are hashed."""
         size, limit = self.block_size, self.block_size * self.max_blocks
         if self.tokenizer is None:
-            data = text.encode()[:limit]
+            data = text[:limit].encode()[:limit]  # a character is at least one byte: encode no more than needed
             return [data[i:i + size] for i in range(0, len(data) - size + 1, size)]
         tokens = list(self.tokenizer(text))[:limit]
         return [token_block_bytes(tokens[i:i + size]) for i in range(0, len(tokens) - size + 1, size)]
@@ -308,8 +308,9 @@ class PrefixCacheParameters(ApiModel):
     unit: Literal["bytes", "tokens"] = "bytes"
     #: the model's ``tokenizer.json`` (``unit: tokens``): prompts are tokenised as the runtime does, BOS included
     tokenizer: str | None = None
-    #: the most blocks hashed per request (a longer prompt matches at most this many)
-    max_blocks: int = Field(default=1024, ge=1)
+    #: the most blocks hashed per request (a longer prompt matches at most this many); 256 blocks of 64 bytes is
+    #: GIE's prefix plugin default (16 KiB), and bounds the hashing on the request path
+    max_blocks: int = Field(default=256, ge=1)
     #: approximate mode: block hashes remembered per pod, their TTL after the last routing there, pods remembered
     lru_capacity: int = Field(default=65_536, ge=1)
     ttl_seconds: float = Field(default=600.0, gt=0)

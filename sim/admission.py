@@ -37,12 +37,14 @@ class FlowControlConfig:
     deadline_s: tuple[float, float, float] = (1.5, 1.5, 1.0)
     #: most held requests looked at per dispatch round that stay blocked (bounds a round's cost)
     max_blocked_tries: int = 8
-    #: ``sim``: ``SimFlowControl``; ``picker``: the picker's own queue (``PickerFlowControl``)
+    #: ``sim``: ``SimFlowControl``; ``picker``: the picker's own queue (``PickerFlowControl``); ``off``: no queue
     queue: str = "sim"
+    #: the picker's queue with these parameters (a picker config's ``flow-control`` plugin) instead of the above
+    parameters: FlowControlParameters | None = None
 
     def __post_init__(self) -> None:
-        if self.queue not in QUEUES:
-            raise ValueError(f"unknown flow-control queue {self.queue!r}; choose from {', '.join(QUEUES)}")
+        if self.queue not in (*QUEUES, OFF):
+            raise ValueError(f"unknown flow-control queue {self.queue!r}; choose from {', '.join([*QUEUES, OFF])}")
 
 
 @dataclass
@@ -189,7 +191,7 @@ class PickerFlowControl:
         self._timers = ManualTimers()
         self._sim: Simulator | None = None
         limits, deadlines = config.queue_limit, config.deadline_s
-        params = FlowControlParameters(
+        params = config.parameters or FlowControlParameters(
             queue_limit=QueueLimits(gold=limits[0], standard=limits[1], sheddable=limits[2]),
             deadline_seconds=Deadlines(gold=deadlines[0], standard=deadlines[1], sheddable=deadlines[2]),
             max_blocked_tries=config.max_blocked_tries,
@@ -256,6 +258,8 @@ class PickerFlowControl:
         return self._timers.next_due()
 
 
+#: ``FlowControlConfig.queue`` for no queue in front of loraplane's picker
+OFF = "off"
 #: ``FlowControlConfig.queue`` -> the gate it builds
 QUEUES: dict[str, Callable[..., SimFlowControl | PickerFlowControl]] = {
     "sim": SimFlowControl,

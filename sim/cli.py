@@ -69,10 +69,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS,
                    help="TTFT a served request must meet for slo_attainment")  # fmt: skip
-    p.add_argument("--flow-control", nargs="?", const="sim", choices=["sim", "picker"],
-                   help="loraplane only: hold requests whose endpoints are saturated or have no room in a queue "
-                   "(bands, per-tenant fairness, deadline, then 429/503): the simulator's (sim, the default) or "
-                   "the picker's own flow-control plugin (picker)")  # fmt: skip
+    p.add_argument("--flow-control", nargs="?", const="sim", choices=["sim", "picker", "off"],
+                   help="loraplane only: the queue holding requests whose endpoints are saturated or have no room "
+                   "(bands, per-tenant fairness, deadline, then 429/503): the simulator's model (sim, the value "
+                   "when given alone), the picker's plugin with the simulator's bounds (picker) or none (off); "
+                   "default: the picker config's own flow-control plugin (the packaged config ships it on)")  # fmt: skip
     p.add_argument("--jobs", type=_positive, help="worker processes (default: one per CPU it may use)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write ttft_cdf.png and cold_starts.png into DIR")

@@ -26,6 +26,7 @@ from loraplane.controller.placement import AdapterDemand, PlacementConfig, PodCa
 from loraplane.controller.placement import Placement as PlacementPlan
 from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
 from loraplane.engine.tiers import AdapterState
+from loraplane.picker.flowcontrol import FlowControlParameters
 from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.scheduler import (
     Decision,
@@ -35,7 +36,7 @@ from loraplane.picker.scheduler import (
     SchedulingError,
 )
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
-from loraplane.sim.admission import QUEUES, FlowControlConfig
+from loraplane.sim.admission import OFF, QUEUES, FlowControlConfig
 from loraplane.sim.baselines import BASELINES
 from loraplane.sim.cluster import Admission, Eviction, Placement, Pod, Refused, Router, SimConfig, Simulator
 from loraplane.sim.prefix import PickerPrefixSignal
@@ -286,6 +287,23 @@ def picker_config_for(profile: Profile, path: Path | None = None) -> EndpointPic
     return config.model_copy(update={"saturation_detector": thresholds})
 
 
+def shipped_flow_control(config: EndpointPickerConfig) -> FlowControlConfig | None:
+    """The picker's own queue as ``config``'s profile runs it (its ``flow-control`` plugin, when enabled), else None:
+    what loraplane runs in the simulator unless told otherwise."""
+    for type_name, parameters in Scheduler(config).request_plugins:
+        if type_name == "flow-control":
+            params = FlowControlParameters.model_validate(parameters)
+            if params.enabled:
+                return FlowControlConfig(queue="picker", parameters=params)
+    return None
+
+
+def loraplane_queue(profile: Profile, picker_config: Path | None, flow_control: FlowControlConfig | None) -> str:
+    """Which queue loraplane runs in front of its picker (``sim``, ``picker`` or ``off``), for the report."""
+    chosen = flow_control or shipped_flow_control(picker_config_for(profile, picker_config))
+    return OFF if chosen is None else chosen.queue
+
+
 @dataclass
 class Policy:
     """What one named policy runs: a router, an eviction policy and optionally a placement."""
@@ -306,13 +324,16 @@ def build_policy(
     flow_control: FlowControlConfig | None = None,
 ) -> Policy:
     """The named policy, ready for a ``Simulator``; ``flow_control`` puts a flow-control queue (the simulator's
-    or the picker's, ``FlowControlConfig.queue``) in front of loraplane's picker (the baselines have no queue, as
-    in the field)."""
+    or the picker's, ``FlowControlConfig.queue``, or none) in front of loraplane's picker; None: the picker config's
+    own (``shipped_flow_control``). The baselines have no queue, as in the field."""
     if name == LORAPLANE:
-        scheduler = Scheduler(picker_config_for(profile, picker_config))
+        endpoint_picker_config = picker_config_for(profile, picker_config)
+        scheduler = Scheduler(endpoint_picker_config)
         router = PickerRouter(seed, trace, profile, scheduler)
         admission = None
-        if flow_control is not None:
+        if flow_control is None:
+            flow_control = shipped_flow_control(endpoint_picker_config)
+        if flow_control is not None and flow_control.queue != OFF:
             tenants = trace.tenants
             admission = QUEUES[flow_control.queue](
                 router.choose, lambda rid: tenants[trace.tenant[rid]].priority, trace.tenant.__getitem__, flow_control

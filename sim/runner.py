@@ -18,7 +18,7 @@ from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.bound import belady_misses
 from loraplane.sim.cluster import SimConfig, SimResult, Simulator
 from loraplane.sim.metrics import DEFAULT_SLO_TTFT_MS, hot_ttft_p99_ms, served_ttft, summarize
-from loraplane.sim.policies import build_policy
+from loraplane.sim.policies import build_policy, loraplane_queue
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import BURST, Trace
 
@@ -193,7 +193,7 @@ def run_all(
         "pool": {"pods": config.pods, "max_loras": config.max_loras, "max_cpu_loras": config.max_cpu_loras},
         "profile": profile.name,
         "slo_ttft_ms": slo_ttft_ms,
-        "flow_control": flow_control is not None,
+        "flow_control": loraplane_queue(profile, picker_config, flow_control),
         "trace_seconds": round(trace.duration, 1),
         "bound": {
             "cold_starts": bound,

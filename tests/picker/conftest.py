@@ -57,7 +57,8 @@ def reports(now: float, warm_pod: int = 1, **load: int) -> list[ResidencyReport]
     return out
 
 
-def make_context(settings: PickerSettings | None = None, canary_weight: int = 0) -> tuple[PickerContext, PoolState]:
+def make_context(settings: PickerSettings | None = None, canary_weight: int = 0,
+                 scheduler: Scheduler | None = None) -> tuple[PickerContext, PoolState]:
     tracker = InFlightTracker()
     state = PoolState(POOL, tracker, time.time)
     state.set_routes(route_table(canary_weight))
@@ -65,7 +66,7 @@ def make_context(settings: PickerSettings | None = None, canary_weight: int = 0)
         state.set_report(report)
     state.rebuild()
     ctx = PickerContext(
-        scheduler=Scheduler.default(),
+        scheduler=scheduler or Scheduler.default(),
         snapshot=lambda: state.snapshot,
         resolver=lambda: state.resolver,
         tracker=tracker,
@@ -158,9 +159,11 @@ class Picker:
 
 
 @contextlib.asynccontextmanager
-async def serve_picker(transport: str, settings: PickerSettings | None = None) -> AsyncIterator[Picker]:
-    """The picker on ``transport`` ("h2": its own HTTP/2 server, "grpcio": grpcio's asyncio server), on a free port."""
-    ctx, state = make_context(settings)
+async def serve_picker(transport: str, settings: PickerSettings | None = None,
+                       scheduler: Scheduler | None = None) -> AsyncIterator[Picker]:
+    """The picker on ``transport`` ("h2": its own HTTP/2 server, "grpcio": grpcio's asyncio server), on a free port;
+    ``scheduler``: another config than the packaged one."""
+    ctx, state = make_context(settings, scheduler=scheduler)
     health = HealthStatus()
     await health.set(True)
     if transport == "h2":

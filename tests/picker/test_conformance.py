@@ -20,6 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
 from loraplane.picker.extproc import PickerSettings
+from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from tests.picker.conftest import (
     BUFFERED,
     FULL_DUPLEX,
@@ -129,6 +130,26 @@ class Case:
     expected: list[pb.ProcessingResponse]
     settings: PickerSettings = field(default_factory=PickerSettings)
     setup: Callable[[Picker], None] | None = None
+    #: the packaged config's flow control (on), or off: the reference EPP without its flowControl feature gate
+    flow_control: bool = True
+    #: flow control holds the request: the stream stays open until its answer comes, as Envoy keeps it
+    held: bool = False
+
+
+#: deadlines of the flow-control cases (the packaged ones, 1-2 s, would only make the test slower)
+DEADLINE_S = 0.2
+
+
+def scheduler_for(case: Case) -> Scheduler:
+    """The packaged config with the case's flow control, its queue's deadlines ``DEADLINE_S``."""
+    deadlines = {"gold": DEADLINE_S, "standard": DEADLINE_S, "sheddable": DEADLINE_S}
+    return Scheduler(EndpointPickerConfig.load().with_parameters(
+        "flow-control", enabled=case.flow_control, deadlineSeconds=deadlines))
+
+
+def queue_deadline(band: str) -> pb.ProcessingResponse:
+    status, code = (429, "ResourceExhausted") if band == "sheddable" else (503, "ServiceUnavailable")
+    return refused(status, code, f"no endpoint had room within the {band} deadline of {DEADLINE_S} s", "queue-deadline")
 
 
 JSON_REPLY = b'{"id":"c1","object":"text_completion","model":"claims@v1","choices":[{"text":"hi"}]}'
@@ -220,7 +241,13 @@ CASES: dict[str, Case] = {
         [request_headers(BUFFERED, ("x-gateway-inference-objective", "sheddable")), body(COMPLETION)],
         [continue_headers(), refused(429, "ResourceExhausted",
                                      "every candidate endpoint is saturated and the request is sheddable",
-                                     "rejected-saturated")], setup=saturate),
+                                     "rejected-saturated")], setup=saturate, flow_control=False),
+    "flow-control/sheddable-under-saturation-waits-its-deadline-then-429": Case(
+        [request_headers(BUFFERED, ("x-gateway-inference-objective", "sheddable")), body(COMPLETION)],
+        [continue_headers(), queue_deadline("sheddable")], setup=saturate, held=True),
+    "flow-control/standard-under-saturation-waits-its-deadline-then-503": Case(
+        [with_subset(request_headers(BUFFERED), [GPU]), body(COMPLETION)],
+        [continue_headers(), queue_deadline("standard")], setup=saturate, held=True),
     # --- Request features -------------------------------------------------------------------------------------------
     "request/model-name-rewrite-before-resolution-and-back-in-the-response": Case(
         [request_headers(BUFFERED, ("x-gateway-model-name-rewrite", "claims")), body(b'{"model":"alias","prompt":"p"}'),
@@ -263,11 +290,19 @@ CASES: dict[str, Case] = {
         [continue_headers(), refused(429, "ResourceExhausted",
                                      "every candidate endpoint is saturated and the request is sheddable",
                                      "rejected-saturated")],
-        setup=saturated_with_objectives),
+        setup=saturated_with_objectives, flow_control=False),
+    "request/inference-objective-by-name-with-flow-control": Case(
+        [request_headers(BUFFERED, ("x-gateway-inference-objective", "batch-jobs")), body(COMPLETION)],
+        [continue_headers(), queue_deadline("sheddable")], setup=saturated_with_objectives, held=True),
     "request/inference-objective-unknown-name-keeps-the-route-priority": Case(
         [with_subset(request_headers(BUFFERED, ("x-gateway-inference-objective", "no-such-objective")), [GPU]),
          body(COMPLETION)],
-        [continue_headers(), routed_response("request_body", GPU, len(REWRITTEN), REWRITTEN)], setup=saturate),
+        [continue_headers(), routed_response("request_body", GPU, len(REWRITTEN), REWRITTEN)], setup=saturate,
+        flow_control=False),
+    "request/inference-objective-unknown-name-keeps-the-route-priority-with-flow-control": Case(
+        [with_subset(request_headers(BUFFERED, ("x-gateway-inference-objective", "no-such-objective")), [GPU]),
+         body(COMPLETION)],
+        [continue_headers(), queue_deadline("standard")], setup=saturate, held=True),
     # --- Response -------------------------------------------------------------------------------------------------
     "response/buffered-json-rewritten-back": Case(
         [request_headers(BUFFERED), body(COMPLETION), response_headers(200), response_body(JSON_REPLY, True)],
@@ -310,14 +345,29 @@ CASES: dict[str, Case] = {
 CASES["response/streamed-json-split-over-chunks-rewritten-whole"].messages[0].protocol_config.response_body_mode = STREAMED
 
 
+async def exchange_held(picker: Picker, messages: list[pb.ProcessingRequest], count: int) -> list[object]:
+    """Send ``messages``, read ``count`` responses, then half-close; anything after that counts too."""
+    call = picker.stub.Process()
+    for message in messages:
+        await call.write(message)
+    responses = [await call.read() for _ in range(count)]
+    await call.done_writing()
+    while (more := await call.read()) is not grpc.aio.EOF:
+        responses.append(more)
+    return responses
+
+
 @pytest.mark.parametrize("transport", ["h2", "grpcio"])
 @pytest.mark.parametrize("name", list(CASES))
 async def test_case(name: str, transport: str) -> None:
     case = CASES[name]
-    async with serve_picker(transport, case.settings) as picker:
+    async with serve_picker(transport, case.settings, scheduler_for(case)) as picker:
         if case.setup is not None:
             case.setup(picker)
-        responses = await picker.exchange(*case.messages)
+        if case.held:
+            responses = await exchange_held(picker, case.messages, len(case.expected))
+        else:
+            responses = await picker.exchange(*case.messages)
         assert responses == case.expected
         assert not picker.ctx.tracker.counts  # the stream ended: nothing left in flight
 

@@ -7,10 +7,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from loraplane.sim.admission import OFF, FlowControlConfig
 from loraplane.sim.profile import LARGE_GPU, Profile
 from loraplane.sim.trace import Adapter, Tenant, Trace
 
 ADAPTER_BYTES = LARGE_GPU.default_adapter_bytes
+#: loraplane without the flow-control queue its picker config ships (tests of the pods' own queues and admission)
+NO_QUEUE = FlowControlConfig(queue=OFF)
 
 
 def free_loads(profile: Profile = LARGE_GPU) -> Profile:

@@ -10,7 +10,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from loraplane.sim.admission import QUEUES, Band, FlowControlConfig, PickerFlowControl, SimFlowControl
+from loraplane.picker.flowcontrol import FlowControlParameters
+from loraplane.picker.scheduler import EndpointPickerConfig
+from loraplane.sim.admission import OFF, QUEUES, Band, FlowControlConfig, PickerFlowControl, SimFlowControl
 from loraplane.sim.baselines import LeastRequest
 from loraplane.sim.cli import main as sim_main
 from loraplane.sim.cluster import Pod, Refused, SimConfig, Simulator
@@ -234,7 +236,8 @@ def test_without_a_queue_the_pickers_room_rule_spills_to_the_pod_with_a_free_slo
 def test_flow_control_raises_slo_attainment_on_a_saturated_pool() -> None:
     trace = scenario("hot-plus-burst", 4000, seed=3, adapter_bytes=ADAPTER_BYTES)
     pool = SimConfig(pods=2, max_loras=4, max_cpu_loras=16)
-    without = summarize(simulate(trace, pool, LARGE_GPU, "loraplane", 3), pool, 1)
+    without = summarize(simulate(trace, pool, LARGE_GPU, "loraplane", 3, flow_control=FlowControlConfig(queue=OFF)),
+                        pool, 1)
     with_queue = summarize(simulate(trace, pool, LARGE_GPU, "loraplane", 3, flow_control=FlowControlConfig()), pool, 1)
     assert with_queue["rejected"] > 0 and without["rejected"] == 0
     assert with_queue["slo_attainment"] > without["slo_attainment"] + 0.1
@@ -259,6 +262,16 @@ def test_zipf_many_is_the_issues_trace() -> None:
         assert trace.tenants[tenant].priority < 0
 
 
+def test_loraplane_runs_the_queue_its_picker_config_ships() -> None:
+    trace = scenario("hot-plus-burst", 200, seed=3, adapter_bytes=ADAPTER_BYTES)
+    shipped = build_policy("loraplane", 0, trace, LARGE_GPU, POOL)
+    assert isinstance(shipped.admission, PickerFlowControl)
+    packaged = EndpointPickerConfig.load()
+    flow = next(p for p in packaged.plugins if p.type == "flow-control").parameters
+    assert shipped.admission.queue.params == FlowControlParameters.model_validate(flow)  # the very same bounds
+    assert build_policy("loraplane", 0, trace, LARGE_GPU, POOL, flow_control=FlowControlConfig(queue=OFF)).admission is None
+
+
 def test_diurnal_peak_rises_to_its_peak_and_falls() -> None:
     trace = scenario("diurnal-peak", 20_000, seed=1, adapter_bytes=ADAPTER_BYTES)
     rate_per_quarter = np.histogram(trace.arrival, bins=4)[0] / (trace.duration / 4)
@@ -272,7 +285,8 @@ def test_the_report_has_the_slo_figures_for_every_policy_and_pods_scale_halves_t
             "--policies", "loraplane,round-robin", "--jobs", "1", "--json", "--slo-ttft-ms", "500"]  # fmt: skip
     assert sim_main(args) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["pool"]["pods"] == 2 and report["slo_ttft_ms"] == 500 and not report["flow_control"]
+    # loraplane runs the picker config's own queue (the packaged config ships it on)
+    assert report["pool"]["pods"] == 2 and report["slo_ttft_ms"] == 500 and report["flow_control"] == "picker"
     for entry in report["policies"].values():
         assert 0 <= entry["slo_attainment"] <= 1
         assert {"rejected", "p99_served_ttft_ms", "held"} <= set(entry)

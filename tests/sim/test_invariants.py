@@ -12,7 +12,7 @@ from loraplane.sim.policies import POLICY_NAMES
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import simulate
 from loraplane.sim.trace import Trace, scenario
-from tests.sim.conftest import ADAPTER_BYTES, free_loads
+from tests.sim.conftest import ADAPTER_BYTES, NO_QUEUE, free_loads
 
 AFFINITY_POLICIES = ["loraplane", "gie-lora-affinity", "gie-lora-filter", "llmd-load-state"]
 SMALL_POOL = SimConfig(pods=3, max_loras=2, max_cpu_loras=4)
@@ -20,7 +20,8 @@ SMALL_POOL = SimConfig(pods=3, max_loras=2, max_cpu_loras=4)
 
 def ttft(trace: Trace, policy: str, config: SimConfig, free: bool) -> np.ndarray:
     profile = free_loads() if free else LARGE_GPU
-    return np.frombuffer(simulate(trace, config, profile, policy, seed=3).ttft, dtype=np.float64).copy()
+    return np.frombuffer(simulate(trace, config, profile, policy, seed=3, flow_control=NO_QUEUE).ttft,
+                         dtype=np.float64).copy()
 
 
 def test_zero_cost_loads_give_identical_ttft_for_all_affinity_policies(sparse: Trace) -> None:
@@ -38,7 +39,7 @@ def test_zero_cost_loads_give_identical_ttft_for_all_affinity_policies(sparse: T
 def test_single_pod_with_enough_slots_has_no_cold_start_after_warm_up(policy: str) -> None:
     trace = scenario("gie-multilora", 3000, seed=5, adapter_bytes=ADAPTER_BYTES)
     config = SimConfig(pods=1, max_loras=15, max_cpu_loras=15)
-    result = simulate(trace, config, LARGE_GPU, policy, seed=5)
+    result = simulate(trace, config, LARGE_GPU, policy, seed=5, flow_control=NO_QUEUE)
     adapters = len(set(trace.adapter))
     assert result.gpu_loads == adapters
     assert result.demand_loads <= adapters
@@ -54,7 +55,7 @@ def test_single_pod_with_enough_slots_has_no_cold_start_after_warm_up(policy: st
 def test_belady_never_has_more_cold_starts_than_any_policy_served_in_arrival_order(sparse: Trace) -> None:
     bound = belady_misses(sparse.adapter, SMALL_POOL.pods * SMALL_POOL.max_loras)
     for policy in POLICY_NAMES:
-        result = simulate(sparse, SMALL_POOL, LARGE_GPU, policy, seed=3)
+        result = simulate(sparse, SMALL_POOL, LARGE_GPU, policy, seed=3, flow_control=NO_QUEUE)
         assert list(result.admitted) == list(range(len(sparse)))  # nothing queued: served in arrival order
         assert bound <= result.gpu_loads, policy
 
@@ -67,7 +68,7 @@ def test_belady_never_has_more_cold_starts_than_any_policy(name: str) -> None:
         trace = scenario(name, 2500, seed=seed, adapter_bytes=ADAPTER_BYTES)
         config = SimConfig(pods=4, max_loras=2, max_cpu_loras=4)
         for policy in POLICY_NAMES:
-            result = simulate(trace, config, LARGE_GPU, policy, seed=seed)
+            result = simulate(trace, config, LARGE_GPU, policy, seed=seed, flow_control=NO_QUEUE)
             assert sorted(result.admitted) == list(range(len(trace)))
             served = [trace.adapter[i] for i in result.admitted]
             assert result.demand_loads <= result.gpu_loads
@@ -76,8 +77,9 @@ def test_belady_never_has_more_cold_starts_than_any_policy(name: str) -> None:
 
 def test_a_run_is_deterministic_for_a_seed() -> None:
     trace = scenario("hot-plus-burst", 3000, seed=11, adapter_bytes=ADAPTER_BYTES)
-    runs = [simulate(trace, SMALL_POOL, LARGE_GPU, "loraplane", seed=11) for _ in range(2)]
-    assert runs[0].ttft == runs[1].ttft
+    runs = [simulate(trace, SMALL_POOL, LARGE_GPU, "loraplane", seed=11) for _ in range(2)]  # its queue too
+    assert runs[0].refused == runs[1].refused and runs[0].held_s == runs[1].held_s
+    assert np.array_equal(np.frombuffer(runs[0].ttft), np.frombuffer(runs[1].ttft), equal_nan=True)  # NaN: refused
     assert runs[0].pod == runs[1].pod
     other = simulate(scenario("hot-plus-burst", 3000, 12, ADAPTER_BYTES), SMALL_POOL, LARGE_GPU, "loraplane", 12)
     assert other.ttft != runs[0].ttft

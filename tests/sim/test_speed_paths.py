@@ -13,7 +13,7 @@ from loraplane.sim.cluster import SimConfig
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import run_all, simulate, usable_cpus
 from loraplane.sim.trace import scenario
-from tests.sim.conftest import ADAPTER_BYTES
+from tests.sim.conftest import ADAPTER_BYTES, NO_QUEUE
 
 #: a pool small enough that the trace overloads it: long queues, blocked adapters, out-of-order admission
 OVERLOADED = SimConfig(pods=2, max_loras=2, max_cpu_loras=4)
@@ -49,9 +49,10 @@ def test_workers_default_to_the_cpus_the_process_may_use(monkeypatch: pytest.Mon
     [("gie-default", "long-tail-1k"), ("gie-lora-affinity", "long-tail-1k"), ("loraplane", "gie-multilora")],
 )
 def test_passing_over_skipped_requests_changes_nothing(policy: str, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The admission scan jumps over requests it would skip; looking at every one in turn gives the same run."""
+    """The admission scan jumps over requests it would skip; looking at every one in turn gives the same run (no
+    flow-control queue in front of loraplane: the pods' own queues build up)."""
     trace = scenario(name, 3000, seed=6, adapter_bytes=ADAPTER_BYTES)
-    fast = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6)
+    fast = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6, flow_control=NO_QUEUE)
     jumped = 0
     real = cluster._next_admissible
 
@@ -62,9 +63,9 @@ def test_passing_over_skipped_requests_changes_nothing(policy: str, name: str, m
         return position
 
     monkeypatch.setattr(cluster, "_next_admissible", counted)
-    counted_run = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6)
+    counted_run = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6, flow_control=NO_QUEUE)
     monkeypatch.setattr(cluster, "_next_admissible", lambda pod, start, stop: start)
-    full = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6)
+    full = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6, flow_control=NO_QUEUE)
     assert jumped > 1000  # the shortcut is taken, often
     assert max(np.frombuffer(full.ttft)) > 10.0  # queues build up: the scan has skipping to do
     for run in (fast, counted_run):
