@@ -3,6 +3,7 @@ structure (scenario and CSV columns) and the ``prefix_hit_rate`` accounting."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from loraplane.picker.prefix import without_prefix_scorer
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
+from loraplane.sim.cli import main as sim_main
 from loraplane.sim.cluster import SimConfig, Simulator
 from loraplane.sim.metrics import prefix_hit_rate, summarize
 from loraplane.sim.policies import build_policy, picker_config_for
@@ -256,3 +258,15 @@ def test_the_no_burst_companion_keeps_the_prefix_columns_aligned() -> None:
     assert cut.input_tokens == [trace.input_tokens[i] for i in kept]
     assert cut.session == [i // 3 for i in kept] and cut.prefix_group == [0] * len(kept)
     assert cut.prefix_tokens == [50] * len(kept)
+
+
+def test_a_saved_prefix_trace_runs_again_from_csv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    saved = tmp_path / "chat.csv"
+    common = ["--policies", "llmd-prefix,least-request", "--pods", "4", "--jobs", "1", "--json"]
+    assert sim_main(["--scenario", "prefix-chat", "--requests", "600", "--save-trace", str(saved), *common]) == 0
+    generated = json.loads(capsys.readouterr().out)
+    assert sim_main(["--trace", str(saved), *common]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    for policy in ("llmd-prefix", "least-request"):
+        rate = generated["policies"][policy]["prefix_hit_rate"]
+        assert rate > 0 and replayed["policies"][policy]["prefix_hit_rate"] == rate
