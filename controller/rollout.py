@@ -90,6 +90,15 @@ class Observation:
     probes: Mapping[tuple[str, str], ProbeResult] = field(default_factory=dict)
     _compatible: dict[tuple[str, int], tuple[list[PodObservation], str]] = field(
         default_factory=dict, compare=False, repr=False)
+    _held: dict[str, list[AdapterResidency]] = field(default_factory=dict, compare=False, repr=False)
+
+    def held(self, served_name: str) -> list[AdapterResidency]:
+        """What the pods report of ``served_name`` (one entry per pod that holds it at any tier), indexed once."""
+        if not self._held:
+            for pod in self.pods:
+                for name, held in pod.adapters.items():
+                    self._held.setdefault(name, []).append(held)
+        return self._held.get(served_name, [])
 
     def compatible(self, rev: AdapterRevision) -> tuple[list[PodObservation], str]:
         """``compatible_pods`` for the revision, computed once per base model digest and rank."""
@@ -201,12 +210,10 @@ def canary_pods(rev: AdapterRevision, eligible: Sequence[PodObservation]) -> lis
     return sorted(sorted(eligible, key=rank)[:count], key=lambda p: p.name)
 
 
-def _counts(rev: AdapterRevision, pods: Sequence[PodObservation]) -> ResidencyCounts:
+def _counts(rev: AdapterRevision, obs: Observation) -> ResidencyCounts:
     counts = ResidencyCounts()
-    served = rev.served_name
-    for pod in pods:
-        held = pod.adapters.get(served)
-        if held is not None and held.digest == rev.spec.artifact.digest:
+    for held in obs.held(rev.served_name):
+        if held.digest == rev.spec.artifact.digest:
             if held.tier is Tier.GPU:
                 counts.gpu += 1
             elif held.tier is Tier.CPU:
@@ -552,12 +559,12 @@ class AdapterReconcile:
         st.served_name = served
         st.cache_key = cache_key(rev.spec.base_model.digest, rev.spec.adapter, rev.spec.revision,
                                  rev.spec.artifact.digest)
-        st.residency = _counts(rev, self.obs.pods)
+        st.residency = _counts(rev, self.obs)
         eligible = self.eligible[name]
         plan = RevisionPlan(name, served, st, eligible=frozenset(p.name for p in eligible))
         self.plans[name] = plan
         if rev.metadata.deletion_timestamp is not None:
-            plan.finalize = not any(served in p.adapters for p in self.obs.pods)
+            plan.finalize = not self.obs.held(served)
             return
         phase = st.phase
         if phase in (Phase.STABLE, Phase.CANARY):
