@@ -214,7 +214,7 @@ class PickerRouter:
             return None
         except SchedulingError as exc:
             raise Refused(exc.status, exc.reason) from exc
-        return None if decision.should_wait else decision.indices[0]
+        return None if decision.should_wait else self._sent(decision)
 
 
 class ControllerPlacement:
