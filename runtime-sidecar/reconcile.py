@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from loraplane.api import (
     ERROR_INCOMPATIBLE,
     ERROR_REFUSED,
     AdapterTarget,
+    LoadCosts,
     TargetState,
     Tier,
 )
@@ -50,6 +52,29 @@ log = logging.getLogger(__name__)
 #: Seconds between publishing an adapter's ``draining`` row and unloading it: about twice what the picker needs to
 #: apply a change notice and for a request it routed just before to reach the runtime.
 DEFAULT_DRAIN_GRACE_S = 1.0
+#: load-stage measurements each tier's mean in ``PodLoad.loadSeconds`` is taken over (the most recent ones)
+LOAD_COST_SAMPLES = 16
+
+
+class LoadCostMeter:
+    """This pod's measured seconds to make an adapter servable, per tier it starts from: the mean of the last
+    ``LOAD_COST_SAMPLES`` loads (``PodLoad.loadSeconds``, read by the picker's predicted-TTFT scorer)."""
+
+    def __init__(self, samples: int = LOAD_COST_SAMPLES) -> None:
+        """No measurement yet."""
+        self._seconds: dict[Tier, deque[float]] = {t: deque(maxlen=samples) for t in (Tier.CPU, Tier.DISK, Tier.ABSENT)}
+
+    def record(self, start: Tier, seconds: float) -> None:
+        """An adapter held at ``start`` (``ABSENT``: not on the pod) took ``seconds`` to become servable: registered
+        in the runtime after a fetch or a read from disk, or activated from host memory."""
+        self._seconds[start].append(seconds)
+
+    def costs(self) -> LoadCosts | None:
+        """The means so far (None where a tier was never measured; None when nothing was)."""
+        means = {t: sum(v) / len(v) if v else None for t, v in self._seconds.items()}
+        if all(m is None for m in means.values()):
+            return None
+        return LoadCosts(cpu=means[Tier.CPU], disk=means[Tier.DISK], fetch=means[Tier.ABSENT])
 
 #: Failures that mean "these bytes are not what the revision declares" (final for the revision).
 _DIGEST_REASONS = frozenset({"DigestMismatch", "SizeMismatch", "ArtifactTooLarge"})
@@ -148,6 +173,8 @@ class Reconciler:
         self.driver = driver
         self.cache = cache
         self.metrics = metrics
+        #: measured load costs per starting tier (``PodLoad.loadSeconds`` in the report)
+        self.load_costs = LoadCostMeter()
         self.backoff = backoff or Backoff()
         self._clock = clock
         self._slots = asyncio.Semaphore(concurrency)
@@ -470,10 +497,13 @@ class Reconciler:
             self.metrics.cache_hits.labels(Tier.CPU.value if held and held.tier is Tier.CPU else Tier.DISK.value).inc()
             start = time.perf_counter()
             await driver.activate(name)
-            self.metrics.h2d.observe(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.metrics.h2d.observe(seconds)
+            self.load_costs.record(Tier.CPU if held is not None and held.tier is Tier.CPU else Tier.DISK, seconds)
             self._count_promotion(name)
         else:
             assert target is not None
+            start, fetched = time.perf_counter(), self.cache.get(target.cache_key) is None
             entry = await self._ensure_cached(target, obs)
             if action is Action.FETCH:
                 return
@@ -485,6 +515,7 @@ class Reconciler:
                 self._removed_by_us.add(name)
             if await self._load(name, target, entry):
                 self._count_promotion(name)
+                self.load_costs.record(Tier.ABSENT if fetched else Tier.DISK, time.perf_counter() - start)
             self.loaded[name] = LoadRecord(target.cache_key, entry.artifact_digest, entry.adapter_digest)
             if driver.capabilities.priority:  # at once, so the runtime's eviction policy never weighs a default
                 await driver.set_priority(name, target.priority)

@@ -189,7 +189,8 @@ class Sidecar:
             adapters.append(row)
         info = observation.info if observation else RuntimeInfo(base_model="")
         load = observation.load if observation else PodLoad()
-        load = load.model_copy(update={"recent_evictions": self._recent_evictions()})
+        load = load.model_copy(update={"recent_evictions": self._recent_evictions(),
+                                       "load_seconds": load.load_seconds or self.reconciler.load_costs.costs()})
         return ResidencyReport(
             pool=self.config.pool,
             pod=self.config.pod,

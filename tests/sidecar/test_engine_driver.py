@@ -81,3 +81,38 @@ async def test_engine_driver_sets_priority_on_load_and_when_the_target_changes(t
             assert built.engine.tiers.registered[gold.served_name].priority == -3
         finally:
             await driver.close()
+
+
+async def test_load_stages_are_measured_per_starting_tier_for_the_report(tmp_path: Path) -> None:
+    artifacts, cache_dir = tmp_path / "artifacts", tmp_path / "cache"
+    artifacts.mkdir()
+    write_adapter(tmp_path / "made", PRESETS["tiny"], 8, seed=4)
+    archive = tar_dir(tmp_path / "made", artifacts / "claims.tar.gz")
+    async with served_engine(cache_dir.parent) as (_built, url):
+        driver = make_driver("engine", url, RuntimeInfo(base_model=""))
+        try:
+            base = (await driver.observe()).info.base_model_digest
+            assert base is not None
+            made = target_for(archive.as_uri(), sha256_of(archive), adapter="claims", tier=Tier.GPU, dtype="float32",
+                              modules=LORA_MODULES)
+            gpu = made.model_copy(update={"base_model_digest": base,
+                                          "cache_key": cache_key(base, "claims", "v1", made.artifact.digest)})
+            cache = DiskCache(cache_dir, 1 << 30, ArtifactSources(SourceConfig(file_roots=(artifacts,))))
+            reconciler = Reconciler(driver, cache, SidecarMetrics(), drain_grace_s=0.0)
+            assert reconciler.load_costs.costs() is None  # nothing measured: the picker keeps its defaults
+
+            def wish(*targets: AdapterTarget, generation: int) -> TargetState:
+                return TargetState(pool="p", pod="pod-0", generation=generation, adapters=list(targets), updated_at=0.0)
+
+            # fetched and registered (in host memory), then activated from there
+            assert await _settle(reconciler, driver, wish(gpu, generation=1)) == [Action.LOAD, Action.ACTIVATE]
+            first = reconciler.load_costs.costs()
+            assert first is not None and first.fetch is not None and first.cpu is not None and first.disk is None
+            assert 0 < first.cpu and 0 < first.fetch
+            # unloaded (no drain grace here): only the disk cache holds it now
+            assert await _settle(reconciler, driver, wish(generation=2)) == [Action.UNLOAD]
+            assert Action.LOAD in await _settle(reconciler, driver, wish(gpu, generation=3))
+            costs = reconciler.load_costs.costs()
+            assert costs is not None and costs.disk is not None and 0 < costs.disk and costs.fetch == first.fetch
+        finally:
+            await driver.close()

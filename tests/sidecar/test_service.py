@@ -11,7 +11,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import free_port
-from loraplane.api import ResidencyReport, TargetState, Tier, keys
+from loraplane.api import LoadCosts, ResidencyReport, TargetState, Tier, keys
 from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
 from loraplane.sidecar.bus import RedisBus
 from loraplane.sidecar.cache import DiskCache, StageTimings
@@ -51,6 +51,10 @@ async def test_unreachable_runtime_is_reported_not_ready(tmp_path: Path, redis_s
         await client.delete(keys.target_state("pool-a", "pod-0"))
         await sidecar.run_once()
         assert sidecar.target == state  # a missing key is no instruction: the last good target stays
+        assert sidecar.build_report().load.load_seconds is None  # nothing measured: the picker's defaults apply
+        sidecar.reconciler.load_costs.record(Tier.DISK, 0.3)  # the sidecar's own load-stage measurement
+        sidecar.reconciler.load_costs.record(Tier.DISK, 0.5)
+        assert sidecar.build_report().load.load_seconds == LoadCosts(disk=0.4)
     finally:
         await driver.close()
         await bus.close()
