@@ -33,6 +33,7 @@ from kubernetes import config as k8s_config
 from loraplane.api import GROUP, PLURAL, VERSION, PodLoad, ResidencyReport, TargetState, keys
 from loraplane.controller.kube import KubeApi
 from loraplane.controller.manager import Controller, ControllerConfig
+from loraplane.controller.metrics import ControllerMetrics
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.store import RedisStore
 from loraplane.kube import Informer
@@ -149,14 +150,23 @@ class _GateWatch:
             self.finished.set()
 
 
+def _written(controller: Controller) -> tuple[int, float | None]:
+    """Redis keys and status patches the controller has written so far."""
+    assert controller.metrics is not None
+    patches = controller.metrics.registry.get_sample_value("loraplane_controller_status_patches_total")
+    return controller.store.writes, patches
+
+
 async def _wait_idle(controller: Controller, quiet: float = 0.5, within: float = 120.0) -> None:
-    """Until the controller has reconciled everything and nothing was queued for ``quiet`` seconds."""
+    """Until the controller has reconciled everything: nothing queued and nothing written (Redis keys, status
+    patches) for ``quiet`` seconds. Resyncs that change nothing go on all the while (21 pools every 1.5-2 s leave
+    few quiet half-seconds), so they do not count."""
     deadline = time.monotonic() + within
-    last, since = -1, time.monotonic()
+    last, since = _written(controller), time.monotonic()
     while time.monotonic() < deadline:
-        if controller.reconciles != last or len(controller.queue):
-            last, since = controller.reconciles, time.monotonic()
-        elif time.monotonic() - since >= quiet and last > 0:
+        if _written(controller) != last or len(controller.queue) or not controller.reconciles:
+            last, since = _written(controller), time.monotonic()
+        elif time.monotonic() - since >= quiet:
             return
         await asyncio.sleep(0.05)
     raise TimeoutError("the controller did not settle")
@@ -202,7 +212,8 @@ async def run(args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[s
         gates.informer.start()
         async with httpx.AsyncClient() as http:
             controller = Controller(KubeApi(cluster.api_client, "bench"), RedisStore(client, time.time),
-                                    HealthProber(http), None, ControllerConfig(resync_seconds=args.resync_seconds))
+                                    HealthProber(http), None, ControllerConfig(resync_seconds=args.resync_seconds),
+                                    metrics=ControllerMetrics())
             task = asyncio.ensure_future(controller.run(stop))
             await _wait_idle(controller)
             gates.after = time.time()
