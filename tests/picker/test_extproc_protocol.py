@@ -12,6 +12,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplane.picker.extproc import ERROR_CODES
+from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.wire import MAX_BODY_CHUNK
 from tests.picker.conftest import (
     ADDRESSES,
@@ -25,6 +26,7 @@ from tests.picker.conftest import (
     reports,
     response_body,
     response_headers,
+    serve_picker,
 )
 
 COMPLETION = orjson.dumps({"model": "claims", "prompt": "hello", "max_tokens": 4, "n": 12345678901234567890})
@@ -105,7 +107,15 @@ async def test_client_errors_become_immediate_responses(picker: Picker, payload:
     assert not picker.ctx.tracker.counts  # nothing left in flight
 
 
-async def test_no_endpoint_is_503_and_saturated_sheddable_is_429(picker: Picker) -> None:
+@pytest.mark.parametrize("transport", ["h2", "grpcio"])
+async def test_no_endpoint_is_503_and_saturated_sheddable_is_429_without_flow_control(transport: str) -> None:
+    """The reference EPP without its flowControl gate (the queue's own refusals: tests/picker/test_conformance.py)."""
+    off = Scheduler(EndpointPickerConfig.load().with_parameters("flow-control", enabled=False))
+    async with serve_picker(transport, scheduler=off) as picker:
+        await _refusals_without_a_queue(picker)
+
+
+async def _refusals_without_a_queue(picker: Picker) -> None:
     picker.state.reports.clear()
     picker.state.rebuild()
     _, response = await picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED), body(COMPLETION))
