@@ -5,6 +5,7 @@ errors are recorded in status and not retried."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -67,14 +68,24 @@ async def drain(controller: Controller) -> None:
         await asyncio.sleep(0.3)
 
 
+@contextlib.asynccontextmanager
 async def watching_a_canary(controller: Controller, kube: k8s.ApiClient, steps: list[dict[str, Any]],
-                            since: datetime, stop: asyncio.Event) -> None:
-    """Create ``claims-v2`` at canary step 1 since ``since`` and start the controller's informers on it."""
+                            since: datetime) -> AsyncIterator[None]:
+    """Create ``claims-v2`` at canary step 1 since ``since``; run the controller's informers for the block (its
+    workers are the test's), then stop them and close the probe client."""
     await asyncio.to_thread(create, kube, manifest("v2", steps=steps, rollout={"analysis": {"minRequests": 0}}))
     await asyncio.to_thread(set_status, kube, "claims-v2", {"phase": "Canary", "canaryStep": 0,
                                                             "phaseSince": since.isoformat()})
-    await controller.watch(stop)
-    await eventually(lambda: "claims-v2" in {n for _, n in controller.informers["revisions"].items}, 5)
+    stop = asyncio.Event()
+    try:
+        await controller.watch(stop)
+        await eventually(lambda: "claims-v2" in {n for _, n in controller.informers["revisions"].items}, 5)
+        yield
+    finally:
+        stop.set()
+        for informer in controller.informers.values():
+            informer.stop()
+        await controller.prober.client.aclose()
 
 
 @pytest.fixture
@@ -115,9 +126,7 @@ async def test_a_gate_fires_at_its_due_time_on_a_fake_clock(
     controller.config = dataclasses.replace(controller.config, resync_seconds=120)  # no resync before the gate
     steps = [{"weight": 10, "pauseSeconds": 30}, {"weight": 50, "pauseSeconds": 30}]
     since = datetime.fromtimestamp(wall[0], UTC) - timedelta(seconds=10)
-    stop = asyncio.Event()
-    try:
-        await watching_a_canary(controller, kube, steps, since, stop)
+    async with watching_a_canary(controller, kube, steps, since):
         await drain(controller)
         due = since.timestamp() + 30
         assert controller.queue.next_due() == pytest.approx(due, abs=0.1)  # requeued for the gate, not a resync
@@ -131,11 +140,6 @@ async def test_a_gate_fires_at_its_due_time_on_a_fake_clock(
         moved = datetime.fromisoformat(status["phaseSince"]).timestamp()
         assert 0 <= moved - due <= 0.1  # the transition is stamped within 100 ms of the due time
         assert controller.queue.next_due() == pytest.approx(due + 30, abs=0.1)
-    finally:
-        stop.set()
-        for informer in controller.informers.values():
-            informer.stop()
-        await controller.prober.client.aclose()
 
 
 async def test_events_are_posted_in_the_background_in_the_order_recorded(
@@ -152,9 +156,7 @@ async def test_events_are_posted_in_the_background_in_the_order_recorded(
 
     controller.kube.event = held  # type: ignore[method-assign]
     steps = [{"weight": 10, "pauseSeconds": 30}, {"weight": 50, "pauseSeconds": 1}]
-    stop = asyncio.Event()
-    try:
-        await watching_a_canary(controller, kube, steps, datetime.now(UTC) - timedelta(seconds=60), stop)  # overdue
+    async with watching_a_canary(controller, kube, steps, datetime.now(UTC) - timedelta(seconds=60)):  # overdue
         await drain(controller)  # step 1 -> step 2: reconciled and written while its Event waits
         assert get(kube, "claims-v2")["status"]["canaryStep"] == 1 and posted == []
         await asyncio.sleep(1.0)
@@ -165,11 +167,6 @@ async def test_events_are_posted_in_the_background_in_the_order_recorded(
         assert [m.split(":")[0] for m in posted] == ["Canary step 2", "Stable"]
         listed = k8s.CoreV1Api(kube).list_namespaced_event("default").items
         assert [e.message for e in listed if e.involved_object.name == "claims-v2"] == posted
-    finally:
-        stop.set()
-        for informer in controller.informers.values():
-            informer.stop()
-        await controller.prober.client.aclose()
 
 
 async def test_a_terminal_error_is_recorded_in_status_and_not_retried(
