@@ -51,6 +51,15 @@ def _stable_v1(world: World) -> list[AdapterRevision]:
     return revs
 
 
+def _v2_at(phase: Phase) -> tuple[World, list[AdapterRevision]]:
+    """A stable v1 and a v2 driven to ``phase``."""
+    world = World()
+    revs = _stable_v1(world)
+    revs.append(revision("v2", n=2, created=10))
+    _drive(world, revs, phase, "claims-v2")
+    return world, revs
+
+
 def test_first_revision_goes_straight_to_stable_after_its_probe() -> None:
     world = World()
     revs = [revision("v1", n=1)]
@@ -87,10 +96,7 @@ def test_second_revision_passes_every_phase_and_retires_the_first() -> None:
 
 
 def test_canary_traffic_follows_the_steps() -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.CANARY, "claims-v2")
+    world, revs = _v2_at(Phase.CANARY)
     assert _weights(step(world, revs)) == {"v1": 90, "v2": 10}
     waiting = [r.status.model_copy(deep=True) for r in revs]
     world.tick(59)
@@ -106,10 +112,7 @@ def test_canary_traffic_follows_the_steps() -> None:
 
 
 def test_canary_waits_for_enough_traffic() -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.CANARY, "claims-v2")
+    world, revs = _v2_at(Phase.CANARY)
     world.counters.clear()
     world.tick(120)
     step(world, revs)
@@ -125,10 +128,7 @@ def test_canary_waits_for_enough_traffic() -> None:
     ],
 )
 def test_failed_canary_analysis_rolls_back(canary: RevisionCounters, reason: str) -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.CANARY, "claims-v2")
+    world, revs = _v2_at(Phase.CANARY)
     _healthy_traffic(world, revs[0])
     world.counters[revs[1].served_name] = canary
     world.tick(60)
@@ -231,10 +231,7 @@ def test_probe_results_from_before_the_phase_do_not_count() -> None:
 
 
 def test_manual_rollback_during_canary_returns_all_traffic_in_one_reconcile() -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.CANARY, "claims-v2")
+    world, revs = _v2_at(Phase.CANARY)
     revs[1].spec.rollback = True
     plan = step(world, revs)
     assert _weights(plan) == {"v1": 100}
@@ -243,10 +240,7 @@ def test_manual_rollback_during_canary_returns_all_traffic_in_one_reconcile() ->
 
 
 def test_rollback_of_stable_restores_the_retiring_revision() -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.STABLE, "claims-v2")
+    world, revs = _v2_at(Phase.STABLE)
     revs[1].spec.rollback = True
     plan = step(world, revs)
     assert _phases(revs) == {"v1": "Stable", "v2": "RolledBack"}
@@ -285,10 +279,7 @@ def test_pause_holds_at_the_gate_and_resume_continues() -> None:
 
 
 def test_newer_revision_supersedes_an_unfinished_one() -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.CANARY, "claims-v2")
+    world, revs = _v2_at(Phase.CANARY)
     revs.append(revision("v3", n=3, created=20))
     plan = step(world, revs)
     assert _phases(revs) == {"v1": "Stable", "v2": "RolledBack", "v3": "Verifying"}
@@ -298,10 +289,7 @@ def test_newer_revision_supersedes_an_unfinished_one() -> None:
 
 def test_restart_resumes_from_status_without_repeating_or_skipping_a_gate() -> None:
     """A controller restart loses only memory (probe results): status alone decides the next step."""
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.CANARY, "claims-v2")
+    world, revs = _v2_at(Phase.CANARY)
     world.tick(30)
     # restart: objects re-read from the API server (JSON), in-memory probe results gone
     revs = [AdapterRevision.model_validate(json.loads(r.to_json())) for r in revs]
@@ -329,10 +317,7 @@ def test_restart_during_probing_probes_again_but_nothing_else() -> None:
 
 
 def test_reconcile_is_idempotent() -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.ACTIVATING, "claims-v2")
+    world, revs = _v2_at(Phase.ACTIVATING)
     world.residency.clear()  # sidecars have not acted yet: the gate waits
     first = reconcile_adapter(revs, world.observe())
     second = reconcile_adapter(revs, world.observe())
@@ -344,10 +329,7 @@ def test_reconcile_is_idempotent() -> None:
 
 
 def test_deleted_revision_is_unloaded_and_finalized_only_when_no_pod_holds_it() -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.STABLE, "claims-v2")
+    world, revs = _v2_at(Phase.STABLE)
     revs[1].metadata.deletion_timestamp = world.now
     plan = step(world, revs, apply=False)
     assert _phases(revs)["v1"] == "Stable" and _weights(plan) == {"v1": 100}
@@ -389,10 +371,7 @@ def test_probe_expects_the_content_digest_the_sidecar_reports() -> None:
 
 
 def test_steps_shortened_under_a_running_canary_promote_instead_of_failing() -> None:
-    world = World()
-    revs = _stable_v1(world)
-    revs.append(revision("v2", n=2, created=10))
-    _drive(world, revs, Phase.CANARY, "claims-v2")
+    world, revs = _v2_at(Phase.CANARY)
     world.tick(60)
     _healthy_traffic(world, *revs)
     step(world, revs)
