@@ -38,9 +38,12 @@ def test_hashes_are_stable_and_chained() -> None:
     b = hasher.hash_text("claims@v17", D17, "x" * 16 + "y" + "x" * 47)
     assert a.hashes[0] == b.hashes[0] and len(set(a.hashes[1:]) & set(b.hashes[1:])) == 0  # chained: later differ
     code = ("from loraplane.picker.prefix import PrefixHasher; "
-            f"print(PrefixHasher(block_size=16).hash_text('claims@v17', {D17!r}, 'x' * 70).hashes[-1].hex())")
+            f"print(PrefixHasher(block_size=16).hash_text('claims@v17', {D17!r}, 'x' * 70).hashes[-1])")
     other_process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert other_process.stdout.strip() == a.hashes[-1].hex()  # no per-process seed
+    assert other_process.stdout.strip() == str(a.hashes[-1])  # no per-process seed
+    odd = PrefixHasher(block_size=13)  # blocks that are not whole 8-byte words
+    long, short = odd.hash_text(None, None, SYSTEM), odd.hash_text(None, None, SYSTEM[:130] + "!")
+    assert long.hashes[:10] == short.hashes[:10] and len(set(long.hashes)) == len(long.hashes)
 
 
 def test_revision_and_digest_are_part_of_the_key() -> None:
