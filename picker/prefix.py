@@ -353,9 +353,9 @@ class PrefixCacheParameters(ApiModel):
     unit: Literal["bytes", "tokens"] = "bytes"
     #: the model's ``tokenizer.json`` (``unit: tokens``): prompts are tokenised as the runtime does, BOS included
     tokenizer: str | None = None
-    #: the most blocks hashed per request (a longer prompt matches at most this many; GIE's prefix plugin stops at
-    #: 256): 1,024 blocks of 64 bytes cover a 64 KiB prompt
-    max_blocks: int = Field(default=1024, ge=1)
+    #: the most blocks hashed per request (a longer prompt matches at most this many): 256, GIE's prefix plugin
+    #: default (16 KiB of 64-byte blocks)
+    max_blocks: int = Field(default=256, ge=1)
     #: approximate mode: block hashes remembered per pod, their TTL after the last routing there, pods remembered
     lru_capacity: int = Field(default=65_536, ge=1)
     ttl_seconds: float = Field(default=600.0, gt=0)
