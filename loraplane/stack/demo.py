@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import random
 import re
 import statistics
@@ -38,12 +39,15 @@ from loraplane.api import (
     ResidencyReport,
     RouteTable,
     keys,
+    read_payload_or_none,
     served_name,
 )
 from loraplane.picker.envoy import UPSTREAM_HEADER
 from loraplane.processes import LOOPBACK
 from loraplane.stack.report import demo_report
 from loraplane.stack.services import POOL, LocalStack
+
+log = logging.getLogger(__name__)
 
 HOT = ("support", "claims")
 TAIL = tuple(f"tail-{i}" for i in range(12))
@@ -378,14 +382,12 @@ class Demo:
         """Served names the route table names for ``model`` and (pod, served name) -> reported tier."""
         names = [keys.route_table(POOL)] + [keys.residency_report(POOL, e.pod) for e in self.stack.engines]
         raw = await self.redis.mget(names)
-        named: set[str] = set()
-        if raw[0] is not None:
-            entry = RouteTable.from_json(raw[0]).models.get(model)
-            named = {w.served_name for w in entry.revisions} if entry else set()
+        table = read_payload_or_none(RouteTable, raw[0], log)
+        entry = table.models.get(model) if table is not None else None
+        named = {w.served_name for w in entry.revisions} if entry else set()
         tiers = {}
         for blob in raw[1:]:
-            if blob is not None:
-                report = ResidencyReport.from_json(blob)
+            if (report := read_payload_or_none(ResidencyReport, blob, log)) is not None:
                 tiers.update({(report.pod, a.served_name): a.tier.value for a in report.adapters})
         return named, tiers
 
