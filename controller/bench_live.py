@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from loraplane.api import GROUP, PLURAL, VERSION, PodLoad, ResidencyReport, TargetState, keys
+from loraplane.api import GROUP, PLURAL, VERSION, PodLoad, ResidencyReport, TargetState, keys, read_payload
 from loraplane.controller.kube import KubeApi
 from loraplane.controller.manager import Controller, ControllerConfig
 from loraplane.controller.metrics import ControllerMetrics
@@ -189,7 +189,7 @@ async def _apply_one(cluster: _Cluster, client: aioredis.Redis, pool: str, pods:
                 continue
             pod = message["data"].decode() if isinstance(message["data"], bytes) else str(message["data"])
             raw = await client.get(keys.target_state(pool, pod))
-            if raw and any(a.served_name == served for a in TargetState.from_json(raw).adapters):
+            if raw and any(a.served_name == served for a in read_payload(TargetState, raw).adapters):
                 elapsed = (time.perf_counter() - started) * 1000
                 await create
                 return elapsed
