@@ -49,6 +49,7 @@ class PlacementSettings(_Strict):
     sheddable_weight: float = Field(default=PlacementConfig.sheddable_weight, gt=0, alias="sheddableWeight")
     gpu_min_rate: float = Field(default=PlacementConfig.gpu_min_rate, ge=0, alias="gpuMinRate")
     gold_min_replicas: int = Field(default=PlacementConfig.gold_min_replicas, ge=1, alias="goldMinReplicas")
+    balance_ratio: float = Field(default=PlacementConfig.balance_ratio, ge=1, alias="balanceRatio")
 
 
 class BudgetSettings(_Strict):

@@ -12,7 +12,8 @@ The plan, in order:
    adapter plans like an idle one (its warm policy's floor); a gold one with traffic gets ``gold_min_replicas``.
    Existing replicas are kept while their value, raised by ``stickiness``, still earns them a slot, so a small
    change in rates moves few adapters; a first replica goes to a pod already holding the revision. Capacity is
-   counted in slots and bytes; ``burst_slots_per_pod`` GPU slots per pod are kept free for bursts;
+   counted in slots and bytes; ``burst_slots_per_pod`` GPU slots per pod are kept free for bursts; a pod left far
+   above the pool's mean load (``balance_ratio``) gets further replicas of its busiest adapters in free slots;
 3. one-off bursts (5 min rate far above the 1 h / 24 h rates) get a replica in the reserved burst slots only, so
    they never evict a hot adapter: where they are held, else where gold load is lightest;
 4. adapters without a GPU replica but with traffic or a ``cpu`` / ``gpu-preferred`` warm policy get a CPU replica,
@@ -112,6 +113,9 @@ class PlacementConfig:
     #: GPU replicas a gold (priority > 0) adapter with traffic gets at least, so its requests always have a second
     #: warm pod when one is busy
     gold_min_replicas: int = 2
+    #: a pod whose planned load (requests/s its GPU replicas carry) is above this multiple of the pool's mean, and
+    #: above ``replica_rate``, gets a further replica of its busiest adapters in free GPU slots elsewhere
+    balance_ratio: float = 1.0
 
 
 @dataclass
@@ -392,6 +396,47 @@ class _Planner:
             if len(e.gpu) < e.need:
                 heapq.heappush(heap, (-e.marginal(len(e.gpu) + 1), name))
 
+    def spread_load(self) -> None:
+        """Further GPU replicas, in free slots only (never evicting), for the adapters of a pod whose planned load is
+        far above the pool's mean, while each one lowers the busiest pod's load.
+
+        Replicas kept from earlier plans were placed on the rates of their time (an idle start places every adapter
+        alike), so two hot adapters can share a pod while another pod carries little; the router keeps each
+        adapter's traffic on its warm pods, so only another warm replica moves it. A pod the adapter held on GPU in
+        the previous plan is preferred, so a replica added here is kept, not moved, by the next plan.
+        """
+        cfg = self.config
+        load = self.load
+        for _ in range(sum(self.pool.room(p, Tier.GPU) for p in self.pool.caps)):
+            busiest = max(load, key=lambda p: (load[p], p))
+            if load[busiest] <= max(cfg.replica_rate, cfg.balance_ratio * sum(load.values()) / len(load)):
+                return
+            best: tuple[float, str, str] | None = None
+            for name, tier in self.pool.held[busiest].items():
+                e = self.entries[name]
+                if tier is not Tier.GPU or e.need == 0 or not self.budget_allows(e, Tier.GPU):
+                    continue
+                pod = self.spread_target(e)
+                if pod is None:
+                    continue
+                share = e.score / (len(e.gpu) + 1)
+                peak = max(load[busiest] - (e.share - share), load[pod] + share)
+                if peak < load[busiest] and (best is None or (peak, name) < best[:2]):
+                    best = (peak, name, pod)
+            if best is None:
+                return
+            self.add_gpu(self.entries[best[1]], best[2])
+
+    def spread_target(self, e: _Entry) -> str | None:
+        """Where a spreading replica of ``e`` goes: a pod that held it on GPU before, else the least-loaded one."""
+        was = self.previous_by_name.get(e.demand.served_name, {})
+        fitting = [
+            p for p in self.pool.roomy[Tier.GPU]
+            if self.is_eligible(e, p) and e.demand.served_name not in self.pool.held[p]
+            and self.pool.fits(p, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[p])
+        ]  # fmt: skip
+        return min(fitting, key=lambda p: (was.get(p) is not Tier.GPU, self.load[p], p), default=None)
+
     def least_loaded(self, e: _Entry) -> str | None:
         """The least-loaded pod with room; an adapter's first GPU replica goes where it was CPU-warm, else where it
         was on disk, if it fits.
@@ -591,6 +636,7 @@ class _Planner:
         self.place_required()
         self.keep_previous_gpu()
         self.add_gpu_replicas()
+        self.spread_load()
         self.place_bursts()
         self.place_cpu()
         self.keep_demoted()

@@ -314,3 +314,25 @@ def test_a_gold_adapter_gets_a_second_warm_pod_a_standard_one_does_not() -> None
     assert len(plan.replicas(Tier.GPU)["std@v1"]) == 1
     one = place(_pods(4), demands, config=PlacementConfig(gold_min_replicas=1))
     assert len(one.replicas(Tier.GPU)["gold@v1"]) == 1
+
+
+def test_two_hot_adapters_left_on_one_pod_by_an_earlier_plan_get_a_replica_on_the_idlest_pod() -> None:
+    # an idle start placed a and b together; now each asks for one replica (3.6 req/s < replica_rate), so keeping
+    # the old plan leaves pod-0 with 7.2 req/s while pod-3 carries 0.6
+    pods = _pods(4)
+    previous = Placement(pods={
+        "pod-0": {"a@v1": Tier.GPU, "b@v1": Tier.GPU}, "pod-1": {"c@v1": Tier.GPU},
+        "pod-2": {"d@v1": Tier.GPU}, "pod-3": {"e@v1": Tier.GPU},
+    })  # fmt: skip
+    rates = {"a@v1": 3.6, "b@v1": 3.6, "c@v1": 3.6, "d@v1": 1.8, "e@v1": 0.6}
+    demands = [_demand(name, rate) for name, rate in rates.items()]
+    plan = place(pods, demands, previous=previous)
+    gpu = plan.replicas(Tier.GPU)
+    # a further replica where the load is lightest (pod-0 5.4, pod-3 2.4), then b's (pod-0 3.6, pod-2 3.6, at
+    # most 1.25 x the mean); nothing moved
+    assert gpu["a@v1"] == {"pod-0", "pod-3"} and gpu["b@v1"] == {"pod-0", "pod-2"}
+    assert gpu["c@v1"] == {"pod-1"} and gpu["d@v1"] == {"pod-2"} and gpu["e@v1"] == {"pod-3"}
+    # re-planning keeps it (no flapping), and a balanced pool gets no extra replica
+    assert place(pods, demands, previous=plan).pods == plan.pods
+    balanced = place(pods, [_demand(n, 3.6) for n in ("a@v1", "b@v1", "c@v1", "d@v1")])
+    assert all(len(holders) == 1 for holders in balanced.replicas(Tier.GPU).values())
