@@ -60,7 +60,7 @@ FIRST_TURN = ("You are the claims assistant of ACME Insurance. Cite the policy s
               "Customer: my car was hit in the parking lot yesterday and the other driver left. What do I do now? "
               "Thanks, bye")
 assert len(FIRST_TURN) == 199
-LONG = {"max_tokens": 600, "ignore_eos": True, "temperature": 0, "stream": True}
+LONG = {"max_tokens": 760, "ignore_eos": True, "temperature": 0, "stream": True}
 
 
 @dataclass
@@ -198,6 +198,7 @@ class Holder:
         self.response: httpx.Response | None = None
         self.body = b""
         self.done = threading.Event()
+        self.done_at = float("inf")
         self.thread = threading.Thread(target=self._run, args=(stack, prompt), daemon=True)
         self.thread.start()
         assert self.started.wait(120), "the long request did not start"
@@ -209,6 +210,7 @@ class Holder:
             self.started.set()  # its headers are back: routed, counted in flight until its body ends
             for chunk in response.iter_bytes():
                 self.body += chunk
+        self.done_at = time.monotonic()
         self.done.set()
 
     def finish(self) -> None:
@@ -269,10 +271,12 @@ def test_second_turn_follows_its_prefix_and_a_new_revision_is_no_hit(stack: Stac
     assert busy.response is not None and stack.pod_of(busy.response) is holder
     second_turn = FIRST_TURN + answer + " And what do I file first?"
     matched, hashed, hits = stack.matched_blocks(), stack.hashed_blocks(), holder.prefix_hits()
+    sent_at = time.monotonic()
     response, _, cached = complete(stack, second_turn)
-    assert busy.response is not None and not busy.done.is_set(), (
-        f"the long request ended before the second turn was routed: {busy.response.status_code} "
-        f"{busy.body[-300:]!r}")
+    # the picker routes a request as it arrives (milliseconds): the long one must still run well after that
+    assert busy.response is not None and busy.done_at - sent_at > 0.25, (
+        f"the long request ended {busy.done_at - sent_at:.2f} s after the second turn was sent "
+        f"(which took {time.monotonic() - sent_at:.2f} s): {busy.response.status_code} {busy.body[-200:]!r}")
     assert stack.pod_of(response) is holder  # the prefix outweighs the other pod's lighter load
     matched_now = stack.matched_blocks() - matched
     assert stack.hashed_blocks() - hashed == stack.tokens(second_turn) // BLOCK
