@@ -173,10 +173,14 @@ def pod_capacity(report: ResidencyReport) -> PodCapacity:
     """What a pod can hold, from its report. The runtime's host cache holds its GPU-resident adapters too, so on a
     runtime that keeps disk-tier revisions registered (``demotes_to_disk``) only the slots beyond the GPU ones are
     planned for host-tier revisions: planning more would have its sidecar clip the extra ones to disk by name,
-    ahead of the plan's own order (rollout requirements first), and a canary clipped so waits forever. Elsewhere the
-    host slots are planned as reported."""
+    ahead of the plan's own order (rollout requirements first), and a canary clipped so waits forever. One host slot
+    is always planned where the runtime has any (a host cache no larger than the GPU slots, the engine's default,
+    would otherwise leave no room to prewarm a revision, and every rollout there would wait at Prewarming).
+    Elsewhere the host slots are planned as reported."""
     load = report.load
-    cpu_slots = max(0, load.max_cpu_slots - load.max_gpu_slots) if report.demotes_to_disk else load.max_cpu_slots
+    cpu_slots = load.max_cpu_slots
+    if report.demotes_to_disk:
+        cpu_slots = max(min(1, cpu_slots), cpu_slots - load.max_gpu_slots)
     return PodCapacity(report.pod, load.max_gpu_slots, cpu_slots, load.max_gpu_bytes, load.max_cpu_bytes)
 
 

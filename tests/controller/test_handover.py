@@ -76,3 +76,8 @@ def test_host_slots_beyond_the_gpu_ones_are_planned_where_disk_revisions_stay_re
     assert (pod_capacity(engine).gpu_slots, pod_capacity(engine).cpu_slots) == (4, 2)
     vllm = engine.model_copy(update={"demotes_to_disk": False})
     assert pod_capacity(vllm).cpu_slots == 6  # as reported, unchanged
+    # a host cache no larger than the GPU slots (the engine's default) still leaves one slot to prewarm into
+    same = engine.model_copy(update={"load": PodLoad(max_gpu_slots=2, max_cpu_slots=2)})
+    assert pod_capacity(same).cpu_slots == 1
+    none = engine.model_copy(update={"load": PodLoad(max_gpu_slots=2, max_cpu_slots=0)})
+    assert pod_capacity(none).cpu_slots == 0
