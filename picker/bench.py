@@ -11,6 +11,9 @@ Prints one JSON object. Sections:
   (Envoy + picker) - (Envoy alone) from the same run. ``cpu_us_per_request`` and ``max_rps_one_core`` come from a
   closed-loop ``wrk`` run with the picker pinned to its own core (``max_rps_one_core`` = achieved req/s divided by
   the fraction of that core the picker used, i.e. extrapolated to a full core when something else was the limit).
+  Each closed-loop request's prompt starts with its own counter (one session per request, the same length): with
+  one body for all, the prefix scorer would rightly keep every request on one endpoint until it saturates, and the
+  run would measure the flow-control queue instead of the routing path.
 - ``naive``: the same for ``loraplane.picker.naive``.
 - ``frame_layers`` (``--frame-layers``): the picker's closed-loop CPU per request and max req/s on one core with its
   hand-written HTTP/2 frame layer (``hand``) and with the ``h2`` package's (``h2lib``), alternated in one run behind
@@ -257,9 +260,12 @@ def _body(size: int) -> bytes:
 
 def _wrk(port: int, body_file: Path, seconds: int, connections: int, cpu: int | None, workdir: Path) -> float:
     script = workdir / "post.lua"
-    script.write_text(
-        f'wrk.method = "POST"\nlocal f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n'
+    script.write_text(  # the prompt's first 8 characters become a per-request counter (see the module docstring)
+        f'wrk.method = "POST"\nlocal f = io.open("{body_file}", "rb")\nlocal body = f:read("*a")\nf:close()\n'
         'wrk.headers["Content-Type"] = "application/json"\n'
+        'local head, tail = body:match(\'^(.-"prompt": ")(.*)$\')\ntail = tail:sub(9)\nlocal n = 0\n'
+        'request = function()\n  n = n + 1\n'
+        '  return wrk.format(nil, nil, nil, head .. string.format("%08d", n % 100000000) .. tail)\nend\n'
     )
     prefix = ["taskset", "-c", str(cpu)] if cpu is not None else []
     out = subprocess.run([*prefix, "wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "-s", str(script),

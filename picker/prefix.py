@@ -199,8 +199,9 @@ class ApproximateIndex:
             raise ValueError("capacity and max_pods must be >= 1, ttl_s > 0")
         self.capacity, self.ttl_s, self.max_pods = capacity, ttl_s, max_pods
         self._clock = clock
-        #: pod -> block hash -> expiry, least recently routed first
-        self._pods: collections.OrderedDict[str, dict[BlockHash, float]] = collections.OrderedDict()
+        #: pod -> block hash -> expiry, least recently routed first (OrderedDicts: a plain dict evicted from its front
+        #: skips every deleted slot before it on each eviction, which cost up to ~150 us a request at 65,536 blocks)
+        self._pods: collections.OrderedDict[str, collections.OrderedDict[BlockHash, float]] = collections.OrderedDict()
         #: first block hash -> the pods it was routed to
         self._first: dict[BlockHash, set[str]] = {}
 
@@ -208,23 +209,22 @@ class ApproximateIndex:
         """The request was routed to ``pod``: its blocks are (about to be) cached there."""
         if not request.hashes:
             return
-        blocks = self._pods.pop(pod, None)
+        blocks = self._pods.get(pod)
         if blocks is None:
-            blocks = {}
-        self._pods[pod] = blocks
-        while len(self._pods) > self.max_pods:
-            self.forget(next(iter(self._pods)))
+            blocks = self._pods[pod] = collections.OrderedDict()
+            while len(self._pods) > self.max_pods:
+                self.forget(next(iter(self._pods)))
+        else:
+            self._pods.move_to_end(pod)
         expires = self._clock() + self.ttl_s
-        drop = blocks.pop
-        for h in reversed(request.hashes):  # a plain dict keeps insertion order: re-inserting moves it last
-            drop(h, None)
+        last = blocks.move_to_end
+        for h in reversed(request.hashes):
             blocks[h] = expires
+            last(h)
         self._first.setdefault(request.hashes[0], set()).add(pod)
-        excess = len(blocks) - self.capacity
-        if excess > 0:
-            for h in list(itertools.islice(blocks, excess)):
-                del blocks[h]
-                self._unfirst(pod, h)
+        evict = blocks.popitem
+        for _ in range(len(blocks) - self.capacity):
+            self._unfirst(pod, evict(last=False)[0])
 
     def _unfirst(self, pod: str, h: BlockHash) -> None:
         pods = self._first.get(h)
