@@ -1,9 +1,12 @@
 """The discrete-event simulator of one InferencePool.
 
-Each pod runs vLLM-style continuous batching: at every step boundary it admits waiting requests in arrival order
-(skipping one whose adapter cannot get a GPU slot, as vLLM's scheduler does), loads admitted requests' adapters
-*inside* that step (a load stalls the whole batch, as in vLLM), runs the prefill of new requests and one decode token
-for every running one. A request's first token comes at the end of the step that admitted it, so
+Each pod runs vLLM-style continuous batching: at every step boundary it admits waiting requests in the order of
+vLLM's request queue -- the order they reached the pod (``fcfs``), or ``(priority, that order)`` for pods run with
+``--scheduling-policy priority`` -- skipping one whose adapter cannot get a GPU slot, as vLLM's scheduler does;
+it loads admitted requests' adapters *inside* that step (a load stalls the whole batch, as in vLLM), runs the prefill
+of new requests and one decode token for every running one. A running request is never preempted: its KV is
+reserved at admission, so the KV shortage that makes vLLM preempt (under ``priority``, its lowest-priority running
+request) never arises here. A request's first token comes at the end of the step that admitted it, so
 
     TTFT = queue wait + load stall (by tier) + prefill + decode of the co-scheduled batch + step overhead,
 
@@ -25,9 +28,9 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Protocol
@@ -53,6 +56,8 @@ _STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE, _GATE_RETRY = 0, 1, 2, 3, 4, 5
 #: while the admission gate holds requests it is also asked to dispatch this often (besides on every finish), so
 #: held requests go out when something other than a finish makes room (a fetch done, an idle pod, fresher reports)
 GATE_RETRY_S = 0.05
+#: a waiting queue's key is ``priority << _PRIORITY_SHIFT`` plus the request's dispatch count (below 2**40)
+_PRIORITY_SHIFT = 40
 #: ``SimResult.refused`` code of a served request (otherwise the HTTP status the client got: 429 or 503)
 SERVED = 0
 
@@ -150,7 +155,7 @@ class Pod:
         self.waiting: deque[int] = deque()
         self.running: list[tuple[int, int]] = []
         self.running_adapters: dict[int, int] = {}
-        #: adapter -> its waiting requests, in arrival order (``waiting`` is in arrival order too)
+        #: adapter -> its waiting requests, in queue order (``waiting`` is in queue order too: ``Simulator._enqueue``)
         self.waiting_adapters: dict[int, deque[int]] = {}
         self.kv_reserved = 0
         self.eviction_times: deque[float] = deque()
@@ -256,9 +261,13 @@ class Simulator:
         placement: Placement | None = None,
         progress: Callable[[int], None] | None = None,
         admission: Admission | None = None,
+        priority: Sequence[int] | None = None,
     ) -> None:
         self.trace = trace
         self.admission = admission
+        #: per request, its vLLM ``priority`` (lower is served first) when the pods run vLLM's ``priority``
+        #: scheduling policy; ``None``: ``fcfs``, waiting requests in the order they reached the pod
+        self.priority = priority
         self._deadline_at = math.inf
         self._gate_retry_at = math.inf
         self.config = config
@@ -287,6 +296,9 @@ class Simulator:
             held_s=array("d", bytes(8 * n)),
             cached_tokens=array("i", bytes(4 * n)),
         )
+        #: per request, its place in its pod's waiting queue (``_queue_key``): lower is looked at first
+        self._queue_key = array("q", bytes(8 * n))
+        self._dispatched = 0
         #: the pods' prefix caches, on traces with prefix structure
         self.prefix = PodPrefixCaches(trace, profile, config.pods) if trace.has_prefixes else None
         self._heap: list[tuple[float, int, int, int, int]] = []
@@ -389,15 +401,26 @@ class Simulator:
         res.pod[rid] = pod_index
         res.held_s[rid] = now - self.trace.arrival[rid]
         res.tier[rid] = L0 if a in pod.gpu else L1 if a in pod.cpu else L2 if a in pod.disk else L3
-        pod.waiting.append(rid)
+        self._enqueue(pod, rid, a)
+        if a not in pod.disk:
+            self._download(pod, a)
+        self._wake(pod, now, a)
+
+    def _enqueue(self, pod: Pod, rid: int, a: int) -> None:
+        """Put ``rid`` in ``pod``'s waiting queue as vLLM's request queue orders it: by the time it reached the pod
+        (``fcfs``), or by ``(priority, that time)`` (``priority``: vLLM's ``PriorityRequestQueue``)."""
+        key = self._dispatched
+        self._dispatched += 1
+        if self.priority is not None:
+            key += self.priority[rid] << _PRIORITY_SHIFT
+        order = self._queue_key
+        order[rid] = key
+        _insert(pod.waiting, rid, key, order)
         queued = pod.waiting_adapters.get(a)
         if queued is None:
             pod.waiting_adapters[a] = deque((rid,))
         else:
-            queued.append(rid)
-        if a not in pod.disk:
-            self._download(pod, a)
-        self._wake(pod, now, a)
+            _insert(queued, rid, key, order)
 
     def refuse(self, rid: int, status: int) -> None:
         """Refuse request ``rid`` (never sent to a pod) with HTTP ``status``: it has no TTFT."""
@@ -505,7 +528,7 @@ class Simulator:
             self._schedule(pod, first_end + (k - 1) * step, k)
 
     def _admit(self, pod: Pod, now: float) -> tuple[float, int, list[int], bool]:
-        """vLLM's scheduler with LoRA: FIFO, skipping requests whose adapter cannot get a slot this step.
+        """vLLM's scheduler with LoRA: in queue order, skipping requests whose adapter cannot get a slot this step.
 
         The scan looks at up to ``SCAN_LIMIT`` waiting requests in order. Runs of requests that would be skipped
         (``_next_admissible``) are passed over in one move, after checking that none of them ends the scan on the
@@ -533,7 +556,7 @@ class Simulator:
         budget_hit = False
         while pos < len(waiting) and left and len(running) < max_seqs:
             stop = min(len(waiting), pos + left)
-            jump = _next_admissible(pod, pos, stop)
+            jump = _next_admissible(pod, pos, stop, self._queue_key)
             if jump > pos:
                 ends = self._scan_ends(pod, pos, jump, budget, kv_free, bool(admitted), bool(admitted or running))
                 if ends is not None:
@@ -707,14 +730,22 @@ class Simulator:
             self._download(pod, adapter)
 
 
-def _next_admissible(pod: Pod, start: int, stop: int) -> int:
+def _insert(queue: deque[int], rid: int, key: int, order: array) -> None:
+    """Insert ``rid`` into ``queue`` (sorted by ``order``) after every request of a key not above ``key``."""
+    if not queue or order[queue[-1]] <= key:
+        queue.append(rid)
+    else:
+        queue.insert(bisect_right(queue, key, key=order.__getitem__), rid)
+
+
+def _next_admissible(pod: Pod, start: int, stop: int, order: array) -> int:
     """The position of the first of ``pod.waiting[start:stop]`` that the scan could admit (``stop`` if none); those
     before it would all be skipped. When the batch runs ``max_loras`` adapters (then they fill every GPU slot) only
     their requests can join; otherwise only requests of adapters still downloading are sure to be skipped."""
     waiting = pod.waiting_adapters
     if len(pod.running_adapters) >= pod.max_loras:
-        heads = [queued[0] for a in pod.gpu if (queued := waiting.get(a))]
-        return bisect_left(pod.waiting, min(heads), start, stop) if heads else stop
+        heads = [order[queued[0]] for a in pod.gpu if (queued := waiting.get(a))]
+        return bisect_left(pod.waiting, min(heads), start, stop, key=order.__getitem__) if heads else stop
     downloading = pod.downloading
     if len(waiting) <= len(downloading) and all(a in downloading for a in waiting):
         return stop

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -298,6 +299,13 @@ def shipped_flow_control(config: EndpointPickerConfig) -> FlowControlConfig | No
     return None
 
 
+def runtime_priorities(trace: Trace) -> array:
+    """Per request, the ``priority`` the picker writes into its body (``--runtime-priority``): minus its tenant's
+    priority, since vLLM serves lower values first."""
+    negated = [-t.priority for t in trace.tenants]
+    return array("q", (negated[t] for t in trace.tenant))
+
+
 def loraplane_queue(profile: Profile, picker_config: Path | None, flow_control: FlowControlConfig | None) -> str:
     """Which queue loraplane runs in front of its picker (``sim``, ``picker`` or ``off``), for the report."""
     chosen = flow_control or shipped_flow_control(picker_config_for(profile, picker_config))
@@ -312,6 +320,8 @@ class Policy:
     eviction: Eviction
     placement: Placement | None = None
     admission: Admission | None = None
+    #: per request, the vLLM ``priority`` its pod schedules it by (``Simulator.priority``); ``None``: ``fcfs``
+    priority: Sequence[int] | None = None
 
 
 def build_policy(
@@ -339,7 +349,8 @@ def build_policy(
                 router.choose, lambda rid: tenants[trace.tenant[rid]].priority, trace.tenant.__getitem__, flow_control
             )
         return Policy(
-            router, EngineEviction(KeepScorePolicy(), trace, profile), ControllerPlacement(trace, config), admission
+            router, EngineEviction(KeepScorePolicy(), trace, profile), ControllerPlacement(trace, config), admission,
+            runtime_priorities(trace),
         )
     if name not in BASELINES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -78,7 +78,7 @@ def simulate(
     built = build_policy(policy, seed, trace, profile, config, picker_config, flow_control)
     sim = Simulator(
         trace, config, profile, built.router, built.eviction, built.placement, progress=progress,
-        admission=built.admission,
+        admission=built.admission, priority=built.priority,
     )  # fmt: skip
     return sim.run()
 

@@ -4,6 +4,7 @@ scan's jumps over requests it would skip give exactly what looking at every wait
 from __future__ import annotations
 
 import os
+from array import array
 
 import numpy as np
 import pytest
@@ -56,15 +57,15 @@ def test_passing_over_skipped_requests_changes_nothing(policy: str, name: str, m
     jumped = 0
     real = cluster._next_admissible
 
-    def counted(pod: cluster.Pod, start: int, stop: int) -> int:
+    def counted(pod: cluster.Pod, start: int, stop: int, order: array) -> int:
         nonlocal jumped
-        position = real(pod, start, stop)
+        position = real(pod, start, stop, order)
         jumped += position - start
         return position
 
     monkeypatch.setattr(cluster, "_next_admissible", counted)
     counted_run = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6, flow_control=NO_QUEUE)
-    monkeypatch.setattr(cluster, "_next_admissible", lambda pod, start, stop: start)
+    monkeypatch.setattr(cluster, "_next_admissible", lambda pod, start, stop, order: start)
     full = simulate(trace, OVERLOADED, LARGE_GPU, policy, seed=6, flow_control=NO_QUEUE)
     assert jumped > 1000  # the shortcut is taken, often
     assert max(np.frombuffer(full.ttft)) > 10.0  # queues build up: the scan has skipping to do
