@@ -582,6 +582,12 @@ class ExtProcHandler:
         """The transport's way to send replies later (a request the flow-control queue held)."""
         self.exchange.deliver = push
 
+    @property
+    def replies_pending(self) -> bool:
+        """The request waits in the flow-control queue: its answer is still to be pushed (a client's half-close
+        does not end the call before it)."""
+        return self.exchange.waiting is not None
+
     def on_close(self) -> None:
         """Release the exchange's in-flight slot."""
         self.exchange.close()

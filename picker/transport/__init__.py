@@ -6,7 +6,9 @@
 
 Handlers are plain objects: ``on_message(bytes) -> list[bytes]`` per gRPC message and ``on_close()`` when the
 stream ends for any reason; a handler with a ``bind(push)`` method is given ``push(messages)`` to answer later
-(a request the picker holds in its flow-control queue). A handler that raises ``GrpcStatusError`` ends its call
+(a request the picker holds in its flow-control queue). The client's half-close (END_STREAM) only means no more
+messages, as in gRPC: while the handler's ``replies_pending`` is true the call stays open, and its trailers follow
+the push that leaves none pending (a reset or a lost connection still ends it at once). A handler that raises ``GrpcStatusError`` ends its call
 with that status, any other exception with INTERNAL; a malformed frame ends the connection with GOAWAY.
 
 Nothing a peer sends is held without a bound (``TransportLimits``): a message whose declared length is over the

@@ -59,7 +59,7 @@ class StreamHandler(Protocol):
         ...
 
     def on_close(self) -> None:
-        """The stream is over (client half-close, reset or connection loss)."""
+        """The stream is over (client half-close with no replies pending, reset or connection loss)."""
         ...
 
 

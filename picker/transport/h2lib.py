@@ -121,7 +121,8 @@ class H2LibProtocol(asyncio.Protocol):
         elif isinstance(event, StreamEnded):
             if (call := self.calls.get(event.stream_id)) is not None:
                 call.remote_open = False
-                self._finish(event.stream_id)
+                if not getattr(call.handler, "replies_pending", False):  # else the trailers follow its last push
+                    self._finish(event.stream_id)
         elif isinstance(event, StreamReset):
             if (call := self.calls.pop(event.stream_id, None)) is not None:
                 self._close_handler(call)
@@ -176,12 +177,15 @@ class H2LibProtocol(asyncio.Protocol):
             call.unacked -= released
 
     def push(self, stream_id: int, messages: list[bytes]) -> None:
-        """Send messages a handler produced after ``on_message`` returned (nothing if the call is gone)."""
+        """Send messages a handler produced after ``on_message`` returned (nothing if the call is gone); the
+        trailers too when the peer has half-closed and the handler has no more replies pending."""
         call = self.calls.get(stream_id)
         if call is None or call.handler is None or self.transport is None:
             return
         try:
             self._send(stream_id, messages)
+            if not call.remote_open and not getattr(call.handler, "replies_pending", False):
+                self._finish(stream_id)
         except (StreamClosedError, StreamIDTooLowError):
             self._close_handler(self.calls.pop(stream_id))
         self._flush()

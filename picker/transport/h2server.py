@@ -344,8 +344,7 @@ class GrpcH2Protocol(asyncio.Protocol):
         if stream is not None:  # trailers
             stream.last_frame_at = self._now()
             if flags & END_STREAM:
-                stream.remote_open = False
-                self._finish(stream_id)
+                self._half_closed(stream_id, stream)
             return
         if stream_id <= self.last_stream_id:
             if stream_id in self.reset_ids:  # trailers of a stream we reset, sent before the peer saw it
@@ -435,7 +434,13 @@ class GrpcH2Protocol(asyncio.Protocol):
             buffer += payload  # the start of a message that continues in a later frame
             self.buffered += len(payload)
         if flags & END_STREAM:
-            stream.remote_open = False
+            self._half_closed(stream_id, stream)
+
+    def _half_closed(self, stream_id: int, stream: _Stream) -> None:
+        """The peer sends no more messages: end the call, unless its handler still has replies to push (a request
+        held in the flow-control queue); its trailers then follow the push that leaves none pending."""
+        stream.remote_open = False
+        if not getattr(stream.handler, "replies_pending", False):
             self._finish(stream_id)
 
     # --- sending ----------------------------------------------------------------------------------------------
@@ -453,11 +458,14 @@ class GrpcH2Protocol(asyncio.Protocol):
         self._send_stream(stream_id, stream)
 
     def push(self, stream_id: int, messages: list[bytes]) -> None:
-        """Send messages a handler produced after ``on_message`` returned (nothing if the stream is gone)."""
+        """Send messages a handler produced after ``on_message`` returned (nothing if the stream is gone); the
+        trailers too when the peer has half-closed and the handler has no more replies pending."""
         stream = self.streams.get(stream_id)
         if stream is None or stream.handler is None or self.closed:
             return
         self._send_messages(stream_id, stream, messages)
+        if not stream.remote_open and not getattr(stream.handler, "replies_pending", False):
+            self._finish(stream_id)
         self._flush()
 
     def _send_now(self, stream_id: int, stream: _Stream, prefix: bytes, message: bytes) -> None:

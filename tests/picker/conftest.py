@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 import numpy as np
@@ -141,6 +142,14 @@ def routed_response(phase: str, destination: str, content_length: int | None = N
     return response
 
 
+async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
+    """Wait until ``check()`` holds (fails after ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
 def header_map(mutation: pb.HeaderMutation) -> dict[str, str]:
     return {o.header.key: (o.header.raw_value.decode() or o.header.value) for o in mutation.set_headers}
 
@@ -148,8 +157,9 @@ def header_map(mutation: pb.HeaderMutation) -> dict[str, str]:
 class Picker:
     """A picker serving on a real gRPC port, and a real grpcio client stub to talk to it."""
 
-    def __init__(self, ctx: PickerContext, state: PoolState, health: HealthStatus, channel: grpc.aio.Channel) -> None:
-        self.ctx, self.state, self.health, self.channel = ctx, state, health, channel
+    def __init__(self, ctx: PickerContext, state: PoolState, health: HealthStatus, channel: grpc.aio.Channel,
+                 port: int) -> None:
+        self.ctx, self.state, self.health, self.channel, self.port = ctx, state, health, channel, port
         self.stub = pb_grpc.ExternalProcessorStub(channel)
 
     async def exchange(self, *messages: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -161,13 +171,15 @@ class Picker:
 @contextlib.asynccontextmanager
 async def serve_picker(transport: str, settings: PickerSettings | None = None,
                        scheduler: Scheduler | None = None) -> AsyncIterator[Picker]:
-    """The picker on ``transport`` ("h2": its own HTTP/2 server, "grpcio": grpcio's asyncio server), on a free port;
-    ``scheduler``: another config than the packaged one."""
+    """The picker on ``transport`` ("h2": its own HTTP/2 server, "h2lib": that server framed by the ``h2`` package,
+    "grpcio": grpcio's asyncio server), on a free port; ``scheduler``: another config than the packaged one."""
     ctx, state = make_context(settings, scheduler=scheduler)
     health = HealthStatus()
     await health.set(True)
-    if transport == "h2":
-        server = await start_server(h2_routes(ctx, health), "127.0.0.1", 0, reuse_port=False)
+    own = transport in ("h2", "h2lib")
+    if own:
+        server = await start_server(h2_routes(ctx, health), "127.0.0.1", 0, reuse_port=False,
+                                    frame_layer="h2lib" if transport == "h2lib" else "hand")
         port = server.port
     else:
         grpc_server, ports = build_grpc_server(ctx, health, ["127.0.0.1:0"])
@@ -175,10 +187,10 @@ async def serve_picker(transport: str, settings: PickerSettings | None = None,
         port = ports[0]
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Picker(ctx, state, health, channel)
+        yield Picker(ctx, state, health, channel, port)
     finally:
         await channel.close()
-        if transport == "h2":
+        if own:
             await server.close()
         else:
             await grpc_server.stop(None)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass, field
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from h2.errors import ErrorCodes
 
-from loraplane.picker.extproc import Exchange, PickerContext
+from loraplane.picker.extproc import Exchange, PickerContext, PickerSettings
 from loraplane.picker.flowcontrol import (
+    Band,
     FlowControl,
     FlowControlParameters,
     PickerStoppingError,
@@ -17,8 +21,21 @@ from loraplane.picker.flowcontrol import (
 from loraplane.picker.lifecycle import Lifecycle, ManualTimers, PluginRuntime
 from loraplane.picker.plugins import SchedulingError
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
+from loraplane.picker.server import EXT_PROC_SERVICE
 from loraplane.picker.snapshot import InFlightTracker
-from tests.picker.conftest import BUFFERED, REQUEST_HEADERS, body, header_map, headers, make_context
+from tests.picker.conftest import (
+    BUFFERED,
+    REQUEST_HEADERS,
+    Picker,
+    body,
+    eventually,
+    header_map,
+    headers,
+    make_context,
+    reports,
+    serve_picker,
+)
+from tests.picker.test_transport_frames import Client, grpc_message
 
 COMPLETION = b'{"model": "claims", "prompt": "hi"}'
 
@@ -222,3 +239,98 @@ def test_runtime_priority_writes_vllms_priority_over_the_clients(extra: tuple[tu
     (encoded,) = exchange.handle(body(b'{"model": "claims", "prompt": "hi", "priority": -99}'))
     sent = json.loads(pb.ProcessingResponse.FromString(encoded).request_body.response.body_mutation.body)
     assert sent["priority"] == body_priority and sent["model"] == "claims@v1"
+
+
+# --- held requests over the real transports (the picker's HTTP/2 server, h2-framed, and grpcio's) -------------------
+
+TRANSPORTS = pytest.mark.parametrize("transport", ["h2", "h2lib", "grpcio"])
+PROCESS = f"/{EXT_PROC_SERVICE}/Process"
+
+
+def held_scheduler(deadline_s: float = 5.0) -> Scheduler:
+    deadlines = dict.fromkeys(("gold", "standard", "sheddable"), deadline_s)
+    return Scheduler(EndpointPickerConfig.load().with_parameters("flow-control", deadlineSeconds=deadlines))
+
+
+def set_queue_depth(picker: Picker, depth: int) -> None:
+    """Every pod's reported queue (9: all saturated, the request waits; 0: room)."""
+    for report in reports(time.time(), queue_depth=depth):
+        picker.state.set_report(report)
+    picker.state.rebuild()
+
+
+def queue_length(picker: Picker) -> float:
+    """The ``loraplane_picker_queue_length`` gauge, all bands."""
+    registry = picker.ctx.metrics.registry
+    return sum(registry.get_sample_value("loraplane_picker_queue_length", {"band": band.label}) or 0.0
+               for band in Band)
+
+
+def flow_of(picker: Picker) -> FlowControl:
+    flow = picker.ctx.flow_control
+    assert flow is not None
+    return flow
+
+
+@TRANSPORTS
+@pytest.mark.parametrize("fate", ["room-frees", "deadline", "picker-stops"])
+async def test_a_held_request_whose_client_half_closed_still_gets_its_answer(transport: str, fate: str) -> None:
+    """The client half-closes right after the body (no more messages, as grpcio's iterator ends): the held request
+    is still routed when room frees, or refused with a reason at its deadline or when the picker stops, then the
+    call ends OK. Nothing is left queued or in flight."""
+    scheduler = held_scheduler(0.3 if fate == "deadline" else 5.0)
+    async with serve_picker(transport, PickerSettings(body_mode=BUFFERED), scheduler) as picker:
+        set_queue_depth(picker, 9)
+        call = asyncio.ensure_future(picker.exchange(headers(REQUEST_HEADERS, body_mode=BUFFERED), body(COMPLETION)))
+        await eventually(lambda: flow_of(picker).size == 1)
+        if fate == "room-frees":
+            set_queue_depth(picker, 0)  # the next dispatch round finds room
+        elif fate == "picker-stops":
+            flow_of(picker).stop()
+        responses = await asyncio.wait_for(call, 5)
+        assert responses[0].WhichOneof("response") == "request_headers"
+        (answer,) = responses[1:]
+        if fate == "room-frees":
+            assert answer.WhichOneof("response") == "request_body"
+            assert header_map(answer.request_body.response.header_mutation)["x-gateway-destination-endpoint"]
+        else:
+            reason = "queue-deadline" if fate == "deadline" else "picker-stopping"
+            assert answer.immediate_response.status.code == 503
+            assert header_map(answer.immediate_response.headers)["x-llm-d-request-dropped-reason"] == reason
+        assert flow_of(picker).size == 0 and queue_length(picker) == 0
+        assert not picker.ctx.tracker.counts
+
+
+@TRANSPORTS
+@pytest.mark.parametrize("half_closed", [False, True], ids=["open", "half-closed"])
+@pytest.mark.parametrize("how", ["reset", "connection-closed"])
+async def test_a_held_request_whose_client_goes_away_leaves_the_queue(transport: str, half_closed: bool,
+                                                                      how: str) -> None:
+    """RST_STREAM, or the connection closing, while the request waits: it leaves the queue (the gauge is back to 0)
+    and is never dispatched, even when room frees."""
+    async with serve_picker(transport, PickerSettings(body_mode=BUFFERED), held_scheduler()) as picker:
+        set_queue_depth(picker, 9)
+        client = await Client.open(picker.port)
+        client.conn.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":path", PROCESS),
+                                     (":authority", "picker"), ("content-type", "application/grpc"), ("te", "trailers")])
+        messages = headers(REQUEST_HEADERS, body_mode=BUFFERED), body(COMPLETION)
+        client.conn.send_data(1, b"".join(grpc_message(m.SerializeToString()) for m in messages),
+                              end_stream=half_closed)
+        await client.flush()
+        await eventually(lambda: flow_of(picker).size == 1)
+        assert queue_length(picker) == 1
+        if how == "reset":
+            client.conn.reset_stream(1, ErrorCodes.CANCEL)
+            await client.flush()
+        else:
+            client.close()
+        await eventually(lambda: flow_of(picker).size == 0)
+        assert queue_length(picker) == 0
+        set_queue_depth(picker, 0)
+        await asyncio.sleep(0.2)  # dispatch rounds run: nothing is routed for the request that went
+        assert not picker.ctx.tracker.counts
+        routed = picker.ctx.metrics.registry.get_sample_value("loraplane_picker_queue_wait_seconds_count",
+                                                              {"band": "standard", "outcome": "dispatched"})
+        assert not routed
+        if how == "reset":
+            client.close()

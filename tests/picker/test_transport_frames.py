@@ -31,7 +31,7 @@ from loraplane.picker.transport import (
 from loraplane.picker.transport.h2server import GrpcH2Protocol
 
 LOOPBACK = "127.0.0.1"
-ECHO, HOLD, FAIL = "/test.Echo/Call", "/test.Echo/Hold", "/test.Echo/Fail"
+ECHO, HOLD, FAIL, LATER = "/test.Echo/Call", "/test.Echo/Hold", "/test.Echo/Fail", "/test.Echo/Later"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 LIMITS = TransportLimits(max_message_bytes=1 << 20, max_header_list_bytes=4096, max_concurrent_streams=4)
 LAYERS = pytest.mark.parametrize("layer", FRAME_LAYERS)
@@ -44,6 +44,8 @@ class Calls:
     open: int = 0
     messages: list[bytes] = field(default_factory=list)
     closed: int = 0
+    #: the ``Later`` handlers, in the order their calls opened
+    later: list[Later] = field(default_factory=list)
 
 
 class Echo:
@@ -63,6 +65,28 @@ class Echo:
 class Failing(Echo):
     def on_message(self, message: bytes) -> list[bytes]:
         raise GrpcStatusError(5, "no such thing")
+
+
+class Later(Echo):
+    """Answers nothing at once and has replies pending until the test pushes its last (a request held in a queue)."""
+
+    def __init__(self, calls: Calls) -> None:
+        super().__init__(calls, answer=False)
+        calls.later.append(self)
+        self.replies_pending = False
+        self.push: Callable[[list[bytes]], None] | None = None
+
+    def bind(self, push: Callable[[list[bytes]], None]) -> None:
+        self.push = push
+
+    def on_message(self, message: bytes) -> list[bytes]:
+        self.replies_pending = True
+        return super().on_message(message)
+
+    def reply(self, messages: list[bytes], last: bool = True) -> None:
+        self.replies_pending = not last
+        assert self.push is not None
+        self.push(messages)
 
 
 @dataclass
@@ -85,7 +109,8 @@ class Served:
 
 async def serve(layer: str, limits: TransportLimits = LIMITS) -> Served:
     calls = Calls()
-    routes = {ECHO: lambda: Echo(calls), HOLD: lambda: Echo(calls, answer=False), FAIL: lambda: Failing(calls)}
+    routes = {ECHO: lambda: Echo(calls), HOLD: lambda: Echo(calls, answer=False), FAIL: lambda: Failing(calls),
+              LATER: lambda: Later(calls)}
     server = await start_server(routes, LOOPBACK, 0, reuse_port=False, limits=limits, frame_layer=layer)  # type: ignore[arg-type]
     return Served(server, calls)
 
@@ -309,6 +334,62 @@ async def test_a_reset_right_behind_the_end_of_a_call_leaves_the_connection_serv
     await raw.read(ends(3))
     assert served.calls.messages == [b"a", b"b"] and served.calls.open == 0 and not raw.eof
     raw.close()
+    await served.server.close(grace=0.5)
+
+
+@LAYERS
+async def test_a_half_closed_call_gets_the_replies_its_handler_pushes_later_then_its_trailers(layer: str) -> None:
+    """The client's END_STREAM only means no more messages (gRPC bidi semantics, as grpcio serves it): a handler
+    with replies pending keeps the call open, and the trailers follow its last push."""
+    served = await serve(layer)
+    client = await Client.open(served.port)
+    await client.call(1, b"held", path=LATER)  # END_STREAM on the last DATA frame
+    await client.wait(0.3)
+    assert not client.ended(1) and client.data(1) == b"" and served.calls.open == 1
+    (later,) = served.calls.later
+    later.reply([b"first"], last=False)
+    await client.until(lambda: len(client.data(1)) >= len(grpc_message(b"first")))
+    await client.wait(0.2)
+    assert not client.ended(1), "the call ended while its handler still had replies pending"
+    later.reply([b"second", b"third"])
+    await client.until(lambda: client.ended(1))
+    assert client.data(1) == grpc_message(b"first") + grpc_message(b"second") + grpc_message(b"third")
+    assert client.trailers(1)[b"grpc-status"] == b"0"
+    assert served.calls.open == 0 and served.calls.closed == 1
+    assert not [e for e in client.seen if isinstance(e, ev.StreamReset)]  # the client had ended: nothing to stop
+    await client.call(3, b"next")  # the connection goes on serving
+    await client.until(lambda: client.ended(3))
+    assert client.data(3) == grpc_message(b"next")
+    client.close()
+    await served.server.close(grace=0.5)
+
+
+@LAYERS
+@pytest.mark.parametrize("how", ["reset", "connection-closed"])
+async def test_a_half_closed_call_with_replies_pending_ends_when_the_client_goes(layer: str, how: str) -> None:
+    """A client that resets the call, or closes the connection, while its handler still owes replies: the handler
+    is closed once, and its late push sends nothing."""
+    served = await serve(layer)
+    client = await Client.open(served.port)
+    await client.call(1, b"held", path=LATER)
+    await client.wait(0.2)
+    (later,) = served.calls.later
+    if how == "reset":
+        client.conn.reset_stream(1, ErrorCodes.CANCEL)
+        await client.flush()
+    else:
+        client.close()
+    for _ in range(50):
+        if served.calls.closed:
+            break
+        await asyncio.sleep(0.02)
+    assert served.calls.open == 0 and served.calls.closed == 1
+    later.reply([b"too late"])
+    if how == "reset":
+        await client.wait(0.2)
+        assert client.data(1) == b"" and not client.eof
+        client.close()
+    assert served.calls.closed == 1
     await served.server.close(grace=0.5)
 
 
