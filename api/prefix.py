@@ -8,6 +8,7 @@ in its KV-cache events, so equal hashes mean the runtime holds that prefix for t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
 
@@ -22,8 +23,10 @@ PREFIX_HASH_SCHEME = "loraplane-prefix/1"
 MAX_PUBLISHED_BLOCKS = 65_536
 
 
+@functools.lru_cache(maxsize=4096)
 def prefix_root_hash(served_name: str | None, digest: str | None) -> bytes:
-    """The chain's root for a revision (``None``, ``None``: the base model)."""
+    """The chain's root for a revision (``None``, ``None``: the base model); memoised (it is on the picker's request
+    path once per request)."""
     material = "\x1f".join((PREFIX_HASH_SCHEME, served_name or "", digest or "")).encode()
     return hashlib.blake2b(material, digest_size=16).digest()
 

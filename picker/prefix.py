@@ -56,35 +56,49 @@ ChatTemplate = Callable[[Sequence[Mapping[str, Any]]], str]
 _U64 = 1 << 64
 _BASE = 0xC2B2AE3D27D4EB4F
 _BASE_INVERSE = pow(_BASE, -1, _U64)
+#: the most blocks one prompt is hashed into (``PrefixCacheParameters.max_blocks`` is at most this)
+MAX_BLOCKS = 65_536
+_SHIFT = np.uint64(33)
+_MIX1, _MIX2 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53)
 
 
-def _fmix64(x: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    """MurmurHash3's 64-bit finaliser (a bijection that spreads every input bit), element-wise."""
-    x = x ^ (x >> np.uint64(33))
-    x = x * np.uint64(0xFF51AFD7ED558CCD)
-    x = x ^ (x >> np.uint64(33))
-    x = x * np.uint64(0xC4CEB9FE1A85EC53)
-    return x ^ (x >> np.uint64(33))
+def _power_table(base: int, count: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    powers, value = [], 1
+    for _ in range(count):
+        powers.append(value)
+        value = value * base % _U64
+    return np.asarray(powers, dtype=np.uint64)
+
+
+@functools.lru_cache(maxsize=8)
+def _power_tables(count: int) -> tuple[np.ndarray[Any, np.dtype[np.uint64]], np.ndarray[Any, np.dtype[np.uint64]]]:
+    return _power_table(_BASE, count), _power_table(_BASE_INVERSE, count)
+
+
+def _powers(n: int) -> tuple[np.ndarray[Any, np.dtype[np.uint64]], np.ndarray[Any, np.dtype[np.uint64]]]:
+    """``B^i`` and ``B^-i`` mod 2^64 for i < n: views of tables of the next power of two (at least 1,024)."""
+    up, down = _power_tables(max(1024, 1 << (n - 1).bit_length()))
+    return up[:n], down[:n]
 
 
 @functools.lru_cache(maxsize=16)
-def _powers(n: int) -> tuple[np.ndarray[Any, np.dtype[np.uint64]], np.ndarray[Any, np.dtype[np.uint64]]]:
-    up, down, a, b = [], [], 1, 1
-    for _ in range(n):
-        up.append(a)
-        down.append(b)
-        a, b = a * _BASE % _U64, b * _BASE_INVERSE % _U64
-    return np.asarray(up, dtype=np.uint64), np.asarray(down, dtype=np.uint64)
+def _word_keys(count: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    return np.asarray([(0x9E3779B97F4A7C15 * (2 * k + 1)) % _U64 | 1 for k in range(count)], dtype=np.uint64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _root_term(root: bytes) -> int:
+    return int.from_bytes(root[:8], "little") * _BASE % _U64
 
 
 def byte_block_hashes(root: bytes, data: bytes, size: int) -> tuple[int, ...]:
-    """64-bit hashes of every full ``size``-byte block of ``data``, each covering ``root`` and every block up to it,
-    in a few numpy vector operations (a Python loop of one cryptographic hash per block cost ~0.6 us a block on the
-    request path). Block j's 8-byte words, weighted by fixed odd keys and summed, give ``d_j`` (finalised); block i's
-    hash is the polynomial ``r B^(i+1) + sum_{j<=i} d_j B^(i-j)`` mod 2^64 (``r`` from ``root``), from one
-    cumulative sum. Not a cryptographic hash: a crafted collision can only make a request look cached where it is
-    not."""
-    n = len(data) // size
+    """64-bit hashes of every full ``size``-byte block of ``data`` (at most ``MAX_BLOCKS``), each covering ``root``
+    and every block up to it, in a dozen in-place numpy operations whatever the block count (a Python loop of one
+    cryptographic hash per block cost ~0.6 us a block on the request path). Block j's 8-byte words, weighted by fixed
+    odd keys and summed, give ``d_j``, spread by MurmurHash3's 64-bit finaliser; block i's hash is the polynomial
+    ``r B^(i+1) + sum_{j<=i} d_j B^(i-j)`` mod 2^64 (``r`` from ``root``), from one cumulative sum. Not a
+    cryptographic hash: a crafted collision can only make a request look cached where it is not."""
+    n = min(len(data) // size, MAX_BLOCKS)
     if not n:
         return ()
     if size % 8:
@@ -93,16 +107,18 @@ def byte_block_hashes(root: bytes, data: bytes, size: int) -> tuple[int, ...]:
         words = padded.view(np.uint64)
     else:
         words = np.frombuffer(data, np.uint64, n * size // 8).reshape(n, size // 8)
-    keys = _word_keys(words.shape[1])
-    digests = _fmix64(np.dot(words, keys))  # uint64 arithmetic wraps: mod 2^64
+    x = words @ _word_keys(words.shape[1])  # uint64 arithmetic wraps: mod 2^64
+    x ^= x >> _SHIFT
+    x *= _MIX1
+    x ^= x >> _SHIFT
+    x *= _MIX2
+    x ^= x >> _SHIFT
     up, down = _powers(n)
-    r = np.uint64(int.from_bytes(root[:8], "little") * _BASE % _U64)
-    return tuple(((np.cumsum(digests * down, dtype=np.uint64) + r) * up).tolist())
-
-
-@functools.lru_cache(maxsize=16)
-def _word_keys(count: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
-    return np.asarray([(0x9E3779B97F4A7C15 * (2 * k + 1)) % _U64 | 1 for k in range(count)], dtype=np.uint64)
+    x *= down
+    x[0] = (x.item(0) + _root_term(root)) % _U64  # B^0 = 1: the root enters every prefix sum
+    x.cumsum(out=x)
+    x *= up
+    return tuple(x.tolist())
 
 
 def plain_chat_template(messages: Sequence[Mapping[str, Any]]) -> str:
@@ -183,14 +199,36 @@ def _vector(runs: Mapping[str, int], endpoints: Sequence[str]) -> IntArray:
     return np.fromiter((runs.get(e, 0) for e in endpoints), np.int64, len(endpoints))
 
 
+class _Routing:
+    """One routing remembered for a pod: its block hashes, their expiry, and how many of its leading blocks the LRU
+    has not yet reached."""
+
+    __slots__ = ("expires", "hashes", "left")
+
+    def __init__(self, expires: float, hashes: tuple[BlockHash, ...]) -> None:
+        self.expires, self.hashes, self.left = expires, hashes, len(hashes)
+
+
+class _PodBlocks:
+    """One pod's remembered blocks: hash -> the expiry of its latest routing there (that routing's own float object,
+    so an older routing can tell whether it still owns a block), and the routings, oldest first."""
+
+    __slots__ = ("expiry", "routings")
+
+    def __init__(self) -> None:
+        self.expiry: dict[BlockHash, float] = {}
+        self.routings: collections.deque[_Routing] = collections.deque()
+
+
 class ApproximateIndex:
     """Where requests were routed: per pod, a bounded LRU of block hashes (``capacity`` per pod), each expiring
     ``ttl_s`` after it was last routed there. ``max_pods`` bounds the pods remembered (least recently routed go).
 
-    A routed prefix is recorded last block first, so under LRU pressure a prefix loses its tail before its head
-    (as a runtime's cache does). Only first blocks are indexed by hash (the pods they were routed to): a match looks
-    up the request's first block, then walks the blocks in each of those pods' own LRU, so it costs the matched
-    prefix, not the pool.
+    The LRU evicts from the oldest routing, its last block first, so under pressure a prefix loses its tail before
+    its head (as a runtime's cache does); a block routed again since belongs to its newer routing and stays. Only
+    first blocks are indexed by hash (the pods they were routed to): a match looks up the request's first block,
+    then walks the blocks in each of those pods' own map, so it costs the matched prefix, not the pool. Recording is
+    one C-level dict update per routing (an OrderedDict's per-key move and pop cost ~1 us a block).
     """
 
     def __init__(self, capacity: int = 65_536, ttl_s: float = 600.0, max_pods: int = 4096,
@@ -199,32 +237,46 @@ class ApproximateIndex:
             raise ValueError("capacity and max_pods must be >= 1, ttl_s > 0")
         self.capacity, self.ttl_s, self.max_pods = capacity, ttl_s, max_pods
         self._clock = clock
-        #: pod -> block hash -> expiry, least recently routed first (OrderedDicts: a plain dict evicted from its front
-        #: skips every deleted slot before it on each eviction, which cost up to ~150 us a request at 65,536 blocks)
-        self._pods: collections.OrderedDict[str, collections.OrderedDict[BlockHash, float]] = collections.OrderedDict()
+        #: pod -> its blocks, least recently routed pod first
+        self._pods: collections.OrderedDict[str, _PodBlocks] = collections.OrderedDict()
         #: first block hash -> the pods it was routed to
         self._first: dict[BlockHash, set[str]] = {}
 
     def record(self, pod: str, request: PrefixRequest) -> None:
         """The request was routed to ``pod``: its blocks are (about to be) cached there."""
-        if not request.hashes:
+        hashes = request.hashes
+        if not hashes:
             return
         blocks = self._pods.get(pod)
         if blocks is None:
-            blocks = self._pods[pod] = collections.OrderedDict()
+            blocks = self._pods[pod] = _PodBlocks()
             while len(self._pods) > self.max_pods:
                 self.forget(next(iter(self._pods)))
         else:
             self._pods.move_to_end(pod)
-        expires = self._clock() + self.ttl_s
-        last = blocks.move_to_end
-        for h in reversed(request.hashes):
-            blocks[h] = expires
-            last(h)
-        self._first.setdefault(request.hashes[0], set()).add(pod)
-        evict = blocks.popitem
-        for _ in range(len(blocks) - self.capacity):
-            self._unfirst(pod, evict(last=False)[0])
+        routing = _Routing(self._clock() + self.ttl_s, hashes)
+        blocks.expiry.update(zip(hashes, itertools.repeat(routing.expires)))
+        blocks.routings.append(routing)
+        pods = self._first.get(hashes[0])
+        if pods is None:
+            self._first[hashes[0]] = {pod}
+        else:
+            pods.add(pod)
+        expiry, routings = blocks.expiry, blocks.routings
+        while len(expiry) > self.capacity or len(routings) > self.capacity:
+            self._evict_one(pod, blocks)
+
+    def _evict_one(self, pod: str, blocks: _PodBlocks) -> None:
+        """Evict the oldest routing's last block not yet evicted (if it still owns it)."""
+        oldest = blocks.routings[0]
+        oldest.left -= 1
+        h = oldest.hashes[oldest.left]
+        if blocks.expiry.get(h) is oldest.expires:
+            del blocks.expiry[h]
+            if not oldest.left:
+                self._unfirst(pod, h)
+        if not oldest.left:
+            blocks.routings.popleft()
 
     def _unfirst(self, pod: str, h: BlockHash) -> None:
         pods = self._first.get(h)
@@ -235,12 +287,14 @@ class ApproximateIndex:
 
     def forget(self, pod: str) -> None:
         """Drop everything recorded for ``pod`` (it left the pool or its runtime restarted)."""
-        for h in self._pods.pop(pod, ()):
-            self._unfirst(pod, h)
+        blocks = self._pods.pop(pod, None)
+        for routing in blocks.routings if blocks is not None else ():
+            self._unfirst(pod, routing.hashes[0])
 
     def blocks(self, pod: str) -> int:
         """How many block hashes are remembered for ``pod`` (expired ones included until they are looked at)."""
-        return len(self._pods.get(pod, ()))
+        blocks = self._pods.get(pod)
+        return 0 if blocks is None else len(blocks.expiry)
 
     def matches(self, request: PrefixRequest) -> dict[str, int]:
         """Pod -> leading blocks of ``request`` routed there within the TTL (an expired block met is dropped)."""
@@ -249,14 +303,14 @@ class ApproximateIndex:
         now = self._clock()
         hashes, runs = request.hashes, {}
         for pod in list(self._first.get(hashes[0], ())):
-            blocks = self._pods[pod]
-            get, n = blocks.get, 0
+            expiry = self._pods[pod].expiry
+            get, n = expiry.get, 0
             for h in hashes:
                 if get(h, 0.0) <= now:
                     break
                 n += 1
-            if n < len(hashes) and blocks.get(hashes[n], now + 1.0) <= now:
-                del blocks[hashes[n]]
+            if n < len(hashes) and expiry.get(hashes[n], now + 1.0) <= now:
+                del expiry[hashes[n]]
                 if n == 0:
                     self._unfirst(pod, hashes[0])
             if n:
@@ -355,7 +409,7 @@ class PrefixCacheParameters(ApiModel):
     tokenizer: str | None = None
     #: the most blocks hashed per request (a longer prompt matches at most this many): 256, GIE's prefix plugin
     #: default (16 KiB of 64-byte blocks)
-    max_blocks: int = Field(default=256, ge=1)
+    max_blocks: int = Field(default=256, ge=1, le=MAX_BLOCKS)
     #: approximate mode: block hashes remembered per pod, their TTL after the last routing there, pods remembered
     lru_capacity: int = Field(default=65_536, ge=1)
     ttl_seconds: float = Field(default=600.0, gt=0)
@@ -432,18 +486,22 @@ class PrefixCacheScorer:
 
     def cycle_match(self, prefix: PrefixRequest, pool: PoolSnapshot, cycle: Cycle) -> None:
         """Match ``prefix`` over the whole pool once; set ``cycle.prefix_hit`` and ``cycle.prefix_tokens``."""
-        blocks = np.zeros(pool.size, dtype=np.int64)
         runs = self.index.matches(prefix)
-        if runs:
-            by_key = pool.index_by_address if isinstance(self.index, ApproximateIndex) else _index_by_name(pool)
-            for key, count in runs.items():
-                i = by_key.get(key)
-                if i is not None:
-                    blocks[i] = count
-        self._last = (prefix, pool, blocks)
         total = len(prefix.hashes)
-        cycle.prefix_hit = np.multiply(blocks, 1.0 / total if total else 0.0, dtype=np.float64)
         cycle.prefix_tokens = total * self._tokens_per_block
+        if not runs:  # no endpoint holds any of it (most requests of a new session)
+            blocks = pool.memo(_NO_BLOCKS, lambda: np.zeros(pool.size, dtype=np.int64))
+            self._last = (prefix, pool, blocks)
+            cycle.prefix_hit = pool.memo(_NO_HIT, lambda: np.zeros(pool.size))
+            return
+        blocks = np.zeros(pool.size, dtype=np.int64)
+        by_key = pool.index_by_address if isinstance(self.index, ApproximateIndex) else _index_by_name(pool)
+        for key, count in runs.items():
+            i = by_key.get(key)
+            if i is not None:
+                blocks[i] = count
+        self._last = (prefix, pool, blocks)
+        cycle.prefix_hit = np.multiply(blocks, 1.0 / total, dtype=np.float64)
 
     def __call__(self, request: SchedulingRequest, _pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
         """The scorer: ``cycle.prefix_hit`` where the endpoint is below saturation."""
@@ -464,7 +522,7 @@ class PrefixCacheScorer:
         return 0 if i is None else int(last[2][i])
 
 
-_NAMES = object()
+_NAMES, _NO_BLOCKS, _NO_HIT = object(), object(), object()
 
 
 def _index_by_name(pool: PoolSnapshot) -> dict[str, int]:

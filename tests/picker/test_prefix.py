@@ -118,6 +118,24 @@ def test_lru_bounds_per_pod_and_pods() -> None:
     assert index.match(["pod-b"], new).tolist() == [0]
 
 
+def test_lru_keeps_blocks_a_newer_routing_shares() -> None:
+    hasher = PrefixHasher(block_size=16)
+    index = ApproximateIndex(capacity=9, clock=Clock())
+    first = hasher.hash_text("a@v1", None, "s" * 48 + "a" * 48)  # 6 blocks
+    second = hasher.hash_text("a@v1", None, "s" * 48 + "b" * 48)  # shares the first 3
+    index.record("pod-a", first)
+    index.record("pod-a", second)
+    assert index.blocks("pod-a") == 9
+    index.record("pod-a", hasher.hash_text("a@v1", None, "c" * 48))  # 3 more: the oldest routing's 3 own blocks go
+    assert index.blocks("pod-a") == 9
+    assert index.match(["pod-a"], second).tolist() == [6]  # the shared head now belongs to the newer routing
+    assert index.match(["pod-a"], first).tolist() == [3]
+    index.record("pod-a", hasher.hash_text("a@v1", None, "d" * 16))  # next: the second routing's tail
+    assert index.match(["pod-a"], second).tolist() == [5]
+    index.forget("pod-a")
+    assert index.blocks("pod-a") == 0 and index.match(["pod-a"], second).tolist() == [0]
+
+
 def test_precise_index_reads_published_block_sets() -> None:
     clock = Clock()
     hasher = PrefixHasher(block_size=4, tokenizer=lambda s: [ord(c) for c in s])
