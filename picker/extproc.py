@@ -249,7 +249,11 @@ class Exchange:
         if self.ended:
             return []
         if self.waiting is not None:
-            self.deferred += self._handle(request)
+            replies = self._handle(request)
+            if self.ended:  # refused while it waited (a second request): the refusal is the only answer, now
+                self.deferred = []
+                return replies
+            self.deferred += replies
             return []
         return self._handle(request)
 
@@ -458,6 +462,8 @@ class Exchange:
     def _route(self, request: SchedulingRequest, route: Resolution | None,
                then: Callable[[Decision], list[Wire]]) -> list[Wire]:
         """Schedule and send; with flow control on, a request with no unsaturated candidate waits in the queue."""
+        if self.waiting is not None or self.destination is not None:
+            raise ClientError(400, "a second request on one ext_proc stream")
         flow = self.ctx.flow_control if self.deliver is not None else None
         if flow is None:
             decision = self._decide(request, may_wait=False)

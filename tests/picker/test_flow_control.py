@@ -226,6 +226,31 @@ def test_without_a_transport_that_can_answer_later_or_with_the_switch_off_nothin
     assert ctx.flow_control is None
 
 
+def test_a_second_request_on_a_held_or_routed_stream_is_refused_400_and_changes_nothing() -> None:
+    """A peer that sends a second whole body on one stream: 400 at once; a held request leaves the queue (it was
+    queued twice, and the next dispatch round failed on the stale entry), a routed one is not routed again (the
+    refusal ends its exchange: its one slot is released)."""
+    ctx, loop = flow_context()
+    busy = [send(ctx) for _ in range(3)]
+    flow = ctx.flow_control
+    assert flow is not None and flow.size == 1  # two routed, one held
+    (again,) = busy[0][0].handle(body(COMPLETION))
+    refusal = pb.ProcessingResponse.FromString(again).immediate_response
+    assert refusal.status.code == 400 and sum(ctx.tracker.counts.values()) == 1 and flow.size == 1
+    loop.advance(0.0)  # the freed slot goes to the request that waited
+    assert [r.WhichOneof("response") for r in busy[2][1]] == ["request_body"] and flow.size == 0
+    held, replies = send(ctx)
+    _, other_replies = send(ctx)
+    assert flow.size == 2
+    (again,) = held.handle(body(COMPLETION))
+    assert pb.ProcessingResponse.FromString(again).immediate_response.status.code == 400
+    assert flow.size == 1 and flow.held_in(Band.STANDARD) == 1
+    busy[1][0].close()  # room: a dispatch round
+    loop.advance(0.0)
+    assert replies == [] and [r.WhichOneof("response") for r in other_replies] == ["request_body"]
+    assert flow.size == 0 and flow.held_in(Band.STANDARD) == 0
+
+
 @pytest.mark.parametrize(("extra", "body_priority"), [((), 0), ((("x-gateway-inference-objective", "sheddable"),), 1)])
 def test_runtime_priority_writes_vllms_priority_over_the_clients(extra: tuple[tuple[str, str], ...],
                                                                   body_priority: int) -> None:
