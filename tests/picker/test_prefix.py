@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from loraplane.api import AdapterBlocks, KvBlockSet, keys
-from loraplane.picker.prefix import ApproximateIndex, PreciseIndex, PrefixHasher, prompt_text
+from loraplane.picker.prefix import PYTHON_BLOCKS, ApproximateIndex, PreciseIndex, PrefixHasher, prompt_text
 
 D17, D18 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
 SYSTEM = "You are a claims assistant for ACME. Cite the policy section in every answer. " * 4
@@ -37,10 +37,18 @@ def test_hashes_are_stable_and_chained() -> None:
     assert a == hasher.hash_text("claims@v17", D17, "x" * 64 + "yz")  # the partial block does not count
     b = hasher.hash_text("claims@v17", D17, "x" * 16 + "y" + "x" * 47)
     assert a.hashes[0] == b.hashes[0] and len(set(a.hashes[1:]) & set(b.hashes[1:])) == 0  # chained: later differ
-    code = ("from loraplane.picker.prefix import PrefixHasher; "
-            f"print(PrefixHasher(block_size=16).hash_text('claims@v17', {D17!r}, 'x' * 70).hashes[-1])")
-    other_process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert other_process.stdout.strip() == str(a.hashes[-1])  # no per-process seed
+    # past the blocks hashed in Python the chain goes on in numpy: still a prefix chain, for every block size
+    for size in (16, 13):
+        hasher = PrefixHasher(block_size=size)
+        text = "".join(f"{i:0{size}d}" for i in range(PYTHON_BLOCKS + 20))
+        full = hasher.hash_text("claims@v17", D17, text)
+        assert len(full.hashes) == PYTHON_BLOCKS + 20 == len(set(full.hashes))
+        shorter = hasher.hash_text("claims@v17", D17, text[:size * (PYTHON_BLOCKS + 5)])
+        assert full.hashes[:PYTHON_BLOCKS + 5] == shorter.hashes
+        changed = hasher.hash_text("claims@v17", D17, text[:size * (PYTHON_BLOCKS + 3)] + "!" + text[size * (PYTHON_BLOCKS + 3) + 1:])
+        cut = PYTHON_BLOCKS + 3  # the first block that differs
+        assert changed.hashes[:cut] == full.hashes[:cut] and not set(changed.hashes[cut:]) & set(full.hashes[cut:])
+        assert not set(hasher.hash_text("claims@v18", D18, text).hashes) & set(full.hashes)
     odd = PrefixHasher(block_size=13)  # blocks that are not whole 8-byte words
     long, short = odd.hash_text(None, None, SYSTEM), odd.hash_text(None, None, SYSTEM[:130] + "!")
     assert long.hashes[:10] == short.hashes[:10] and len(set(long.hashes)) == len(long.hashes)
