@@ -229,13 +229,15 @@ class _Routing:
 
 class _PodBlocks:
     """One pod's remembered blocks: hash -> the expiry of its latest routing there (that routing's own float object,
-    so an older routing can tell whether it still owns a block), and the routings, oldest first."""
+    so an older routing can tell whether it still owns a block), the routings oldest first, and how many of their
+    hashes the LRU has not yet reached (``slots``: owned or superseded by a newer routing)."""
 
-    __slots__ = ("expiry", "routings")
+    __slots__ = ("expiry", "routings", "slots")
 
     def __init__(self) -> None:
         self.expiry: dict[BlockHash, float] = {}
         self.routings: collections.deque[_Routing] = collections.deque()
+        self.slots = 0
 
 
 class ApproximateIndex:
@@ -275,19 +277,21 @@ class ApproximateIndex:
         routing = _Routing(self._clock() + self.ttl_s, hashes)
         blocks.expiry.update(zip(hashes, itertools.repeat(routing.expires)))
         blocks.routings.append(routing)
+        blocks.slots += len(hashes)
         pods = self._first.get(hashes[0])
         if pods is None:
             self._first[hashes[0]] = {pod}
         else:
             pods.add(pod)
-        expiry, routings = blocks.expiry, blocks.routings
-        while len(expiry) > self.capacity or len(routings) > self.capacity:
+        expiry, slot_limit = blocks.expiry, 2 * self.capacity  # superseded hashes are kept at most as many again
+        while len(expiry) > self.capacity or blocks.slots > slot_limit:
             self._evict_one(pod, blocks)
 
     def _evict_one(self, pod: str, blocks: _PodBlocks) -> None:
         """Evict the oldest routing's last block not yet evicted (if it still owns it)."""
         oldest = blocks.routings[0]
         oldest.left -= 1
+        blocks.slots -= 1
         h = oldest.hashes[oldest.left]
         if blocks.expiry.get(h) is oldest.expires:
             del blocks.expiry[h]

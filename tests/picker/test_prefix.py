@@ -144,6 +144,16 @@ def test_lru_keeps_blocks_a_newer_routing_shares() -> None:
     assert index.blocks("pod-a") == 0 and index.match(["pod-a"], second).tolist() == [0]
 
 
+def test_routing_one_prompt_again_and_again_keeps_memory_bounded() -> None:
+    hasher = PrefixHasher(block_size=16)
+    index = ApproximateIndex(capacity=64, clock=Clock())
+    for _ in range(1000):  # each routing a fresh hash tuple of the same 8 blocks (as each request hashes its own)
+        index.record("pod-a", hasher.hash_text("a@v1", None, "s" * 128))
+    held = index._pods["pod-a"]
+    assert index.blocks("pod-a") == 8 and sum(r.left for r in held.routings) == held.slots <= 2 * 64
+    assert index.match(["pod-a"], hasher.hash_text("a@v1", None, "s" * 128)).tolist() == [8]
+
+
 def test_precise_index_reads_published_block_sets() -> None:
     clock = Clock()
     hasher = PrefixHasher(block_size=4, tokenizer=lambda s: [ord(c) for c in s])
