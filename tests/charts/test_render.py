@@ -578,6 +578,25 @@ def test_vllm_publishes_kv_events_to_its_sidecar_when_asked(render: RenderFn) ->
         assert runtime_flags["--block-size"] == "32"
 
 
+@pytest.mark.parametrize("runtime", ["engine", "vllm"])
+def test_runtimes_schedule_by_the_priority_the_picker_writes(render: RenderFn, runtime: str) -> None:
+    def flags(values: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
+        rendered = render({"modelServer": {"runtime": runtime, "model": "m" if runtime == "vllm" else "tiny", **values}})
+        _validate_schemas(rendered)
+        (runtime_container,) = rendered.get("Deployment", name_of("model-server"))["spec"]["template"]["spec"][
+            "containers"]
+        (picker,) = rendered.get("Deployment", name_of("picker"))["spec"]["template"]["spec"]["containers"]
+        return _flags(runtime_container["args"]), picker["args"]
+
+    runtime_flags, picker_args = flags({})
+    assert runtime_flags["--scheduling-policy"] == "priority" and "--runtime-priority" in picker_args
+    # the reference engine does not chunk prefills: only vLLM gets the smaller step budget
+    assert runtime_flags.get("--max-num-batched-tokens") == ("1024" if runtime == "vllm" else None)
+    runtime_flags, picker_args = flags({"scheduling": {"policy": "fcfs", "maxNumBatchedTokens": 0}})
+    assert runtime_flags["--scheduling-policy"] == "fcfs" and "--runtime-priority" not in picker_args
+    assert "--max-num-batched-tokens" not in runtime_flags
+
+
 def test_single_replica_components_get_no_blocking_disruption_budget(render: RenderFn) -> None:
     one = {"replicas": 1}
     rendered = render({"picker": one, "controller": one, "gateway": {"envoy": one}, "modelServer": one})
