@@ -66,7 +66,7 @@ class LeastRequest(_MaxScore):
 
     def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
         """The pod with the fewest requests in flight."""
-        return self._best([-float(len(p.waiting) + len(p.running)) for p in pods])
+        return self._best([-float(len(p.waiting) + p.num_running) for p in pods])
 
 
 def _default_scores(pods: list[Pod], kv_capacity: int) -> list[float]:

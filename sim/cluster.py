@@ -155,6 +155,9 @@ class Pod:
         self.waiting: deque[int] = deque()
         self.running: list[tuple[int, int]] = []
         self.running_adapters: dict[int, int] = {}
+        #: admitted requests whose prompt is still being prefilled in chunks (``[request, tokens left]``, in the
+        #: order they were admitted): they hold their KV, a sequence slot and their adapter, and have no token yet
+        self.prefilling: list[list[int]] = []
         #: adapter -> its waiting requests, in queue order (``waiting`` is in queue order too: ``Simulator._enqueue``)
         self.waiting_adapters: dict[int, deque[int]] = {}
         self.kv_reserved = 0
@@ -170,6 +173,8 @@ class Pod:
         self.run_step_s = 0.0
         self.run_distinct = 0
         self.run_steps = 0
+        #: requests whose prefill ends in the first step of the current run (first token at ``run_first_end``)
+        self.run_admitted = 0
         self.event_time = math.inf
         self.version = 0
 
@@ -178,10 +183,15 @@ class Pod:
         """Requests waiting for admission (``vllm:num_requests_waiting``)."""
         return len(self.waiting)
 
+    def awaiting_first_token(self, now: float) -> int:
+        """Requests sent here that have no first token yet at ``now``: waiting, part-way through a chunked prefill,
+        or finishing their prefill in the step under way."""
+        return len(self.waiting) + len(self.prefilling) + (self.run_admitted if now < self.run_first_end else 0)
+
     @property
     def num_running(self) -> int:
-        """Requests in the running batch (``vllm:num_requests_running``)."""
-        return len(self.running)
+        """Requests in the running batch, chunked prefills included (``vllm:num_requests_running``)."""
+        return len(self.running) + len(self.prefilling)
 
     def tier_of(self, adapter: int) -> Tier:
         """Where this pod holds ``adapter``."""
@@ -318,8 +328,7 @@ class Simulator:
             [p.load_ms(tier, a.nbytes) / 1e3 for tier in (Tier.GPU, Tier.CPU, Tier.DISK)] for a in trace.adapters
         ]
         self._download_s = [p.download_ms(a.nbytes) / 1e3 for a in trace.adapters]
-        #: the largest prompt and the largest KV reservation of any request (bounds for skipping a scan's checks)
-        self._max_prompt = max(trace.input_tokens, default=0)
+        #: the largest KV reservation of any request (a bound for skipping a scan's checks)
         self._max_kv = max(map(sum, zip(trace.input_tokens, trace.output_tokens, strict=True)), default=0)
 
     # -- events ---------------------------------------------------------------------------------------------
@@ -459,7 +468,7 @@ class Simulator:
             self._schedule(pod, boundary, count)
 
     def _could_admit(self, pod: Pod, adapter: int) -> bool:
-        if len(pod.running) >= self.profile.max_num_seqs or adapter in pod.downloading:
+        if pod.num_running >= self.profile.max_num_seqs or adapter in pod.downloading:
             return False
         return adapter in pod.running_adapters or len(pod.running_adapters) < pod.max_loras
 
@@ -499,40 +508,46 @@ class Simulator:
 
     def _begin(self, pod: Pod, now: float) -> None:
         """Admit what fits, then schedule the end of the run of steps that follows."""
-        stall, prefill_tokens, admitted, budget_hit = self._admit(pod, now)
+        stall, prefill_tokens, first_tokens, budget_hit = self._admit(pod, now)
         running = pod.running
-        if not running:
+        if not running and not pod.prefilling:
             pod.busy = False
             if pod.waiting and any(a not in pod.downloading for a in pod.waiting_adapters):
                 pod.version += 1
                 self._push(now + RETRY_S, _RETRY, pod.index, pod.version)
             return
         distinct = len(pod.running_adapters)
-        batch = len(running)
+        batch = pod.num_running
         lora = self._lora_base + self._lora_per * distinct if distinct else 0.0
         step = self._overhead + self._decode_base + self._per_seq * batch + lora
         first = step + stall + self._prefill * prefill_tokens
         first_end = now + first
         res, arrivals = self.result, self.trace.arrival
-        for rid in admitted:
+        for rid in first_tokens:
             res.ttft[rid] = first_end - arrivals[rid]
         pod.busy = True
         pod.run_t0 = now
         pod.run_first_end = first_end
+        pod.run_admitted = len(first_tokens)
         pod.run_step_s = step
         pod.run_distinct = distinct
-        if budget_hit:
+        if budget_hit or pod.prefilling:
             self._schedule(pod, first_end, 1)
         else:
             k = running[0][0] - pod.steps  # steps until the next finish (>= 1)
             self._schedule(pod, first_end + (k - 1) * step, k)
 
     def _admit(self, pod: Pod, now: float) -> tuple[float, int, list[int], bool]:
-        """vLLM's scheduler with LoRA: in queue order, skipping requests whose adapter cannot get a slot this step.
+        """vLLM's scheduler with LoRA and chunked prefill: the chunked prefills under way take their next chunks of
+        the step's token budget first (in admission order), then waiting requests are admitted in queue order,
+        skipping those whose adapter cannot get a slot this step, each prefilling as much of its prompt as the
+        budget left allows (at most ``long_prefill_token_threshold`` tokens per step, when set and more than one
+        request is eligible). Returns the load stall, the tokens prefilled, the requests whose prefill ends in this
+        step (their first token comes at its end) and whether the budget ran out with requests still waiting.
 
         The scan looks at up to ``SCAN_LIMIT`` waiting requests in order. Runs of requests that would be skipped
         (``_next_admissible``) are passed over in one move, after checking that none of them ends the scan on the
-        prefill budget or the free KV capacity, as looking at each in turn would."""
+        free KV capacity, as looking at each in turn would."""
         prof = self.profile
         tr = self.trace
         adapters, in_tokens, out_tokens = tr.adapter, tr.input_tokens, tr.output_tokens
@@ -548,19 +563,32 @@ class Simulator:
         budget = prof.max_batched_tokens
         kv_free = prof.kv_capacity_tokens - pod.kv_reserved
         max_seqs = prof.max_num_seqs
-        admitted: list[int] = []
+        prefilling = pod.prefilling
+        # vLLM applies the threshold only when more than one request is eligible (running or waiting)
+        threshold = prof.long_prefill_token_threshold if len(running) + len(prefilling) + len(waiting) > 1 else 0
+        first_tokens: list[int] = []
         prefill_tokens = 0
+        for entry in prefilling:
+            if budget <= 0:
+                break
+            chunk = min(entry[1], budget, threshold or budget)
+            budget -= chunk
+            prefill_tokens += chunk
+            entry[1] -= chunk
+            if not entry[1]:
+                heapq.heappush(running, (pod.steps + out_tokens[entry[0]], entry[0]))
+                first_tokens.append(entry[0])
+        if first_tokens:
+            prefilling[:] = [entry for entry in prefilling if entry[1]]
+        admitted = False
         prefix = self.prefix
         pos = 0  # waiting[:pos] were looked at in this step and skipped
         left = SCAN_LIMIT  # how many more the scan may look at
-        budget_hit = False
-        while pos < len(waiting) and left and len(running) < max_seqs:
+        while budget > 0 and pos < len(waiting) and left and len(running) + len(prefilling) < max_seqs:
             stop = min(len(waiting), pos + left)
             jump = _next_admissible(pod, pos, stop, self._queue_key)
             if jump > pos:
-                ends = self._scan_ends(pod, pos, jump, budget, kv_free, bool(admitted), bool(admitted or running))
-                if ends is not None:
-                    budget_hit = ends
+                if self._scan_ends_on_kv(pod, pos, jump, kv_free, admitted or bool(running) or bool(prefilling)):
                     break
                 left -= jump - pos
                 pos = jump
@@ -570,10 +598,7 @@ class Simulator:
             need_kv = n_in + out_tokens[rid]
             cached = prefix.match(pod.index, rid) if prefix is not None else 0
             n_new = n_in - cached  # tokens to prefill
-            if admitted and n_new > budget:
-                budget_hit = True
-                break
-            if need_kv > kv_free and (admitted or running):
+            if need_kv > kv_free and (admitted or running or prefilling):
                 break
             left -= 1
             a = adapters[rid]
@@ -595,37 +620,33 @@ class Simulator:
             queued.popleft()  # its oldest: an adapter's earlier requests were admitted or it would be skipped too
             if not queued:
                 del waiting_adapters[a]
-            budget -= n_new
+            chunk = min(n_new, budget, threshold or budget)
+            budget -= chunk
             kv_free -= need_kv
             pod.kv_reserved += need_kv
-            prefill_tokens += n_new
+            prefill_tokens += chunk
             if prefix is not None:
                 res.cached_tokens[rid] = cached
                 prefix.admitted(pod.index, rid, pod.kv_reserved)
-            admitted.append(rid)
+            admitted = True
             admitted_log.append(rid)
             running_adapters[a] = running_adapters.get(a, 0) + 1
             pod.last_use[a] = now
             pod.uses[a] = pod.uses.get(a, 0) + 1
-            heapq.heappush(running, (pod.steps + out_tokens[rid], rid))
-        return stall, prefill_tokens, admitted, budget_hit
+            if chunk < n_new:
+                prefilling.append([rid, n_new - chunk])
+            else:
+                heapq.heappush(running, (pod.steps + out_tokens[rid], rid))
+                first_tokens.append(rid)
+        return stall, prefill_tokens, first_tokens, budget <= 0 and pos < len(waiting)
 
-    def _scan_ends(
-        self, pod: Pod, start: int, stop: int, budget: int, kv_free: int, admitted: bool, kv_binds: bool
-    ) -> bool | None:
-        """Whether one of ``pod.waiting[start:stop]``, looked at in order, ends the scan: ``True`` on the prefill
-        budget (only once something was admitted; tokens its prefix cache holds are not prefilled), ``False`` on
-        the free KV capacity (``kv_binds``), ``None`` if none does."""
-        if (not admitted or self._max_prompt <= budget) and (not kv_binds or self._max_kv <= kv_free):
-            return None
-        in_tokens, out_tokens, prefix = self.trace.input_tokens, self.trace.output_tokens, self.prefix
-        for rid in islice(pod.waiting, start, stop):
-            n_in = in_tokens[rid]
-            if admitted and n_in - (prefix.match(pod.index, rid) if prefix is not None else 0) > budget:
-                return True
-            if kv_binds and n_in + out_tokens[rid] > kv_free:
-                return False
-        return None
+    def _scan_ends_on_kv(self, pod: Pod, start: int, stop: int, kv_free: int, kv_binds: bool) -> bool:
+        """Whether one of ``pod.waiting[start:stop]``, looked at in order, ends the scan on the free KV capacity
+        (only when ``kv_binds``: something runs or was admitted)."""
+        if not kv_binds or self._max_kv <= kv_free:
+            return False
+        in_tokens, out_tokens = self.trace.input_tokens, self.trace.output_tokens
+        return any(in_tokens[rid] + out_tokens[rid] > kv_free for rid in islice(pod.waiting, start, stop))
 
     def _load(self, pod: Pod, a: int, now: float, demand: bool) -> float:
         """Bring ``a`` into a GPU slot of ``pod``, evicting if needed. Returns the stall in seconds, or -1 when the

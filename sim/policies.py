@@ -45,6 +45,9 @@ from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
 
 LORAPLANE = "loraplane"
+#: ``--max-num-batched-tokens`` of loraplane's vLLM pods: a smaller step budget bounds how long a step full of
+#: lower-priority prefill keeps a gold request waiting (with ``--scheduling-policy priority`` gold goes first)
+LORAPLANE_MAX_BATCHED_TOKENS = 2048
 POLICY_NAMES = [LORAPLANE, *BASELINES]
 #: how often the picker gets new sidecar reports (residency and load): the sidecar's default heartbeat. Its own
 #: in-flight counts are always current.
@@ -163,7 +166,7 @@ class PickerRouter:
             name=f"pod-{pod.index}",
             address=f"10.0.0.{pod.index + 1}:8000",
             queue_depth=len(pod.waiting),
-            running=len(pod.running),
+            running=pod.num_running,
             active_tokens=pod.kv_reserved,
             kv_utilization=min(1.0, pod.kv_reserved / self._kv),
             recent_evictions=pod.recent_evictions(now),
@@ -175,7 +178,7 @@ class PickerRouter:
         """The scheduler's decision for request ``rid``; raises the picker's ``SchedulingError``s. The picker's own
         in-flight count, per endpoint and served name, is every request sent to a pod and not finished there."""
         snapshot = self._refresh(now, pods)
-        snapshot.set_in_flight([self._in_flight(p) for p in pods])
+        snapshot.set_in_flight([self._in_flight(p) for p in pods], [p.awaiting_first_token(now) for p in pods])
         request = self._requests[trace.adapter[rid]]
         if self._prefix is not None:
             self._now = now
@@ -299,6 +302,12 @@ def shipped_flow_control(config: EndpointPickerConfig) -> FlowControlConfig | No
     return None
 
 
+def loraplane_pod_profile(profile: Profile) -> Profile:
+    """``profile`` with the vLLM arguments the chart gives loraplane's pods (``modelServer.scheduling``): a
+    prefill budget of ``LORAPLANE_MAX_BATCHED_TOKENS`` a step (never above the profile's own)."""
+    return replace(profile, max_batched_tokens=min(profile.max_batched_tokens, LORAPLANE_MAX_BATCHED_TOKENS))
+
+
 def runtime_priorities(trace: Trace) -> array:
     """Per request, the ``priority`` the picker writes into its body (``--runtime-priority``): minus its tenant's
     priority, since vLLM serves lower values first."""
@@ -322,6 +331,8 @@ class Policy:
     admission: Admission | None = None
     #: per request, the vLLM ``priority`` its pod schedules it by (``Simulator.priority``); ``None``: ``fcfs``
     priority: Sequence[int] | None = None
+    #: the profile its pods run with, where their vLLM arguments differ from the profile's defaults
+    pod_profile: Profile | None = None
 
 
 def build_policy(
@@ -350,7 +361,7 @@ def build_policy(
             )
         return Policy(
             router, EngineEviction(KeepScorePolicy(), trace, profile), ControllerPlacement(trace, config), admission,
-            runtime_priorities(trace),
+            runtime_priorities(trace), loraplane_pod_profile(profile),
         )
     if name not in BASELINES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -54,6 +54,8 @@ class Profile:
     kv_capacity_tokens: int
     #: default adapter size when a trace does not say (rank 16, all linear layers of the model)
     default_adapter_bytes: int
+    #: vLLM's ``--long-prefill-token-threshold``: most prompt tokens one request prefills per step (0: no limit)
+    long_prefill_token_threshold: int = 0
 
     def load_ms(self, tier: Tier, nbytes: int) -> float:
         """Synchronous (batch-stalling) cost of bringing an adapter of ``nbytes`` from ``tier`` into a GPU slot."""

@@ -77,7 +77,7 @@ def simulate(
     """One policy over one trace (``flow_control``: loraplane's picker queue, ignored by the baselines)."""
     built = build_policy(policy, seed, trace, profile, config, picker_config, flow_control)
     sim = Simulator(
-        trace, config, profile, built.router, built.eviction, built.placement, progress=progress,
+        trace, config, built.pod_profile or profile, built.router, built.eviction, built.placement, progress=progress,
         admission=built.admission, priority=built.priority,
     )  # fmt: skip
     return sim.run()
