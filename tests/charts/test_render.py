@@ -591,7 +591,7 @@ def test_runtimes_schedule_by_the_priority_the_picker_writes(render: RenderFn, r
     runtime_flags, picker_args = flags({})
     assert runtime_flags["--scheduling-policy"] == "priority" and "--runtime-priority" in picker_args
     # the reference engine does not chunk prefills: only vLLM gets the smaller step budget
-    assert runtime_flags.get("--max-num-batched-tokens") == ("1024" if runtime == "vllm" else None)
+    assert runtime_flags.get("--max-num-batched-tokens") == ("2048" if runtime == "vllm" else None)
     runtime_flags, picker_args = flags({"scheduling": {"policy": "fcfs", "maxNumBatchedTokens": 0}})
     assert runtime_flags["--scheduling-policy"] == "fcfs" and "--runtime-priority" not in picker_args
     assert "--max-num-batched-tokens" not in runtime_flags
