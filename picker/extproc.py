@@ -526,6 +526,8 @@ class Exchange:
         if self.route is not None and self.route.served_name is not None:
             ttft = self.ctx.clock() - self.sent_at if self.sent_at is not None else None
             self.ctx.stats.record_response(self.route.served_name, status, ttft)
+        if message.end_of_stream or self.response_body_mode == NONE:
+            self._response_started()  # no response body will come through the picker
         if message.end_of_stream:
             self.close()
         if self.response_names is not None and self.response_body_mode != BUFFERED:
@@ -534,6 +536,7 @@ class Exchange:
 
     def _on_response_body(self, message: pb.HttpBody) -> list[Wire]:
         chunk, end = message.body, message.end_of_stream
+        self._response_started()
         if end:
             self.close()
         names = self.response_names
@@ -552,6 +555,11 @@ class Exchange:
         if end or len(self.response_held) > self.ctx.settings.max_response_rewrite_bytes:
             return self._flush_held_response(end)
         return [] if full_duplex else [CLEAR_RESPONSE_CHUNK]
+
+    def _response_started(self) -> None:
+        """The response's first bytes are here (the first token of a streamed completion): tell the plugins once."""
+        if self.inflight is not None and not self.finished:
+            self.ctx.plugins.response_started(self.inflight)
 
     def _flush_held_response(self, end: bool) -> list[Wire]:
         """Send the collected response: rewritten when it ended, as is when it outgrew the limit (rewrite stops)."""

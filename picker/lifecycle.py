@@ -5,6 +5,10 @@ run around it, in config order:
 
 - ``admit(request, saturated)`` after the cycle, before anything is sent: raise a ``SchedulingError`` to refuse;
 - ``pre_request(request)`` once the endpoint is chosen and the request is about to go out (GIE's PreRequest);
+- ``response_started(request)`` at most once, when its response starts coming back: the first response body chunk
+  Envoy sends (for a streamed completion, the first token), or the response headers when Envoy sends no body for it
+  (``response_body_mode: NONE``, or headers ending the stream); a request whose response never reaches the picker
+  (response messages skipped, aborted before any) goes from ``pre_request`` straight to ``response_complete``;
 - ``response_complete(request)`` when its response ends, or the stream ends or is aborted (GIE's
   ResponseComplete). Envoy reporting another endpoint served it is ``response_complete`` on the old endpoint and
   ``pre_request`` on the new one.
@@ -126,6 +130,8 @@ class InFlightRequest:
     fairness_key: str
     #: where it was sent (None until ``pre_request``)
     endpoint: str | None = None
+    #: its response has started (``response_started`` ran): no longer waiting for its first token
+    responding: bool = False
 
 
 class RequestPlugin:
@@ -137,27 +143,36 @@ class RequestPlugin:
     def pre_request(self, request: InFlightRequest) -> None:
         """``request.endpoint`` is chosen and the request is about to be sent."""
 
+    def response_started(self, request: InFlightRequest) -> None:
+        """The response from ``request.endpoint`` started (its first token, for a streamed completion)."""
+
     def response_complete(self, request: InFlightRequest) -> None:
         """The request sent to ``request.endpoint`` is over (response end, stream end or abort)."""
 
 
 class InFlightAccounting(RequestPlugin):
-    """The picker's own in-flight count per endpoint and served name (fresher than any report): the in-flight
-    scorer and the GPU-slot room check (``PoolSnapshot.has_room``) read it."""
+    """The picker's own in-flight count per endpoint and served name, and how many of those have no first token yet
+    (fresher than any report): the in-flight and prefill-queue scorers and the GPU-slot room check
+    (``PoolSnapshot.has_room``) read them."""
 
     def __init__(self, tracker: InFlightTracker) -> None:
         """Count into ``tracker``."""
         self.tracker = tracker
 
     def pre_request(self, request: InFlightRequest) -> None:
-        """One more in flight at the endpoint."""
+        """One more in flight at the endpoint (and waiting for its first token, unless its response started)."""
         assert request.endpoint is not None
-        self.tracker.start(request.endpoint, request.scheduling.served_name)
+        self.tracker.start(request.endpoint, request.scheduling.served_name, prefilling=not request.responding)
+
+    def response_started(self, request: InFlightRequest) -> None:
+        """One fewer waiting for its first token."""
+        assert request.endpoint is not None
+        self.tracker.first_token(request.endpoint)
 
     def response_complete(self, request: InFlightRequest) -> None:
-        """One fewer."""
+        """One fewer in flight (and waiting for its first token, if its response never started)."""
         assert request.endpoint is not None
-        self.tracker.finish(request.endpoint, request.scheduling.served_name)
+        self.tracker.finish(request.endpoint, request.scheduling.served_name, prefilling=not request.responding)
 
 
 class FairShareExceededError(SchedulingError):
@@ -213,6 +228,7 @@ class Lifecycle:
 
         self._admit = overriding("admit")
         self._pre = overriding("pre_request")
+        self._started = overriding("response_started")
         self._complete = overriding("response_complete")
 
     @classmethod
@@ -242,6 +258,14 @@ class Lifecycle:
         """Every plugin's ``pre_request``."""
         for hook in self._pre:
             hook(request)
+
+    def response_started(self, request: InFlightRequest) -> None:
+        """Every plugin's ``response_started``, once per request (later calls do nothing)."""
+        if request.responding:
+            return
+        for hook in self._started:
+            hook(request)
+        request.responding = True
 
     def response_complete(self, request: InFlightRequest) -> None:
         """Every plugin's ``response_complete``."""

@@ -400,6 +400,7 @@ _BUILT_IN_SCORERS: list[tuple[str, type[ApiModel], Callable[..., Scorer], bool]]
     ("residency-affinity-scorer", AffinityParameters, residency_affinity_scorer, False),
     ("tenant-priority-scorer", _NoParameters, tenant_priority_scorer, False),
     ("in-flight-scorer", _NoParameters, _load_scorer("in_flight"), False),
+    ("prefill-queue-scorer", _NoParameters, _load_scorer("prefilling"), False),
     ("queue-scorer", _NoParameters, _load_scorer("queue_depth"), True),
     ("active-tokens-scorer", _NoParameters, _load_scorer("active_tokens"), True),
     ("evictions-scorer", _NoParameters, _load_scorer("recent_evictions"), True),

@@ -102,6 +102,8 @@ class PoolSnapshot:
         self.kv_utilization: FloatArray = np.fromiter((e.kv_utilization for e in self.endpoints), np.float64, n)
         self.recent_evictions: FloatArray = np.fromiter((e.recent_evictions for e in self.endpoints), np.float64, n)
         self.in_flight: FloatArray = np.zeros(n, dtype=np.float64)
+        #: of those, the requests whose response has not started (no first token yet: queued for or in prefill)
+        self.prefilling: FloatArray = np.zeros(n, dtype=np.float64)
         #: the picker's own in-flight requests per served name: name -> {endpoint index: count} (``InFlightTracker``)
         self.in_flight_by_name: dict[str, dict[int, int]] = {}
         #: per endpoint, the distinct served names among those in flight
@@ -269,9 +271,12 @@ class PoolSnapshot:
         """Does some endpoint have requests in flight for a revision it does not hold (fetching it)?"""
         return bool(self.fetching.any())
 
-    def set_in_flight(self, by_endpoint: Sequence[Mapping[str, int]]) -> None:
+    def set_in_flight(self, by_endpoint: Sequence[Mapping[str, int]], prefilling: Sequence[int] | None = None) -> None:
         """Every endpoint's in-flight requests per served name at once (a driver that counts them itself: the
-        simulator), replacing the counts an ``InFlightTracker`` keeps."""
+        simulator), replacing the counts an ``InFlightTracker`` keeps; ``prefilling``: per endpoint, how many of
+        them have no first token yet (None: leave ``prefilling`` as it is)."""
+        if prefilling is not None:
+            self.prefilling[:] = prefilling
         self.in_flight_by_name.clear()
         for index, by_name in enumerate(by_endpoint):
             self.in_flight[index] = sum(by_name.values())
@@ -393,6 +398,8 @@ class InFlightTracker:
     def __init__(self) -> None:
         """Start with nothing in flight."""
         self.counts: dict[str, int] = {}
+        #: address -> requests in flight there whose response has not started (no first token yet)
+        self.prefilling: dict[str, int] = {}
         #: address -> served name -> requests in flight
         self.by_name: dict[str, dict[str, int]] = {}
         self._snapshot: PoolSnapshot | None = None
@@ -403,6 +410,10 @@ class InFlightTracker:
             i = snapshot.index_by_address.get(address)
             if i is not None:
                 snapshot.in_flight[i] = count
+        for address, count in self.prefilling.items():
+            i = snapshot.index_by_address.get(address)
+            if i is not None:
+                snapshot.prefilling[i] = count
         for address, names in self.by_name.items():
             i = snapshot.index_by_address.get(address)
             if i is not None:
@@ -410,13 +421,33 @@ class InFlightTracker:
                     snapshot.note_in_flight(i, name, count)
         self._snapshot = snapshot
 
-    def start(self, address: str, served_name: str | None = None) -> None:
-        """A request (of ``served_name``; None: the base model) was sent to ``address``."""
+    def start(self, address: str, served_name: str | None = None, prefilling: bool = True) -> None:
+        """A request (of ``served_name``; None: the base model) was sent to ``address``; ``prefilling``: its
+        response has not started yet."""
         self._add(address, served_name, 1)
+        if prefilling:
+            self._add_prefilling(address, 1)
 
-    def finish(self, address: str, served_name: str | None = None) -> None:
-        """A request to ``address`` finished (response end, error or client abort)."""
+    def first_token(self, address: str) -> None:
+        """The response of a request in flight at ``address`` started (its first token came back)."""
+        self._add_prefilling(address, -1)
+
+    def finish(self, address: str, served_name: str | None = None, prefilling: bool = False) -> None:
+        """A request to ``address`` finished (response end, error or client abort); ``prefilling``: before its
+        response started."""
         self._add(address, served_name, -1)
+        if prefilling:
+            self._add_prefilling(address, -1)
+
+    def _add_prefilling(self, address: str, delta: int) -> None:
+        count = max(0, self.prefilling.get(address, 0) + delta)
+        if count:
+            self.prefilling[address] = count
+        else:
+            self.prefilling.pop(address, None)
+        snapshot = self._snapshot
+        if snapshot is not None and (i := snapshot.index_by_address.get(address)) is not None:
+            snapshot.prefilling[i] = count
 
     def _add(self, address: str, served_name: str | None, delta: int) -> None:
         count = max(0, self.counts.get(address, 0) + delta)

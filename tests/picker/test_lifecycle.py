@@ -5,11 +5,28 @@ from __future__ import annotations
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from loraplane.picker.extproc import Exchange
-from loraplane.picker.lifecycle import FairSharePlugin, InFlightRequest, RequestPlugin
-from loraplane.picker.plugins import REGISTRY, PluginKind
+from loraplane.picker.extproc import NONE, Exchange
+from loraplane.picker.lifecycle import (
+    FairSharePlugin,
+    InFlightRequest,
+    Lifecycle,
+    PluginRuntime,
+    RequestPlugin,
+)
+from loraplane.picker.plugins import REGISTRY, PluginKind, SchedulingRequest
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
-from tests.picker.conftest import BUFFERED, REQUEST_HEADERS, body, headers, make_context
+from loraplane.picker.snapshot import EndpointState, InFlightTracker, PoolSnapshot
+from tests.picker.conftest import (
+    ADDRESSES,
+    BUFFERED,
+    REQUEST_HEADERS,
+    STREAMED,
+    body,
+    headers,
+    make_context,
+    response_body,
+    response_headers,
+)
 
 COMPLETION = b'{"model": "claims", "prompt": "hi"}'
 CONFIG = """
@@ -71,3 +88,70 @@ def test_hooks_run_once_before_sending_and_once_at_the_end() -> None:
     exchange.close()
     assert recorder.events == [("pre", chosen), ("complete", chosen)]
     assert state.snapshot.in_flight.sum() == 0
+
+
+class StartRecorder(Recorder):
+    def response_started(self, request: InFlightRequest) -> None:
+        self.events.append(("started", request.endpoint))
+
+
+def _sent(body_mode: int = BUFFERED) -> tuple[Exchange, StartRecorder, PoolSnapshot, int]:
+    ctx, state = make_context()
+    recorder = StartRecorder()
+    ctx.plugins.add(recorder)
+    exchange = Exchange(ctx)
+    exchange.handle(headers(REQUEST_HEADERS, body_mode=body_mode))
+    exchange.handle(body(COMPLETION))
+    assert exchange.destination is not None
+    snapshot = state.snapshot
+    return exchange, recorder, snapshot, snapshot.index_by_address[exchange.destination]
+
+
+def test_the_first_response_body_chunk_starts_the_response_once() -> None:
+    exchange, recorder, snapshot, chosen = _sent(STREAMED)
+    assert snapshot.prefilling[chosen] == 1 and snapshot.in_flight[chosen] == 1
+    exchange.handle(response_headers(200, "text/event-stream"))
+    assert snapshot.prefilling[chosen] == 1  # headers come before the first token (vLLM streams them at once)
+    exchange.handle(response_body(b'data: {"choices": [{"text": "a"}]}\n\n', end_of_stream=False))
+    exchange.handle(response_body(b'data: {"choices": [{"text": "b"}]}\n\n', end_of_stream=False))
+    assert snapshot.prefilling[chosen] == 0 and snapshot.in_flight[chosen] == 1
+    exchange.handle(response_body(b"data: [DONE]\n\n", end_of_stream=True))
+    address = snapshot.addresses[chosen]
+    assert recorder.events == [("pre", address), ("started", address), ("complete", address)]
+    assert snapshot.prefilling.sum() == 0 and snapshot.in_flight.sum() == 0
+
+
+def test_response_headers_start_the_response_when_envoy_sends_no_response_body() -> None:
+    exchange, recorder, snapshot, chosen = _sent()
+    exchange.response_body_mode = NONE  # what the stream's protocol_config says for response_body_mode: NONE
+    exchange.handle(response_headers(200))
+    assert snapshot.prefilling[chosen] == 0 and snapshot.in_flight[chosen] == 1
+    exchange.close()
+    assert [event for event, _ in recorder.events] == ["pre", "started", "complete"]
+    assert snapshot.in_flight.sum() == 0
+
+
+def test_a_response_that_never_reaches_the_picker_leaves_the_prefill_count_at_completion() -> None:
+    exchange, recorder, snapshot, chosen = _sent()
+    assert snapshot.prefilling[chosen] == 1
+    exchange.close()  # response messages skipped by Envoy, or the client went away
+    assert [event for event, _ in recorder.events] == ["pre", "complete"]
+    assert snapshot.prefilling.sum() == 0 and snapshot.in_flight.sum() == 0
+
+
+def test_moving_to_the_endpoint_envoy_reports_moves_the_prefill_count_only_before_the_first_token() -> None:
+    tracker = InFlightTracker()
+    snapshot = PoolSnapshot([EndpointState(name=f"p{i}", address=a) for i, a in enumerate(ADDRESSES)])
+    tracker.attach(snapshot)
+    plugins = Lifecycle(PluginRuntime(tracker, lambda: 0.0))
+    first = InFlightRequest(SchedulingRequest("claims@v1"), "acme", ADDRESSES[0])
+    plugins.pre_request(first)
+    plugins.moved(first, ADDRESSES[1])  # before its response started: the prefill count moves with it
+    assert snapshot.prefilling.tolist() == [0, 1, 0] and snapshot.in_flight.tolist() == [0, 1, 0]
+    plugins.response_started(first)
+    plugins.response_started(first)  # once only
+    assert snapshot.prefilling.tolist() == [0, 0, 0]
+    plugins.moved(first, ADDRESSES[2])  # after: only the in-flight count moves
+    assert snapshot.prefilling.tolist() == [0, 0, 0] and snapshot.in_flight.tolist() == [0, 0, 1]
+    plugins.response_complete(first)
+    assert snapshot.in_flight.sum() == 0 and snapshot.prefilling.sum() == 0 and not tracker.prefilling
