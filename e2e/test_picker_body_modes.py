@@ -19,6 +19,7 @@ import redis
 
 from e2e.fixtures.picker import Gateway, gateway
 from e2e.fixtures.processes import LOOPBACK, ManagedProcess, free_port, start_redis, wait_for_port
+from e2e.fixtures.waiting import wait_until
 from loraplane.api import (
     AdapterResidency,
     ResidencyReport,
@@ -139,3 +140,31 @@ def test_subset_hints_through_envoy_metadata(setup: Setup) -> None:
         refused = setup.post(body, subset=hint)
         assert refused.status_code == 503, (hint, refused.text)
         assert refused.text.startswith("inference error: ServiceUnavailable - ")
+
+
+def _picker_gauges(setup: Setup) -> tuple[float, float]:
+    """(requests in flight, of those awaiting their first token) from the picker's /metrics."""
+    text = httpx.get(f"http://{LOOPBACK}:{setup.gateway.metrics_port}/metrics", timeout=5).text
+    values = dict(line.split(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return (float(values["loraplane_picker_in_flight_requests"]),
+            float(values["loraplane_picker_requests_awaiting_first_token"]))
+
+
+def test_the_first_streamed_token_through_envoy_ends_the_wait_for_it(setup: Setup, request: pytest.FixtureRequest) -> None:
+    # the backend streams its headers at once, its first event 1.5 s later, then one a second (as vLLM: headers,
+    # prefill, tokens): the picker counts the request as awaiting its first token until that event passes it
+    body = {"model": "claims", "prompt": "p", "stream": True, "first_token_s": 1.5, "token_gap_s": 1.0}
+    buffered = request.node.callspec.params["setup"] == "BUFFERED"
+    with httpx.stream("POST", f"{setup.gateway.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        if not buffered:
+            assert _picker_gauges(setup) == (1, 1)  # headers are through; no token yet
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["text"] == "a"
+        if buffered:  # Envoy sends the picker the body only once the whole response is in: it started at the end
+            assert _picker_gauges(setup) == (0, 0)
+        else:
+            wait_until(lambda: _picker_gauges(setup) == (1, 0), 0.8, "the first token to end the wait")  # before the 2nd
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    wait_until(lambda: _picker_gauges(setup) == (0, 0), 5, "the request to end", setup.gateway.picker)

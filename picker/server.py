@@ -144,6 +144,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     """Run until ``stop`` is set (or SIGTERM/SIGINT)."""
     metrics = PickerMetrics()
     tracker = InFlightTracker()
+    metrics.watch_in_flight(tracker)
     state = PoolState(options.pool, tracker, time.time, options.endpoints, metrics, options.stale_grace_seconds)
     stats = RequestStats(time.time)
     scheduler = Scheduler(EndpointPickerConfig.load(options.config_path))

@@ -11,6 +11,7 @@ from prometheus_client import Counter as PromCounter
 from loraplane.api import PickerCounters, RequestRates, RevisionCounters
 from loraplane.api.routing import RateWindow
 from loraplane.picker.scheduler import Outcome
+from loraplane.picker.snapshot import InFlightTracker
 
 WINDOWS: dict[RateWindow, int] = {"5m": 300, "1h": 3600, "24h": 86400}
 _BUCKET_SECONDS = 60
@@ -59,6 +60,14 @@ class PickerMetrics:
             "loraplane_picker_redis_errors_total", "Failed Redis operations (the last snapshot stays in use)",
             registry=self.registry,
         )
+
+    def watch_in_flight(self, tracker: InFlightTracker) -> None:
+        """Export ``tracker``'s totals: the requests in flight, and those of them whose response has not started."""
+        Gauge("loraplane_picker_in_flight_requests", "Requests the picker sent whose response has not ended",
+              registry=self.registry).set_function(lambda: sum(tracker.counts.values()))
+        Gauge("loraplane_picker_requests_awaiting_first_token",
+              "Requests the picker sent whose response has not started (queued for or in prefill at their pod)",
+              registry=self.registry).set_function(lambda: sum(tracker.prefilling.values()))
 
     def count_request(self, tenant: str, status: int) -> None:
         """One request finished (or was refused) with HTTP ``status``."""
