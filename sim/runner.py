@@ -18,7 +18,7 @@ from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.bound import belady_misses
 from loraplane.sim.cluster import SimConfig, SimResult, Simulator
 from loraplane.sim.metrics import DEFAULT_SLO_TTFT_MS, hot_ttft_p99_ms, served_ttft, summarize
-from loraplane.sim.policies import build_policy, loraplane_queue
+from loraplane.sim.policies import build_policy, loraplane_pod_profile, loraplane_queue
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import BURST, Trace
 
@@ -81,6 +81,15 @@ def simulate(
         admission=built.admission, priority=built.priority,
     )  # fmt: skip
     return sim.run()
+
+
+def pod_settings(profile: Profile) -> dict[str, dict[str, Any]]:
+    """What the pods of loraplane and of the baselines run (vLLM's ``--scheduling-policy`` and step budget)."""
+    own = loraplane_pod_profile(profile)
+    return {
+        "loraplane": {"scheduling_policy": "priority", "max_num_batched_tokens": own.max_batched_tokens},
+        "baselines": {"scheduling_policy": "fcfs", "max_num_batched_tokens": profile.max_batched_tokens},
+    }
 
 
 def curves(result: SimResult) -> dict[str, list[float]]:
@@ -194,6 +203,7 @@ def run_all(
         "profile": profile.name,
         "slo_ttft_ms": slo_ttft_ms,
         "flow_control": loraplane_queue(profile, picker_config, flow_control),
+        "pods": pod_settings(profile),
         "trace_seconds": round(trace.duration, 1),
         "bound": {
             "cold_starts": bound,

@@ -12,6 +12,7 @@ from loraplane.sim.baselines import BASELINES
 from loraplane.sim.cluster import SimConfig, Simulator
 from loraplane.sim.policies import LORAPLANE_MAX_BATCHED_TOKENS, build_policy, runtime_priorities
 from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.runner import run_all
 from loraplane.sim.trace import Adapter, Tenant, Trace, scenario
 from tests.sim.conftest import ADAPTER_BYTES, free_loads
 
@@ -143,3 +144,12 @@ def test_long_prefill_token_threshold_caps_each_request_per_step_only_when_anoth
                                  long_prefill_token_threshold=400)  # fmt: skip
     # after the short one's step: 400 + 400, then 400 + 400, then 200 + 200; both have their first token then
     assert first == second == pytest.approx(short - 1e-4 + step_s(3) * 2 + step_s(2) + 2000 * PREFILL_S)
+
+
+def test_the_report_says_what_the_pods_run() -> None:
+    trace = scenario("hot-plus-burst", 300, seed=0, adapter_bytes=ADAPTER_BYTES)
+    report = run_all(trace, SimConfig(pods=2), LARGE_GPU, ["loraplane", "round-robin"], seed=0, jobs=1)
+    assert report["pods"] == {
+        "loraplane": {"scheduling_policy": "priority", "max_num_batched_tokens": LORAPLANE_MAX_BATCHED_TOKENS},
+        "baselines": {"scheduling_policy": "fcfs", "max_num_batched_tokens": LARGE_GPU.max_batched_tokens},
+    }
