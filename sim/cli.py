@@ -74,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
                    "(bands, per-tenant fairness, deadline, then 429/503): the simulator's model (sim, the value "
                    "when given alone), the picker's plugin with the simulator's bounds (picker) or none (off); "
                    "default: the picker config's own flow-control plugin (the packaged config ships it on)")  # fmt: skip
+    p.add_argument("--loraplane-pods", choices=["chart", "vllm-defaults"], default="chart",
+                   help="loraplane's pods as the chart starts them (priority queues, 2,048-token steps) or with "
+                        "vLLM's defaults, as the baselines' run")
     p.add_argument("--jobs", type=_positive, help="worker processes (default: one per CPU it may use)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write ttft_cdf.png and cold_starts.png into DIR")
@@ -97,6 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print(f"loraplane sim: {exc}", markup=False)
         return 2
     flow_control = FlowControlConfig(queue=args.flow_control) if args.flow_control else None
+    chart_pods = args.loraplane_pods == "chart"
     if args.save_trace is not None:
         args.save_trace.write_text(trace.to_csv())
     if len(trace) >= PROGRESS_MIN_REQUESTS and err.is_terminal:
@@ -116,12 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             report = run_all(
                 trace, config, profile, args.policies, args.seed, args.picker_config, args.jobs, show,
-                args.slo_ttft_ms, flow_control,
+                args.slo_ttft_ms, flow_control, chart_pods,
             )  # fmt: skip
     else:
         report = run_all(
             trace, config, profile, args.policies, args.seed, args.picker_config, args.jobs, None,
-            args.slo_ttft_ms, flow_control,
+            args.slo_ttft_ms, flow_control, chart_pods,
         )  # fmt: skip
     if args.plot is not None:
         for path in plot(report, args.plot):

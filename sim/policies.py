@@ -343,10 +343,12 @@ def build_policy(
     config: SimConfig,
     picker_config: Path | None = None,
     flow_control: FlowControlConfig | None = None,
+    chart_pods: bool = True,
 ) -> Policy:
     """The named policy, ready for a ``Simulator``; ``flow_control`` puts a flow-control queue (the simulator's
     or the picker's, ``FlowControlConfig.queue``, or none) in front of loraplane's picker; None: the picker config's
-    own (``shipped_flow_control``). The baselines have no queue, as in the field."""
+    own (``shipped_flow_control``). The baselines have no queue, as in the field. ``chart_pods``: loraplane's pods
+    run as the chart starts them (``priority`` queues, ``loraplane_pod_profile``), else vLLM's defaults."""
     if name == LORAPLANE:
         endpoint_picker_config = picker_config_for(profile, picker_config)
         scheduler = Scheduler(endpoint_picker_config)
@@ -361,7 +363,7 @@ def build_policy(
             )
         return Policy(
             router, EngineEviction(KeepScorePolicy(), trace, profile), ControllerPlacement(trace, config), admission,
-            runtime_priorities(trace), loraplane_pod_profile(profile),
+            runtime_priorities(trace) if chart_pods else None, loraplane_pod_profile(profile) if chart_pods else None,
         )
     if name not in BASELINES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")

@@ -73,9 +73,11 @@ def simulate(
     picker_config: Path | None = None,
     progress: Callable[[int], None] | None = None,
     flow_control: FlowControlConfig | None = None,
+    chart_pods: bool = True,
 ) -> SimResult:
-    """One policy over one trace (``flow_control``: loraplane's picker queue, ignored by the baselines)."""
-    built = build_policy(policy, seed, trace, profile, config, picker_config, flow_control)
+    """One policy over one trace (``flow_control``: loraplane's picker queue, ignored by the baselines;
+    ``chart_pods``: loraplane's pods as the chart starts them, else vLLM's defaults)."""
+    built = build_policy(policy, seed, trace, profile, config, picker_config, flow_control, chart_pods)
     sim = Simulator(
         trace, config, built.pod_profile or profile, built.router, built.eviction, built.placement, progress=progress,
         admission=built.admission, priority=built.priority,
@@ -83,13 +85,11 @@ def simulate(
     return sim.run()
 
 
-def pod_settings(profile: Profile) -> dict[str, dict[str, Any]]:
+def pod_settings(profile: Profile, chart_pods: bool = True) -> dict[str, dict[str, Any]]:
     """What the pods of loraplane and of the baselines run (vLLM's ``--scheduling-policy`` and step budget)."""
-    own = loraplane_pod_profile(profile)
-    return {
-        "loraplane": {"scheduling_policy": "priority", "max_num_batched_tokens": own.max_batched_tokens},
-        "baselines": {"scheduling_policy": "fcfs", "max_num_batched_tokens": profile.max_batched_tokens},
-    }
+    defaults = {"scheduling_policy": "fcfs", "max_num_batched_tokens": profile.max_batched_tokens}
+    own = {"scheduling_policy": "priority", "max_num_batched_tokens": loraplane_pod_profile(profile).max_batched_tokens}
+    return {"loraplane": own if chart_pods else defaults, "baselines": defaults}
 
 
 def curves(result: SimResult) -> dict[str, list[float]]:
@@ -111,6 +111,7 @@ _shared: dict[str, Any] = {}
 def _init(trace: Trace, config: SimConfig, profile: Profile, seed: int, picker_config: Path | None, counters: Any) -> None:
     _shared.update(trace=trace, config=config, profile=profile, seed=seed, picker=picker_config, counters=counters)
     _shared.setdefault("flow_control", None)
+    _shared.setdefault("chart_pods", True)
     _shared.setdefault("slo_ttft_ms", DEFAULT_SLO_TTFT_MS)
     _shared["no_burst"] = without_burst(trace) if trace.has_class(BURST) else None
 
@@ -125,7 +126,7 @@ def _run_job(index: int, job: Job) -> tuple[int, dict[str, Any]]:
     start = time.process_time()
     result = simulate(
         trace, _shared["config"], _shared["profile"], job.policy, _shared["seed"], _shared["picker"], progress,
-        _shared["flow_control"],
+        _shared["flow_control"], _shared["chart_pods"],
     )  # fmt: skip
     counters[index] = len(trace)
     out: dict[str, Any] = {"cpu_s": round(time.process_time() - start, 2), "events": result.events}
@@ -148,6 +149,7 @@ def run_all(
     on_progress: Callable[[list[Job], list[int], list[int]], None] | None = None,
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS,
     flow_control: FlowControlConfig | None = None,
+    chart_pods: bool = True,
 ) -> dict[str, Any]:
     """Run every policy (and, when the trace has a burst tenant, each again without it); the report dict.
     ``flow_control`` puts the in-simulator picker queue in front of loraplane only."""
@@ -161,7 +163,7 @@ def run_all(
     workers = max(1, min(jobs or usable_cpus(), len(work)))
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
     counters = ctx.Array("q", len(work), lock=False)
-    _shared.update(bound=bound, slo_ttft_ms=slo_ttft_ms, flow_control=flow_control)
+    _shared.update(bound=bound, slo_ttft_ms=slo_ttft_ms, flow_control=flow_control, chart_pods=chart_pods)
     results: dict[int, dict[str, Any]] = {}
     if workers == 1:
         _init(trace, config, profile, seed, picker_config, counters)
@@ -203,7 +205,7 @@ def run_all(
         "profile": profile.name,
         "slo_ttft_ms": slo_ttft_ms,
         "flow_control": loraplane_queue(profile, picker_config, flow_control),
-        "pods": pod_settings(profile),
+        "pods": pod_settings(profile, chart_pods),
         "trace_seconds": round(trace.duration, 1),
         "bound": {
             "cold_starts": bound,

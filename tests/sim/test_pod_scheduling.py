@@ -146,10 +146,15 @@ def test_long_prefill_token_threshold_caps_each_request_per_step_only_when_anoth
     assert first == second == pytest.approx(short - 1e-4 + step_s(3) * 2 + step_s(2) + 2000 * PREFILL_S)
 
 
-def test_the_report_says_what_the_pods_run() -> None:
+def test_the_report_says_what_the_pods_run_and_vllm_defaults_turn_loraplanes_to_the_baselines() -> None:
     trace = scenario("hot-plus-burst", 300, seed=0, adapter_bytes=ADAPTER_BYTES)
+    defaults = {"scheduling_policy": "fcfs", "max_num_batched_tokens": LARGE_GPU.max_batched_tokens}
     report = run_all(trace, SimConfig(pods=2), LARGE_GPU, ["loraplane", "round-robin"], seed=0, jobs=1)
     assert report["pods"] == {
         "loraplane": {"scheduling_policy": "priority", "max_num_batched_tokens": LORAPLANE_MAX_BATCHED_TOKENS},
-        "baselines": {"scheduling_policy": "fcfs", "max_num_batched_tokens": LARGE_GPU.max_batched_tokens},
+        "baselines": defaults,
     }
+    plain = run_all(trace, SimConfig(pods=2), LARGE_GPU, ["loraplane"], seed=0, jobs=1, chart_pods=False)
+    assert plain["pods"] == {"loraplane": defaults, "baselines": defaults}
+    built = build_policy("loraplane", 0, trace, LARGE_GPU, SimConfig(pods=2), chart_pods=False)
+    assert built.priority is None and built.pod_profile is None
