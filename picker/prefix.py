@@ -218,25 +218,25 @@ def _vector(runs: Mapping[str, int], endpoints: Sequence[str]) -> IntArray:
 
 
 class _Routing:
-    """One routing remembered for a pod: its block hashes, their expiry, and how many of its leading blocks the LRU
-    has not yet reached."""
+    """One prefix routed to a pod (keyed by its last block): its block hashes, when it expires, how many of its
+    leading blocks the LRU has not yet reached (``left``) and how many blocks it is the latest routing of (``owned``:
+    the rest were routed again since, by a longer prompt or a newer routing)."""
 
-    __slots__ = ("expires", "hashes", "left")
+    __slots__ = ("expires", "hashes", "left", "owned")
 
     def __init__(self, expires: float, hashes: tuple[BlockHash, ...]) -> None:
-        self.expires, self.hashes, self.left = expires, hashes, len(hashes)
+        self.expires, self.hashes, self.left, self.owned = expires, hashes, len(hashes), 0
 
 
 class _PodBlocks:
-    """One pod's remembered blocks: hash -> the expiry of its latest routing there (that routing's own float object,
-    so an older routing can tell whether it still owns a block), the routings oldest first, and how many of their
-    hashes the LRU has not yet reached (``slots``: owned or superseded by a newer routing)."""
+    """One pod's remembered blocks: hash -> its latest routing there, the routings least recently routed first,
+    and how many hashes they still reference (``slots``: owned, or superseded and not yet reached by the LRU)."""
 
-    __slots__ = ("expiry", "routings", "slots")
+    __slots__ = ("owner", "routings", "slots")
 
     def __init__(self) -> None:
-        self.expiry: dict[BlockHash, float] = {}
-        self.routings: collections.deque[_Routing] = collections.deque()
+        self.owner: dict[BlockHash, _Routing] = {}
+        self.routings: collections.OrderedDict[BlockHash, _Routing] = collections.OrderedDict()
         self.slots = 0
 
 
@@ -244,11 +244,12 @@ class ApproximateIndex:
     """Where requests were routed: per pod, a bounded LRU of block hashes (``capacity`` per pod), each expiring
     ``ttl_s`` after it was last routed there. ``max_pods`` bounds the pods remembered (least recently routed go).
 
-    The LRU evicts from the oldest routing, its last block first, so under pressure a prefix loses its tail before
-    its head (as a runtime's cache does); a block routed again since belongs to its newer routing and stays. Only
-    first blocks are indexed by hash (the pods they were routed to): a match looks up the request's first block,
-    then walks the blocks in each of those pods' own map, so it costs the matched prefix, not the pool. Recording is
-    one C-level dict update per routing (an OrderedDict's per-key move and pop cost ~1 us a block).
+    The LRU evicts from the least recently routed prefix, its last block first, so under pressure a prefix loses its
+    tail before its head (as a runtime's cache does); a block routed again since belongs to the newer routing and
+    stays. Only first blocks are indexed by hash (the pods they were routed to): a match looks up the request's
+    first block, then walks the blocks in each of those pods' own map, so it costs the matched prefix, not the pool.
+    Recording costs a few C-level passes over the request's hashes and evicts block by block only what it owns
+    (an OrderedDict of blocks cost ~1 us a block in moves and pops).
     """
 
     def __init__(self, capacity: int = 65_536, ttl_s: float = 600.0, max_pods: int = 4096,
@@ -274,31 +275,69 @@ class ApproximateIndex:
                 self.forget(next(iter(self._pods)))
         else:
             self._pods.move_to_end(pod)
-        routing = _Routing(self._clock() + self.ttl_s, hashes)
-        blocks.expiry.update(zip(hashes, itertools.repeat(routing.expires)))
-        blocks.routings.append(routing)
-        blocks.slots += len(hashes)
+        routing = blocks.routings.get(hashes[-1])
+        if routing is None:  # a new prefix here
+            routing = blocks.routings[hashes[-1]] = _Routing(0.0, hashes)
+            blocks.slots += len(hashes)
+        else:  # the same prefix again: it becomes the most recent, whole again
+            blocks.routings.move_to_end(hashes[-1])
+            blocks.slots += len(hashes) - routing.left
+            routing.left = len(hashes)
+        routing.expires = self._clock() + self.ttl_s
+        owner = blocks.owner
+        previous = set(map(owner.get, hashes))  # C-level passes: most prompts are new here ({None})
+        if len(previous) > 1 or None not in previous:  # some blocks were routed here before: their owners lose them
+            for earlier, count in collections.Counter(map(owner.get, hashes)).items():
+                if earlier is not None:
+                    earlier.owned -= count
+        owner.update(zip(hashes, itertools.repeat(routing)))
+        routing.owned = len(hashes)
         pods = self._first.get(hashes[0])
         if pods is None:
             self._first[hashes[0]] = {pod}
         else:
             pods.add(pod)
-        expiry, slot_limit = blocks.expiry, 2 * self.capacity  # superseded hashes are kept at most as many again
-        while len(expiry) > self.capacity or blocks.slots > slot_limit:
-            self._evict_one(pod, blocks)
+        self._evict(pod, blocks)
 
-    def _evict_one(self, pod: str, blocks: _PodBlocks) -> None:
-        """Evict the oldest routing's last block not yet evicted (if it still owns it)."""
-        oldest = blocks.routings[0]
-        oldest.left -= 1
-        blocks.slots -= 1
-        h = oldest.hashes[oldest.left]
-        if blocks.expiry.get(h) is oldest.expires:
-            del blocks.expiry[h]
-            if not oldest.left:
-                self._unfirst(pod, h)
-        if not oldest.left:
-            blocks.routings.popleft()
+    def _evict(self, pod: str, blocks: _PodBlocks) -> None:
+        """While the pod is over its bounds: evict the least recently routed prefix's blocks, last first, skipping
+        those a newer routing owns; a prefix that owns no block any more goes whole. Over the routings' or
+        references' bound, the least recently routed prefixes go whole."""
+        owner, routings = blocks.owner, blocks.routings
+        excess = len(owner) - self.capacity
+        while excess > 0:
+            oldest = next(iter(routings.values()))
+            hashes, left = oldest.hashes, oldest.left
+            if oldest.owned == left:  # it owns all it has left (the common case): its tail goes in one C-level pass
+                count = min(excess, left)
+                collections.deque(map(owner.__delitem__, hashes[left - count:left]), maxlen=0)
+                left -= count
+                oldest.owned -= count
+                excess -= count
+            while oldest.owned and excess > 0:
+                left -= 1
+                h = hashes[left]
+                if owner.get(h) is oldest:
+                    del owner[h]
+                    oldest.owned -= 1
+                    excess -= 1
+            blocks.slots -= oldest.left - left
+            oldest.left = left
+            if not oldest.owned:
+                self._drop_oldest(pod, blocks)
+        while len(routings) > self.capacity or blocks.slots > 2 * self.capacity:
+            self._drop_oldest(pod, blocks)
+
+    def _drop_oldest(self, pod: str, blocks: _PodBlocks) -> None:
+        """Forget the least recently routed prefix and the blocks it still owns."""
+        oldest = blocks.routings.popitem(last=False)[1]
+        blocks.slots -= oldest.left
+        owner = blocks.owner
+        for h in oldest.hashes[:oldest.left] if oldest.owned else ():
+            if owner.get(h) is oldest:
+                del owner[h]
+        if oldest.hashes[0] not in owner:
+            self._unfirst(pod, oldest.hashes[0])
 
     def _unfirst(self, pod: str, h: BlockHash) -> None:
         pods = self._first.get(h)
@@ -310,13 +349,13 @@ class ApproximateIndex:
     def forget(self, pod: str) -> None:
         """Drop everything recorded for ``pod`` (it left the pool or its runtime restarted)."""
         blocks = self._pods.pop(pod, None)
-        for routing in blocks.routings if blocks is not None else ():
+        for routing in blocks.routings.values() if blocks is not None else ():
             self._unfirst(pod, routing.hashes[0])
 
     def blocks(self, pod: str) -> int:
         """How many block hashes are remembered for ``pod`` (expired ones included until they are looked at)."""
         blocks = self._pods.get(pod)
-        return 0 if blocks is None else len(blocks.expiry)
+        return 0 if blocks is None else len(blocks.owner)
 
     def matches(self, request: PrefixRequest) -> dict[str, int]:
         """Pod -> leading blocks of ``request`` routed there within the TTL (an expired block met is dropped)."""
@@ -325,14 +364,18 @@ class ApproximateIndex:
         now = self._clock()
         hashes, runs = request.hashes, {}
         for pod in list(self._first.get(hashes[0], ())):
-            expiry = self._pods[pod].expiry
-            get, n = expiry.get, 0
+            owner = self._pods[pod].owner
+            get, n = owner.get, 0
             for h in hashes:
-                if get(h, 0.0) <= now:
+                routing = get(h)
+                if routing is None or routing.expires <= now:
                     break
                 n += 1
-            if n < len(hashes) and expiry.get(hashes[n], now + 1.0) <= now:
-                del expiry[hashes[n]]
+            if n < len(hashes):
+                routing = get(hashes[n])
+                if routing is not None:  # met expired: dropped
+                    del owner[hashes[n]]
+                    routing.owned -= 1
                 if n == 0:
                     self._unfirst(pod, hashes[0])
             if n:

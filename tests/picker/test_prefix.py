@@ -150,8 +150,13 @@ def test_routing_one_prompt_again_and_again_keeps_memory_bounded() -> None:
     for _ in range(1000):  # each routing a fresh hash tuple of the same 8 blocks (as each request hashes its own)
         index.record("pod-a", hasher.hash_text("a@v1", None, "s" * 128))
     held = index._pods["pod-a"]
-    assert index.blocks("pod-a") == 8 and sum(r.left for r in held.routings) == held.slots <= 2 * 64
-    assert index.match(["pod-a"], hasher.hash_text("a@v1", None, "s" * 128)).tolist() == [8]
+    assert index.blocks("pod-a") == 8 and len(held.routings) == 1 and held.slots == 8
+    for turn in range(1, 200):  # a session that grows: each turn supersedes the last one's blocks
+        index.record("pod-a", hasher.hash_text("a@v1", None, "s" * 128 + "t" * 16 * turn))
+        assert sum(r.left for r in held.routings.values()) == held.slots <= 2 * 64
+        assert sum(r.owned for r in held.routings.values()) == index.blocks("pod-a") <= 64
+    # the last turn (207 blocks) kept its head: the LRU took tails first
+    assert index.match(["pod-a"], hasher.hash_text("a@v1", None, "s" * 128 + "t" * 16 * 199)).tolist() == [64]
 
 
 def test_precise_index_reads_published_block_sets() -> None:
