@@ -8,9 +8,11 @@ Prints one JSON object. Sections:
   next to scheduling without it, in this process (``--no-prefix-scorer`` runs the Envoy part without it).
 - ``envoy``: a real Envoy with the ext_proc filter in front of Debian's nginx (one server block per endpoint, the
   sidecars' reports written to a real Redis). Open-loop offered loads at 1 KiB and 64 KiB bodies; added latency =
-  (Envoy + picker) - (Envoy alone) from the same run. ``cpu_us_per_request`` and ``max_rps_one_core`` come from a
-  closed-loop ``wrk`` run with the picker pinned to its own core (``max_rps_one_core`` = achieved req/s divided by
-  the fraction of that core the picker used, i.e. extrapolated to a full core when something else was the limit).
+  (Envoy + picker) - (Envoy alone) from the same run. ``cpu_us_per_request`` and ``max_rps_one_core`` come from
+  closed-loop ``wrk`` runs with the picker pinned to its own core (``max_rps_one_core`` = achieved req/s divided by
+  the fraction of that core the picker used, i.e. extrapolated to a full core when something else was the limit),
+  alternated with the naive baseline's ``--closed-rounds`` times: the medians, each run in ``closed_loop_runs``
+  (one run each swung the naive baseline's CPU per request between 480 and 800 us on the same machine).
   Each closed-loop request's prompt starts with its own counter (one session per request, the same length): with
   one body for all, the prefix scorer would rightly keep every request on one endpoint until it saturates, and the
   run would measure the flow-control queue instead of the routing path.
@@ -390,6 +392,26 @@ def _closed_loop(stack: _Stack, proc: ManagedProcess, listen: int) -> dict[str, 
             "closed_loop_rps": round(rps, 1), "picker_core_utilisation": round(utilisation, 3)}
 
 
+#: the closed-loop figures each side reports: the median over the rounds
+CLOSED_LOOP_FIGURES = ("cpu_us_per_request", "max_rps_one_core", "closed_loop_rps", "picker_core_utilisation")
+
+
+def _closed_loop_rounds(stack: _Stack, running: dict[str, tuple[ManagedProcess, int]],
+                        results: dict[str, Any]) -> dict[str, Any]:
+    """Closed-loop runs of every side in turn, ``--closed-rounds`` times (one side's run never sees the machine in
+    another state than the other's); each side gets the medians and its ``closed_loop_runs``."""
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in running}
+    for _ in range(stack.args.closed_rounds):
+        for name, (proc, listen) in running.items():
+            runs[name].append(_closed_loop(stack, proc, listen))
+    out = {}
+    for name, rows in runs.items():
+        medians = {key: round(float(np.median([r[key] for r in rows])), 3 if key == "picker_core_utilisation" else 1)
+                   for key in CLOSED_LOOP_FIGURES}
+        out[name] = {**results[name], **medians, "closed_loop_runs": rows}
+    return out
+
+
 #: ``--transport`` of the picker for each frame layer
 FRAME_LAYER_TRANSPORTS = {"hand": "h2", "h2lib": "h2lib"}
 
@@ -432,11 +454,14 @@ def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             envoy_direct.stop()
             modes = ExtProcModes(response_header_mode="SKIP", response_body_mode="NONE")
             results: dict[str, Any] = {}
+            running: dict[str, tuple[ManagedProcess, int]] = {}
             for name, naive in (("picker", False), ("naive", True)):
                 proc, picker_port = stack.picker(naive)
-                envoy, listen = stack.envoy(picker_config(free_port(), picker_port, free_port(), modes), f"envoy-{name}")
-                results[name] = {"envoy": _rows(stack, listen, direct), **_closed_loop(stack, proc, listen)}
-                envoy.stop()
+                _, listen = stack.envoy(picker_config(free_port(), picker_port, free_port(), modes), f"envoy-{name}")
+                running[name] = (proc, listen)
+                results[name] = {"envoy": _rows(stack, listen, direct)}
+            results.update(_closed_loop_rounds(stack, running, results))
+            for proc, _listen in running.values():
                 proc.stop()
             if args.frame_layers:
                 results["frame_layers"] = _frame_layers(stack, modes)
@@ -462,6 +487,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=6.0, help="seconds per open-loop row")
     p.add_argument("--closed-seconds", type=int, default=8, help="seconds of the closed-loop wrk run")
     p.add_argument("--connections", type=int, default=16, help="wrk connections in the closed-loop run")
+    p.add_argument("--closed-rounds", type=int, default=3,
+                   help="closed-loop runs per side, the picker's and the naive baseline's alternated (medians reported)")
     p.add_argument("--flow-control", action=argparse.BooleanOptionalAction, default=True,
                    help="the picker runs with its flow-control queue on (it stays empty: no endpoint saturates)")
     p.add_argument("--prefix-scorer", action=argparse.BooleanOptionalAction, default=True,
@@ -478,7 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print one JSON object."""
     args = parser().parse_args(argv)
     if args.quick:
-        args.decisions, args.duration, args.closed_seconds, args.rates = 1000, 2.0, 3, [100, 500]
+        args.decisions, args.duration, args.closed_seconds, args.rates, args.closed_rounds = 1000, 2.0, 3, [100, 500], 1
     if os.cpu_count() == 1:
         args.picker_cpu = args.load_cpu = 0
     out: dict[str, Any] = {"scoring": scoring((10, 100, 1000), args.adapters, args.decisions), "proto": proto_costs(),

@@ -88,7 +88,7 @@ def _word_keys(count: int) -> np.ndarray[Any, np.dtype[np.uint64]]:
 
 #: a prompt's first this many blocks are hashed one by one in Python (~0.2 us a block), the rest in numpy (a dozen
 #: calls, ~12 us whatever the count): a short prompt never pays numpy's fixed cost
-PYTHON_BLOCKS = 32
+PYTHON_BLOCKS = 16
 
 
 @functools.lru_cache(maxsize=4096)
