@@ -571,7 +571,7 @@ class PrefixCacheScorer:
     def __call__(self, request: SchedulingRequest, _pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
         """The scorer: ``cycle.prefix_hit`` where the endpoint is below saturation."""
         hit = cycle.prefix_hit
-        if request.prefix is None or hit is None or not hit.any():
+        if request.prefix is None or hit is None or not np.count_nonzero(hit):
             return None
         return hit * cycle.unsaturated
 

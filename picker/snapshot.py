@@ -248,7 +248,7 @@ class PoolSnapshot:
             if entry is not None:
                 cold[entry.indices] = False
             blocked |= cold
-        if not blocked.any():
+        if not np.count_nonzero(blocked):  # count_nonzero: C, where .any() goes through a Python wrapper
             return None
         room = ~blocked
         for i in self.in_flight_by_name.get(served_name, ()):
@@ -269,7 +269,7 @@ class PoolSnapshot:
     @property
     def any_fetching(self) -> bool:
         """Does some endpoint have requests in flight for a revision it does not hold (fetching it)?"""
-        return bool(self.fetching.any())
+        return bool(np.count_nonzero(self.fetching))
 
     def set_in_flight(self, by_endpoint: Sequence[Mapping[str, int]], prefilling: Sequence[int] | None = None) -> None:
         """Every endpoint's in-flight requests per served name at once (a driver that counts them itself: the
