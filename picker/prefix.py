@@ -281,6 +281,9 @@ class ApproximateIndex:
             blocks.slots += len(hashes)
         else:  # the same prefix again: it becomes the most recent, whole again
             blocks.routings.move_to_end(hashes[-1])
+            if routing.owned == routing.left == len(hashes):  # it still owns every block: only its expiry moves
+                routing.expires = self._clock() + self.ttl_s
+                return
             blocks.slots += len(hashes) - routing.left
             routing.left = len(hashes)
         routing.expires = self._clock() + self.ttl_s
@@ -365,17 +368,16 @@ class ApproximateIndex:
         hashes, runs = request.hashes, {}
         for pod in list(self._first.get(hashes[0], ())):
             owner = self._pods[pod].owner
-            get, n = owner.get, 0
-            for h in hashes:
-                routing = get(h)
-                if routing is None or routing.expires <= now:
-                    break
-                n += 1
+            owners = list(map(owner.get, hashes))  # C-level passes, then a check per distinct routing (a few)
+            n = owners.index(None) if None in owners else len(owners)
+            for routing in set(owners[:n]):
+                if routing.expires <= now:
+                    n = min(n, owners.index(routing))
             if n < len(hashes):
-                routing = get(hashes[n])
-                if routing is not None:  # met expired: dropped
+                expired = owners[n]
+                if expired is not None:  # met expired: dropped
                     del owner[hashes[n]]
-                    routing.owned -= 1
+                    expired.owned -= 1
                 if n == 0:
                     self._unfirst(pod, hashes[0])
             if n:
