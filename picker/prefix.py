@@ -371,7 +371,7 @@ class ApproximateIndex:
             owners = list(map(owner.get, hashes))  # C-level passes, then a check per distinct routing (a few)
             n = owners.index(None) if None in owners else len(owners)
             for routing in set(owners[:n]):
-                if routing.expires <= now:
+                if routing is not None and routing.expires <= now:  # (no None before n)
                     n = min(n, owners.index(routing))
             if n < len(hashes):
                 expired = owners[n]
