@@ -50,6 +50,7 @@ class PlacementSettings(_Strict):
     gpu_min_rate: float = Field(default=PlacementConfig.gpu_min_rate, ge=0, alias="gpuMinRate")
     gold_min_replicas: int = Field(default=PlacementConfig.gold_min_replicas, ge=1, alias="goldMinReplicas")
     balance_ratio: float = Field(default=PlacementConfig.balance_ratio, ge=1, alias="balanceRatio")
+    host_copies: int = Field(default=PlacementConfig.host_copies, ge=0, alias="hostCopies")
 
 
 class BudgetSettings(_Strict):

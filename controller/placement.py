@@ -19,6 +19,7 @@ The plan, in order:
 4. adapters without a GPU replica but with traffic or a ``cpu`` / ``gpu-preferred`` warm policy get a CPU replica,
    on a pod already holding them (a held revision is never copied to another pod for it);
 5. a revision that loses its GPU or CPU place on a pod is demoted to CPU there if room is left, not dropped;
+   then GPU-placed adapters with traffic get ``host_copies`` CPU copies in the host slots left on other pods;
 6. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
@@ -48,6 +49,14 @@ class PodCapacity:
     cpu_slots: int
     gpu_bytes: int | None = None
     cpu_bytes: int | None = None
+
+
+def host_slots(max_cpu_slots: int, max_gpu_slots: int) -> int:
+    """Host-memory slots to plan for CPU-tier revisions on a runtime whose host cache (vLLM's ``--max-cpu-loras``)
+    also holds its GPU-resident adapters: the slots beyond the GPU ones, and one where the runtime has any (a host
+    cache no larger than the GPU slots, the engine's default, would otherwise leave no room to prewarm a revision,
+    and every rollout there would wait at Prewarming)."""
+    return max(min(1, max_cpu_slots), max_cpu_slots - max_gpu_slots)
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,10 @@ class PlacementConfig:
     #: a pod whose planned load (requests/s its GPU replicas carry) is above this multiple of the pool's mean, and
     #: above ``replica_rate``, gets a further replica of its busiest adapters in free GPU slots elsewhere
     balance_ratio: float = 1.0
+    #: host-memory (CPU tier) copies each GPU-placed adapter with traffic gets in spare host slots of pods without
+    #: its GPU replica, hottest first: a burst to it can spill to a pod where it is a host->GPU copy away, not a
+    #: read from disk (0: none)
+    host_copies: int = 1
 
 
 @dataclass
@@ -610,6 +623,30 @@ class _Planner:
                 self.pool.put(pod, name, Tier.CPU, e.demand.bytes)
                 self.charge(e, Tier.CPU, +1)
 
+    def place_host_copies(self) -> None:
+        """Up to ``host_copies`` CPU copies of each GPU-placed adapter with traffic in the host slots left spare,
+        hottest adapter first, on pods that hold it already (no fetch) first, then on the least loaded."""
+        if self.config.host_copies <= 0:
+            return
+        hot = [e for e in self.entries.values() if e.gpu and e.score > 1e-6]
+        hot.sort(key=lambda e: (-e.score, e.demand.served_name))
+        for e in hot:
+            name = e.demand.served_name
+            held = self.tiers(e)
+            copies = sum(tier is Tier.CPU for tier in held.values())  # kept from the last plan (keep_demoted)
+            was = self.previous_by_name.get(name, {})
+            candidates = sorted(
+                (p for p in self.pool.roomy[Tier.CPU] if p not in held and self.is_eligible(e, p)),
+                key=lambda p: (p not in was, self.load[p], p),
+            )
+            for pod in candidates:
+                if copies >= self.config.host_copies or not self.budget_allows(e, Tier.CPU):
+                    break
+                if self.pool.fits(pod, Tier.CPU, e.demand.bytes):
+                    self.pool.put(pod, name, Tier.CPU, e.demand.bytes)
+                    self.charge(e, Tier.CPU, +1)
+                    copies += 1
+
     def tiers(self, e: _Entry) -> dict[str, Tier]:
         return dict(self.pool.where.get(e.demand.served_name, {}))
 
@@ -640,6 +677,7 @@ class _Planner:
         self.place_bursts()
         self.place_cpu()
         self.keep_demoted()
+        self.place_host_copies()
         self.place_disk()
         pods = {pod: dict(sorted(held.items())) for pod, held in sorted(self.pool.held.items())}
         return Placement(pods=pods, notes=self.notes)

@@ -33,6 +33,7 @@ from loraplane.controller.placement import (
     PodCapacity,
     Rates,
     TenantBudget,
+    host_slots,
     keep_until_replaced,
     place,
 )
@@ -170,17 +171,13 @@ def serving_holders(reports: Sequence[ResidencyReport]) -> dict[str, set[str]]:
 
 
 def pod_capacity(report: ResidencyReport) -> PodCapacity:
-    """What a pod can hold, from its report. The runtime's host cache holds its GPU-resident adapters too, so on a
-    runtime that keeps disk-tier revisions registered (``demotes_to_disk``) only the slots beyond the GPU ones are
-    planned for host-tier revisions: planning more would have its sidecar clip the extra ones to disk by name,
-    ahead of the plan's own order (rollout requirements first), and a canary clipped so waits forever. One host slot
-    is always planned where the runtime has any (a host cache no larger than the GPU slots, the engine's default,
-    would otherwise leave no room to prewarm a revision, and every rollout there would wait at Prewarming).
-    Elsewhere the host slots are planned as reported."""
+    """What a pod can hold, from its report. The runtime's host cache holds its GPU-resident adapters too (vLLM's
+    ``--max-cpu-loras`` counts them; so does the engine's), so only the slots beyond the GPU ones are planned for
+    host-tier revisions (``host_slots``): planning more would have vLLM's LRU drop host copies the plan counts on,
+    and the engine's sidecar (``demotes_to_disk``) clip the extra ones to disk by name, ahead of the plan's own
+    order (rollout requirements first), so a canary clipped so waits forever."""
     load = report.load
-    cpu_slots = load.max_cpu_slots
-    if report.demotes_to_disk:
-        cpu_slots = max(min(1, cpu_slots), cpu_slots - load.max_gpu_slots)
+    cpu_slots = host_slots(load.max_cpu_slots, load.max_gpu_slots)
     return PodCapacity(report.pod, load.max_gpu_slots, cpu_slots, load.max_gpu_bytes, load.max_cpu_bytes)
 
 

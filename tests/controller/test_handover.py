@@ -67,15 +67,16 @@ def test_a_runtime_that_unloads_disk_revisions_keeps_them_at_cpu() -> None:
     assert serving_holders([_report("pod-a", tail_v1=Tier.DISK)]) == {}
 
 
-def test_host_slots_beyond_the_gpu_ones_are_planned_where_disk_revisions_stay_registered() -> None:
-    """The host cache holds the GPU-resident adapters too: on the engine only the rest is planned for host-tier
-    revisions (else the sidecar would clip the plan's extra ones to disk by name, a rollout's canary included)."""
+def test_only_the_host_slots_beyond_the_gpu_ones_are_planned() -> None:
+    """The host cache holds the GPU-resident adapters too: only the rest is planned for host-tier revisions (else
+    the engine's sidecar would clip the plan's extra ones to disk by name, a rollout's canary included, and vLLM's
+    LRU would drop host copies the plan counts on)."""
     load = PodLoad(max_gpu_slots=4, max_cpu_slots=6)
     engine = ResidencyReport(pool="pool", pod="pod-a", address="127.0.0.1:1", heartbeat_at=0.0, load=load,
                              demotes_to_disk=True)
     assert (pod_capacity(engine).gpu_slots, pod_capacity(engine).cpu_slots) == (4, 2)
     vllm = engine.model_copy(update={"demotes_to_disk": False})
-    assert pod_capacity(vllm).cpu_slots == 6  # as reported, unchanged
+    assert pod_capacity(vllm).cpu_slots == 2  # vLLM's --max-cpu-loras counts its GPU-resident adapters too
     # a host cache no larger than the GPU slots (the engine's default) still leaves one slot to prewarm into
     same = engine.model_copy(update={"load": PodLoad(max_gpu_slots=2, max_cpu_slots=2)})
     assert pod_capacity(same).cpu_slots == 1

@@ -18,6 +18,7 @@ from loraplane.controller.placement import (
     Rates,
     TenantBudget,
     gpu_loads,
+    host_slots,
     is_burst,
     minimum_gpu_loads,
     place,
@@ -96,7 +97,7 @@ def test_bytes_limit_the_gpu_tier() -> None:
 def test_more_demand_than_slots_keeps_the_best_on_gpu_and_the_rest_on_cpu() -> None:
     pods = _pods(2, gpu=2, cpu=10)
     demands = [_demand(f"a{i}@v1", 1.0 + i) for i in range(6)]
-    plan = place(pods, demands, config=PlacementConfig(burst_slots_per_pod=0))
+    plan = place(pods, demands, config=PlacementConfig(burst_slots_per_pod=0, host_copies=0))
     assert set(plan.replicas(Tier.GPU)) == {"a5@v1", "a4@v1", "a3@v1", "a2@v1"}
     assert set(plan.replicas(Tier.CPU)) == {"a1@v1", "a0@v1"}
 
@@ -282,14 +283,14 @@ def test_a_replica_goes_to_the_pod_that_already_holds_the_revision() -> None:
     assert plan.tiers_of("rare@v1") == {"pod-3": Tier.DISK}
     # a first GPU replica is promoted in place too
     wanted = _demand("rare@v1", 1.0)
-    assert place(pods, [wanted], previous=held_on_disk).tiers_of("rare@v1") == {"pod-3": Tier.GPU}
+    assert place(pods, [wanted], previous=held_on_disk).replicas(Tier.GPU)["rare@v1"] == {"pod-3"}
 
 
 def test_a_burst_is_promoted_where_it_is_held_and_a_small_one_gets_no_gpu_slot() -> None:
     pods = _pods(3, gpu=3)
     previous = Placement(pods={"pod-0": {}, "pod-1": {}, "pod-2": {"batch@v1": Tier.DISK}})
     big = AdapterDemand("batch@v1", bytes=10 * MB, rates=Rates(m5=2.0, h1=0.1, h24=0.05))
-    assert place(pods, [big], previous=previous).tiers_of("batch@v1") == {"pod-2": Tier.GPU}
+    assert place(pods, [big], previous=previous).replicas(Tier.GPU)["batch@v1"] == {"pod-2"}
     small = AdapterDemand("batch@v1", bytes=10 * MB, rates=Rates(m5=0.1, h1=0.001, h24=0.001),
                           warm_policy=WarmPolicy.CPU)
     assert is_burst(small.rates, PlacementConfig())
@@ -336,3 +337,35 @@ def test_two_hot_adapters_left_on_one_pod_by_an_earlier_plan_get_a_replica_on_th
     assert place(pods, demands, previous=plan).pods == plan.pods
     balanced = place(pods, [_demand(n, 3.6) for n in ("a@v1", "b@v1", "c@v1", "d@v1")])
     assert all(len(holders) == 1 for holders in balanced.replicas(Tier.GPU).values())
+
+
+def test_a_gpu_placed_adapter_gets_a_host_copy_in_a_spare_slot_of_another_pod() -> None:
+    pods = _pods(3, gpu=2, cpu=4)
+    demands = [_demand("hot@v1", 2.0), _demand("idle@v1")]
+    plan = place(pods, demands)
+    (gpu_pod,) = plan.replicas(Tier.GPU)["hot@v1"]
+    copies = plan.replicas(Tier.CPU)["hot@v1"]
+    assert len(copies) == PlacementConfig().host_copies == 1 and gpu_pod not in copies
+    assert "idle@v1" not in plan.replicas(Tier.CPU)  # no traffic, no copy
+    # the next plan keeps the copy where it is (no churn), and more copies are a setting
+    assert place(pods, demands, previous=plan) == plan
+    wider = place(pods, demands, config=PlacementConfig(host_copies=5))
+    assert wider.replicas(Tier.CPU)["hot@v1"] == {p.name for p in pods} - {gpu_pod}
+    assert "hot@v1" not in place(pods, demands, config=PlacementConfig(host_copies=0)).replicas(Tier.CPU)
+
+
+def test_host_copies_take_only_the_host_slots_nothing_else_wants() -> None:
+    pods = _pods(2, gpu=1, cpu=1)
+    demands = [_demand("hot@v1", 2.0), _demand("second@v1", 1.5), _demand("cold@v1", 0.1, warm_policy=WarmPolicy.CPU)]
+    plan = place(pods, demands, config=PlacementConfig(host_copies=3))
+    _assert_capacity(pods, demands, plan)
+    assert plan.replicas(Tier.GPU) == {"hot@v1": {"pod-0"}, "second@v1": {"pod-1"}} or plan.replicas(Tier.GPU) == {
+        "hot@v1": {"pod-1"}, "second@v1": {"pod-0"}}
+    assert "cold@v1" in plan.replicas(Tier.CPU)  # an adapter with no GPU replica comes first
+    assert sum(len(pods_of) for pods_of in plan.replicas(Tier.CPU).values()) == 2
+
+
+def test_host_slots_leave_the_gpu_resident_adapters_their_place_in_the_host_cache() -> None:
+    assert host_slots(16, 4) == 12
+    assert host_slots(4, 4) == 1  # vLLM's default host cache: one slot still, to prewarm a revision
+    assert host_slots(0, 4) == 0
