@@ -260,6 +260,49 @@ def _load_scorer(field_name: str) -> Callable[[_NoParameters], Scorer]:
     return factory
 
 
+class PrefillQueueParameters(ApiModel):
+    """The prefill-queue-scorer's shape: relative (min-max over the pool, the default) or absolute, and where."""
+
+    #: None: min-max normalised over the candidates (GIE's way: one request more than the least loaded pod can
+    #: already cost a pod its whole score); a number: ``max(0, 1 - prefilling / capacity)``, so pods with few
+    #: requests awaiting their first token score alike and the score falls only as the queue grows
+    capacity: float | None = Field(default=None, gt=0)
+    #: score only endpoints where the request's revision is GPU- or host-memory-warm and that are below saturation
+    #: (0 elsewhere, as tier affinity): a short first-token queue on a pod that would have to load the revision
+    #: from disk is no reason to go there
+    warm_only: bool = False
+
+
+def prefill_queue_scorer(params: PrefillQueueParameters) -> Scorer:
+    """Prefer endpoints with fewer of the picker's requests awaiting their first token (``PoolSnapshot.prefilling``)."""
+    if params.capacity is None and not params.warm_only:
+        return _load_scorer("prefilling")(_NoParameters())
+    per_request = 1.0 / params.capacity if params.capacity is not None else 0.0
+    token = object()
+
+    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
+        if params.capacity is None:
+            scores = _lower_is_better(pool.prefilling)
+            if scores is None:
+                return None
+        else:
+            scores = np.maximum(0.0, 1.0 - pool.prefilling * per_request)
+        if not params.warm_only:
+            return scores
+        entry = pool.lookup(request.served_name, request.digest)
+        if entry is None:
+            return None  # warm nowhere: no preference
+
+        def warm_mask() -> FloatArray:
+            warm = np.zeros(pool.size)
+            warm[entry.indices[entry.levels <= 1]] = 1.0
+            return warm
+
+        return scores * pool.memo((token, request.served_name, request.digest), warm_mask) * cycle.unsaturated
+
+    return run
+
+
 def kv_usage_scorer(_params: _NoParameters) -> Scorer:
     """1 - KV-cache utilisation."""
     return lambda _request, pool, _cycle: 1.0 - pool.kv_utilization
@@ -400,7 +443,7 @@ _BUILT_IN_SCORERS: list[tuple[str, type[ApiModel], Callable[..., Scorer], bool]]
     ("residency-affinity-scorer", AffinityParameters, residency_affinity_scorer, False),
     ("tenant-priority-scorer", _NoParameters, tenant_priority_scorer, False),
     ("in-flight-scorer", _NoParameters, _load_scorer("in_flight"), False),
-    ("prefill-queue-scorer", _NoParameters, _load_scorer("prefilling"), False),
+    ("prefill-queue-scorer", PrefillQueueParameters, prefill_queue_scorer, False),
     ("queue-scorer", _NoParameters, _load_scorer("queue_depth"), True),
     ("active-tokens-scorer", _NoParameters, _load_scorer("active_tokens"), True),
     ("evictions-scorer", _NoParameters, _load_scorer("recent_evictions"), True),

@@ -23,7 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from loraplane.api import Tier
-from loraplane.controller.placement import AdapterDemand, PlacementConfig, PodCapacity, Rates, place
+from loraplane.controller.placement import (
+    AdapterDemand,
+    PlacementConfig,
+    PodCapacity,
+    Rates,
+    host_slots,
+    place,
+)
 from loraplane.controller.placement import Placement as PlacementPlan
 from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
 from loraplane.engine.tiers import AdapterState
@@ -231,7 +238,9 @@ class ControllerPlacement:
         self.period_s = period_s
         self._trace = trace
         self._config = PlacementConfig()
-        self._pods = [PodCapacity(f"pod-{i}", config.max_loras, config.max_cpu_loras) for i in range(config.pods)]
+        # vLLM's host cache (``max_cpu_loras``) holds its GPU-resident adapters too, as the controller plans it
+        cpu_slots = host_slots(config.max_cpu_loras, config.max_loras)
+        self._pods = [PodCapacity(f"pod-{i}", config.max_loras, cpu_slots) for i in range(config.pods)]
         self._index = {a.name: i for i, a in enumerate(trace.adapters)}
         self._adapters = np.asarray(trace.adapter, dtype=np.intp)
         self._counts = np.zeros(len(trace.adapters))

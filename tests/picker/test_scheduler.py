@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from loraplane.api import AdapterResidency, PodLoad, ResidencyReport, Tier
-from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.plugins import Cycle, PrefillQueueParameters, SchedulingRequest, prefill_queue_scorer
 from loraplane.picker.scheduler import (
     EndpointPickerConfig,
     NoEndpointError,
@@ -251,3 +251,44 @@ def test_the_warm_pod_with_fewer_requests_awaiting_their_first_token_wins(schedu
     pool.prefilling[:] = [3, 0, 0]  # pod 1 has three requests whose response has not started yet
     picks = {scheduler.schedule(request(), pool, np.random.default_rng(seed)).endpoints[0] for seed in range(20)}
     assert picks == {"10.0.0.2:8000"}
+
+
+def _prefill_scores(pool: PoolSnapshot, unsaturated: list[bool] | None = None, **params: object) -> list[float] | None:
+    scorer = prefill_queue_scorer(PrefillQueueParameters.model_validate(params))
+    n = pool.size
+    below = np.ones(n, dtype=np.bool_) if unsaturated is None else np.asarray(unsaturated)
+    scores = scorer(request(), pool, Cycle(np.ones(n, dtype=np.bool_), np.zeros(n), below))
+    return None if scores is None else [round(float(s), 4) for s in scores]
+
+
+def test_the_prefill_queue_score_is_relative_by_default_and_absolute_with_a_capacity() -> None:
+    warm = {ADAPTER: (Tier.GPU, DIGEST_A)}
+    pool = PoolSnapshot([pod(1, warm), pod(2, warm), pod(3, warm)])
+    pool.prefilling[:] = [1, 2, 20]
+    assert _prefill_scores(pool) == [1.0, 0.9474, 0.0]  # min-max: one request more than the least costs little here
+    pool.prefilling[:] = [0, 1, 1]
+    assert _prefill_scores(pool) == [1.0, 0.0, 0.0]  # ...and a whole score here
+    assert _prefill_scores(pool, capacity=8) == [1.0, 0.875, 0.875]
+    pool.prefilling[:] = [9, 16, 40]
+    assert _prefill_scores(pool, capacity=8) == [0.0, 0.0, 0.0]
+    pool.prefilling[:] = [1, 1, 1]
+    assert _prefill_scores(pool) is None  # all equal: no preference
+    assert _prefill_scores(pool, capacity=8) == [0.875, 0.875, 0.875]
+
+
+def test_the_prefill_queue_score_counts_only_where_the_revision_is_warm_when_asked() -> None:
+    pool = PoolSnapshot([pod(1, {ADAPTER: (Tier.GPU, DIGEST_A)}), pod(2, {ADAPTER: (Tier.CPU, DIGEST_A)}),
+                         pod(3, {ADAPTER: (Tier.DISK, DIGEST_A)}), pod(4), pod(5, {ADAPTER: (Tier.GPU, DIGEST_B)})])
+    pool.prefilling[:] = [4, 0, 0, 0, 0]
+    assert _prefill_scores(pool, capacity=8, warmOnly=True) == [0.5, 1.0, 0.0, 0.0, 0.0]
+    assert _prefill_scores(pool, warmOnly=True) == [0.0, 1.0, 0.0, 0.0, 0.0]
+    # an idle pod that would have to load the revision from disk no longer outscores a GPU-warm one with a queue
+    assert _prefill_scores(pool, capacity=8) == [0.5, 1.0, 1.0, 1.0, 1.0]
+    # a saturated warm pod scores nothing, as with tier affinity
+    below = [False, True, True, True, True]
+    assert _prefill_scores(pool, below, capacity=8, warmOnly=True) == [0.0, 1.0, 0.0, 0.0, 0.0]
+
+
+def test_the_prefill_queue_scorer_rejects_a_capacity_that_is_not_positive() -> None:
+    with pytest.raises(ValidationError):
+        PrefillQueueParameters.model_validate({"capacity": 0})
