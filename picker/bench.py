@@ -519,7 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         picker = results["picker"]
         out.update({"envoy": picker["envoy"], "cpu_us_per_request": picker["cpu_us_per_request"],
                     "max_rps_one_core": picker["max_rps_one_core"], "closed_loop_rps": picker["closed_loop_rps"],
-                    "picker_core_utilisation": picker["picker_core_utilisation"], "naive": results["naive"],
+                    "picker_core_utilisation": picker["picker_core_utilisation"],
+                    "closed_loop_runs": picker["closed_loop_runs"], "naive": results["naive"],
                     "envoy_alone": results["envoy_alone"]})
         if "frame_layers" in results:
             out["frame_layers"] = results["frame_layers"]
