@@ -165,7 +165,8 @@ async def test_events_are_posted_in_the_background_in_the_order_recorded(
         release.set()
         await controller.aclose()  # posts what is still queued
         assert [m.split(":")[0] for m in posted] == ["Canary step 2", "Stable"]
-        listed = k8s.CoreV1Api(kube).list_namespaced_event("default").items
+        listed = k8s.CoreV1Api(kube).list_namespaced_event("default").items  # by name: generated, in no order
+        listed.sort(key=lambda e: int(e.metadata.resource_version))  # the order the server took them in
         assert [e.message for e in listed if e.involved_object.name == "claims-v2"] == posted
 
 
