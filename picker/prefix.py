@@ -481,8 +481,16 @@ class PrefixCacheParameters(ApiModel):
     lru_capacity: int = Field(default=65_536, ge=1)
     ttl_seconds: float = Field(default=600.0, gt=0)
     max_pods: int = Field(default=4096, ge=1)
-    #: converts byte blocks to tokens for the cost model's saved prefill (``predicted-ttft-scorer``)
+    #: converts byte blocks to tokens for the saved prefill (this score's and the ``predicted-ttft-scorer``'s)
     bytes_per_token: float = Field(default=4.0, gt=0)
+    #: None: the score is the share of the prefix an endpoint holds (llm-d's prefix scorer). A number: the score is
+    #: the prefill the endpoint's match saves, ``matched tokens x prefillSecondsPerToken``, over
+    #: ``fullScoreSeconds`` (at most 1), so a long prompt's hit outweighs a short one's: with this scorer's weight
+    #: equal to the ``prefill-queue-scorer``'s and ``fullScoreSeconds = capacity x`` the seconds one request
+    #: awaiting its first token adds to the wait of those behind it, a pod holding the prefix wins over one with
+    #: ``k`` fewer such requests exactly when the prefill it saves exceeds ``k`` such waits
+    prefill_seconds_per_token: float | None = Field(default=None, gt=0)
+    full_score_seconds: float = Field(default=1.0, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> PrefixCacheParameters:
@@ -507,8 +515,9 @@ def _load_tokenizer(path: str) -> Tokenizer:
 
 
 class PrefixCacheScorer:
-    """``prefix-cache-scorer``: the share of a request's prefix blocks each endpoint holds (in [0, 1], on endpoints
-    below saturation only, like tier affinity), for the same served name and digest.
+    """``prefix-cache-scorer``: the share of a request's prefix blocks each endpoint holds, or with
+    ``prefillSecondsPerToken`` the prefill that share saves (in [0, 1], on endpoints below saturation only, like tier
+    affinity), for the same served name and digest.
 
     How a caller feeds it (the picker does all of this; the simulator and tests call the same methods):
 
@@ -571,11 +580,17 @@ class PrefixCacheScorer:
         cycle.prefix_hit = np.multiply(blocks, 1.0 / total, dtype=np.float64)
 
     def __call__(self, request: SchedulingRequest, _pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
-        """The scorer: ``cycle.prefix_hit`` where the endpoint is below saturation."""
+        """The scorer, where the endpoint is below saturation: ``cycle.prefix_hit`` (the share held), or with
+        ``prefillSecondsPerToken`` the prefill seconds the match saves over ``fullScoreSeconds``, at most 1."""
         hit = cycle.prefix_hit
         if request.prefix is None or hit is None or not np.count_nonzero(hit):
             return None
-        return hit * cycle.unsaturated
+        score = hit * cycle.unsaturated
+        seconds = self.params.prefill_seconds_per_token
+        if seconds is None:
+            return score
+        score *= cycle.prefix_tokens * seconds / self.params.full_score_seconds
+        return np.minimum(score, 1.0, out=score)
 
     def routed(self, prefix: PrefixRequest, endpoint: str) -> int | None:
         """``prefix`` was sent to ``endpoint`` (an address): recorded there in approximate mode. Returns the blocks

@@ -40,8 +40,8 @@ def pool(in_flight: tuple[int, int] = (0, 0)) -> PoolSnapshot:
     return snapshot
 
 
-def chat(*turns: str) -> dict:
-    messages = [{"role": "system", "content": SYSTEM}]
+def chat(*turns: str, system: str = SYSTEM) -> dict:
+    messages = [{"role": "system", "content": system}]
     for i, turn in enumerate(turns):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": turn})
     return {"model": "claims", "messages": messages}
@@ -67,9 +67,10 @@ def send(scheduler: Scheduler, lifecycle: Lifecycle, snapshot: PoolSnapshot, ser
 
 def test_second_turn_goes_where_the_first_went_even_against_load() -> None:
     scheduler, lifecycle = default_scheduler()
-    first = send(scheduler, lifecycle, pool(in_flight=(3, 0)), "claims@v17", D17, chat("my car was hit"))
+    system = SYSTEM * 8  # 4 KiB, ~1,100 tokens: its hit saves ~0.1 s of prefill (a short prompt's saves too little)
+    first = send(scheduler, lifecycle, pool(in_flight=(3, 0)), "claims@v17", D17, chat("my car was hit", system=system))
     assert first == "10.0.0.2:8000"  # the first turn went to pod-1 by load
-    second_turn = chat("my car was hit", "Sorry to hear that. Was anyone hurt?", "no, what do I file?")
+    second_turn = chat("my car was hit", "Sorry to hear that. Was anyone hurt?", "no, what do I file?", system=system)
     # now pod-1 is the busier one: without the prefix, the load scorers would pick pod-0
     assert send(scheduler, lifecycle, pool(in_flight=(0, 2)), "claims@v17", D17, second_turn) == "10.0.0.2:8000"
     # the same conversation under the next revision holds no prefix anywhere: load decides
@@ -209,3 +210,59 @@ def test_benchmark_rows_and_the_config_without_the_scorer() -> None:
     assert Scheduler(without_prefix_scorer(EndpointPickerConfig.load())).prefix is None
     (row,) = bench_request_path((1024,), rounds=5)
     assert row["body_bytes"] == 1024 and row["blocks"] == (1024 - 60) // 64 and row["with_prefix_us"] > 0
+
+
+def test_saved_prefill_score_is_seconds_over_full_score_seconds_and_capped() -> None:
+    params = PrefixCacheParameters(block_size=32, prefill_seconds_per_token=1e-4, full_score_seconds=0.05)
+    scorer = PrefixCacheScorer(params, clock=Clock())
+    scheduler = Scheduler(EndpointPickerConfig.load())
+    scheduler.prefix = scorer
+    snapshot = pool()
+    short, long = scorer.hash_text("claims@v17", D17, SYSTEM), scorer.hash_text("claims@v17", D17, SYSTEM * 4)
+    scorer.routed(short, "10.0.0.1:8000")
+    request = SchedulingRequest("claims@v17", D17, prefix=long)
+    cycle = _cycle(scheduler, request, snapshot)
+    score = scorer(request, snapshot, cycle)
+    saved = len(short.hashes) * 32 / 4 * 1e-4  # matched blocks -> tokens -> seconds (17 blocks: 13.6 ms)
+    assert score is not None and score.tolist() == pytest.approx([saved / 0.05, 0.0])
+    scorer.routed(long, "10.0.0.2:8000")  # 4 x the blocks: 54 ms saved, more than 50 ms scores 1
+    cycle = _cycle(scheduler, request, snapshot)
+    score = scorer(request, snapshot, cycle)
+    assert score is not None and score.tolist() == pytest.approx([saved / 0.05, 1.0])
+    fresh = scorer.hash_text("claims@v17", D17, "no one routed this prompt " * 8)
+    request = SchedulingRequest("claims@v17", D17, prefix=fresh)
+    assert scorer(request, snapshot, _cycle(scheduler, request, snapshot)) is None  # no hit anywhere: no score
+
+
+def _awaiting_first_token(snapshot: PoolSnapshot, counts: tuple[int, int]) -> PoolSnapshot:
+    tracker = InFlightTracker()
+    for i, count in enumerate(counts):
+        for _ in range(count):
+            tracker.start(snapshot.addresses[i], "claims@v17")  # in flight, no first token yet
+    tracker.attach(snapshot)
+    return snapshot
+
+
+@pytest.mark.parametrize(("repeats", "behind"), [(32, 2), (1, 2), (32, 12)])
+def test_a_prefix_hit_wins_over_a_shorter_first_token_queue_only_when_it_saves_more_than_the_wait(
+        repeats: int, behind: int) -> None:
+    """The default profile: pod-0 holds the whole prompt; pod-1 has ``behind`` fewer requests awaiting their first
+    token. At the prefix scorer's weight equal to the prefill-queue-scorer's, one such request is worth
+    ``fullScoreSeconds / capacity`` of saved prefill (50 ms): pod-0 wins when its hit saves more than ``behind`` of
+    those, and loses when it saves less."""
+    config = EndpointPickerConfig.load()
+    scheduler, lifecycle = default_scheduler()
+    assert scheduler.prefix is not None
+    params = scheduler.prefix.params
+    queue = next(p for p in config.plugins if p.type == "prefill-queue-scorer").parameters
+    per_request = params.full_score_seconds / queue["capacity"]
+    prompt = {"model": "claims", "prompt": SYSTEM * repeats}
+    prefix = scheduler.prefix.hash_request("claims@v17", D17, prompt)
+    assert prefix is not None
+    saved = len(prefix.hashes) * params.block_size / params.bytes_per_token * params.prefill_seconds_per_token
+    first = send(scheduler, lifecycle, _awaiting_first_token(pool(), (0, behind + 1)), "claims@v17", D17, prompt)
+    assert first == "10.0.0.1:8000"  # the first time, the shorter queue
+    # now pod-0 holds the prompt and has ``behind`` more awaiting their first token than pod-1
+    second = send(scheduler, lifecycle, _awaiting_first_token(pool(), (behind + 1, 1)), "claims@v17", D17, prompt)
+    assert second == ("10.0.0.1:8000" if saved > behind * per_request else "10.0.0.2:8000")
+    assert (saved > behind * per_request) == (repeats == 32 and behind == 2)  # the cases test both sides
