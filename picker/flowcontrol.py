@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field
 
 from loraplane.api import ApiModel
+from loraplane.picker import snapshot
 from loraplane.picker.lifecycle import Cancellable, InFlightRequest, PluginRuntime, RequestPlugin
 from loraplane.picker.plugins import PluginKind, PluginType, SchedulingError, register
 
@@ -31,14 +32,14 @@ from loraplane.picker.plugins import PluginKind, PluginType, SchedulingError, re
 class Band(IntEnum):
     """Priority bands, served in this order."""
 
-    GOLD = 0
-    STANDARD = 1
-    SHEDDABLE = 2
+    GOLD = snapshot.GOLD
+    STANDARD = snapshot.STANDARD
+    SHEDDABLE = snapshot.SHEDDABLE
 
     @classmethod
     def of(cls, priority: int) -> Band:
         """The band of a request of ``priority`` (GIE convention)."""
-        return cls.GOLD if priority > 0 else cls.SHEDDABLE if priority < 0 else cls.STANDARD
+        return cls(snapshot.priority_band(priority))
 
     @property
     def refusal_status(self) -> int:
