@@ -491,6 +491,9 @@ class PrefixCacheParameters(ApiModel):
     #: ``k`` fewer such requests exactly when the prefill it saves exceeds ``k`` such waits
     prefill_seconds_per_token: float | None = Field(default=None, gt=0)
     full_score_seconds: float = Field(default=1.0, gt=0)
+    #: with ``prefillSecondsPerToken``: the least score per matched share, so a short prompt's hit, which saves
+    #: little prefill, still scores ``shareFloor x`` its share (and still outweighs the light load scorers)
+    share_floor: float = Field(default=0.0, ge=0, le=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> PrefixCacheParameters:
@@ -581,7 +584,8 @@ class PrefixCacheScorer:
 
     def __call__(self, request: SchedulingRequest, _pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
         """The scorer, where the endpoint is below saturation: ``cycle.prefix_hit`` (the share held), or with
-        ``prefillSecondsPerToken`` the prefill seconds the match saves over ``fullScoreSeconds``, at most 1."""
+        ``prefillSecondsPerToken`` the prefill seconds the match saves over ``fullScoreSeconds`` (at least
+        ``shareFloor x`` the share), at most 1."""
         hit = cycle.prefix_hit
         if request.prefix is None or hit is None or not np.count_nonzero(hit):
             return None
@@ -589,7 +593,7 @@ class PrefixCacheScorer:
         seconds = self.params.prefill_seconds_per_token
         if seconds is None:
             return score
-        score *= cycle.prefix_tokens * seconds / self.params.full_score_seconds
+        score *= max(cycle.prefix_tokens * seconds / self.params.full_score_seconds, self.params.share_floor)
         return np.minimum(score, 1.0, out=score)
 
     def routed(self, prefix: PrefixRequest, endpoint: str) -> int | None:

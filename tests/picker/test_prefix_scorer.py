@@ -40,8 +40,8 @@ def pool(in_flight: tuple[int, int] = (0, 0)) -> PoolSnapshot:
     return snapshot
 
 
-def chat(*turns: str, system: str = SYSTEM) -> dict:
-    messages = [{"role": "system", "content": system}]
+def chat(*turns: str) -> dict:
+    messages = [{"role": "system", "content": SYSTEM}]
     for i, turn in enumerate(turns):
         messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": turn})
     return {"model": "claims", "messages": messages}
@@ -67,10 +67,10 @@ def send(scheduler: Scheduler, lifecycle: Lifecycle, snapshot: PoolSnapshot, ser
 
 def test_second_turn_goes_where_the_first_went_even_against_load() -> None:
     scheduler, lifecycle = default_scheduler()
-    system = SYSTEM * 8  # 4 KiB, ~1,100 tokens: its hit saves ~0.1 s of prefill (a short prompt's saves too little)
-    first = send(scheduler, lifecycle, pool(in_flight=(3, 0)), "claims@v17", D17, chat("my car was hit", system=system))
+    first = send(scheduler, lifecycle, pool(in_flight=(3, 0)), "claims@v17", D17, chat("my car was hit"))
     assert first == "10.0.0.2:8000"  # the first turn went to pod-1 by load
-    second_turn = chat("my car was hit", "Sorry to hear that. Was anyone hurt?", "no, what do I file?", system=system)
+    # a short prompt (~140 tokens, ~14 ms of prefill): its hit scores the share floor, above the load scorers
+    second_turn = chat("my car was hit", "Sorry to hear that. Was anyone hurt?", "no, what do I file?")
     # now pod-1 is the busier one: without the prefix, the load scorers would pick pod-0
     assert send(scheduler, lifecycle, pool(in_flight=(0, 2)), "claims@v17", D17, second_turn) == "10.0.0.2:8000"
     # the same conversation under the next revision holds no prefix anywhere: load decides
@@ -229,6 +229,11 @@ def test_saved_prefill_score_is_seconds_over_full_score_seconds_and_capped() -> 
     cycle = _cycle(scheduler, request, snapshot)
     score = scorer(request, snapshot, cycle)
     assert score is not None and score.tolist() == pytest.approx([saved / 0.05, 1.0])
+    # over 1 s the whole prompt's 54 ms scores 0.054: below a share floor of 0.5, which then scores each share
+    floored = PrefixCacheScorer(params.model_copy(update={"full_score_seconds": 1.0, "share_floor": 0.5}))
+    score = floored(request, snapshot, _cycle(scheduler, request, snapshot))
+    share = len(short.hashes) / len(long.hashes)
+    assert score is not None and score.tolist() == pytest.approx([0.5 * share, 0.5])
     fresh = scorer.hash_text("claims@v17", D17, "no one routed this prompt " * 8)
     request = SchedulingRequest("claims@v17", D17, prefix=fresh)
     assert scorer(request, snapshot, _cycle(scheduler, request, snapshot)) is None  # no hit anywhere: no score
@@ -249,20 +254,25 @@ def test_a_prefix_hit_wins_over_a_shorter_first_token_queue_only_when_it_saves_m
     """The default profile: pod-0 holds the whole prompt; pod-1 has ``behind`` fewer requests awaiting their first
     token. At the prefix scorer's weight equal to the prefill-queue-scorer's, one such request is worth
     ``fullScoreSeconds / capacity`` of saved prefill (50 ms): pod-0 wins when its hit saves more than ``behind`` of
-    those, and loses when it saves less."""
+    those (a 16 KiB prompt: 0.41 s against 0.1 s), and loses when it saves less (against 0.6 s; a 540-byte prompt,
+    13 ms, scores its share floor, 10 points, against 20)."""
     config = EndpointPickerConfig.load()
+    weights = {ref.plugin_ref: ref.weight for ref in config.scheduling_profiles[0].plugins}
     scheduler, lifecycle = default_scheduler()
     assert scheduler.prefix is not None
     params = scheduler.prefix.params
-    queue = next(p for p in config.plugins if p.type == "prefill-queue-scorer").parameters
-    per_request = params.full_score_seconds / queue["capacity"]
+    assert params.prefill_seconds_per_token is not None
+    capacity = next(p for p in config.plugins if p.type == "prefill-queue-scorer").parameters["capacity"]
     prompt = {"model": "claims", "prompt": SYSTEM * repeats}
     prefix = scheduler.prefix.hash_request("claims@v17", D17, prompt)
     assert prefix is not None
     saved = len(prefix.hashes) * params.block_size / params.bytes_per_token * params.prefill_seconds_per_token
+    prefix_points = weights["prefix-cache-scorer"] * min(1.0, max(saved / params.full_score_seconds,
+                                                                  params.share_floor))
+    queue_points = weights["prefill-queue-scorer"] * behind / capacity
     first = send(scheduler, lifecycle, _awaiting_first_token(pool(), (0, behind + 1)), "claims@v17", D17, prompt)
     assert first == "10.0.0.1:8000"  # the first time, the shorter queue
     # now pod-0 holds the prompt and has ``behind`` more awaiting their first token than pod-1
     second = send(scheduler, lifecycle, _awaiting_first_token(pool(), (behind + 1, 1)), "claims@v17", D17, prompt)
-    assert second == ("10.0.0.1:8000" if saved > behind * per_request else "10.0.0.2:8000")
-    assert (saved > behind * per_request) == (repeats == 32 and behind == 2)  # the cases test both sides
+    assert second == ("10.0.0.1:8000" if prefix_points > queue_points else "10.0.0.2:8000")
+    assert (prefix_points > queue_points) == (repeats == 32 and behind == 2)  # the cases test both sides
