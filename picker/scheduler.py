@@ -33,6 +33,7 @@ from loraplane.api import ApiModel, Tier
 from loraplane.picker import flowcontrol, lifecycle  # noqa: F401  (register the request plugins configs may name)
 from loraplane.picker.plugins import (
     REGISTRY,
+    SMALL_POOL,
     Cycle,
     Filter,
     FilterParameters,
@@ -203,8 +204,9 @@ class _SnapshotCache:
     reported_utilisation: FloatArray
     #: all-True candidate mask (never mutated)
     everyone: BoolArray
-    #: weighted sum of the snapshot-only scorers over the whole pool
+    #: weighted sum of the snapshot-only scorers over the whole pool (and as Python floats, for small pools)
     scores: FloatArray
+    score_list: list[float]
     utilisation: FloatArray
     unsaturated: BoolArray
     total: FloatArray
@@ -297,6 +299,14 @@ class Scheduler:
             raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
         if self.prefix is not None and request.prefix is not None:
             self.prefix.cycle_match(request.prefix, pool, cycle)
+        if pool.size <= SMALL_POOL:  # a small pool: the weighted sum in Python floats (the same operations)
+            totals = cache.score_list
+            for _name, scorer, weight in self.scorers:
+                score = scorer(request, pool, cycle)
+                if score is not None:
+                    totals = [total + value * weight for total, value in zip(totals, score.tolist(), strict=True)]
+            indices = rank_top(totals, cycle.candidates.tolist(), self.max_endpoints, rng)
+            return self._decide(request, pool, unsaturated, indices, saturated)
         scores = cache.scores
         for _name, scorer, weight in self.scorers:
             score = scorer(request, pool, cycle)
@@ -320,7 +330,7 @@ class Scheduler:
                 scores += weight * score
         n = pool.size
         self._cache = _SnapshotCache(
-            pool, pool.version, reported, everyone, scores,
+            pool, pool.version, reported, everyone, scores, scores.tolist(),
             np.empty(n), np.empty(n, dtype=np.bool_), np.empty(n), np.empty(n),
         )
         return self._cache
@@ -347,26 +357,39 @@ class Scheduler:
 _TIER_OF_LEVEL = {t.level: t for t in Tier}
 
 
-#: Up to this many candidates are ranked in plain Python (cheaper than numpy's per-call cost on short vectors);
-#: more are first narrowed with numpy to the top ``k`` and whatever ties the k-th.
-PYTHON_RANK_MAX = 32
+#: In a larger pool, more candidates than this are first narrowed with numpy to the top ``k`` and whatever ties
+#: the k-th before they are ranked in Python
+PYTHON_RANK_MAX = SMALL_POOL
 
 
 def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.Generator) -> tuple[int, ...]:
     """The ``k`` best candidates by score, best first; equal scores are ordered by ``rng``."""
+    if len(scores) <= SMALL_POOL:
+        return rank_top(scores.tolist(), candidates.tolist(), k, rng)
     indices = candidates.nonzero()[0]
-    n = len(indices)
-    if n <= 1:
-        return tuple(indices.tolist())
     values = scores[indices]
-    if n > PYTHON_RANK_MAX and n > k:
-        kth = np.partition(values, n - k)[n - k]
+    if len(indices) > PYTHON_RANK_MAX and len(indices) > k:
+        kth = np.partition(values, len(values) - k)[len(values) - k]
         keep = (values >= kth).nonzero()[0]
         indices, values = indices[keep], values[keep]
         if len(values) > PYTHON_RANK_MAX:  # many equal scores (e.g. an idle, uniform pool)
             return tuple(indices[np.lexsort((rng.random(len(values)), -values))[:k]].tolist())
-    scores_of = dict(zip(indices.tolist(), values.tolist(), strict=True))
-    if len(set(scores_of.values())) == len(scores_of):  # no ties: no random draw needed
-        return tuple(sorted(scores_of, key=scores_of.__getitem__, reverse=True)[:k])
-    ranked = sorted(zip((-values).tolist(), rng.random(len(values)).tolist(), scores_of, strict=True))
-    return tuple([index for _, _, index in ranked[:k]])
+    return _best_first(list(zip(values.tolist(), indices.tolist(), strict=True)), k, rng)
+
+
+def rank_top(scores: list[float], candidates: list[bool], k: int, rng: np.random.Generator) -> tuple[int, ...]:
+    """``pick_top`` over plain lists (a small pool, where numpy's cost per call is more than the work)."""
+    return _best_first([(score, i) for i, (score, keep) in enumerate(zip(scores, candidates, strict=True)) if keep],
+                       k, rng)
+
+
+def _best_first(ranked: list[tuple[float, int]], k: int, rng: np.random.Generator) -> tuple[int, ...]:
+    """The indices of the ``k`` best (score, index) pairs; a random draw only when scores tie."""
+    if len(ranked) <= 1:
+        return tuple([i for _, i in ranked])
+    if len({score for score, _ in ranked}) == len(ranked):  # no ties: no random draw needed
+        ranked.sort(reverse=True)
+        return tuple([i for _, i in ranked[:k]])
+    draws = rng.random(len(ranked)).tolist()
+    order = sorted(zip([-score for score, _ in ranked], draws, [i for _, i in ranked], strict=True))
+    return tuple([i for _, _, i in order[:k]])

@@ -103,6 +103,9 @@ class GrpcH2Protocol(asyncio.Protocol):
         self.routes = routes
         self.connections = connections if connections is not None else set()
         self.limits = limits or TransportLimits()
+        #: the derived limits, computed once (they are read on every frame)
+        self.max_frame = self.limits.max_frame_bytes
+        self.connection_window = self.limits.connection_window_bytes
         self._clock = clock
         self._reaper: asyncio.TimerHandle | None = None
         self.transport: asyncio.Transport | None = None
@@ -225,7 +228,7 @@ class GrpcH2Protocol(asyncio.Protocol):
             self.preface_seen = True
         offset, size = 0, len(data)
         view = memoryview(data)
-        max_frame = self.limits.max_frame_bytes
+        max_frame = self.max_frame
         while size - offset >= 9:
             length = int.from_bytes(data[offset : offset + 3], "big")
             if length > max_frame:
@@ -383,7 +386,7 @@ class GrpcH2Protocol(asyncio.Protocol):
 
     def _on_data(self, stream_id: int, flags: int, payload: memoryview) -> None:
         self.received += len(payload)
-        if self.received - self.acked > self.limits.connection_window_bytes:
+        if self.received - self.acked > self.connection_window:
             raise _ConnectionError(FLOW_CONTROL_ERROR, "DATA beyond the connection window")
         stream = self.streams.get(stream_id)
         if stream is None or stream.handler is None:
@@ -537,7 +540,7 @@ class GrpcH2Protocol(asyncio.Protocol):
 
     def _flush(self) -> None:
         released = self.received - self.buffered - self.acked  # bytes received and no longer held
-        if released >= min(1 << 20, self.limits.connection_window_bytes // 4):
+        if released >= min(1 << 20, self.connection_window // 4):
             self.outbox.append(_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", released)))
             self.acked += released
         if self.outbox and self.transport is not None and not self.closed:
