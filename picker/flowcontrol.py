@@ -24,7 +24,6 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field
 
 from loraplane.api import ApiModel
-from loraplane.picker import snapshot
 from loraplane.picker.lifecycle import Cancellable, InFlightRequest, PluginRuntime, RequestPlugin
 from loraplane.picker.plugins import PluginKind, PluginType, SchedulingError, register
 
@@ -32,14 +31,14 @@ from loraplane.picker.plugins import PluginKind, PluginType, SchedulingError, re
 class Band(IntEnum):
     """Priority bands, served in this order."""
 
-    GOLD = snapshot.GOLD
-    STANDARD = snapshot.STANDARD
-    SHEDDABLE = snapshot.SHEDDABLE
+    GOLD = 0
+    STANDARD = 1
+    SHEDDABLE = 2
 
     @classmethod
     def of(cls, priority: int) -> Band:
         """The band of a request of ``priority`` (GIE convention)."""
-        return cls(snapshot.priority_band(priority))
+        return cls.GOLD if priority > 0 else cls.SHEDDABLE if priority < 0 else cls.STANDARD
 
     @property
     def refusal_status(self) -> int:

@@ -40,7 +40,7 @@ from loraplane.picker.plugins import (
     SchedulingRequest,
     register,
 )
-from loraplane.picker.snapshot import InFlightTracker, priority_band
+from loraplane.picker.snapshot import InFlightTracker
 
 
 class Cancellable(Protocol):
@@ -152,7 +152,7 @@ class RequestPlugin:
 
 class InFlightAccounting(RequestPlugin):
     """The picker's own in-flight count per endpoint and served name, and how many of those have no first token yet
-    per priority band (fresher than any report): the in-flight and prefill-queue scorers and the GPU-slot room check
+    (fresher than any report): the in-flight and prefill-queue scorers and the GPU-slot room check
     (``PoolSnapshot.has_room``) read them."""
 
     def __init__(self, tracker: InFlightTracker) -> None:
@@ -162,21 +162,17 @@ class InFlightAccounting(RequestPlugin):
     def pre_request(self, request: InFlightRequest) -> None:
         """One more in flight at the endpoint (and waiting for its first token, unless its response started)."""
         assert request.endpoint is not None
-        scheduling = request.scheduling
-        self.tracker.start(request.endpoint, scheduling.served_name, not request.responding,
-                           priority_band(scheduling.priority))
+        self.tracker.start(request.endpoint, request.scheduling.served_name, prefilling=not request.responding)
 
     def response_started(self, request: InFlightRequest) -> None:
         """One fewer waiting for its first token."""
         assert request.endpoint is not None
-        self.tracker.first_token(request.endpoint, priority_band(request.scheduling.priority))
+        self.tracker.first_token(request.endpoint)
 
     def response_complete(self, request: InFlightRequest) -> None:
         """One fewer in flight (and waiting for its first token, if its response never started)."""
         assert request.endpoint is not None
-        scheduling = request.scheduling
-        self.tracker.finish(request.endpoint, scheduling.served_name, not request.responding,
-                            priority_band(scheduling.priority))
+        self.tracker.finish(request.endpoint, request.scheduling.served_name, prefilling=not request.responding)
 
 
 class FairShareExceededError(SchedulingError):

@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import Field
 
 from loraplane.api import ApiModel
-from loraplane.picker.snapshot import SHEDDABLE, BoolArray, FloatArray, PoolSnapshot, priority_band
+from loraplane.picker.snapshot import BoolArray, FloatArray, PoolSnapshot
 
 if TYPE_CHECKING:
     from loraplane.picker.prefix import PrefixRequest
@@ -279,38 +279,22 @@ class PrefillQueueParameters(ApiModel):
     #: (0 elsewhere, as tier affinity): a short first-token queue on a pod that would have to load the revision
     #: from disk is no reason to go there
     warm_only: bool = False
-    #: what an awaiting request of a lower priority band than the request's (gold, standard, sheddable) counts,
-    #: against 1 for one of its own band or a higher one (``PoolSnapshot.prefilling_ahead``): 1 as a ``fcfs`` pod
-    #: serves them; below 1 for pools run with vLLM's ``priority`` scheduling (the picker's ``--runtime-priority``),
-    #: which serve the request before them -- though not before the step under way, whose prefill they lengthen
-    lower_bands: float = Field(default=1.0, ge=0, le=1)
 
 
 def prefill_queue_scorer(params: PrefillQueueParameters) -> Scorer:
-    """Prefer endpoints with fewer of the picker's requests awaiting their first token (``PoolSnapshot.prefilling``;
-    those of lower priority bands than the request's count ``lowerBands`` each)."""
-    if params.capacity is None and not params.warm_only and params.lower_bands == 1:
+    """Prefer endpoints with fewer of the picker's requests awaiting their first token (``PoolSnapshot.prefilling``)."""
+    if params.capacity is None and not params.warm_only:
         return _load_scorer("prefilling")(_NoParameters())
     per_request = 1.0 / params.capacity if params.capacity is not None else 0.0
-    lower, own = params.lower_bands, 1.0 - params.lower_bands
     token = object()
 
-    def ahead_of(request: SchedulingRequest, pool: PoolSnapshot) -> FloatArray:
-        band = priority_band(request.priority)
-        if lower == 1 or band == SHEDDABLE:
-            return pool.prefilling
-        if not lower:
-            return pool.prefilling_ahead[band]
-        return own * pool.prefilling_ahead[band] + lower * pool.prefilling
-
     def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
-        ahead = ahead_of(request, pool)
         if params.capacity is None:
-            scores = _lower_is_better(ahead)
+            scores = _lower_is_better(pool.prefilling)
             if scores is None:
                 return None
         else:
-            scores = np.maximum(0.0, 1.0 - ahead * per_request)
+            scores = np.maximum(0.0, 1.0 - pool.prefilling * per_request)
         if not params.warm_only:
             return scores
         entry = pool.lookup(request.served_name, request.digest)

@@ -30,16 +30,6 @@ NAN = float("nan")
 #: Memory a snapshot's memo may hold (entries are whole-pool vectors of 1-8 bytes per endpoint).
 MEMO_BYTES = 4 << 20
 
-#: priority bands, in the order a pod run with vLLM's ``priority`` scheduling serves them: gold (priority > 0),
-#: standard (0), sheddable (< 0), as GIE and ``InferenceObjective`` priorities have it
-GOLD, STANDARD, SHEDDABLE = 0, 1, 2
-BANDS = 3
-
-
-def priority_band(priority: int) -> int:
-    """The band of a request of ``priority`` (GIE convention): ``GOLD``, ``STANDARD`` or ``SHEDDABLE``."""
-    return GOLD if priority > 0 else SHEDDABLE if priority < 0 else STANDARD
-
 
 @dataclass(frozen=True, slots=True)
 class EndpointState:
@@ -112,12 +102,8 @@ class PoolSnapshot:
         self.kv_utilization: FloatArray = np.fromiter((e.kv_utilization for e in self.endpoints), np.float64, n)
         self.recent_evictions: FloatArray = np.fromiter((e.recent_evictions for e in self.endpoints), np.float64, n)
         self.in_flight: FloatArray = np.zeros(n, dtype=np.float64)
-        #: of those, the requests whose response has not started (no first token yet: queued for or in prefill),
-        #: cumulative by priority band: row ``b`` counts those of band ``b`` or a higher one (``GOLD`` first), the
-        #: requests a pod with vLLM's ``priority`` scheduling serves before or with one of band ``b``
-        self.prefilling_ahead: FloatArray = np.zeros((BANDS, n), dtype=np.float64)
-        #: all of them, whatever their band (the last row of ``prefilling_ahead``, a view of it)
-        self.prefilling: FloatArray = self.prefilling_ahead[SHEDDABLE]
+        #: of those, the requests whose response has not started (no first token yet: queued for or in prefill)
+        self.prefilling: FloatArray = np.zeros(n, dtype=np.float64)
         #: the picker's own in-flight requests per served name: name -> {endpoint index: count} (``InFlightTracker``)
         self.in_flight_by_name: dict[str, dict[int, int]] = {}
         #: per endpoint, the distinct served names among those in flight
@@ -285,13 +271,12 @@ class PoolSnapshot:
         """Does some endpoint have requests in flight for a revision it does not hold (fetching it)?"""
         return bool(np.count_nonzero(self.fetching))
 
-    def set_in_flight(self, by_endpoint: Sequence[Mapping[str, int]],
-                      prefilling: Sequence[Sequence[int]] | None = None) -> None:
+    def set_in_flight(self, by_endpoint: Sequence[Mapping[str, int]], prefilling: Sequence[int] | None = None) -> None:
         """Every endpoint's in-flight requests per served name at once (a driver that counts them itself: the
         simulator), replacing the counts an ``InFlightTracker`` keeps; ``prefilling``: per endpoint, how many of
-        them have no first token yet per band (gold, standard, sheddable; None: leave ``prefilling`` as it is)."""
+        them have no first token yet (None: leave ``prefilling`` as it is)."""
         if prefilling is not None:
-            np.cumsum(np.asarray(prefilling, dtype=np.float64).reshape(-1, BANDS), axis=1, out=self.prefilling_ahead.T)
+            self.prefilling[:] = prefilling
         self.in_flight_by_name.clear()
         for index, by_name in enumerate(by_endpoint):
             self.in_flight[index] = sum(by_name.values())
@@ -415,8 +400,6 @@ class InFlightTracker:
         self.counts: dict[str, int] = {}
         #: address -> requests in flight there whose response has not started (no first token yet)
         self.prefilling: dict[str, int] = {}
-        #: address -> those requests per priority band (gold, standard, sheddable)
-        self.prefilling_by_band: dict[str, list[int]] = {}
         #: address -> served name -> requests in flight
         self.by_name: dict[str, dict[str, int]] = {}
         self._snapshot: PoolSnapshot | None = None
@@ -427,10 +410,10 @@ class InFlightTracker:
             i = snapshot.index_by_address.get(address)
             if i is not None:
                 snapshot.in_flight[i] = count
-        for address, bands in self.prefilling_by_band.items():
+        for address, count in self.prefilling.items():
             i = snapshot.index_by_address.get(address)
             if i is not None:
-                snapshot.prefilling_ahead[:, i] = np.cumsum(bands)
+                snapshot.prefilling[i] = count
         for address, names in self.by_name.items():
             i = snapshot.index_by_address.get(address)
             if i is not None:
@@ -438,50 +421,33 @@ class InFlightTracker:
                     snapshot.note_in_flight(i, name, count)
         self._snapshot = snapshot
 
-    def start(self, address: str, served_name: str | None = None, prefilling: bool = True,
-              band: int = STANDARD) -> None:
-        """A request (of ``served_name``; None: the base model; of priority ``band``) was sent to ``address``;
-        ``prefilling``: its response has not started yet."""
+    def start(self, address: str, served_name: str | None = None, prefilling: bool = True) -> None:
+        """A request (of ``served_name``; None: the base model) was sent to ``address``; ``prefilling``: its
+        response has not started yet."""
         self._add(address, served_name, 1)
         if prefilling:
-            self._add_prefilling(address, band, 1)
+            self._add_prefilling(address, 1)
 
-    def first_token(self, address: str, band: int = STANDARD) -> None:
-        """The response of a request (of priority ``band``) in flight at ``address`` started (its first token came
-        back)."""
-        self._add_prefilling(address, band, -1)
+    def first_token(self, address: str) -> None:
+        """The response of a request in flight at ``address`` started (its first token came back)."""
+        self._add_prefilling(address, -1)
 
-    def finish(self, address: str, served_name: str | None = None, prefilling: bool = False,
-               band: int = STANDARD) -> None:
-        """A request (of priority ``band``) to ``address`` finished (response end, error or client abort);
-        ``prefilling``: before its response started."""
+    def finish(self, address: str, served_name: str | None = None, prefilling: bool = False) -> None:
+        """A request to ``address`` finished (response end, error or client abort); ``prefilling``: before its
+        response started."""
         self._add(address, served_name, -1)
         if prefilling:
-            self._add_prefilling(address, band, -1)
+            self._add_prefilling(address, -1)
 
-    def _add_prefilling(self, address: str, band: int, delta: int) -> None:
-        bands = self.prefilling_by_band.get(address)
-        if bands is None:
-            if delta < 0:
-                return
-            bands = self.prefilling_by_band[address] = [0] * BANDS
-        left = bands[band] + delta
-        if left < 0:
-            return  # nothing of that band to release
-        bands[band] = left
-        count = self.prefilling.get(address, 0) + delta
+    def _add_prefilling(self, address: str, delta: int) -> None:
+        count = max(0, self.prefilling.get(address, 0) + delta)
         if count:
             self.prefilling[address] = count
         else:
-            del self.prefilling[address], self.prefilling_by_band[address]
+            self.prefilling.pop(address, None)
         snapshot = self._snapshot
         if snapshot is not None and (i := snapshot.index_by_address.get(address)) is not None:
-            ahead = snapshot.prefilling_ahead  # only the rows that count this band change
-            ahead[SHEDDABLE, i] = count
-            if band != SHEDDABLE:
-                ahead[STANDARD, i] = bands[GOLD] + bands[STANDARD]
-                if band == GOLD:
-                    ahead[GOLD, i] = left
+            snapshot.prefilling[i] = count
 
     def _add(self, address: str, served_name: str | None, delta: int) -> None:
         count = max(0, self.counts.get(address, 0) + delta)

@@ -36,7 +36,6 @@ from itertools import islice
 from typing import Protocol
 
 from loraplane.api import Tier
-from loraplane.picker.snapshot import BANDS, priority_band
 from loraplane.sim.prefix import PodPrefixCaches
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
@@ -176,10 +175,6 @@ class Pod:
         self.run_steps = 0
         #: requests whose prefill ends in the first step of the current run (first token at ``run_first_end``)
         self.run_admitted = 0
-        #: of those, per priority band (gold, standard, sheddable)
-        self.run_admitted_by_band = [0] * BANDS
-        #: per priority band, requests sent here still waiting or part-way through a chunked prefill
-        self.unstarted_by_band = [0] * BANDS
         self.event_time = math.inf
         self.version = 0
 
@@ -192,12 +187,6 @@ class Pod:
         """Requests sent here that have no first token yet at ``now``: waiting, part-way through a chunked prefill,
         or finishing their prefill in the step under way."""
         return len(self.waiting) + len(self.prefilling) + (self.run_admitted if now < self.run_first_end else 0)
-
-    def awaiting_by_band(self, now: float) -> list[int]:
-        """``awaiting_first_token`` per priority band of the requests (gold, standard, sheddable)."""
-        if now < self.run_first_end:
-            return [a + b for a, b in zip(self.unstarted_by_band, self.run_admitted_by_band, strict=True)]
-        return self.unstarted_by_band.copy()
 
     @property
     def num_running(self) -> int:
@@ -317,9 +306,6 @@ class Simulator:
             held_s=array("d", bytes(8 * n)),
             cached_tokens=array("i", bytes(4 * n)),
         )
-        #: per request, its priority band (``priority_band`` of its tenant's priority)
-        bands = bytes(priority_band(t.priority) for t in trace.tenants)
-        self._band = bytes(bands[t] for t in trace.tenant)
         #: per request, its place in its pod's waiting queue (``_queue_key``): lower is looked at first
         self._queue_key = array("q", bytes(8 * n))
         self._dispatched = 0
@@ -438,7 +424,6 @@ class Simulator:
             key += self.priority[rid] << _PRIORITY_SHIFT
         order = self._queue_key
         order[rid] = key
-        pod.unstarted_by_band[self._band[rid]] += 1
         _insert(pod.waiting, rid, key, order)
         queued = pod.waiting_adapters.get(a)
         if queued is None:
@@ -538,13 +523,8 @@ class Simulator:
         first = step + stall + self._prefill * prefill_tokens
         first_end = now + first
         res, arrivals = self.result, self.trace.arrival
-        bands, unstarted, admitted = self._band, pod.unstarted_by_band, pod.run_admitted_by_band
-        admitted[:] = (0,) * BANDS
         for rid in first_tokens:
             res.ttft[rid] = first_end - arrivals[rid]
-            band = bands[rid]
-            unstarted[band] -= 1
-            admitted[band] += 1
         pod.busy = True
         pod.run_t0 = now
         pod.run_first_end = first_end

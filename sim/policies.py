@@ -185,7 +185,7 @@ class PickerRouter:
         """The scheduler's decision for request ``rid``; raises the picker's ``SchedulingError``s. The picker's own
         in-flight count, per endpoint and served name, is every request sent to a pod and not finished there."""
         snapshot = self._refresh(now, pods)
-        snapshot.set_in_flight([self._in_flight(p) for p in pods], [p.awaiting_by_band(now) for p in pods])
+        snapshot.set_in_flight([self._in_flight(p) for p in pods], [p.awaiting_first_token(now) for p in pods])
         request = self._requests[trace.adapter[rid]]
         if self._prefix is not None:
             self._now = now

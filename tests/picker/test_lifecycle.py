@@ -155,29 +155,3 @@ def test_moving_to_the_endpoint_envoy_reports_moves_the_prefill_count_only_befor
     assert snapshot.prefilling.tolist() == [0, 0, 0] and snapshot.in_flight.tolist() == [0, 0, 1]
     plugins.response_complete(first)
     assert snapshot.in_flight.sum() == 0 and snapshot.prefilling.sum() == 0 and not tracker.prefilling
-
-
-def test_the_prefill_count_is_kept_per_priority_band_and_released_on_first_token_or_completion() -> None:
-    tracker = InFlightTracker()
-    snapshot = PoolSnapshot([EndpointState(name=f"p{i}", address=a) for i, a in enumerate(ADDRESSES)])
-    tracker.attach(snapshot)
-    plugins = Lifecycle(PluginRuntime(tracker, lambda: 0.0))
-    gold = InFlightRequest(SchedulingRequest("claims@v1", priority=2), "acme", ADDRESSES[0])
-    standard = InFlightRequest(SchedulingRequest("claims@v1"), "acme", ADDRESSES[0])
-    sheddable = InFlightRequest(SchedulingRequest("claims@v1", priority=-1), "acme", ADDRESSES[0])
-    for request in (gold, standard, sheddable, InFlightRequest(SchedulingRequest("claims@v1", priority=-3), "b",
-                                                               ADDRESSES[1])):
-        plugins.pre_request(request)
-    # row b: the awaiting requests of band b or a higher one (what a priority-scheduled pod serves first)
-    assert snapshot.prefilling_ahead.tolist() == [[1, 0, 0], [2, 0, 0], [3, 1, 0]]
-    assert snapshot.prefilling.tolist() == [3, 1, 0] and tracker.prefilling == {ADDRESSES[0]: 3, ADDRESSES[1]: 1}
-    plugins.response_started(gold)  # the gold one's first token: no band counts it any longer
-    assert snapshot.prefilling_ahead[:, 0].tolist() == [0, 1, 2]
-    plugins.response_complete(sheddable)  # finished before its first token: released at completion
-    assert snapshot.prefilling_ahead[:, 0].tolist() == [0, 1, 1]
-    # a snapshot rebuilt now starts from the same per-band counts
-    rebuilt = PoolSnapshot([EndpointState(name=f"p{i}", address=a) for i, a in enumerate(reversed(ADDRESSES))])
-    tracker.attach(rebuilt)
-    assert rebuilt.prefilling_ahead.tolist() == [[0, 0, 0], [0, 0, 1], [0, 1, 1]]
-    plugins.response_complete(standard)
-    assert rebuilt.prefilling_ahead[:, 2].tolist() == [0, 0, 0] and tracker.prefilling == {ADDRESSES[1]: 1}

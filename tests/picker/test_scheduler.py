@@ -253,12 +253,11 @@ def test_the_warm_pod_with_fewer_requests_awaiting_their_first_token_wins(schedu
     assert picks == {"10.0.0.2:8000"}
 
 
-def _prefill_scores(pool: PoolSnapshot, unsaturated: list[bool] | None = None, priority: int = 0,
-                    **params: object) -> list[float] | None:
+def _prefill_scores(pool: PoolSnapshot, unsaturated: list[bool] | None = None, **params: object) -> list[float] | None:
     scorer = prefill_queue_scorer(PrefillQueueParameters.model_validate(params))
     n = pool.size
     below = np.ones(n, dtype=np.bool_) if unsaturated is None else np.asarray(unsaturated)
-    scores = scorer(request(priority=priority), pool, Cycle(np.ones(n, dtype=np.bool_), np.zeros(n), below))
+    scores = scorer(request(), pool, Cycle(np.ones(n, dtype=np.bool_), np.zeros(n), below))
     return None if scores is None else [round(float(s), 4) for s in scores]
 
 
@@ -288,32 +287,6 @@ def test_the_prefill_queue_score_counts_only_where_the_revision_is_warm_when_ask
     # a saturated warm pod scores nothing, as with tier affinity
     below = [False, True, True, True, True]
     assert _prefill_scores(pool, below, capacity=8, warmOnly=True) == [0.0, 1.0, 0.0, 0.0, 0.0]
-
-
-def test_the_prefill_queue_score_counts_lower_bands_at_their_weight() -> None:
-    warm = {ADAPTER: (Tier.GPU, DIGEST_A)}
-    pool = PoolSnapshot([pod(1, warm), pod(2, warm)])
-    tracker = InFlightTracker()
-    tracker.attach(pool)
-    for band in (0, 1, 1, 2, 2, 2, 2):  # pod 1: one gold, two standard and four sheddable awaiting a first token
-        tracker.start(pool.addresses[0], ADAPTER, band=band)
-    tracker.start(pool.addresses[1], ADAPTER, band=0)
-    tracker.start(pool.addresses[1], ADAPTER, band=0)  # pod 2: two gold
-    gold, standard, sheddable = 1, 0, -1
-    # by default every awaiting request counts, whatever its band (a fcfs pod serves them in arrival order)
-    assert _prefill_scores(pool, priority=gold, capacity=8) == [0.125, 0.75]
-    # lowerBands 0: only those a priority-scheduled pod serves before or with the request
-    assert _prefill_scores(pool, priority=gold, capacity=8, lowerBands=0) == [0.875, 0.75]
-    assert _prefill_scores(pool, priority=standard, capacity=8, lowerBands=0) == [0.625, 0.75]
-    assert _prefill_scores(pool, priority=sheddable, capacity=8, lowerBands=0) == [0.125, 0.75]
-    # in between, each lower-band request counts lowerBands: gold at pod 1 sees 1 + 0.5 * 6
-    assert _prefill_scores(pool, priority=gold, capacity=8, lowerBands=0.5) == [0.5, 0.75]
-    assert _prefill_scores(pool, priority=gold, lowerBands=0) == [1.0, 0.0]  # min-max over the gold counts, 1 vs 2
-    # releasing the gold request at its first token leaves pod 1 nothing ahead of a gold one
-    tracker.first_token(pool.addresses[0], band=0)
-    assert _prefill_scores(pool, priority=gold, capacity=8, lowerBands=0) == [1.0, 0.75]
-    with pytest.raises(ValidationError):
-        PrefillQueueParameters.model_validate({"lowerBands": 1.5})
 
 
 def test_the_prefill_queue_scorer_rejects_a_capacity_that_is_not_positive() -> None:

@@ -47,14 +47,12 @@ def test_the_picker_in_the_simulator_reads_the_same_count() -> None:
     trace, config = _trace(), SimConfig(pods=2)
     policy = build_policy("loraplane", 0, trace, LARGE_GPU, config)
     seen: list[list[float]] = []
-    by_band: list[list[tuple[list[float], list[int]]]] = []
     decide = policy.router.decide  # type: ignore[attr-defined]
 
     def recording(now: float, rid: int, trace: Trace, pods: list[Pod]):  # type: ignore[no-untyped-def]
         decision = decide(now, rid, trace, pods)
         snapshot = policy.router._snapshot  # type: ignore[attr-defined]
         seen.append([(snapshot.prefilling[p.index], p.awaiting_first_token(now)) for p in pods])
-        by_band.append([(snapshot.prefilling_ahead[:, p.index].tolist(), p.awaiting_by_band(now)) for p in pods])
         return decision
 
     policy.router.decide = recording  # type: ignore[attr-defined]
@@ -63,33 +61,3 @@ def test_the_picker_in_the_simulator_reads_the_same_count() -> None:
     assert len(seen) == len(ARRIVALS)
     assert all(fed == counted for row in seen for fed, counted in row)
     assert sum(counted for row in seen for _, counted in row) >= 2  # the 2nd and 3rd arrivals found some
-    # per band, cumulative from gold (one tenant of priority 0: standard, so gold counts none)
-    assert all(fed == [0, sum(bands), sum(bands)] and bands[0] == bands[2] == 0
-               for row in by_band for fed, bands in row)
-
-
-class BandsAtPodZero:
-    """Sends everything to pod 0 and notes, at each arrival, pod 0's requests awaiting a first token per band."""
-
-    name = "bands-at-pod-zero"
-
-    def __init__(self) -> None:
-        self.seen: list[list[int]] = []
-
-    def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
-        self.seen.append(pods[0].awaiting_by_band(now))
-        return 0
-
-
-def test_the_count_is_kept_per_band_of_the_tenants_priority() -> None:
-    n = len(ARRIVALS)
-    tenants = [Tenant("gold", priority=1), Tenant("standard"), Tenant("sheddable", priority=-2)]
-    trace = Trace(name="bands", tenants=tenants, adapters=[Adapter("a@v1", 0, ADAPTER_BYTES)], arrival=ARRIVALS,
-                  adapter=[0] * n, tenant=[2, 0, 1, 0], input_tokens=[2000] * n, output_tokens=[64] * n)
-    config = SimConfig(pods=2)
-    policy = build_policy("loraplane", 0, trace, LARGE_GPU, config)
-    router = BandsAtPodZero()
-    Simulator(trace, config, LARGE_GPU, router, policy.eviction).run()
-    # a sheddable request is prefilling when the gold one arrives, then both wait as the standard one arrives; by
-    # 1 s all three have their first token
-    assert router.seen == [[0, 0, 0], [0, 0, 1], [1, 0, 1], [0, 0, 0]]
