@@ -258,6 +258,10 @@ class _Entry:
         return self.score / k
 
 
+#: kinds of host-tier claim, in the order they win at equal worth (``_Planner.place_host_tier``)
+_CPU_REPLICA, _DEMOTED, _HOST_COPY = range(3)
+
+
 class _Planner:
     def __init__(
         self,
@@ -551,27 +555,48 @@ class _Planner:
             pod = min(candidates, key=lambda p: (was.get(p, Tier.ABSENT).level, self.gold_load[p], self.load[p], p))
             self.add_gpu(e, pod)
 
-    def place_cpu(self) -> None:
-        """One CPU replica for each adapter that has traffic or a warm policy but no GPU replica."""
-        wanting = [
-            e
-            for e in self.entries.values()
-            if not e.gpu
-            and (e.score > 1e-6 or e.demand.warm_policy is not WarmPolicy.ON_DEMAND or e.demand.pinned)
-            and not any(t is Tier.CPU for t in self.tiers(e).values())
-        ]
-        wanting.sort(key=lambda e: (-e.score, e.demand.served_name))
+    def place_host_tier(self) -> None:
+        """Host-memory (CPU tier) slots by traffic: each claim is worth its adapter's score, best first.
+
+        Three kinds of claim compete for the same slots: a CPU replica for an adapter with traffic or a warm
+        policy but no GPU replica (``cpu_pod_for``), keeping a revision that leaves a pod's GPU or CPU tier there at
+        CPU (demotion instead of a drop: the pod keeps serving requests already routed there, and it is the
+        cheapest copy to warm up again; only for demands with ``min_replicas`` > 0), both worth their adapter's
+        score, and up to ``host_copies`` CPU copies of each GPU-placed adapter with traffic (``host_copy_pod``),
+        worth ``host_copy_worth``. At equal worth a CPU replica comes before a demotion, and a demotion before a
+        copy.
+        """
+        claims: list[tuple[float, int, str, str]] = []  # (-worth, kind, served name, pod or "")
+        for e in self.entries.values():
+            name = e.demand.served_name
+            if not e.gpu and (e.score > 1e-6 or e.demand.warm_policy is not WarmPolicy.ON_DEMAND or e.demand.pinned):
+                if not any(t is Tier.CPU for t in self.tiers(e).values()):
+                    claims.append((-e.score, _CPU_REPLICA, name, ""))
+            if e.gpu and e.score > 1e-6:
+                worth = self.host_copy_worth(e)
+                claims.extend((-worth, _HOST_COPY, name, "") for _ in range(self.config.host_copies))
+            if e.demand.min_replicas > 0:
+                for pod, tier in self.previous_by_name.get(name, {}).items():
+                    if tier in (Tier.GPU, Tier.CPU) and name not in self.pool.held[pod] and self.is_eligible(e, pod):
+                        claims.append((-e.score, _DEMOTED, name, pod))
         by_use = [(self.pool.slots_used[Tier.CPU][p], p) for p in self.pool.roomy[Tier.CPU]]
         heapq.heapify(by_use)
-        for e in wanting:
+        for _, kind, name, pod in sorted(claims):
+            e = self.entries[name]
             if not self.budget_allows(e, Tier.CPU):
-                self.notes.setdefault(e.demand.served_name, f"tenant {e.demand.tenant} CPU budget exhausted")
+                if kind == _CPU_REPLICA:
+                    self.notes.setdefault(name, f"tenant {e.demand.tenant} CPU budget exhausted")
                 continue
-            pod = self.cpu_pod_for(e, by_use)
-            if pod is not None:
-                self.pool.put(pod, e.demand.served_name, Tier.CPU, e.demand.bytes)
+            if kind == _CPU_REPLICA:
+                target = self.cpu_pod_for(e, by_use)
+            elif kind == _DEMOTED:
+                target = pod if name not in self.pool.held[pod] and self.pool.fits(pod, Tier.CPU, e.demand.bytes) else None
+            else:
+                target = self.host_copy_pod(e)
+            if target is not None:
+                self.pool.put(target, name, Tier.CPU, e.demand.bytes)
                 self.charge(e, Tier.CPU, +1)
-                heapq.heappush(by_use, (self.pool.slots_used[Tier.CPU][pod], pod))
+                heapq.heappush(by_use, (self.pool.slots_used[Tier.CPU][target], target))
 
     def cpu_pod_for(self, e: _Entry, by_use: list[tuple[int, str]]) -> str | None:
         """A pod that already holds it (GPU, CPU, then disk: no fetch) if one has room, else, for a revision no pod
@@ -601,51 +626,26 @@ class _Planner:
             heapq.heappush(by_use, item)
         return found
 
-    def keep_demoted(self) -> None:
-        """A served revision that leaves a pod's GPU or CPU tier stays there at CPU while CPU room allows.
+    def host_copy_worth(self, e: _Entry) -> float:
+        """A host copy is worth the traffic that may spill off its adapter's GPU replicas: its steady rate beyond
+        what one pod serves for it (``replica_rate``), weighted like its score. A copy of an adapter one pod serves
+        takes only the host slots nothing else wants; one of a busier adapter comes before any colder adapter's
+        CPU replica or demotion."""
+        rate = steady_rate(e.demand.rates, self.config)
+        return max(0.0, rate - self.config.replica_rate) * e.score / rate
 
-        Demotion instead of a drop: the pod keeps serving it (from host memory) for requests already routed there,
-        and it is the cheapest copy to warm up again. Only for demands that must be held somewhere
-        (``min_replicas`` > 0); best-scored first.
-        """
-        candidates = []
-        for name, was in self.previous_by_name.items():
-            e = self.entries.get(name)
-            if e is None or e.demand.min_replicas == 0:
-                continue
-            for pod, tier in was.items():
-                if tier in (Tier.GPU, Tier.CPU) and pod in self.pool.caps and name not in self.pool.held[pod]:
-                    if self.is_eligible(e, pod):
-                        candidates.append((-e.score, name, pod))
-        for _, name, pod in sorted(candidates):
-            e = self.entries[name]
-            if self.pool.fits(pod, Tier.CPU, e.demand.bytes) and self.budget_allows(e, Tier.CPU):
-                self.pool.put(pod, name, Tier.CPU, e.demand.bytes)
-                self.charge(e, Tier.CPU, +1)
-
-    def place_host_copies(self) -> None:
-        """Up to ``host_copies`` CPU copies of each GPU-placed adapter with traffic in the host slots left spare,
-        hottest adapter first, on pods that hold it already (no fetch) first, then on the least loaded."""
-        if self.config.host_copies <= 0:
-            return
-        hot = [e for e in self.entries.values() if e.gpu and e.score > 1e-6]
-        hot.sort(key=lambda e: (-e.score, e.demand.served_name))
-        for e in hot:
-            name = e.demand.served_name
-            held = self.tiers(e)
-            copies = sum(tier is Tier.CPU for tier in held.values())  # kept from the last plan (keep_demoted)
-            was = self.previous_by_name.get(name, {})
-            candidates = sorted(
-                (p for p in self.pool.roomy[Tier.CPU] if p not in held and self.is_eligible(e, p)),
-                key=lambda p: (p not in was, self.load[p], p),
-            )
-            for pod in candidates:
-                if copies >= self.config.host_copies or not self.budget_allows(e, Tier.CPU):
-                    break
-                if self.pool.fits(pod, Tier.CPU, e.demand.bytes):
-                    self.pool.put(pod, name, Tier.CPU, e.demand.bytes)
-                    self.charge(e, Tier.CPU, +1)
-                    copies += 1
+    def host_copy_pod(self, e: _Entry) -> str | None:
+        """Where ``e``'s next host copy goes, if it has fewer than ``host_copies`` CPU copies: a pod without it that
+        held it in the last plan (no fetch) first, then the least loaded; None when it has them or none has room."""
+        held = self.tiers(e)
+        if sum(tier is Tier.CPU for tier in held.values()) >= self.config.host_copies:
+            return None
+        was = self.previous_by_name.get(e.demand.served_name, {})
+        candidates = [
+            p for p in self.pool.roomy[Tier.CPU]
+            if p not in held and self.is_eligible(e, p) and self.pool.fits(p, Tier.CPU, e.demand.bytes)
+        ]
+        return min(candidates, key=lambda p: (p not in was, self.load[p], p), default=None)
 
     def tiers(self, e: _Entry) -> dict[str, Tier]:
         return dict(self.pool.where.get(e.demand.served_name, {}))
@@ -675,9 +675,7 @@ class _Planner:
         self.add_gpu_replicas()
         self.spread_load()
         self.place_bursts()
-        self.place_cpu()
-        self.keep_demoted()
-        self.place_host_copies()
+        self.place_host_tier()
         self.place_disk()
         pods = {pod: dict(sorted(held.items())) for pod, held in sorted(self.pool.held.items())}
         return Placement(pods=pods, notes=self.notes)

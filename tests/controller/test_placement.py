@@ -361,8 +361,48 @@ def test_host_copies_take_only_the_host_slots_nothing_else_wants() -> None:
     _assert_capacity(pods, demands, plan)
     assert plan.replicas(Tier.GPU) == {"hot@v1": {"pod-0"}, "second@v1": {"pod-1"}} or plan.replicas(Tier.GPU) == {
         "hot@v1": {"pod-1"}, "second@v1": {"pod-0"}}
-    assert "cold@v1" in plan.replicas(Tier.CPU)  # an adapter with no GPU replica comes first
+    # one pod serves each of them: no traffic to spill, so an adapter with no GPU replica comes first
+    assert "cold@v1" in plan.replicas(Tier.CPU)
     assert sum(len(pods_of) for pods_of in plan.replicas(Tier.CPU).values()) == 2
+
+
+def test_a_copy_of_an_adapter_busier_than_one_pod_is_worth_the_traffic_beyond_it() -> None:
+    # one host slot in the pool, on the pod without the busy adapter's GPU replicas
+    pods = [PodCapacity("pod-0", 1, 0), PodCapacity("pod-1", 1, 0), PodCapacity("pod-2", 1, 1)]
+    config = PlacementConfig(burst_slots_per_pod=0)
+    busy, other = _demand("busy@v1", 6.0), _demand("other@v1", 1.0)
+    cold = _demand("cold@v1", 0.1, warm_policy=WarmPolicy.CPU)
+    plan = place(pods, [busy, other, cold], config=config)
+    assert plan.replicas(Tier.GPU) == {"busy@v1": {"pod-0", "pod-1"}, "other@v1": {"pod-2"}}
+    assert plan.replicas(Tier.CPU) == {"busy@v1": {"pod-2"}}  # worth 6 - 4 = 2 requests/s, the cold one 0.1
+    assert set(plan.tiers_of("cold@v1").values()) == {Tier.DISK}
+    # an adapter kept off the GPU by its tenant's budget, busier than the copy is worth, gets the slot first
+    capped = _demand("capped@v1", 3.0, tenant="capped")
+    plan = place(pods, [busy, other, capped], budgets={"capped": TenantBudget(gpu_bytes=0)}, config=config)
+    assert plan.replicas(Tier.CPU) == {"capped@v1": {"pod-2"}}
+
+
+def test_hot_host_copies_are_not_crowded_out_by_colder_cpu_replicas_and_demotions() -> None:
+    # four adapters busier than one pod, two GPU replicas each; a sweep of cold adapters and a demoted one could
+    # fill every host slot
+    pods = _pods(4, gpu=2, cpu=2)
+    hot = [_demand(f"hot{i}@v1", 7.5 - i / 2) for i in range(4)]
+    sweep = [_demand(f"sweep{i}@v1", 0.1) for i in range(8)]
+    config = PlacementConfig(burst_slots_per_pod=0, host_copies=1)
+    previous = place(pods, [*hot[:3], _demand("old@v1", 8.0)], config=config)
+    assert len(previous.replicas(Tier.GPU)["old@v1"]) == 2
+    demands = [*hot, *sweep, _demand("old@v1", 0.15)]  # old@v1 cooled down: it loses its GPU slots, is demoted
+    plan = place(pods, demands, previous=previous, config=config)
+    _assert_capacity(pods, demands, plan)
+    gpu, cpu = plan.replicas(Tier.GPU), plan.replicas(Tier.CPU)
+    for d in hot:
+        name = d.served_name
+        assert len(gpu[name]) == 2 and len(cpu.get(name, set())) == 1 and not gpu[name] & cpu[name], (name, plan.pods)
+    # the slots left over still go to the colder adapters, demoted and swept: none is left empty
+    assert sum(len(pods_of) for pods_of in cpu.values()) == 8 and "old@v1" in cpu
+    # more copies are a setting that takes effect here: each adapter gets one on every pod without its GPU replicas
+    wider = place(pods, demands, previous=previous, config=PlacementConfig(burst_slots_per_pod=0, host_copies=3))
+    assert wider.replicas(Tier.CPU) == {d.served_name: {p.name for p in pods} - gpu[d.served_name] for d in hot}
 
 
 def test_host_slots_leave_the_gpu_resident_adapters_their_place_in_the_host_cache() -> None:
