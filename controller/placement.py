@@ -16,11 +16,12 @@ The plan, in order:
    above the pool's mean load (``balance_ratio``) gets further replicas of its busiest adapters in free slots;
 3. one-off bursts (5 min rate far above the 1 h / 24 h rates) get a replica in the reserved burst slots only, so
    they never evict a hot adapter: where they are held, else where gold load is lightest;
-4. adapters without a GPU replica but with traffic or a ``cpu`` / ``gpu-preferred`` warm policy get a CPU replica,
-   on a pod already holding them (a held revision is never copied to another pod for it);
-5. a revision that loses its GPU or CPU place on a pod is demoted to CPU there if room is left, not dropped;
-   then GPU-placed adapters with traffic get ``host_copies`` CPU copies in the host slots left on other pods;
-6. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
+4. host-memory slots, in one pass by worth: adapters without a GPU replica but with traffic or a ``cpu`` /
+   ``gpu-preferred`` warm policy get a CPU replica, on a pod already holding them (a held revision is never copied
+   to another pod for it); a revision that loses its GPU or CPU place on a pod is demoted to CPU there, not
+   dropped (both worth their score); GPU-placed adapters with traffic get ``host_copies`` CPU copies on other pods,
+   each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
+5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
 current holders serving it (at CPU, or at disk where the runtime keeps disk-tier revisions registered) until a
@@ -125,9 +126,9 @@ class PlacementConfig:
     #: a pod whose planned load (requests/s its GPU replicas carry) is above this multiple of the pool's mean, and
     #: above ``replica_rate``, gets a further replica of its busiest adapters in free GPU slots elsewhere
     balance_ratio: float = 1.0
-    #: host-memory (CPU tier) copies each GPU-placed adapter with traffic gets in spare host slots of pods without
-    #: its GPU replica, hottest first: a burst to it can spill to a pod where it is a host->GPU copy away, not a
-    #: read from disk (0: none)
+    #: host-memory (CPU tier) copies each GPU-placed adapter with traffic gets on pods without its GPU replica, each
+    #: worth its steady rate beyond ``replica_rate`` against the other host-slot claims: a burst to it can spill
+    #: to a pod where it is a host->GPU copy away, not a read from disk (0: none)
     host_copies: int = 1
 
 
