@@ -294,12 +294,16 @@ class PoolSnapshot:
             if at is None:
                 at = self.in_flight_by_name[served_name] = {}
             at[index] = count
+            if served_name in names:
+                return  # the revisions in flight here are the same: so are their number and the fetching count
             names.add(served_name)
         else:
             if at is not None:
                 at.pop(index, None)
                 if not at:
                     del self.in_flight_by_name[served_name]
+            if served_name not in names:
+                return
             names.discard(served_name)
         self.adapters_in_flight[index] = len(names)
         self._count_fetching(index)

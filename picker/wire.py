@@ -63,6 +63,8 @@ def immediate(status: int, headers: Sequence[tuple[str, str]], body: bytes, deta
 
 
 def _varint(value: int) -> bytes:
+    if value < 0x4000:  # every length of a routed response up to 16 KiB: one or two bytes
+        return bytes((value,)) if value < 0x80 else bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
