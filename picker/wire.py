@@ -62,9 +62,8 @@ def immediate(status: int, headers: Sequence[tuple[str, str]], body: bytes, deta
     ).SerializeToString()
 
 
+@lru_cache(maxsize=1 << 14)  # building even a two-byte varint in Python costs more than the cache's lookup
 def _varint(value: int) -> bytes:
-    if value < 0x4000:  # every length of a routed response up to 16 KiB: one or two bytes
-        return bytes((value,)) if value < 0x80 else bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)
@@ -76,11 +75,6 @@ def _varint(value: int) -> bytes:
 def _key(message: type[Message], field: str) -> bytes:
     """The wire key of a length-delimited (message or bytes) field."""
     return _varint(message.DESCRIPTOR.fields_by_name[field].number << 3 | 2)
-
-
-def _field(key: bytes, *parts: bytes) -> list[bytes]:
-    """A length-delimited field holding ``parts`` concatenated, as pieces to join."""
-    return [key, _varint(sum(map(len, parts))), *parts]
 
 
 _PHASE_KEYS = {phase: _key(pb.ProcessingResponse, phase) for phase in ("request_headers", "request_body")}
@@ -115,9 +109,20 @@ def routed(phase: str, destination: str, content_length: int | None = None, body
     field, so cached encoded pieces can be concatenated; the body is copied once (into the joined result) instead
     of into a message and out again.
     """
-    common = _routing_common(destination, content_length)
-    inner = [common] if body is None else [common, *_field(_BODY_MUTATION_KEY, *_field(_BODY_KEY, body))]
-    return b"".join([*_field(_PHASE_KEYS[phase], *_field(_COMMON_KEY, *inner)), _destination_metadata(destination)])
+    pieces = [_routing_common(destination, content_length)]
+    if body is not None:
+        body_field = [_BODY_KEY, _varint(len(body)), body]
+        _prepend_length(body_field, _BODY_MUTATION_KEY)
+        pieces += body_field
+    _prepend_length(pieces, _COMMON_KEY)
+    _prepend_length(pieces, _PHASE_KEYS[phase])
+    pieces.append(_destination_metadata(destination))
+    return b"".join(pieces)
+
+
+def _prepend_length(pieces: list[bytes], key: bytes) -> None:
+    """Make ``pieces`` (to be joined) one length-delimited field ``key`` holding them."""
+    pieces[:0] = (key, _varint(sum(map(len, pieces))))
 
 
 def response_body(body: bytes, with_length: bool) -> Wire:
