@@ -633,6 +633,8 @@ class _Planner:
         takes only the host slots nothing else wants; one of a busier adapter comes before any colder adapter's
         CPU replica or demotion."""
         rate = steady_rate(e.demand.rates, self.config)
+        if rate <= 0:  # an idle floor (its score is a tiny positive number, whatever its weight): nothing spills
+            return 0.0
         return max(0.0, rate - self.config.replica_rate) * e.score / rate
 
     def host_copy_pod(self, e: _Entry) -> str | None:

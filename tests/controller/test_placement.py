@@ -382,6 +382,18 @@ def test_a_copy_of_an_adapter_busier_than_one_pod_is_worth_the_traffic_beyond_it
     assert plan.replicas(Tier.CPU) == {"capped@v1": {"pod-2"}}
 
 
+def test_an_idle_gpu_placed_adapter_claims_no_host_copy_whatever_its_weight() -> None:
+    # a pinned gold adapter with no traffic keeps its GPU slot (its score is a tiny positive number times a large
+    # gold weight); its copy is worth nothing, so the one host slot goes to the adapter that has traffic
+    pods = [PodCapacity("pod-0", 1, 0), PodCapacity("pod-1", 0, 1)]
+    config = PlacementConfig(burst_slots_per_pod=0, gold_weight=1e6)
+    idle = _demand("idle@v1", 0.0, priority=1, pinned=True)
+    busy = _demand("busy@v1", 0.5, tenant="capped")
+    plan = place(pods, [idle, busy], budgets={"capped": TenantBudget(gpu_bytes=0)}, config=config)
+    assert plan.replicas(Tier.GPU) == {"idle@v1": {"pod-0"}}
+    assert plan.replicas(Tier.CPU) == {"busy@v1": {"pod-1"}}
+
+
 def test_hot_host_copies_are_not_crowded_out_by_colder_cpu_replicas_and_demotions() -> None:
     # four adapters busier than one pod, two GPU replicas each; a sweep of cold adapters and a demoted one could
     # fill every host slot
