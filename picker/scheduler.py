@@ -299,24 +299,21 @@ class Scheduler:
             raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
         if self.prefix is not None and request.prefix is not None:
             self.prefix.cycle_match(request.prefix, pool, cycle)
+        scored = [(score, weight) for _name, scorer, weight in self.scorers
+                  if (score := scorer(request, pool, cycle)) is not None]
         if pool.size <= SMALL_POOL:  # a small pool: the weighted sum in Python floats (the same operations)
             totals = cache.score_list
-            for _name, scorer, weight in self.scorers:
-                score = scorer(request, pool, cycle)
-                if score is not None:
-                    totals = [total + value * weight for total, value in zip(totals, score.tolist(), strict=True)]
+            for score, weight in scored:
+                totals = [total + value * weight for total, value in zip(totals, score.tolist(), strict=True)]
             indices = rank_top(totals, cycle.candidates.tolist(), self.max_endpoints, rng)
-            return self._decide(request, pool, unsaturated, indices, saturated)
-        scores = cache.scores
-        for _name, scorer, weight in self.scorers:
-            score = scorer(request, pool, cycle)
-            if score is None:
-                continue
-            if scores is cache.scores:
+        else:
+            scores = cache.scores
+            if scored:
                 scores = cache.total
                 np.copyto(scores, cache.scores)
-            np.add(scores, np.multiply(score, weight, out=cache.term), out=scores)
-        indices = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
+                for score, weight in scored:
+                    np.add(scores, np.multiply(score, weight, out=cache.term), out=scores)
+            indices = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
         return self._decide(request, pool, unsaturated, indices, saturated)
 
     def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
@@ -357,22 +354,17 @@ class Scheduler:
 _TIER_OF_LEVEL = {t.level: t for t in Tier}
 
 
-#: In a larger pool, more candidates than this are first narrowed with numpy to the top ``k`` and whatever ties
-#: the k-th before they are ranked in Python
-PYTHON_RANK_MAX = SMALL_POOL
-
-
 def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.Generator) -> tuple[int, ...]:
     """The ``k`` best candidates by score, best first; equal scores are ordered by ``rng``."""
     if len(scores) <= SMALL_POOL:
         return rank_top(scores.tolist(), candidates.tolist(), k, rng)
     indices = candidates.nonzero()[0]
     values = scores[indices]
-    if len(indices) > PYTHON_RANK_MAX and len(indices) > k:
+    if len(indices) > SMALL_POOL and len(indices) > k:  # first narrowed to the top k and whatever ties the k-th
         kth = np.partition(values, len(values) - k)[len(values) - k]
         keep = (values >= kth).nonzero()[0]
         indices, values = indices[keep], values[keep]
-        if len(values) > PYTHON_RANK_MAX:  # many equal scores (e.g. an idle, uniform pool)
+        if len(values) > SMALL_POOL:  # many equal scores (e.g. an idle, uniform pool)
             return tuple(indices[np.lexsort((rng.random(len(values)), -values))[:k]].tolist())
     return _best_first(list(zip(values.tolist(), indices.tolist(), strict=True)), k, rng)
 
