@@ -40,6 +40,18 @@ def test_streamed_bodies_split_into_chunks_that_join_back(body: bytes, end: bool
     assert [p.end_of_stream for p in pieces] == [False] * (len(pieces) - 1) + [end]
 
 
+@given(BODIES, st.booleans(), st.booleans())
+def test_streamed_bodies_are_what_protobuf_serialises(body: bytes, end: bool, response: bool) -> None:
+    pieces = [body[i : i + wire.MAX_BODY_CHUNK] for i in range(0, len(body), wire.MAX_BODY_CHUNK)] or [b""]
+    expected = []
+    for n, piece in enumerate(pieces):
+        streamed = pb.StreamedBodyResponse(body=piece, end_of_stream=end and n == len(pieces) - 1)
+        reply = pb.BodyResponse(response=pb.CommonResponse(body_mutation=pb.BodyMutation(streamed_response=streamed)))
+        message = pb.ProcessingResponse(response_body=reply) if response else pb.ProcessingResponse(request_body=reply)
+        expected.append(message.SerializeToString())
+    assert list(wire.streamed_body(body, end, response)) == expected
+
+
 @given(st.binary(max_size=5000), st.booleans())
 def test_replaced_response_bodies(body: bytes, with_length: bool) -> None:
     common = pb.CommonResponse(body_mutation=pb.BodyMutation(body=body))
