@@ -1,6 +1,7 @@
-"""Envoy against the picker's stream limit: with ``--max-concurrent-streams 4`` and 24 requests held open at once
-(each holds an ext_proc stream until its response ends), Envoy honours SETTINGS_MAX_CONCURRENT_STREAMS by opening
-more connections to the picker: every request succeeds, none meets REFUSED_STREAM.
+"""Envoy against the picker's stream limit: with ``--max-concurrent-streams 4`` (and the picker cluster told the same,
+as ``picker_config`` does) and 24 requests held open at once (each holds an ext_proc stream until its response ends),
+Envoy opens more connections to the picker: every request succeeds, none meets REFUSED_STREAM, also on a connection
+whose first streams go out before the picker's SETTINGS arrive.
 
 Real Redis (a report and a route table written as the sidecar and the controller would), a real echo backend, the
 real picker CLI and Envoy.
@@ -57,7 +58,7 @@ def test_envoy_opens_more_connections_instead_of_failing_at_the_stream_limit(tmp
                                  adapters=[AdapterResidency(served_name="claims@v1", tier=Tier.GPU, digest=DIGEST)])
         client.set(keys.residency_report(POOL, "pod-a"), report.to_json())
         client.sadd(keys.residency_index(POOL), "pod-a")
-        gateways = gateway(tmp_path, POOL, redis_server.url, extra_args=["--max-concurrent-streams", "4"])
+        gateways = gateway(tmp_path, POOL, redis_server.url, max_concurrent_streams=4)
         gw = next(gateways)
         try:
             def post(i: int) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 from loraplane.api import validation
 from loraplane.picker.extproc import SUBSET_KEY, SUBSET_NAMESPACE
+from loraplane.picker.transport.grpc import TransportLimits
 from loraplane.picker.wire import DESTINATION_HEADER, LB_NAMESPACE
 
 LOOPBACK = "127.0.0.1"
@@ -50,7 +51,8 @@ def _socket(port: int, host: str = LOOPBACK) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _static_cluster(name: str, port: int, http2: bool = False) -> dict[str, Any]:
+def _static_cluster(name: str, port: int, http2_streams: int | None = None) -> dict[str, Any]:
+    """A one-address cluster; ``http2_streams`` makes it HTTP/2 with at most that many streams per connection."""
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC",
@@ -60,11 +62,11 @@ def _static_cluster(name: str, port: int, http2: bool = False) -> dict[str, Any]
             "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(port)}}]}],
         },
     }
-    if http2:
+    if http2_streams is not None:
         cluster["typed_extension_protocol_options"] = {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
+                "explicit_http_config": {"http2_protocol_options": {"max_concurrent_streams": http2_streams}},
             }
         }
     return cluster
@@ -214,8 +216,14 @@ def _subset_hint_from_header(header: str) -> dict[str, Any]:
 
 def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: ExtProcModes | None = None,
                   message_timeout: str = "5s", upstream_header: bool = False,
-                  policy: GatewayPolicy | None = None) -> dict[str, Any]:
-    """Envoy with the ext_proc filter calling the picker and the pool cluster ``policy`` describes."""
+                  policy: GatewayPolicy | None = None,
+                  picker_streams: int = TransportLimits.max_concurrent_streams) -> dict[str, Any]:
+    """Envoy with the ext_proc filter calling the picker and the pool cluster ``policy`` describes.
+
+    ``picker_streams`` is the picker's ``--max-concurrent-streams``: Envoy puts no more streams than that on one
+    connection from the start, so a stream sent on a new connection before the picker's SETTINGS arrive is never
+    refused (Envoy's gRPC client would fail that request rather than retry it).
+    """
     modes = modes or ExtProcModes()
     policy = policy or GatewayPolicy()
     ext_proc: dict[str, Any] = {
@@ -232,7 +240,7 @@ def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: Ex
     if modes.subset_hint_header:
         ext_proc["metadata_options"] = {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}}
         filters.insert(0, _subset_hint_from_header(modes.subset_hint_header))
-    clusters = [_pool_cluster(policy.endpoints), _static_cluster("picker", picker_port, http2=True)]
+    clusters = [_pool_cluster(policy.endpoints), _static_cluster("picker", picker_port, http2_streams=picker_streams)]
     return _bootstrap(listen_port, admin_port, filters, "pool", clusters, upstream_header, policy)
 
 

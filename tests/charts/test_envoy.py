@@ -74,6 +74,19 @@ def test_rendered_bootstrap_passes_envoy_validate(render: RenderFn, envoy_bin: s
     assert ext_proc["processing_mode"]["request_body_mode"] == body_mode
 
 
+@pytest.mark.parametrize("streams", [None, 7])
+def test_envoy_puts_no_more_streams_on_a_picker_connection_than_the_picker_accepts(render: RenderFn,
+                                                                                  streams: int | None) -> None:
+    values: dict[str, Any] = {"picker": {"maxConcurrentStreams": streams}} if streams else {}
+    (cluster,) = [c for c in bootstrap(render, values)["static_resources"]["clusters"] if c["name"] == "picker"]
+    options = cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    picker = render(values).get("Deployment", name_of("picker"))["spec"]["template"]["spec"]["containers"][0]
+    (flag,) = [a for a in picker["args"] if a.startswith("--max-concurrent-streams=")]
+    limit = int(flag.partition("=")[2])
+    assert limit == (streams or 100)
+    assert options["explicit_http_config"]["http2_protocol_options"]["max_concurrent_streams"] == limit
+
+
 def test_envoy_validate_catches_a_broken_bootstrap(render: RenderFn, envoy_bin: str, tmp_path: Path) -> None:
     config = bootstrap(render, {})
     _http_filter(config, "envoy.filters.http.ext_proc")["processing_mode"].pop("request_trailer_mode")

@@ -109,7 +109,7 @@ static_resources:
         envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
           "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
           explicit_http_config:
-            http2_protocol_options: {}
+            http2_protocol_options: {max_concurrent_streams: {{ .Values.picker.maxConcurrentStreams }}}
       load_assignment:
         cluster_name: picker
         endpoints:
