@@ -113,9 +113,9 @@ def routed(phase: str, destination: str, content_length: int | None = None, body
     field, so cached encoded pieces can be concatenated; the body is copied once (into the joined result) instead
     of into a message and out again.
     """
-    pieces = [_routing_common(destination, content_length)]
+    pieces: list[bytes | memoryview] = [_routing_common(destination, content_length)]
     if body is not None:
-        body_field = [_BODY_KEY, _varint(len(body)), body]
+        body_field: list[bytes | memoryview] = [_BODY_KEY, _varint(len(body)), body]
         _prepend_length(body_field, _BODY_MUTATION_KEY)
         pieces += body_field
     _prepend_length(pieces, _COMMON_KEY)
@@ -124,7 +124,7 @@ def routed(phase: str, destination: str, content_length: int | None = None, body
     return b"".join(pieces)
 
 
-def _prepend_length(pieces: list[bytes], key: bytes) -> None:
+def _prepend_length(pieces: list[bytes | memoryview], key: bytes) -> None:
     """Make ``pieces`` (to be joined) one length-delimited field ``key`` holding them."""
     pieces[:0] = (key, _varint(sum(map(len, pieces))))
 
@@ -157,7 +157,7 @@ def streamed_body(body: bytes, end_of_stream: bool = True, response: bool = Fals
     starts = range(0, len(body), MAX_BODY_CHUNK) or range(1)
     for start in starts:
         piece = view[start : start + MAX_BODY_CHUNK]
-        pieces = [_STREAMED_BODY_KEY, _varint(len(piece)), piece] if piece else []  # proto3 leaves out an empty body
+        pieces: list[bytes | memoryview] = [_STREAMED_BODY_KEY, _varint(len(piece)), piece] if piece else []  # proto3 leaves out an empty body
         if end_of_stream and start == starts[-1]:
             pieces.append(_END_OF_STREAM)
         for key in (_STREAMED_KEY, _BODY_MUTATION_KEY, _COMMON_KEY, phase):
