@@ -190,6 +190,7 @@ class Exchange:
 
     __slots__ = (
         "body",
+        "body_size",
         "client_model",
         "ctx",
         "deferred",
@@ -217,7 +218,10 @@ class Exchange:
         self.headers: dict[str, str] = {}
         self.request_body_mode = ctx.settings.body_mode
         self.response_body_mode = ctx.settings.body_mode
-        self.body = bytearray()
+        #: the request body's chunks so far, joined once at its end (a bytearray grown chunk by chunk copies it
+        #: twice more)
+        self.body: list[bytes] = []
+        self.body_size = 0
         self.subset: frozenset[str] | None = None
         self.route: Resolution | None = None
         #: the model name the client sent (the response is rewritten back to it)
@@ -381,10 +385,12 @@ class Exchange:
         if message.end_of_stream and not reassembled:
             body = chunk  # the whole body in one message (BUFFERED): no reassembly copy
         else:
-            self.body += chunk
-            body = bytes(self.body) if message.end_of_stream else b""
+            if chunk:
+                self.body.append(chunk)
+                self.body_size += len(chunk)
+            body = b"".join(self.body) if message.end_of_stream else b""
         limit = self.ctx.settings.max_body_bytes
-        if max(len(self.body), len(body)) > limit:
+        if max(self.body_size, len(body)) > limit:
             raise ClientError(413, f"request body exceeds the limit of {limit} bytes", "body-too-large")
         if not message.end_of_stream:
             # full duplex: answer at the end; otherwise each chunk is answered, and held back until the whole is known
@@ -393,7 +399,7 @@ class Exchange:
 
     def _schedule_if_pending(self) -> list[Wire]:
         pending = self.destination is None and self.waiting is None
-        return self._route_with_body(bytes(self.body), True) if pending else []
+        return self._route_with_body(b"".join(self.body), True) if pending else []
 
     def _route_without_body(self) -> list[Wire]:
         def routed_headers(decision: Decision) -> list[Wire]:
