@@ -51,6 +51,7 @@ class PlacementSettings(_Strict):
     gold_min_replicas: int = Field(default=PlacementConfig.gold_min_replicas, ge=1, alias="goldMinReplicas")
     balance_ratio: float = Field(default=PlacementConfig.balance_ratio, ge=1, alias="balanceRatio")
     host_copies: int = Field(default=PlacementConfig.host_copies, ge=0, alias="hostCopies")
+    staging_share: float = Field(default=PlacementConfig.staging_share, ge=0, le=1, alias="stagingShare")
 
 
 class BudgetSettings(_Strict):

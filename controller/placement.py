@@ -23,6 +23,14 @@ The plan, in order:
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
 5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
+Staging pods: where the pool has gold revisions and the other pods' GPU slots hold ``gold_min_replicas`` of each,
+idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the pods only, the same ones
+from plan to plan (those holding the most idle revisions in the previous plan), so a sweep of new revisions loads
+and prefills there, not next to every gold replica. While that cold traffic shows (revisions below
+``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the staging pods are shielded: no gold
+revision is placed on them, no floor replica of a non-gold revision takes a GPU slot anywhere, and the other pods
+keep no burst slot (their slots hold the gold replicas; a burst finds room on the staging pods).
+
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
 current holders serving it (at CPU, or at disk where the runtime keeps disk-tier revisions registered) until a
 newly planned pod serves it.
@@ -130,6 +138,11 @@ class PlacementConfig:
     #: worth its steady rate beyond ``replica_rate`` against the other host-slot claims: a burst to it can spill
     #: to a pod where it is a host->GPU copy away, not a read from disk (0: none)
     host_copies: int = 1
+    #: share of the pool's pods (rounded down; 0: none) that stage the idle revisions (no traffic in 24 h) in host
+    #: memory and on disk, so the cold traffic a sweep of new revisions brings lands on them; while that traffic
+    #: shows they hold no gold revision (see the module docstring). Only where the pool has gold revisions and the
+    #: other pods' GPU slots hold ``gold_min_replicas`` of each
+    staging_share: float = 0.25
 
 
 @dataclass
@@ -302,8 +315,63 @@ class _Planner:
             # a tiny positive score for idle floors keeps them behind every adapter with traffic
             score = rate * weight if rate > 0 else 1e-9 * weight
             self.entries[d.served_name] = _Entry(d, score, need, is_burst(d.rates, config))
+        self.staging = self.staging_pods()
+        self.shielded = self.shields_staging()
+        if self.shielded:
+            for pod in self.pool.caps.keys() - self.staging:
+                self.pool.reserved[pod] = 0
+            self.pool.roomy[Tier.GPU] = {p for p in self.pool.caps if self.pool.room(p, Tier.GPU) > 0}
 
     # -- helpers -------------------------------------------------------------------------------------------------
+    def is_idle(self, e: _Entry) -> bool:
+        """No traffic in any window: a revision staged on the staging pods only."""
+        return steady_rate(e.demand.rates, self.config) <= 0
+
+    def hosts(self, e: _Entry) -> Collection[str]:
+        """The pods that may stage ``e`` in host memory or on disk: the staging pods for an idle revision."""
+        return self.staging if self.is_idle(e) else self.pool.caps.keys()
+
+    def is_floor(self, e: _Entry) -> bool:
+        """True when ``e`` plans like an idle adapter: below ``gpu_min_rate``, not pinned."""
+        return not e.demand.pinned and steady_rate(e.demand.rates, self.config) < self.config.gpu_min_rate
+
+    def staging_pods(self) -> frozenset[str]:
+        """The pods that stage idle revisions: ``staging_share`` of the pool, those that held the most idle revisions
+        in the previous plan, then those with the fewest gold GPU replicas in it, so the set stays the same from plan
+        to plan. Every pod when that share rounds to none or all of them, when no revision is gold (there is no
+        one to shield from the cold traffic), or when the other pods' GPU slots cannot hold ``gold_min_replicas``
+        replicas of every gold revision (the pool has no pods to spare)."""
+        count = math.floor(len(self.pool.caps) * self.config.staging_share + 1e-9)
+        if count <= 0 or count >= len(self.pool.caps):
+            return frozenset(self.pool.caps)
+        idle_held = dict.fromkeys(self.pool.caps, 0)
+        gold_gpu = dict.fromkeys(self.pool.caps, 0)
+        for pod, held in self.previous.items():
+            for name, tier in held.items():
+                e = self.entries.get(name)
+                if e is None:
+                    continue
+                if tier is Tier.GPU:
+                    gold_gpu[pod] += e.demand.priority > 0
+                elif self.is_idle(e):
+                    idle_held[pod] += 1
+        staging = frozenset(sorted(self.pool.caps, key=lambda p: (-idle_held[p], gold_gpu[p], p))[:count])
+        room = sum(cap.gpu_slots for pod, cap in self.pool.caps.items() if pod not in staging)
+        gold_replicas = sum(self.config.gold_min_replicas for e in self.entries.values() if e.demand.priority > 0)
+        return staging if 0 < gold_replicas <= room else frozenset(self.pool.caps)
+
+    def shields_staging(self) -> bool:
+        """True while cold traffic shows on the staging pods: revisions below ``gpu_min_rate`` that the previous
+        plan held on staging pods only carry ``gpu_min_rate`` or more."""
+        if len(self.staging) == len(self.pool.caps):
+            return False
+        cold = 0.0
+        for name, pods in self.previous_by_name.items():
+            e = self.entries.get(name)
+            if e is not None and self.is_floor(e) and pods.keys() <= self.staging:
+                cold += steady_rate(e.demand.rates, self.config)
+        return cold >= self.config.gpu_min_rate
+
     def eligible(self, e: _Entry) -> list[str]:
         allowed = e.demand.eligible
         return [p for p in self.pool.caps if allowed is None or p in allowed]
@@ -383,14 +451,22 @@ class _Planner:
             for pod in self.previously(e.demand.served_name, (Tier.GPU,)):
                 if len(e.gpu) >= keep_limit:
                     break
-                if pod in e.gpu or not self.is_eligible(e, pod):
+                if pod in e.gpu or not self.takes_gpu_slot(e, pod):
                     continue
                 if self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
                     if self.budget_allows(e, Tier.GPU):
                         self.add_gpu(e, pod)
 
     def is_eligible(self, e: _Entry, pod: str) -> bool:
+        if self.shielded and pod in self.staging and e.demand.priority > 0:
+            return False
         return e.demand.eligible is None or pod in e.demand.eligible
+
+    def takes_gpu_slot(self, e: _Entry, pod: str) -> bool:
+        """True when a (non-burst) GPU replica of ``e`` may be planned on ``pod``: eligible, and, while the staging
+        pods are shielded, no floor replica of a non-gold revision anywhere (on a staging pod it would take a slot
+        the cold traffic's own loads need, elsewhere it would draw that traffic to the gold adapters' pods)."""
+        return self.is_eligible(e, pod) and not (self.shielded and e.demand.priority <= 0 and self.is_floor(e))
 
     def add_gpu_replicas(self) -> None:
         """Grant further replicas by marginal value, evicting weaker replicas when the pool is full."""
@@ -450,7 +526,7 @@ class _Planner:
         was = self.previous_by_name.get(e.demand.served_name, {})
         fitting = [
             p for p in self.pool.roomy[Tier.GPU]
-            if self.is_eligible(e, p) and e.demand.served_name not in self.pool.held[p]
+            if self.takes_gpu_slot(e, p) and e.demand.served_name not in self.pool.held[p]
             and self.pool.fits(p, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[p])
         ]  # fmt: skip
         return min(fitting, key=lambda p: (was.get(p) is not Tier.GPU, self.load[p], p), default=None)
@@ -466,7 +542,7 @@ class _Planner:
         was = self.previous_by_name.get(e.demand.served_name, {}) if not e.gpu else {}
         best: tuple[int, float, int, str] | None = None
         for pod in self.pool.roomy[Tier.GPU]:
-            if not self.is_eligible(e, pod) or pod in e.gpu or e.demand.served_name in self.pool.held[pod]:
+            if not self.takes_gpu_slot(e, pod) or pod in e.gpu or e.demand.served_name in self.pool.held[pod]:
                 continue
             if not self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
                 continue
@@ -517,7 +593,7 @@ class _Planner:
             popped.append(heapq.heappop(self.victims))
             victim = self.entries[name]
             for pod in sorted(victim.gpu):
-                if pod not in e.gpu and self.is_eligible(e, pod) and e.demand.served_name not in self.pool.held[pod]:
+                if pod not in e.gpu and self.takes_gpu_slot(e, pod) and e.demand.served_name not in self.pool.held[pod]:
                     if self.evictable(victim, pod, e, reserve=self.pool.reserved[pod]):
                         found = (victim, pod)
                         break
@@ -577,9 +653,11 @@ class _Planner:
                 worth = self.host_copy_worth(e)
                 claims.extend((-worth, _HOST_COPY, name, "") for _ in range(self.config.host_copies))
             if e.demand.min_replicas > 0:
+                hosts = self.hosts(e)
                 for pod, tier in self.previous_by_name.get(name, {}).items():
-                    if tier in (Tier.GPU, Tier.CPU) and name not in self.pool.held[pod] and self.is_eligible(e, pod):
-                        claims.append((-e.score, _DEMOTED, name, pod))
+                    if tier in (Tier.GPU, Tier.CPU) and name not in self.pool.held[pod] and pod in hosts:
+                        if self.is_eligible(e, pod):
+                            claims.append((-e.score, _DEMOTED, name, pod))
         by_use = [(self.pool.slots_used[Tier.CPU][p], p) for p in self.pool.roomy[Tier.CPU]]
         heapq.heapify(by_use)
         for _, kind, name, pod in sorted(claims):
@@ -601,12 +679,13 @@ class _Planner:
 
     def cpu_pod_for(self, e: _Entry, by_use: list[tuple[int, str]]) -> str | None:
         """A pod that already holds it (GPU, CPU, then disk: no fetch) if one has room, else, for a revision no pod
-        holds yet, the eligible pod with the fewest CPU adapters.
+        holds yet, the eligible pod with the fewest CPU adapters; for an idle revision only the staging pods count.
 
         A held revision is never copied to another pod for its CPU replica: the fetch would cost download time and
         disk space for a host-memory copy, and requests keep going to the holder meanwhile.
         """
-        holders = self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK))
+        hosts = self.hosts(e)
+        holders = [p for p in self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)) if p in hosts]
         if holders:
             was = self.previous_by_name[e.demand.served_name]
             for pod in sorted(holders, key=lambda p: was[p].level):
@@ -620,7 +699,7 @@ class _Planner:
             if used != self.pool.slots_used[Tier.CPU][pod] or pod not in self.pool.roomy[Tier.CPU]:
                 continue  # stale entry; a fresh one was pushed when the pod changed
             skipped.append((used, pod))
-            if self.is_eligible(e, pod) and self.pool.fits(pod, Tier.CPU, e.demand.bytes):
+            if pod in hosts and self.is_eligible(e, pod) and self.pool.fits(pod, Tier.CPU, e.demand.bytes):
                 found = pod
                 break
         for item in skipped:
@@ -654,7 +733,8 @@ class _Planner:
         return dict(self.pool.where.get(e.demand.served_name, {}))
 
     def place_disk(self) -> None:
-        """Every demand on at least ``min_replicas`` pods: fill up with the disk tier."""
+        """Every demand on at least ``min_replicas`` pods: fill up with the disk tier (an idle revision on the staging
+        pods first)."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
         for e in sorted(self.entries.values(), key=lambda e: e.demand.served_name):
             placed = self.tiers(e)
@@ -662,9 +742,10 @@ class _Planner:
             if missing <= 0:
                 continue
             previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)))
+            idle = self.is_idle(e)
             candidates = sorted(
                 (p for p in self.eligible(e) if p not in placed),
-                key=lambda p: (p not in previous, counts[p], p),
+                key=lambda p: (idle and p not in self.staging, p not in previous, counts[p], p),
             )
             for pod in candidates[:missing]:
                 self.pool.put(pod, e.demand.served_name, Tier.DISK, e.demand.bytes)

@@ -421,3 +421,66 @@ def test_host_slots_leave_the_gpu_resident_adapters_their_place_in_the_host_cach
     assert host_slots(16, 4) == 12
     assert host_slots(4, 4) == 1  # vLLM's default host cache: one slot still, to prewarm a revision
     assert host_slots(0, 4) == 0
+
+
+def _gold_and_idle(gold_rate: float = 2.0, idle: int = 60) -> list[AdapterDemand]:
+    gold = [_demand(f"gold-{i}@v1", gold_rate, priority=1, tenant="online") for i in range(4)]
+    return gold + [_demand(f"sweep-{i:02d}@v1", tenant="batch") for i in range(idle)]
+
+
+def _holders(plan: Placement, prefix: str, tiers: tuple[Tier, ...] = (Tier.CPU, Tier.DISK)) -> set[str]:
+    """The pods holding a revision named ``prefix...`` at one of ``tiers`` (staged: host memory or disk)."""
+    return {pod for pod, held in plan.pods.items() if any(n.startswith(prefix) and held[n] in tiers for n in held)}
+
+
+def test_idle_revisions_are_staged_on_a_quarter_of_the_pods_and_stay_there() -> None:
+    pods = _pods(8, gpu=4, cpu=8)
+    plan = place(pods, _gold_and_idle())
+    staging = _holders(plan, "sweep-")
+    assert len(staging) == 2  # staging_share 0.25 of 8 pods; without it the 60 revisions spread over all 8
+    assert place(pods, _gold_and_idle(), previous=plan).pods == plan.pods  # the same pods, plan after plan
+    # a pool that keeps its idle revisions elsewhere keeps them there (the pods holding the most of them)
+    elsewhere = Placement(pods={p.name: {} for p in pods})
+    for i in range(60):
+        elsewhere.pods[f"pod-{6 + i % 2}"][f"sweep-{i:02d}@v1"] = Tier.DISK
+    assert _holders(place(pods, _gold_and_idle(), previous=elsewhere), "sweep-") == {"pod-6", "pod-7"}
+    # share 0: every pod stages, as before
+    spread = place(pods, _gold_and_idle(), config=PlacementConfig(staging_share=0))
+    assert len(_holders(spread, "sweep-")) == 8
+
+
+def test_no_staging_without_gold_revisions_or_room_for_them_elsewhere() -> None:
+    pods = _pods(8, gpu=4, cpu=8)
+    standard = [AdapterDemand(d.served_name, d.bytes, d.rates, d.tenant) for d in _gold_and_idle()]
+    assert len(_holders(place(pods, standard), "sweep-")) == 8  # nobody to shield from the cold traffic
+    # 13 gold revisions x gold_min_replicas 2 = 26 replicas: more than the 24 GPU slots of 6 pods
+    busy = [_demand(f"gold-{i}@v1", 2.0, priority=1) for i in range(13)] + _gold_and_idle()[4:]
+    assert len(_holders(place(pods, busy), "sweep-")) == 8
+
+
+def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> None:
+    pods = _pods(8, gpu=4, cpu=8)
+    calm = place(pods, _gold_and_idle())
+    staging = _holders(calm, "sweep-")
+    gold_pods = set().union(*(calm.replicas(Tier.GPU)[f"gold-{i}@v1"] for i in range(4)))
+    assert gold_pods & staging  # with no cold traffic the gold adapters may sit on staging pods
+    # three staged revisions get their first requests: 0.3 req/s of cold traffic, all on the staging pods
+    staged = sorted(n for n in calm.replicas(Tier.DISK) if n.startswith("sweep-") and n not in calm.replicas(Tier.GPU))
+    swept = [_demand(d.served_name, 0.1, tenant="batch") if d.served_name in staged[:3] else d for d in _gold_and_idle()]
+    plan = place(pods, swept, previous=calm)
+    assert _holders(plan, "sweep-") == staging
+    for i in range(4):
+        replicas = plan.replicas(Tier.GPU)[f"gold-{i}@v1"]
+        assert len(replicas) >= 2 and not replicas & staging
+        assert not any(pod in staging for pod in plan.tiers_of(f"gold-{i}@v1"))
+    # no floor replica takes a staging pod's GPU slots meanwhile (they are for the cold traffic's own loads)
+    assert not any(tier is Tier.GPU for pod in staging for tier in plan.pods[pod].values())
+    # the other pods give up their burst slot, so 11 gold adapters keep their 2 warm pods each: 22 replicas, more
+    # than the 6 x 3 slots the other pods have beside their burst slots
+    crowded = [_demand(f"gold-{i}@v1", 2.0, priority=1) for i in range(11)]
+    before = place(pods, crowded + _gold_and_idle()[4:], previous=calm)
+    assert _holders(before, "gold-", (Tier.GPU,)) & staging
+    plan = place(pods, crowded + swept[4:], previous=before)
+    for i in range(11):
+        replicas = plan.replicas(Tier.GPU)[f"gold-{i}@v1"]
+        assert len(replicas) >= 2 and not replicas & staging
