@@ -368,6 +368,10 @@ class ApproximateIndex:
         hashes, runs = request.hashes, {}
         for pod in list(self._first.get(hashes[0], ())):
             owner = self._pods[pod].owner
+            last = owner.get(hashes[-1])
+            if last is not None and last.owned == len(hashes) and last.expires > now and last.hashes == hashes:
+                runs[pod] = len(hashes)  # this prompt routed here whole, every block still its own: all match
+                continue
             owners = list(map(owner.get, hashes))  # C-level passes, then a check per distinct routing (a few)
             n = owners.index(None) if None in owners else len(owners)
             for routing in set(owners[:n]):

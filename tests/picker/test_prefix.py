@@ -9,9 +9,18 @@ import time
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loraplane.api import AdapterBlocks, KvBlockSet, keys
-from loraplane.picker.prefix import PYTHON_BLOCKS, ApproximateIndex, PreciseIndex, PrefixHasher, prompt_text
+from loraplane.picker.prefix import (
+    PYTHON_BLOCKS,
+    ApproximateIndex,
+    PreciseIndex,
+    PrefixHasher,
+    PrefixRequest,
+    prompt_text,
+)
 
 D17, D18 = "sha256:" + "1" * 64, "sha256:" + "2" * 64
 SYSTEM = "You are a claims assistant for ACME. Cite the policy section in every answer. " * 4
@@ -206,3 +215,31 @@ async def test_precise_index_refresh_reads_redis_and_drops_foreign_sets(redis_sr
         assert index.match(pods, request).tolist() == [0, 0, 0, 0, 0]  # gone from Redis: forgotten
     finally:
         await client.aclose()
+
+
+def _held_runs(index: ApproximateIndex, request: PrefixRequest, now: float) -> dict[str, int]:
+    """Pod -> leading blocks of ``request`` held there unexpired, read block by block from the index's own maps."""
+    runs = {}
+    for pod, held in index._pods.items():
+        n = 0
+        while n < len(request.hashes) and (r := held.owner.get(request.hashes[n])) is not None and r.expires > now:
+            n += 1
+        if n:
+            runs[pod] = n
+    return runs
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["record", "match"]), st.sampled_from(["pod-a", "pod-b"]),
+                          st.sampled_from(["", "s", "ss", "st"]), st.integers(1, 12), st.integers(0, 4)), max_size=40))
+def test_matches_are_the_unexpired_leading_blocks_each_pod_holds(steps: list[tuple[str, str, str, int, int]]) -> None:
+    clock = Clock()
+    hasher = PrefixHasher(block_size=4)
+    index = ApproximateIndex(capacity=24, ttl_s=5, clock=clock)
+    for action, pod, head, blocks, wait in steps:
+        request = hasher.hash_text("a@v1", None, (head * 16 + "x" * 4 * blocks)[: 4 * blocks])  # each a new tuple
+        clock.now += wait
+        if action == "record":
+            index.record(pod, request)
+        else:
+            assert index.matches(request) == _held_runs(index, request, clock.now)
