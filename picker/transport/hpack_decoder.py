@@ -83,16 +83,23 @@ _memo: dict[bytes, bytes] = {}
 
 
 def _string(block: bytes, i: int, decode: bool = True) -> tuple[bytes, int]:
-    """A string literal (Huffman-decoded, memoised: names and paths repeat); ``decode=False`` only skips it."""
+    """A string literal (Huffman-decoded, memoised: names and paths repeat); ``decode=False`` only skips it (and
+    returns b"")."""
     if i >= len(block):
         raise HpackError("truncated string")
     huffman = block[i] & 0x80
-    length, i = _integer(block, i, 7)
+    length = block[i] & 0x7F
+    if length == 0x7F:  # a length of 127 or more: the integer continues
+        length, i = _integer(block, i, 7)
+    else:
+        i += 1
     end = i + length
     if end > len(block):
         raise HpackError("truncated string")
+    if not decode:
+        return b"", end
     data = block[i:end]
-    if not huffman or not decode:
+    if not huffman:
         return data, end
     text = _memo.get(data)
     if text is None:
