@@ -27,9 +27,10 @@ Staging pods: where the pool has gold revisions and the other pods' GPU slots ho
 idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the pods only, the same ones
 from plan to plan (those holding the most idle revisions in the previous plan), so a sweep of new revisions loads
 and prefills there, not next to every gold replica. While that cold traffic shows (revisions below
-``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the staging pods are shielded: no gold
-revision is placed on them, no floor replica of a non-gold revision takes a GPU slot anywhere, and the other pods
-keep no burst slot (their slots hold the gold replicas; a burst finds room on the staging pods).
+``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the staging pods are shielded: the other
+pods keep no burst slot and hold the gold replicas, a gold revision is held on a staging pod at no tier except a GPU
+replica the other pods have no room for (one replica per staging pod at most: its other slots are for the cold
+traffic's own loads), and no floor replica of a non-gold revision takes a GPU slot anywhere.
 
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
 current holders serving it (at CPU, or at disk where the runtime keeps disk-tier revisions registered) until a
@@ -317,9 +318,9 @@ class _Planner:
             self.entries[d.served_name] = _Entry(d, score, need, is_burst(d.rates, config))
         self.staging = self.staging_pods()
         self.shielded = self.shields_staging()
-        if self.shielded:
-            for pod in self.pool.caps.keys() - self.staging:
-                self.pool.reserved[pod] = 0
+        if self.shielded:  # the other pods' burst slots hold gold replicas; a staging pod plans one replica at most
+            for pod, cap in self.pool.caps.items():
+                self.pool.reserved[pod] = max(0, cap.gpu_slots - 1) if pod in self.staging else 0
             self.pool.roomy[Tier.GPU] = {p for p in self.pool.caps if self.pool.room(p, Tier.GPU) > 0}
 
     # -- helpers -------------------------------------------------------------------------------------------------
@@ -458,15 +459,25 @@ class _Planner:
                         self.add_gpu(e, pod)
 
     def is_eligible(self, e: _Entry, pod: str) -> bool:
-        if self.shielded and pod in self.staging and e.demand.priority > 0:
-            return False
+        return not self.shields(e, pod) and self.may_run(e, pod)
+
+    def may_run(self, e: _Entry, pod: str) -> bool:
+        """The demand's own eligibility (compatible base model, rank)."""
         return e.demand.eligible is None or pod in e.demand.eligible
+
+    def shields(self, e: _Entry, pod: str) -> bool:
+        """True for a gold revision on a shielded staging pod: it is held there at no tier, except a GPU replica
+        the other pods have no room for (``least_loaded``)."""
+        return self.shielded and e.demand.priority > 0 and pod in self.staging
 
     def takes_gpu_slot(self, e: _Entry, pod: str) -> bool:
         """True when a (non-burst) GPU replica of ``e`` may be planned on ``pod``: eligible, and, while the staging
         pods are shielded, no floor replica of a non-gold revision anywhere (on a staging pod it would take a slot
         the cold traffic's own loads need, elsewhere it would draw that traffic to the gold adapters' pods)."""
-        return self.is_eligible(e, pod) and not (self.shielded and e.demand.priority <= 0 and self.is_floor(e))
+        return self.is_eligible(e, pod) and not self.floor_barred(e)
+
+    def floor_barred(self, e: _Entry) -> bool:
+        return self.shielded and e.demand.priority <= 0 and self.is_floor(e)
 
     def add_gpu_replicas(self) -> None:
         """Grant further replicas by marginal value, evicting weaker replicas when the pool is full."""
@@ -533,23 +544,26 @@ class _Planner:
 
     def least_loaded(self, e: _Entry) -> str | None:
         """The least-loaded pod with room; an adapter's first GPU replica goes where it was CPU-warm, else where it
-        was on disk, if it fits.
+        was on disk, if it fits. A gold replica goes to a shielded staging pod only when no other pod has room.
 
         Promoting in place never leaves the adapter on no serving pod: a first replica elsewhere would drop the CPU
         replica while the new pod still fetches, and requests routed in between would find it nowhere.
         """
         load = self.load
         was = self.previous_by_name.get(e.demand.served_name, {}) if not e.gpu else {}
-        best: tuple[int, float, int, str] | None = None
+        best: tuple[bool, int, float, int, str] | None = None
         for pod in self.pool.roomy[Tier.GPU]:
-            if not self.takes_gpu_slot(e, pod) or pod in e.gpu or e.demand.served_name in self.pool.held[pod]:
+            if not self.may_run(e, pod) or self.floor_barred(e) or pod in e.gpu:
+                continue
+            if e.demand.served_name in self.pool.held[pod]:
                 continue
             if not self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
                 continue
-            key = (was.get(pod, Tier.ABSENT).level, load[pod], self.pool.slots_used[Tier.GPU][pod], pod)
+            shielded = self.shields(e, pod)
+            key = (shielded, was.get(pod, Tier.ABSENT).level, load[pod], self.pool.slots_used[Tier.GPU][pod], pod)
             if best is None or key < best:
                 best = key
-        return None if best is None else best[3]
+        return None if best is None else best[4]
 
     def evict_for(self, e: _Entry, only_pod: str | None, *, ignore_value: bool) -> str | None:
         """Free a GPU slot for ``e`` by dropping the least valuable replica worth less than ``e``'s next one.

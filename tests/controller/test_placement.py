@@ -484,3 +484,11 @@ def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> 
     for i in range(11):
         replicas = plan.replicas(Tier.GPU)[f"gold-{i}@v1"]
         assert len(replicas) >= 2 and not replicas & staging
+    # gold asking for more replicas than the other pods have room for overflows onto the staging pods, one planned
+    # replica on each (its other slots are for the cold traffic's loads), the least valuable ones
+    busiest = _demand("gold-11@v1", 16.0, priority=1)  # asks for 4 replicas: 26 in all, 24 slots off the staging pods
+    demands = [*crowded, busiest, *swept[4:]]
+    plan = place(pods, demands, previous=place(pods, demands, previous=before))
+    assert plan.replicas(Tier.GPU)["gold-11@v1"].isdisjoint(staging) and len(plan.replicas(Tier.GPU)["gold-11@v1"]) == 4
+    assert [sum(t is Tier.GPU for t in plan.pods[pod].values()) for pod in sorted(staging)] == [1, 1]
+    assert sum(len(plan.replicas(Tier.GPU)[f"gold-{i}@v1"]) for i in range(12)) == 26
