@@ -23,13 +23,13 @@ The plan, in order:
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
 5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
-Staging pods: where the pool has gold revisions and the other pods' GPU slots hold ``gold_min_replicas`` of each,
-idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the pods only, the same ones
-from plan to plan (those holding the most idle revisions in the previous plan), so a sweep of new revisions loads
-and prefills there, not next to every gold replica. While that cold traffic shows (revisions below
-``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the staging pods are shielded: the other
-pods keep no burst slot and hold the gold replicas, a gold revision is held on a staging pod at no tier except a GPU
-replica the other pods have no room for (one replica per staging pod at most: its other slots are for the cold
+Staging pods: where the pool has gold revisions, the other pods' GPU slots hold ``gold_min_replicas`` of each and
+some revision is idle, idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the
+pods only, the same ones from plan to plan (those holding the most idle revisions in the previous plan), so a sweep
+of new revisions loads and prefills there, not next to every gold replica. While that cold traffic shows (revisions
+below ``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the staging pods are shielded: the
+other pods keep no burst slot and hold the gold replicas, a gold revision is held on a staging pod at no tier except
+a GPU replica the other pods have no room for (one replica per staging pod at most: its other slots are for the cold
 traffic's own loads), and no floor replica of a non-gold revision takes a GPU slot anywhere.
 
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
@@ -339,11 +339,12 @@ class _Planner:
     def staging_pods(self) -> frozenset[str]:
         """The pods that stage idle revisions: ``staging_share`` of the pool, those that held the most idle revisions
         in the previous plan, then those with the fewest gold GPU replicas in it, so the set stays the same from plan
-        to plan. Every pod when that share rounds to none or all of them, when no revision is gold (there is no
-        one to shield from the cold traffic), or when the other pods' GPU slots cannot hold ``gold_min_replicas``
-        replicas of every gold revision (the pool has no pods to spare)."""
+        to plan. Every pod when that share rounds to none or all of them, when no revision is idle (no sweep is to
+        come), when no revision is gold (there is no one to shield from the cold traffic), or when the other pods'
+        GPU slots cannot hold ``gold_min_replicas`` replicas of every gold revision (the pool has no pods to
+        spare)."""
         count = math.floor(len(self.pool.caps) * self.config.staging_share + 1e-9)
-        if count <= 0 or count >= len(self.pool.caps):
+        if count <= 0 or count >= len(self.pool.caps) or not any(self.is_idle(e) for e in self.entries.values()):
             return frozenset(self.pool.caps)
         idle_held = dict.fromkeys(self.pool.caps, 0)
         gold_gpu = dict.fromkeys(self.pool.caps, 0)

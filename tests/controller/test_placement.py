@@ -492,3 +492,26 @@ def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> 
     assert plan.replicas(Tier.GPU)["gold-11@v1"].isdisjoint(staging) and len(plan.replicas(Tier.GPU)["gold-11@v1"]) == 4
     assert [sum(t is Tier.GPU for t in plan.pods[pod].values()) for pod in sorted(staging)] == [1, 1]
     assert sum(len(plan.replicas(Tier.GPU)[f"gold-{i}@v1"]) for i in range(12)) == 26
+
+
+def test_a_pool_with_no_idle_revision_stages_nothing() -> None:
+    pods = _pods(8, gpu=4, cpu=8)
+    demands = [d if d.priority else _demand(d.served_name, 0.05, tenant="batch") for d in _gold_and_idle()]
+    plan = place(pods, demands)
+    assert plan.pods == place(pods, demands, config=PlacementConfig(staging_share=0)).pods
+    again = place(pods, demands, previous=plan)
+    assert again.pods == place(pods, demands, previous=plan, config=PlacementConfig(staging_share=0)).pods
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_staging_plans_reach_a_fixed_point(seed: int) -> None:
+    """Nothing changed, nothing moves: the staging set and the shield are read off the previous plan, so the plan
+    after the one that reacted to a change is the same plan again."""
+    rng = random.Random(seed)
+    pods = _pods(8, gpu=4, cpu=8)
+    demands = [_demand(f"gold-{i}@v1", rng.uniform(0.5, 12), priority=1) for i in range(rng.randint(2, 12))]
+    demands += [_demand(f"std-{i}@v1", rng.choice([0.0, 0.0, 0.05, 0.1, 1.0])) for i in range(rng.randint(10, 80))]
+    plan = place(pods, demands)
+    for _ in range(2):
+        plan = place(pods, demands, previous=plan)
+    assert place(pods, demands, previous=plan).pods == plan.pods
