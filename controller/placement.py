@@ -23,7 +23,7 @@ The plan, in order:
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
 5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
-Staging pods: where the pool has gold revisions, the other pods' GPU slots hold ``gold_min_replicas`` of each and
+Staging pods (off by default, ``staging_share`` 0): where the pool has gold revisions, the other pods' GPU slots hold ``gold_min_replicas`` of each and
 some revision is idle, idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the
 pods only, the same ones from plan to plan (those holding the most idle revisions in the previous plan), so a sweep
 of new revisions loads and prefills there, not next to every gold replica. While that cold traffic shows (revisions
@@ -142,8 +142,9 @@ class PlacementConfig:
     #: share of the pool's pods (rounded down; 0: none) that stage the idle revisions (no traffic in 24 h) in host
     #: memory and on disk, so the cold traffic a sweep of new revisions brings lands on them; while that traffic
     #: shows they hold no gold revision (see the module docstring). Only where the pool has gold revisions and the
-    #: other pods' GPU slots hold ``gold_min_replicas`` of each
-    staging_share: float = 0.25
+    #: other pods' GPU slots hold ``gold_min_replicas`` of each. Off by default: it helps a short sweep and hurts a
+    #: sustained one (docs/controller.md, "Staging pods")
+    staging_share: float = 0.0
 
 
 @dataclass

@@ -13,12 +13,12 @@ from loraplane.controller.placement import PlacementConfig, TenantBudget
 def test_config_file_sets_placement_and_budgets(tmp_path: Path) -> None:
     path = tmp_path / "controller.yaml"
     path.write_text("placement: {replicaRate: 2.5, burstSlotsPerPod: 0, gpuMinRate: 0.5, goldMinReplicas: 1, "
-                    "balanceRatio: 1.5, stagingShare: 0}\n"
+                    "balanceRatio: 1.5, stagingShare: 0.25}\n"
                     "tenantBudgets: {batch: {gpuBytes: 1073741824}}\n")
     config = load_config(path)
     assert config.placement_config() == PlacementConfig(
         replica_rate=2.5, burst_slots_per_pod=0, gpu_min_rate=0.5, gold_min_replicas=1, balance_ratio=1.5,
-        staging_share=0,
+        staging_share=0.25,
     )
     assert config.budgets() == {"batch": TenantBudget(gpu_bytes=1 << 30)}
 

@@ -433,41 +433,48 @@ def _holders(plan: Placement, prefix: str, tiers: tuple[Tier, ...] = (Tier.CPU, 
     return {pod for pod, held in plan.pods.items() if any(n.startswith(prefix) and held[n] in tiers for n in held)}
 
 
+#: staging on, at a quarter of the pods (the default is off: docs/controller.md, "Staging pods")
+STAGING = PlacementConfig(staging_share=0.25)
+
+
 def test_idle_revisions_are_staged_on_a_quarter_of_the_pods_and_stay_there() -> None:
     pods = _pods(8, gpu=4, cpu=8)
-    plan = place(pods, _gold_and_idle())
+    plan = place(pods, _gold_and_idle(), config=STAGING)
     staging = _holders(plan, "sweep-")
     assert len(staging) == 2  # staging_share 0.25 of 8 pods; without it the 60 revisions spread over all 8
-    assert place(pods, _gold_and_idle(), previous=plan).pods == plan.pods  # the same pods, plan after plan
+    again = place(pods, _gold_and_idle(), previous=plan, config=STAGING)
+    assert again.pods == plan.pods  # the same pods, plan after plan
     # a pool that keeps its idle revisions elsewhere keeps them there (the pods holding the most of them)
     elsewhere = Placement(pods={p.name: {} for p in pods})
     for i in range(60):
         elsewhere.pods[f"pod-{6 + i % 2}"][f"sweep-{i:02d}@v1"] = Tier.DISK
-    assert _holders(place(pods, _gold_and_idle(), previous=elsewhere), "sweep-") == {"pod-6", "pod-7"}
-    # share 0: every pod stages, as before
-    spread = place(pods, _gold_and_idle(), config=PlacementConfig(staging_share=0))
+    kept = place(pods, _gold_and_idle(), previous=elsewhere, config=STAGING)
+    assert _holders(kept, "sweep-") == {"pod-6", "pod-7"}
+    # share 0 (the default): every pod stages
+    spread = place(pods, _gold_and_idle())
     assert len(_holders(spread, "sweep-")) == 8
 
 
 def test_no_staging_without_gold_revisions_or_room_for_them_elsewhere() -> None:
     pods = _pods(8, gpu=4, cpu=8)
     standard = [AdapterDemand(d.served_name, d.bytes, d.rates, d.tenant) for d in _gold_and_idle()]
-    assert len(_holders(place(pods, standard), "sweep-")) == 8  # nobody to shield from the cold traffic
+    # nobody to shield from the cold traffic
+    assert len(_holders(place(pods, standard, config=STAGING), "sweep-")) == 8
     # 13 gold revisions x gold_min_replicas 2 = 26 replicas: more than the 24 GPU slots of 6 pods
     busy = [_demand(f"gold-{i}@v1", 2.0, priority=1) for i in range(13)] + _gold_and_idle()[4:]
-    assert len(_holders(place(pods, busy), "sweep-")) == 8
+    assert len(_holders(place(pods, busy, config=STAGING), "sweep-")) == 8
 
 
 def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> None:
     pods = _pods(8, gpu=4, cpu=8)
-    calm = place(pods, _gold_and_idle())
+    calm = place(pods, _gold_and_idle(), config=STAGING)
     staging = _holders(calm, "sweep-")
     gold_pods = set().union(*(calm.replicas(Tier.GPU)[f"gold-{i}@v1"] for i in range(4)))
     assert gold_pods & staging  # with no cold traffic the gold adapters may sit on staging pods
     # three staged revisions get their first requests: 0.3 req/s of cold traffic, all on the staging pods
     staged = sorted(n for n in calm.replicas(Tier.DISK) if n.startswith("sweep-") and n not in calm.replicas(Tier.GPU))
     swept = [_demand(d.served_name, 0.1, tenant="batch") if d.served_name in staged[:3] else d for d in _gold_and_idle()]
-    plan = place(pods, swept, previous=calm)
+    plan = place(pods, swept, previous=calm, config=STAGING)
     assert _holders(plan, "sweep-") == staging
     for i in range(4):
         replicas = plan.replicas(Tier.GPU)[f"gold-{i}@v1"]
@@ -478,9 +485,9 @@ def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> 
     # the other pods give up their burst slot, so 11 gold adapters keep their 2 warm pods each: 22 replicas, more
     # than the 6 x 3 slots the other pods have beside their burst slots
     crowded = [_demand(f"gold-{i}@v1", 2.0, priority=1) for i in range(11)]
-    before = place(pods, crowded + _gold_and_idle()[4:], previous=calm)
+    before = place(pods, crowded + _gold_and_idle()[4:], previous=calm, config=STAGING)
     assert _holders(before, "gold-", (Tier.GPU,)) & staging
-    plan = place(pods, crowded + swept[4:], previous=before)
+    plan = place(pods, crowded + swept[4:], previous=before, config=STAGING)
     for i in range(11):
         replicas = plan.replicas(Tier.GPU)[f"gold-{i}@v1"]
         assert len(replicas) >= 2 and not replicas & staging
@@ -488,7 +495,7 @@ def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> 
     # replica on each (its other slots are for the cold traffic's loads), the least valuable ones
     busiest = _demand("gold-11@v1", 16.0, priority=1)  # asks for 4 replicas: 26 in all, 24 slots off the staging pods
     demands = [*crowded, busiest, *swept[4:]]
-    plan = place(pods, demands, previous=place(pods, demands, previous=before))
+    plan = place(pods, demands, previous=place(pods, demands, previous=before, config=STAGING), config=STAGING)
     assert plan.replicas(Tier.GPU)["gold-11@v1"].isdisjoint(staging) and len(plan.replicas(Tier.GPU)["gold-11@v1"]) == 4
     assert [sum(t is Tier.GPU for t in plan.pods[pod].values()) for pod in sorted(staging)] == [1, 1]
     assert sum(len(plan.replicas(Tier.GPU)[f"gold-{i}@v1"]) for i in range(12)) == 26
@@ -497,9 +504,9 @@ def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> 
 def test_a_pool_with_no_idle_revision_stages_nothing() -> None:
     pods = _pods(8, gpu=4, cpu=8)
     demands = [d if d.priority else _demand(d.served_name, 0.05, tenant="batch") for d in _gold_and_idle()]
-    plan = place(pods, demands)
+    plan = place(pods, demands, config=STAGING)
     assert plan.pods == place(pods, demands, config=PlacementConfig(staging_share=0)).pods
-    again = place(pods, demands, previous=plan)
+    again = place(pods, demands, previous=plan, config=STAGING)
     assert again.pods == place(pods, demands, previous=plan, config=PlacementConfig(staging_share=0)).pods
 
 
@@ -511,7 +518,7 @@ def test_staging_plans_reach_a_fixed_point(seed: int) -> None:
     pods = _pods(8, gpu=4, cpu=8)
     demands = [_demand(f"gold-{i}@v1", rng.uniform(0.5, 12), priority=1) for i in range(rng.randint(2, 12))]
     demands += [_demand(f"std-{i}@v1", rng.choice([0.0, 0.0, 0.05, 0.1, 1.0])) for i in range(rng.randint(10, 80))]
-    plan = place(pods, demands)
+    plan = place(pods, demands, config=STAGING)
     for _ in range(2):
-        plan = place(pods, demands, previous=plan)
-    assert place(pods, demands, previous=plan).pods == plan.pods
+        plan = place(pods, demands, previous=plan, config=STAGING)
+    assert place(pods, demands, previous=plan, config=STAGING).pods == plan.pods
