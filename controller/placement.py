@@ -138,7 +138,7 @@ class PlacementConfig:
     #: host-memory (CPU tier) copies each GPU-placed adapter with traffic gets on pods without its GPU replica, each
     #: worth its steady rate beyond ``replica_rate`` against the other host-slot claims: a burst to it can spill
     #: to a pod where it is a host->GPU copy away, not a read from disk (0: none)
-    host_copies: int = 1
+    host_copies: int = 0
     #: share of the pool's pods (rounded down; 0: none) that stage the idle revisions (no traffic in 24 h) in host
     #: memory and on disk, so the cold traffic a sweep of new revisions brings lands on them; while that traffic
     #: shows they hold no gold revision (see the module docstring). Only where the pool has gold revisions and the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -342,16 +343,18 @@ def test_two_hot_adapters_left_on_one_pod_by_an_earlier_plan_get_a_replica_on_th
 def test_a_gpu_placed_adapter_gets_a_host_copy_in_a_spare_slot_of_another_pod() -> None:
     pods = _pods(3, gpu=2, cpu=4)
     demands = [_demand("hot@v1", 2.0), _demand("idle@v1")]
-    plan = place(pods, demands)
+    one_copy = PlacementConfig(host_copies=1)
+    plan = place(pods, demands, config=one_copy)
     (gpu_pod,) = plan.replicas(Tier.GPU)["hot@v1"]
     copies = plan.replicas(Tier.CPU)["hot@v1"]
-    assert len(copies) == PlacementConfig().host_copies == 1 and gpu_pod not in copies
+    assert len(copies) == 1 and gpu_pod not in copies
     assert "idle@v1" not in plan.replicas(Tier.CPU)  # no traffic, no copy
     # the next plan keeps the copy where it is (no churn), and more copies are a setting
-    assert place(pods, demands, previous=plan) == plan
+    assert place(pods, demands, previous=plan, config=one_copy) == plan
     wider = place(pods, demands, config=PlacementConfig(host_copies=5))
     assert wider.replicas(Tier.CPU)["hot@v1"] == {p.name for p in pods} - {gpu_pod}
-    assert "hot@v1" not in place(pods, demands, config=PlacementConfig(host_copies=0)).replicas(Tier.CPU)
+    # none by default
+    assert PlacementConfig().host_copies == 0 and "hot@v1" not in place(pods, demands).replicas(Tier.CPU)
 
 
 def test_host_copies_take_only_the_host_slots_nothing_else_wants() -> None:
@@ -369,7 +372,7 @@ def test_host_copies_take_only_the_host_slots_nothing_else_wants() -> None:
 def test_a_copy_of_an_adapter_busier_than_one_pod_is_worth_the_traffic_beyond_it() -> None:
     # one host slot in the pool, on the pod without the busy adapter's GPU replicas
     pods = [PodCapacity("pod-0", 1, 0), PodCapacity("pod-1", 1, 0), PodCapacity("pod-2", 1, 1)]
-    config = PlacementConfig(burst_slots_per_pod=0)
+    config = PlacementConfig(burst_slots_per_pod=0, host_copies=1)
     busy, other = _demand("busy@v1", 6.0), _demand("other@v1", 1.0)
     cold = _demand("cold@v1", 0.1, warm_policy=WarmPolicy.CPU)
     plan = place(pods, [busy, other, cold], config=config)
@@ -386,7 +389,7 @@ def test_an_idle_gpu_placed_adapter_claims_no_host_copy_whatever_its_weight() ->
     # a pinned gold adapter with no traffic keeps its GPU slot (its score is a tiny positive number times a large
     # gold weight); its copy is worth nothing, so the one host slot goes to the adapter that has traffic
     pods = [PodCapacity("pod-0", 1, 0), PodCapacity("pod-1", 0, 1)]
-    config = PlacementConfig(burst_slots_per_pod=0, gold_weight=1e6)
+    config = PlacementConfig(burst_slots_per_pod=0, gold_weight=1e6, host_copies=1)
     idle = _demand("idle@v1", 0.0, priority=1, pinned=True)
     busy = _demand("busy@v1", 0.5, tenant="capped")
     plan = place(pods, [idle, busy], budgets={"capped": TenantBudget(gpu_bytes=0)}, config=config)
@@ -433,8 +436,8 @@ def _holders(plan: Placement, prefix: str, tiers: tuple[Tier, ...] = (Tier.CPU, 
     return {pod for pod, held in plan.pods.items() if any(n.startswith(prefix) and held[n] in tiers for n in held)}
 
 
-#: staging on, at a quarter of the pods (the default is off: docs/controller.md, "Staging pods")
-STAGING = PlacementConfig(staging_share=0.25)
+#: staging on, at a quarter of the pods, with a host copy per busy adapter (both off by default: docs/controller.md)
+STAGING = PlacementConfig(staging_share=0.25, host_copies=1)
 
 
 def test_idle_revisions_are_staged_on_a_quarter_of_the_pods_and_stay_there() -> None:
@@ -505,9 +508,9 @@ def test_a_pool_with_no_idle_revision_stages_nothing() -> None:
     pods = _pods(8, gpu=4, cpu=8)
     demands = [d if d.priority else _demand(d.served_name, 0.05, tenant="batch") for d in _gold_and_idle()]
     plan = place(pods, demands, config=STAGING)
-    assert plan.pods == place(pods, demands, config=PlacementConfig(staging_share=0)).pods
+    assert plan.pods == place(pods, demands, config=dataclasses.replace(STAGING, staging_share=0)).pods
     again = place(pods, demands, previous=plan, config=STAGING)
-    assert again.pods == place(pods, demands, previous=plan, config=PlacementConfig(staging_share=0)).pods
+    assert again.pods == place(pods, demands, previous=plan, config=dataclasses.replace(STAGING, staging_share=0)).pods
 
 
 @pytest.mark.parametrize("seed", range(6))
