@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
+from types import FrameType
 
 from loraplane.helptext import HelpFormatter
 
@@ -85,8 +87,14 @@ def dispatch(parser: argparse.ArgumentParser, commands: dict[str, tuple[str, str
     return _run(commands[args.command][0], f"{parser.prog} {args.command}", rest)
 
 
+def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
+    """SIGTERM ends a benchmark as Ctrl-C does, through its cleanup (the processes it started are stopped)."""
+    raise SystemExit(128 + signum)
+
+
 def bench_main(argv: Sequence[str]) -> int:
     """``loraplane bench NAME [options]``: one benchmark, its options in ``loraplane bench NAME --help``."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = dispatcher("loraplane bench", "run one benchmark and print its JSON result", BENCHMARKS, "NAME")
     return dispatch(parser, BENCHMARKS, argv, missing=2)
 
