@@ -23,8 +23,8 @@ The plan, in order:
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
 5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
 
-Staging pods (off by default, ``staging_share`` 0): where the pool has gold revisions, the other pods' GPU slots hold ``gold_min_replicas`` of each and
-some revision is idle, idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the
+Staging pods (off by default, ``staging_share`` 0): where the pool has gold revisions, the other pods' GPU slots
+hold ``gold_min_replicas`` of each and some revision is idle, idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the
 pods only, the same ones from plan to plan (those holding the most idle revisions in the previous plan), so a sweep
 of new revisions loads and prefills there, not next to every gold replica. While that cold traffic shows (revisions
 below ``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the staging pods are shielded: the
@@ -258,6 +258,8 @@ class _Pool:
 @dataclass
 class _Entry:
     demand: AdapterDemand
+    #: steady request rate (``steady_rate``: bursts excluded)
+    rate: float
     score: float
     need: int
     burst: bool
@@ -316,7 +318,7 @@ class _Planner:
                 need = 1 if d.pinned or d.warm_policy is WarmPolicy.GPU_PREFERRED else 0
             # a tiny positive score for idle floors keeps them behind every adapter with traffic
             score = rate * weight if rate > 0 else 1e-9 * weight
-            self.entries[d.served_name] = _Entry(d, score, need, is_burst(d.rates, config))
+            self.entries[d.served_name] = _Entry(d, rate, score, need, is_burst(d.rates, config))
         self.staging = self.staging_pods()
         self.shielded = self.shields_staging()
         if self.shielded:  # the other pods' burst slots hold gold replicas; a staging pod plans one replica at most
@@ -327,7 +329,7 @@ class _Planner:
     # -- helpers -------------------------------------------------------------------------------------------------
     def is_idle(self, e: _Entry) -> bool:
         """No traffic in any window: a revision staged on the staging pods only."""
-        return steady_rate(e.demand.rates, self.config) <= 0
+        return e.rate <= 0
 
     def hosts(self, e: _Entry) -> Collection[str]:
         """The pods that may stage ``e`` in host memory or on disk: the staging pods for an idle revision."""
@@ -335,7 +337,7 @@ class _Planner:
 
     def is_floor(self, e: _Entry) -> bool:
         """True when ``e`` plans like an idle adapter: below ``gpu_min_rate``, not pinned."""
-        return not e.demand.pinned and steady_rate(e.demand.rates, self.config) < self.config.gpu_min_rate
+        return not e.demand.pinned and e.rate < self.config.gpu_min_rate
 
     def staging_pods(self) -> frozenset[str]:
         """The pods that stage idle revisions: ``staging_share`` of the pool, those that held the most idle revisions
@@ -372,7 +374,7 @@ class _Planner:
         for name, pods in self.previous_by_name.items():
             e = self.entries.get(name)
             if e is not None and self.is_floor(e) and pods.keys() <= self.staging:
-                cold += steady_rate(e.demand.rates, self.config)
+                cold += e.rate
         return cold >= self.config.gpu_min_rate
 
     def eligible(self, e: _Entry) -> list[str]:
@@ -727,10 +729,9 @@ class _Planner:
         what one pod serves for it (``replica_rate``), weighted like its score. A copy of an adapter one pod serves
         takes only the host slots nothing else wants; one of a busier adapter comes before any colder adapter's
         CPU replica or demotion."""
-        rate = steady_rate(e.demand.rates, self.config)
-        if rate <= 0:  # an idle floor (its score is a tiny positive number, whatever its weight): nothing spills
+        if e.rate <= 0:  # an idle floor (its score is a tiny positive number, whatever its weight): nothing spills
             return 0.0
-        return max(0.0, rate - self.config.replica_rate) * e.score / rate
+        return max(0.0, e.rate - self.config.replica_rate) * e.score / e.rate
 
     def host_copy_pod(self, e: _Entry) -> str | None:
         """Where ``e``'s next host copy goes, if it has fewer than ``host_copies`` CPU copies: a pod without it that
