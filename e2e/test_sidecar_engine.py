@@ -331,7 +331,8 @@ def test_the_picker_stops_routing_a_leaving_revision_before_the_engine_unloads_i
         state = PoolState(POOL, InFlightTracker(), time.time)
         sync = RedisSync(state, aioredis.Redis.from_url(redis_srv.url), RequestStats(time.time), "picker-0",
                          resync_seconds=60, publish_seconds=60)
-        task = asyncio.create_task(sync.run())
+        stop = asyncio.Event()
+        task = asyncio.create_task(sync.run(stop))
 
         def routed_here() -> bool:
             picks = {scheduler.schedule(request, state.snapshot, np.random.default_rng(seed)).endpoints[0]
@@ -352,8 +353,8 @@ def test_the_picker_stops_routing_a_leaving_revision_before_the_engine_unloads_i
                 await asyncio.sleep(0.02)
             return samples
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            stop.set()
+            await asyncio.wait_for(task, 5)  # the follow loop ends on stop, with no cancellation
             await sync.client.aclose()
 
     samples = asyncio.run(watch())

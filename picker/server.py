@@ -178,7 +178,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds,
                      block_sets)
     log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
-    tasks = [asyncio.create_task(coro) for coro in (sync.run(), sync.expire_stale(), sync.publish_forever())]
+    tasks = [asyncio.create_task(coro) for coro in (sync.run(stop), sync.expire_stale(), sync.publish_forever())]
     discovery = _start_discovery(options, state)
     if discovery is not None:
         ctx.objectives = discovery.objective_priorities

@@ -183,28 +183,33 @@ class RedisSync:
             return
         self.state.set_routes(table)
 
-    async def run(self) -> None:
-        """Follow change notices forever; survive Redis outages on the last snapshot."""
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow change notices until ``stop`` is set; survive Redis outages on the last snapshot.
+
+        The loops test ``stop`` rather than relying on cancellation alone: redis-py's read timeout can swallow a
+        ``CancelledError`` that lands as it fires, and a loop that only ends when cancelled would then run on.
+        """
         backoff = 0.2
-        while True:
+        while not stop.is_set():
             try:
-                await self._follow()
+                await self._follow(stop)
             except (RedisError, OSError) as exc:
                 self._count_error()
                 log.warning("redis unavailable (%s); routing on the last snapshot", exc)
-                await asyncio.sleep(backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), backoff)
                 backoff = min(backoff * 2, 5.0)
             else:
                 backoff = 0.2
 
-    async def _follow(self) -> None:
+    async def _follow(self, stop: asyncio.Event) -> None:
         pubsub = self.client.pubsub()
         try:
             await pubsub.subscribe(*self._channels, *([self._blocks_channel] if self._blocks_channel else []))
             await self.load_all()
             loop = asyncio.get_running_loop()
             next_resync = loop.time() + self.resync_seconds
-            while True:
+            while not stop.is_set():
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25)
                 dirty = False
                 while message is not None:
