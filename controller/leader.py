@@ -10,7 +10,6 @@ other replica may take over. Writes carry the lease's resourceVersion: of two ra
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ from datetime import UTC, datetime
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
+
+from loraplane.waits import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,7 @@ class LeaseElector:
                 leading = not leading
                 log.info("%s %s leadership", self.identity, "acquired" if leading else "lost")
                 self.on_change(leading)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.config.retry_period)
+            await sleep_or_stop(stop, self.config.retry_period)
         if self.is_leader():
             await asyncio.to_thread(self.release)
         self._renewed_at = None

@@ -41,6 +41,7 @@ from loraplane.controller.queue import ShutDown, WorkQueue
 from loraplane.controller.rollout import Event, ProbeRequest, ProbeResult, record_terminal_error
 from loraplane.controller.store import RedisStore
 from loraplane.kube import Informer, Key, SelectorError, object_key, pool_members
+from loraplane.waits import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +214,7 @@ class Controller:
             workers = [asyncio.ensure_future(self._work()) for _ in range(max(1, self.config.workers))]
             self.enqueue_all()
             while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.config.resync_seconds)
+                await sleep_or_stop(stop, self.config.resync_seconds)
                 self.enqueue_all(missing_only=True)  # the safety net: a pool no item is queued for
         finally:
             self.queue.shut_down()

@@ -30,6 +30,7 @@ from loraplane.picker.snapshot import InFlightTracker
 from loraplane.picker.state import PoolState, RedisSync
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
 from loraplane.picker.transport import FrameLayer, GrpcStatusError, Routes, TransportLimits, start_server
+from loraplane.waits import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +185,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         ctx.objectives = discovery.objective_priorities
     try:
         while not (state.synced and (discovery is None or discovery.synced)) and not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.05)
+            await sleep_or_stop(stop, 0.05)
         await health.set(state.synced)
         gc.freeze()  # start-up objects (modules, config, first snapshot) are never traversed by collections again
         await stop.wait()

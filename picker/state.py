@@ -24,6 +24,7 @@ from loraplane.picker.prefix import PreciseIndex
 from loraplane.picker.routes import Resolution, RouteResolver
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
+from loraplane.waits import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +197,7 @@ class RedisSync:
             except (RedisError, OSError) as exc:
                 self._count_error()
                 log.warning("redis unavailable (%s); routing on the last snapshot", exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), backoff)
+                await sleep_or_stop(stop, backoff)
                 backoff = min(backoff * 2, 5.0)
             else:
                 backoff = 0.2

@@ -19,6 +19,7 @@ from redis.exceptions import RedisError
 from loraplane.api import KvBlockSet, PayloadError, ResidencyReport, TargetState, keys, read_payload
 from loraplane.credentials import async_redis
 from loraplane.sidecar.reconcile import Backoff
+from loraplane.waits import sleep_or_stop
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class RedisBus:
             except (RedisError, OSError) as exc:
                 failures += 1
                 log.debug("target subscription lost: %s", exc)
-                await _sleep_or_stop(stop, self._backoff.delay(failures))
+                await sleep_or_stop(stop, self._backoff.delay(failures))
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()
@@ -142,10 +143,3 @@ class RedisBus:
     async def close(self) -> None:
         """Close the connections."""
         await self._redis.aclose()
-
-
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    try:
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
-    except TimeoutError:
-        pass
