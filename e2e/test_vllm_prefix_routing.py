@@ -202,21 +202,30 @@ class Holder:
         self.body = b""
         self.done = threading.Event()
         self.done_at = float("inf")
+        self.first_token_after = float("inf")  # seconds from sending it to its first body chunk
         self.thread = threading.Thread(target=self._run, args=(stack, prompt), daemon=True)
         self.thread.start()
         assert self.started.wait(120), "the long request did not start"
 
     def _run(self, stack: Stack, prompt: str) -> None:
-        with httpx.stream("POST", f"{stack.gateway.url}/v1/completions", timeout=300,
-                          json={"model": "claims", "prompt": prompt, **LONG}) as response:
-            self.response = response
-            self.started.set()  # its headers are back: routed, counted in flight until its body ends
-            for chunk in response.iter_bytes():
-                self.body += chunk
-                if self.stopping.is_set():
-                    break
-        self.done_at = time.monotonic()
-        self.done.set()
+        sent_at = time.monotonic()
+        try:
+            with httpx.stream("POST", f"{stack.gateway.url}/v1/completions", timeout=300,
+                              json={"model": "claims", "prompt": prompt, **LONG}) as response:
+                self.response = response
+                for chunk in response.iter_bytes():
+                    if not self.body:
+                        # its first token is back (through the picker, which saw it first): it is decoding now,
+                        # no longer waiting for a prefill, and counts in flight until its body ends
+                        self.first_token_after = time.monotonic() - sent_at
+                        self.started.set()
+                    self.body += chunk
+                    if self.stopping.is_set():
+                        break
+        finally:
+            self.done_at = time.monotonic()
+            self.done.set()
+            self.started.set()  # ended without a token: the checks on its response say why
 
     def finish(self) -> None:
         self.stopping.set()
@@ -272,21 +281,27 @@ def test_second_turn_follows_its_prefix_and_a_new_revision_is_no_hit(stack: Stac
     wait_published(stack, holder, "claims@v17", FIRST_TURN)
     time.sleep(1.5)  # the picker reads them on the change notice (or its 1 s resync)
 
-    # the pod holding the prefix gets a long request of the same conversation: now it is the busier one
-    busy = Holder(stack, FIRST_TURN + " Please explain every step of the claim in great detail.")
-    assert busy.response is not None and stack.pod_of(busy.response) is holder
+    # the pod holding the prefix gets a long request of the same conversation: now it is the busier one; the
+    # second turn goes out the moment the long one's first token is back (nothing in between: on a loaded machine
+    # even two metric scrapes there once let the long answer run out first)
     second_turn = FIRST_TURN + answer + " And what do I file first?"
+    long_prompt = FIRST_TURN + " Please explain every step of the claim in great detail."
     matched, hashed = stack.matched_blocks(), stack.hashed_blocks()
+    busy = Holder(stack, long_prompt)
     sent_at = time.monotonic()
     response, _, cached = complete(stack, second_turn)
     # the picker routes a request as it arrives (milliseconds): the long one must still run well after that
     assert busy.response is not None and busy.done_at - sent_at > 0.25, (
-        f"the long request ended {busy.done_at - sent_at:.2f} s after the second turn was sent "
-        f"(which took {time.monotonic() - sent_at:.2f} s): {busy.response.status_code} {busy.body[-200:]!r}")
+        f"the long request ended {busy.done_at - sent_at:.2f} s after the second turn was sent (its first token came "
+        f"{busy.first_token_after:.2f} s after it was sent; the second turn took {time.monotonic() - sent_at:.2f} s): "
+        f"{busy.response.status_code} {busy.body[-200:]!r}")
+    assert stack.pod_of(busy.response) is holder
     assert stack.pod_of(response) is holder  # the prefix outweighs the other pod's lighter load
-    matched_now = stack.matched_blocks() - matched
-    assert stack.hashed_blocks() - hashed == stack.tokens(second_turn) // BLOCK
-    assert matched_now == stack.tokens(FIRST_TURN) // BLOCK  # every full block of the first turn
+    # both went through the prefix scorer: the long one matched the first turn's blocks as well
+    first_turn_blocks = stack.tokens(FIRST_TURN) // BLOCK
+    matched_now = stack.matched_blocks() - matched - first_turn_blocks
+    assert stack.hashed_blocks() - hashed == stack.tokens(long_prompt) // BLOCK + stack.tokens(second_turn) // BLOCK
+    assert matched_now == first_turn_blocks  # every full block of the first turn
     assert cached > 0 and cached == expected_cached(stack, second_turn, matched_now)  # vLLM agrees
     busy.finish()
 
