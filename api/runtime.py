@@ -174,6 +174,9 @@ class PodLoad(PayloadModel):
     max_cpu_slots: int = Field(default=1, ge=0)
     max_gpu_bytes: int | None = Field(default=None, ge=0, description="adapter bytes the GPU slots hold; None: slots only")
     max_cpu_bytes: int | None = Field(default=None, ge=0, description="adapter bytes the host cache holds; None: slots only")
+    max_disk_bytes: int | None = Field(
+        default=None, ge=0, description="adapter bytes the sidecar's local disk cache holds (its byte budget); None: unbounded"
+    )
     recent_evictions: int = Field(default=0, ge=0, description="evictions in the last minute")
     load_seconds: LoadCosts | None = Field(
         default=None, description="measured load cost per tier (the picker's predicted-TTFT scorer reads it)"

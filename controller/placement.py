@@ -59,6 +59,8 @@ class PodCapacity:
     cpu_slots: int
     gpu_bytes: int | None = None
     cpu_bytes: int | None = None
+    #: bytes its local disk cache holds (every revision it holds at any tier is on its disk); None: unbounded
+    disk_bytes: int | None = None
 
 
 def host_slots(max_cpu_slots: int, max_gpu_slots: int) -> int:
@@ -200,6 +202,8 @@ class _Pool:
         self.where: dict[str, dict[str, Tier]] = {}
         self.slots_used = {tier: dict.fromkeys(self.caps, 0) for tier in (Tier.GPU, Tier.CPU)}
         self.bytes_used = {tier: dict.fromkeys(self.caps, 0) for tier in (Tier.GPU, Tier.CPU)}
+        #: pod -> bytes of every revision it holds, at any tier (each is in its local disk cache)
+        self.disk_used = dict.fromkeys(self.caps, 0)
         #: pods with a free slot per tier (GPU: beyond the burst reserve), so a full pool is skipped at once
         self.roomy = {tier: {p for p in self.caps if self.room(p, tier) > 0} for tier in (Tier.GPU, Tier.CPU)}
 
@@ -224,7 +228,8 @@ class _Pool:
     def fits(self, pod: str, tier: Tier, size: int, *, reserve: int = 0) -> bool:
         """True when ``pod`` has a free ``tier`` slot (beyond ``reserve`` kept ones) and the bytes for ``size``."""
         if tier is Tier.DISK:
-            return True
+            limit = self.caps[pod].disk_bytes
+            return limit is None or self.disk_used[pod] + size <= limit
         if self.slots_used[tier][pod] + 1 > self.slot_limit(pod, tier) - reserve:
             return False
         limit = self.byte_limit(pod, tier)
@@ -241,6 +246,7 @@ class _Pool:
         self.remove(pod, name, size)
         self.held[pod][name] = tier
         self.where.setdefault(name, {})[pod] = tier
+        self.disk_used[pod] += size
         if tier is not Tier.DISK:
             self.slots_used[tier][pod] += 1
             self.bytes_used[tier][pod] += size
@@ -249,6 +255,8 @@ class _Pool:
     def remove(self, pod: str, name: str, size: int) -> None:
         tier = self.held[pod].pop(name, None)
         self.where.get(name, {}).pop(pod, None)
+        if tier is not None:
+            self.disk_used[pod] -= size
         if tier is not None and tier is not Tier.DISK:
             self.slots_used[tier][pod] -= 1
             self.bytes_used[tier][pod] -= size
@@ -749,26 +757,34 @@ class _Planner:
     def tiers(self, e: _Entry) -> dict[str, Tier]:
         return dict(self.pool.where.get(e.demand.served_name, {}))
 
+    def disk_order(self, e: _Entry) -> tuple[int, float, str]:
+        """Who gets the disk floor first where disks fill up: revisions with real demand (``gpu_min_rate`` or more,
+        by score), then idle ones (new revisions: a sweep yet to come), then those with a trickle (by score)."""
+        rank = 0 if not self.is_floor(e) else 1 if self.is_idle(e) else 2
+        return rank, -e.score, e.demand.served_name
+
     def place_disk(self) -> None:
-        """Every demand on at least ``min_replicas`` pods: fill up with the disk tier (an idle revision on the staging
-        pods first)."""
+        """Every demand on at least ``min_replicas`` pods where disk caches have room: fill up with the disk tier
+        (an idle revision on the staging pods only; where it was before, else on the pod holding the fewest). A
+        revision no disk has room for is left to be fetched on its first request."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
-        for e in sorted(self.entries.values(), key=lambda e: e.demand.served_name):
+        for e in sorted(self.entries.values(), key=self.disk_order):
             placed = self.tiers(e)
             missing = e.demand.min_replicas - len(placed)
             if missing <= 0:
                 continue
             previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)))
-            idle = self.is_idle(e)
+            hosts = self.hosts(e)  # an idle revision waits on the staging pods only: elsewhere it draws a sweep there
+            eligible = [p for p in self.eligible(e) if p not in placed and p in hosts]
             candidates = sorted(
-                (p for p in self.eligible(e) if p not in placed),
-                key=lambda p: (idle and p not in self.staging, p not in previous, counts[p], p),
+                (p for p in eligible if self.pool.fits(p, Tier.DISK, e.demand.bytes)),
+                key=lambda p: (p not in previous, counts[p], p),
             )
             for pod in candidates[:missing]:
                 self.pool.put(pod, e.demand.served_name, Tier.DISK, e.demand.bytes)
                 counts[pod] += 1
-            if not candidates and not placed:
-                self.notes.setdefault(e.demand.served_name, "no eligible pod")
+            if not placed and not candidates:  # held nowhere: that is the reason to give, over any earlier note
+                self.notes[e.demand.served_name] = "no disk room" if eligible else "no eligible pod"
 
     def run(self) -> Placement:
         self.place_required()

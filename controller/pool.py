@@ -178,7 +178,8 @@ def pod_capacity(report: ResidencyReport) -> PodCapacity:
     order (rollout requirements first), so a canary clipped so waits forever."""
     load = report.load
     cpu_slots = host_slots(load.max_cpu_slots, load.max_gpu_slots)
-    return PodCapacity(report.pod, load.max_gpu_slots, cpu_slots, load.max_gpu_bytes, load.max_cpu_bytes)
+    return PodCapacity(report.pod, load.max_gpu_slots, cpu_slots, load.max_gpu_bytes, load.max_cpu_bytes,
+                       load.max_disk_bytes)
 
 
 def plan_pool(inputs: PoolInputs) -> PoolPlan:

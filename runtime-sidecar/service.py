@@ -190,7 +190,8 @@ class Sidecar:
         info = observation.info if observation else RuntimeInfo(base_model="")
         load = observation.load if observation else PodLoad()
         load = load.model_copy(update={"recent_evictions": self._recent_evictions(),
-                                       "load_seconds": load.load_seconds or self.reconciler.load_costs.costs()})
+                                       "load_seconds": load.load_seconds or self.reconciler.load_costs.costs(),
+                                       "max_disk_bytes": self.reconciler.cache.budget_bytes})
         return ResidencyReport(
             pool=self.config.pool,
             pod=self.config.pod,

@@ -144,6 +144,9 @@ class Pod:
         self.cpu: set[int] = set()
         self.disk: set[int] = set(disk)
         self.disk_used = 0
+        #: what the last placement plans on this pod, at any tier (the sidecar's target state): its disk cache
+        #: evicts other adapters first
+        self.planned: set[int] = set()
         self.download_free_at = 0.0
         self.downloading: set[int] = set()
         #: bumped whenever an adapter changes tier here (lets readers cache what they derive from the tiers)
@@ -696,7 +699,8 @@ class Simulator:
         self._push(pod.download_free_at, _DOWNLOAD, pod.index, a)
 
     def _downloaded(self, pod: Pod, a: int) -> None:
-        """``a`` is on ``pod``'s disk; older disk-only adapters leave while the cache is over its budget."""
+        """``a`` is on ``pod``'s disk; older disk-only adapters leave while the cache is over its budget, those the
+        placement no longer plans here first (as the sidecar keeps its target state's adapters)."""
         pod.downloading.discard(a)
         pod.disk.add(a)
         pod.disk_used += self.trace.adapters[a].nbytes
@@ -706,7 +710,8 @@ class Simulator:
             spare = [d for d in pod.disk if d not in cpu and d != a and d not in waiting]
             if not spare:
                 break
-            used = [last_use(d, -1.0) for d in spare]
+            planned = pod.planned
+            used = [(d in planned, last_use(d, -1.0)) for d in spare]
             victim = spare[used.index(min(used))]  # the least recently used; the first of equals, as min() picks
             pod.disk.discard(victim)
             pod.disk_used -= self.trace.adapters[victim].nbytes

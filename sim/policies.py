@@ -240,7 +240,8 @@ class ControllerPlacement:
         self._config = PlacementConfig()
         # vLLM's host cache (``max_cpu_loras``) holds its GPU-resident adapters too, as the controller plans it
         cpu_slots = host_slots(config.max_cpu_loras, config.max_loras)
-        self._pods = [PodCapacity(f"pod-{i}", config.max_loras, cpu_slots) for i in range(config.pods)]
+        self._pods = [PodCapacity(f"pod-{i}", config.max_loras, cpu_slots, disk_bytes=config.disk_bytes)
+                      for i in range(config.pods)]
         self._index = {a.name: i for i, a in enumerate(trace.adapters)}
         self._adapters = np.asarray(trace.adapter, dtype=np.intp)
         self._counts = np.zeros(len(trace.adapters))
@@ -274,7 +275,9 @@ class ControllerPlacement:
         plan = place(self._pods, demands, previous=self._previous, config=self._config)
         self._previous = plan
         for pod in sim.pods:
-            for name, tier in plan.pods.get(f"pod-{pod.index}", {}).items():
+            planned = plan.pods.get(f"pod-{pod.index}", {})
+            pod.planned = {self._index[name] for name in planned}
+            for name, tier in planned.items():
                 if tier is Tier.GPU:
                     sim.prefetch(pod, self._index[name])
                 elif tier is Tier.CPU:

@@ -525,3 +525,29 @@ def test_staging_plans_reach_a_fixed_point(seed: int) -> None:
     for _ in range(2):
         plan = place(pods, demands, previous=plan, config=STAGING)
     assert place(pods, demands, previous=plan, config=STAGING).pods == plan.pods
+
+
+def test_the_disk_floor_fits_each_pods_disk_cache() -> None:
+    # 2 pods whose disk caches hold 3 revisions of 10 MB each; 4 busy revisions take GPU replicas (on disk too)
+    pods = [dataclasses.replace(p, disk_bytes=30 * MB) for p in _pods(2, gpu=2, cpu=2)]
+    busy = [_demand(f"busy-{i}@v1", 5.0) for i in range(2)]
+    trickle = [_demand(f"trickle-{i}@v1", 0.01) for i in range(6)]
+    plan = place(pods, busy + trickle)
+    for cap in pods:
+        assert len(plan.pods[cap.name]) <= 3, plan.pods  # nothing beyond what the cache holds
+    placed = {n for held in plan.pods.values() for n in held}
+    assert {d.served_name for d in busy} <= placed  # real demand first
+    left = [d.served_name for d in trickle if d.served_name not in placed]
+    assert left and all(plan.notes[n] == "no disk room" for n in left)  # fetched on their first request
+    # without a byte budget every revision gets its floor
+    unbounded = place(_pods(2, gpu=2, cpu=2), busy + trickle)
+    assert {d.served_name for d in busy + trickle} <= {n for held in unbounded.pods.values() for n in held}
+
+
+def test_idle_revisions_wait_on_the_staging_pods_only_when_their_disks_fill() -> None:
+    pods = [dataclasses.replace(p, disk_bytes=200 * MB) for p in _pods(8, gpu=4, cpu=8)]
+    plan = place(pods, _gold_and_idle(), config=STAGING)
+    staging = _holders(plan, "sweep-")
+    assert len(staging) == 2  # the other pods take none of the 60, though the staging pods hold only 40
+    assert sum(n.startswith("sweep-") for pod in staging for n in plan.pods[pod]) <= 40
+    assert any(note == "no disk room" for note in plan.notes.values())
