@@ -21,7 +21,9 @@ The plan, in order:
    to another pod for it); a revision that loses its GPU or CPU place on a pod is demoted to CPU there, not
    dropped (both worth their score); GPU-placed adapters with traffic get ``host_copies`` CPU copies on other pods,
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
-5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed).
+5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed) as far as the
+   pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then trickles;
+   a revision no disk has room for is fetched on its first request.
 
 Staging pods (off by default, ``staging_share`` 0): where the pool has gold revisions, the other pods' GPU slots
 hold ``gold_min_replicas`` of each and some revision is idle, idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the

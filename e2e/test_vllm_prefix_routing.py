@@ -250,10 +250,15 @@ def expected_cached(stack: Stack, prompt: str, matched_blocks: float) -> int:
     return int(min(matched_blocks * BLOCK, (stack.tokens(prompt) - 1) // BLOCK * BLOCK))
 
 
+def prompt_blocks(stack: Stack, served_name: str, prompt: str) -> list[str]:
+    """``prompt``'s full blocks as the picker and the sidecar hash them under ``served_name`` (hex)."""
+    hasher = PrefixHasher(BLOCK, tokenizer=lambda text: stack.tokenizer.encode(text).ids)
+    return [h.hex() for h in hasher.hash_text(served_name, stack.digests[served_name], prompt).hashes]
+
+
 def wait_published(stack: Stack, pod: Pod, served_name: str, prompt: str) -> None:
     """Wait until ``pod``'s published block set holds every full block of ``prompt`` under ``served_name``."""
-    hasher = PrefixHasher(BLOCK, tokenizer=lambda text: stack.tokenizer.encode(text).ids)
-    wanted = {h.hex() for h in hasher.hash_text(served_name, stack.digests[served_name], prompt).hashes}
+    wanted = set(prompt_blocks(stack, served_name, prompt))
     held: dict[str | None, tuple[str | None, int]] = {}
 
     def published() -> bool:
@@ -275,8 +280,7 @@ def wait_published(stack: Stack, pod: Pod, served_name: str, prompt: str) -> Non
 def explain_match(stack: Stack, pod: Pod, served_name: str, prompt: str) -> str:
     """What the picker could have matched on ``pod`` now (its published set's age and how many of ``prompt``'s
     blocks it holds) and the warnings the processes logged: a failed match's message."""
-    hasher = PrefixHasher(BLOCK, tokenizer=lambda text: stack.tokenizer.encode(text).ids)
-    wanted = [h.hex() for h in hasher.hash_text(served_name, stack.digests[served_name], prompt).hashes]
+    wanted = prompt_blocks(stack, served_name, prompt)
     raw = stack.client.get(keys.kv_blocks(POOL, pod.name))
     if raw is None:
         state = "no block set published"
