@@ -11,6 +11,7 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from loraplane.controller.cli import load_config
 from loraplane.helptext import HelpFormatter
 from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.cluster import SimConfig
@@ -67,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=LARGE_GPU.name,
                    help=f"{', '.join(PROFILES)} or a JSON file (saved profile or bench output)")  # fmt: skip
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")
+    p.add_argument("--controller-config", type=Path,
+                   help="the controller's config YAML; its placement settings plan loraplane's pool (default: packaged)")
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS,
                    help="TTFT a served request must meet for slo_attainment")  # fmt: skip
     p.add_argument("--flow-control", nargs="?", const="sim", choices=["sim", "picker", "off"],
@@ -91,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         profile = load_profile(args.profile)
         pods = max(1, round(args.pods * args.pods_scale))
-        config = SimConfig(pods=pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras)
+        placement = load_config(args.controller_config).placement_config()
+        config = SimConfig(pods=pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, placement=placement)
         if args.trace is not None:
             trace = load_csv(args.trace, profile.default_adapter_bytes)
         else:

@@ -36,6 +36,7 @@ from itertools import islice
 from typing import Protocol
 
 from loraplane.api import Tier
+from loraplane.controller.placement import PlacementConfig
 from loraplane.sim.prefix import PodPrefixCaches
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
@@ -228,6 +229,8 @@ class SimConfig:
     max_cpu_loras: int = 16
     #: each pod's disk cache budget (the sidecar's default ``--cache-bytes 20G``)
     disk_bytes: int = 20_000_000_000
+    #: the controller's placement settings loraplane's pool is planned with (``--controller-config``)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self) -> None:
         if self.pods < 1 or self.max_loras < 1 or self.max_cpu_loras < self.max_loras:

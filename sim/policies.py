@@ -25,7 +25,6 @@ import numpy as np
 from loraplane.api import Tier
 from loraplane.controller.placement import (
     AdapterDemand,
-    PlacementConfig,
     PodCapacity,
     Rates,
     host_slots,
@@ -237,7 +236,7 @@ class ControllerPlacement:
     def __init__(self, trace: Trace, config: SimConfig, period_s: float = PLACEMENT_PERIOD_S) -> None:
         self.period_s = period_s
         self._trace = trace
-        self._config = PlacementConfig()
+        self._config = config.placement
         # vLLM's host cache (``max_cpu_loras``) holds its GPU-resident adapters too, as the controller plans it
         cpu_slots = host_slots(config.max_cpu_loras, config.max_loras)
         self._pods = [PodCapacity(f"pod-{i}", config.max_loras, cpu_slots, disk_bytes=config.disk_bytes)

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +206,7 @@ def run_all(
         "slo_ttft_ms": slo_ttft_ms,
         "flow_control": loraplane_queue(profile, picker_config, flow_control),
         "pods": pod_settings(profile, chart_pods),
+        "placement": asdict(config.placement),
         "trace_seconds": round(trace.duration, 1),
         "bound": {
             "cold_starts": bound,

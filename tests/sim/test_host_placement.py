@@ -3,10 +3,9 @@ the GPU-resident adapters too, and the spare host slots carry copies of GPU-plac
 
 from __future__ import annotations
 
-import dataclasses
-
 from loraplane.api import Tier
 from loraplane.controller.placement import Placement as PlacementPlan
+from loraplane.controller.placement import PlacementConfig
 from loraplane.sim.cluster import SimConfig, Simulator
 from loraplane.sim.policies import build_policy
 from loraplane.sim.profile import LARGE_GPU
@@ -25,12 +24,9 @@ def _trace(adapters: int) -> Trace:
                  adapter=chosen, tenant=[0] * REQUESTS, input_tokens=[256] * REQUESTS, output_tokens=[16] * REQUESTS)
 
 
-def _last_plan(adapters: int, config: SimConfig, host_copies: int | None = None) -> PlacementPlan:
+def _last_plan(adapters: int, config: SimConfig) -> PlacementPlan:
     trace = _trace(adapters)
     policy = build_policy("loraplane", 0, trace, LARGE_GPU, config)
-    if host_copies is not None:  # the controller's default is none
-        placement = policy.placement
-        placement._config = dataclasses.replace(placement._config, host_copies=host_copies)  # type: ignore[attr-defined]
     Simulator(trace, config, LARGE_GPU, policy.router, policy.eviction, policy.placement,
               admission=policy.admission).run()
     plan = policy.placement._previous  # type: ignore[attr-defined]
@@ -47,7 +43,8 @@ def test_the_plan_fits_the_host_cache_that_holds_the_gpu_resident_adapters_too()
 
 
 def test_gpu_placed_adapters_get_host_copies_in_the_spare_host_slots() -> None:
-    plan = _last_plan(6, SimConfig(pods=3, max_loras=2, max_cpu_loras=8), host_copies=1)
+    config = SimConfig(pods=3, max_loras=2, max_cpu_loras=8, placement=PlacementConfig(host_copies=1))
+    plan = _last_plan(6, config)  # the controller's default is no host copies
     gpu, cpu = plan.replicas(Tier.GPU), plan.replicas(Tier.CPU)
     assert gpu
     for name, pods in gpu.items():

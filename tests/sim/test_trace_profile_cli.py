@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 
 from loraplane.api import Tier
 from loraplane.cli import main as loraplane_main
+from loraplane.controller.placement import PlacementConfig
 from loraplane.sim.cli import main as sim_main
 from loraplane.sim.profile import LARGE_GPU, ProfileError, from_bench, load_profile
 from loraplane.sim.trace import BURST, TraceError, load_csv, scenario
@@ -112,3 +114,17 @@ def test_sim_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         sim_main(["--policies", "best-policy"])
     assert sim_main(["--max-loras", "8", "--max-cpu-loras", "4"]) == 2
+
+
+def test_sim_plans_with_the_controllers_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "controller.yaml"
+    config.write_text("placement: {hostCopies: 2, stagingShare: 0.25}\n")
+    argv = ["--scenario", "gie-multilora", "--requests", "500", "--policies", "loraplane", "--jobs", "1", "--json"]
+    assert sim_main([*argv, "--controller-config", str(config)]) == 0
+    placement = json.loads(capsys.readouterr().out)["placement"]
+    assert (placement["host_copies"], placement["staging_share"]) == (2, 0.25)
+    assert sim_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["placement"] == dataclasses.asdict(PlacementConfig())
+    config.write_text("placement: {stagingShare: 3}\n")
+    assert sim_main([*argv, "--controller-config", str(config)]) == 2
+    assert "stagingShare" in capsys.readouterr().err
