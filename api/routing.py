@@ -56,6 +56,11 @@ class RouteTable(PayloadModel):
     generation: int = Field(ge=0)
     base_model: str | None = Field(default=None, description="the base model name, routable without an adapter")
     models: dict[str, RouteEntry] = Field(default_factory=dict)
+    staging_pods: list[str] = Field(
+        default_factory=list,
+        description="the pods that take a revision no pod holds yet (the placement's staging pods, so a sweep of new "
+        "revisions loads there and not next to the gold replicas); empty: any pod",
+    )
     updated_at: float
     writer: str | None = Field(
         default=None,

@@ -118,7 +118,7 @@ async def _reconcile(store: RedisStore, revs: list[AdapterRevision]) -> tuple[fl
     plan = plan_pool(PoolInputs(pool=POOL, now=datetime.now(UTC), revisions=revs, reports=readings.reports,
                                 rates=readings.rates, counters=readings.counters,
                                 previous_targets=store.written_targets(POOL)))
-    await store.write_routes(POOL, plan.routes, plan.base_model)
+    await store.write_routes(POOL, plan.routes, plan.base_model, plan.placement.staging)
     await store.write_targets(POOL, plan.targets)
     return time.perf_counter() - started, time.process_time() - cpu, store.writes - writes, plan
 

@@ -378,7 +378,7 @@ class Controller:
         writes_before, repairs_before = self.store.writes, self.store.repairs
         await self.store.repair(pool)  # what Redis lost or someone overwrote since the last pass comes back first
         # routes first: a revision leaves the route before any pod unloads it; one only enters it once warm
-        await self.store.write_routes(pool, plan.routes, plan.base_model)
+        await self.store.write_routes(pool, plan.routes, plan.base_model, plan.placement.staging)
         deleting = [rev.served_name for _, rev in revisions if rev.metadata.deletion_timestamp is not None]
         await self.store.write_targets(pool, plan.targets, deleting)
         if self.metrics:

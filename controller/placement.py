@@ -148,7 +148,7 @@ class PlacementConfig:
     #: shows they hold no gold revision (see the module docstring). Only where the pool has gold revisions and the
     #: other pods' GPU slots hold ``gold_min_replicas`` of each. Off by default: it helps a short sweep and hurts a
     #: sustained one (docs/controller.md, "Staging pods")
-    staging_share: float = 0.0
+    staging_share: float = 0.25
 
 
 @dataclass
@@ -157,6 +157,9 @@ class Placement:
 
     pods: dict[str, dict[str, Tier]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    #: the staging pods while some stage apart (``staging_share``): where traffic of a revision no pod holds goes
+    #: (``RouteTable.staging_pods``); empty while every pod stages
+    staging: frozenset[str] = frozenset()
 
     def tiers_of(self, served_name: str) -> dict[str, Tier]:
         """Pod -> tier for one served name."""
@@ -797,7 +800,8 @@ class _Planner:
         self.place_host_tier()
         self.place_disk()
         pods = {pod: dict(sorted(held.items())) for pod, held in sorted(self.pool.held.items())}
-        return Placement(pods=pods, notes=self.notes)
+        apart = self.staging if len(self.staging) < len(self.pool.caps) else frozenset()
+        return Placement(pods=pods, notes=self.notes, staging=apart)
 
 
 def place(
@@ -843,4 +847,4 @@ def keep_until_replaced(placement: Placement, demands: Iterable[AdapterDemand],
         if demand.min_replicas and now and not now & planned_serving.get(demand.served_name, set()):
             for pod in now:
                 pods[pod][demand.served_name] = Tier.DISK if pod in keeps_on_disk else Tier.CPU
-    return Placement(pods=pods, notes=placement.notes)
+    return Placement(pods=pods, notes=placement.notes, staging=placement.staging)

@@ -12,7 +12,7 @@ both, so a lost or overwritten key is back within one resync period. Every paylo
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -93,13 +93,16 @@ class RedisStore:
         """The target states last written (or read back) for ``pool``."""
         return self.targets.get(pool, {})
 
-    async def write_routes(self, pool: str, models: Mapping[str, RouteEntry], base_model: str | None) -> bool:
-        """Write the route table if its models changed; True when written."""
+    async def write_routes(self, pool: str, models: Mapping[str, RouteEntry], base_model: str | None,
+                           staging_pods: Collection[str] = ()) -> bool:
+        """Write the route table if its models, base model or staging pods changed; True when written."""
         old = self.routes.get(pool)
-        if old is not None and old.models == dict(models) and old.base_model == base_model:
+        staging = sorted(staging_pods)
+        if old is not None and old.models == dict(models) and old.base_model == base_model and old.staging_pods == staging:
             return False
         table = RouteTable(pool=pool, generation=(old.generation + 1) if old else 1, base_model=base_model,
-                           models=dict(sorted(models.items())), updated_at=self.clock(), writer=self.writer)
+                           models=dict(sorted(models.items())), staging_pods=staging, updated_at=self.clock(),
+                           writer=self.writer)
         await self._write_routes(table)
         return True
 

@@ -156,7 +156,9 @@ def residency_filter(_params: FilterParameters) -> Filter:
 
     Runtimes serve only adapters they have registered, so a pod where the revision is absent would answer 404.
     Pods draining the revision (their sidecar is about to unload it) are kept only when no remaining candidate holds
-    it otherwise: they still serve it for a moment, which beats a pod that does not have it at all.
+    it otherwise: they still serve it for a moment, which beats a pod that does not have it at all. A revision no
+    candidate holds at all goes to the pool's staging pods (``RouteTable.staging_pods``) where the controller names
+    some: the pods it keeps a sweep of new revisions on, away from the gold replicas.
     Base-model requests keep all endpoints. Pair with ``failOpen: true`` for runtimes that load on demand.
     """
 
@@ -175,8 +177,11 @@ def residency_filter(_params: FilterParameters) -> Filter:
 
         mask = pool.memo((holding, request.served_name, request.digest), holders)
         draining = pool.draining_holders(request.served_name, request.digest)
-        if draining is None or np.count_nonzero(mask & cycle.candidates):
+        staging = pool.staging
+        if (draining is None and staging is None) or np.count_nonzero(mask & cycle.candidates):
             return mask
+        if draining is None:
+            return staging
 
         def holders_or_draining() -> BoolArray:
             wider = mask.copy()

@@ -65,6 +65,10 @@ class RouteResolver:
         """Served name -> route priority, for the snapshot's gold protection."""
         return {served: route.priority for route in self._routes.values() for _, served, _, _ in route.choices}
 
+    def staging_pods(self) -> frozenset[str]:
+        """The pods that take a revision no pod holds yet (the table's ``staging_pods``; empty: any pod)."""
+        return frozenset(self.table.staging_pods) if self.table else frozenset()
+
     def resolve(self, model: str, session_key: str | None, rng: np.random.Generator) -> Resolution:
         """The revision ``model`` goes to for this session; ``UnknownModelError`` for unregistered names."""
         route = self._routes.get(model)

@@ -10,7 +10,7 @@ be unloaded from its pod) are indexed apart: never warm, and routed to only when
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -81,8 +81,10 @@ class ResidencyEntry:
 class PoolSnapshot:
     """Every endpoint of the pool with its load and residency, ready to be scored."""
 
-    def __init__(self, endpoints: Sequence[EndpointState], priorities: Mapping[str, int] | None = None) -> None:
-        """Index ``endpoints``; ``priorities`` maps served names to route priority (gold > 0) for protection."""
+    def __init__(self, endpoints: Sequence[EndpointState], priorities: Mapping[str, int] | None = None,
+                 staging: Collection[str] = ()) -> None:
+        """Index ``endpoints``; ``priorities`` maps served names to route priority (gold > 0) for protection;
+        ``staging`` names the pods that take a revision no pod holds (``RouteTable.staging_pods``)."""
         priorities = priorities or {}
         self.endpoints: tuple[EndpointState, ...] = tuple(endpoints)
         self.addresses: tuple[str, ...] = tuple(e.address for e in self.endpoints)
@@ -119,6 +121,11 @@ class PoolSnapshot:
         #: the pod reported no measurement
         self.load_seconds: FloatArray = np.zeros((n, 4), dtype=np.float64)
         self.load_seconds[:, 1:] = [e.load_seconds for e in self.endpoints] if n else np.empty((0, 3))
+        #: the endpoints that take a revision no endpoint holds (the placement's staging pods); None: any endpoint
+        self.staging: BoolArray | None = None
+        if staging:
+            mask = np.fromiter((e.name in staging for e in self.endpoints), np.bool_, n)
+            self.staging = mask if mask.any() else None
         #: GPU-resident revisions with a positive route priority (gold) on each endpoint.
         self.protected_warm: FloatArray = np.zeros(n, dtype=np.float64)
         self._priorities = priorities
@@ -325,6 +332,7 @@ class PoolSnapshot:
         priorities: Mapping[str, int] | None = None,
         endpoints: Sequence[tuple[str, str]] | None = None,
         stale_grace_s: float = 0.0,
+        staging: Collection[str] = (),
     ) -> PoolSnapshot:
         """Build from sidecar reports; reports older than their TTL plus ``stale_grace_s`` become stale (unknown).
 
@@ -343,7 +351,7 @@ class PoolSnapshot:
                 states.append(EndpointState(name=pod, address=address, ready=True, stale=True))
             else:
                 states.append(endpoint_from_report(report, address))
-        return cls(states, priorities)
+        return cls(states, priorities, staging)
 
 
 def _resident_rows(endpoint: EndpointState) -> Iterator[tuple[tuple[str, str], int, bool]]:

@@ -86,8 +86,9 @@ class PoolState:
         """Build a fresh snapshot from what is stored now."""
         now = self.clock()
         grace = self.stale_grace_s
-        snapshot = PoolSnapshot.from_reports(self.reports.values(), now, self.resolver.priorities(), self.endpoints,
-                                             grace)
+        resolver = self.resolver
+        snapshot = PoolSnapshot.from_reports(self.reports.values(), now, resolver.priorities(), self.endpoints, grace,
+                                             resolver.staging_pods())
         self.tracker.attach(snapshot)
         self.snapshot = snapshot
         expiries = [r.heartbeat_at + r.ttl_seconds + grace for r in self.reports.values()

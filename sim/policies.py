@@ -111,8 +111,11 @@ class PickerRouter:
 
     name = LORAPLANE
 
-    def __init__(self, seed: int, trace: Trace, profile: Profile, scheduler: Scheduler) -> None:
+    def __init__(self, seed: int, trace: Trace, profile: Profile, scheduler: Scheduler,
+                 staging: Callable[[], frozenset[str]] = frozenset) -> None:
+        """``staging``: the staging pods of the controller's last plan (its route table's ``staging_pods``)."""
         self.scheduler = scheduler
+        self._staging = staging
         #: the picker's prefix-cache scorer, fed each request's prefix blocks and where it went (prefix traces)
         self._now = 0.0
         self._prefix = (PickerPrefixSignal(scheduler.prefix, trace, lambda: self._now)
@@ -131,6 +134,7 @@ class PickerRouter:
         self._snapshot: PoolSnapshot | None = None
         self._reported_at = -math.inf
         self._versions: list[int] = []
+        self._staged: frozenset[str] = frozenset()
         self._residency: dict[int, tuple[int, dict[str, tuple[Tier, str | None]]]] = {}
         #: tier -> per adapter, its residency row at that tier (a pod's report is made of these)
         self._rows: dict[Tier, list[tuple[str, tuple[Tier, str | None]]]] = {
@@ -158,9 +162,10 @@ class PickerRouter:
             return snapshot
         self._reported_at = now
         versions = [p.residency_version for p in pods]
-        if snapshot is None or versions != self._versions:
-            self._versions = versions
-            snapshot = self._snapshot = PoolSnapshot([self._endpoint(now, p) for p in pods], self._priorities)
+        staging = self._staging()
+        if snapshot is None or versions != self._versions or staging != self._staged:
+            self._versions, self._staged = versions, staging
+            snapshot = self._snapshot = PoolSnapshot([self._endpoint(now, p) for p in pods], self._priorities, staging)
         else:
             for p in pods:
                 snapshot.update_endpoint(p.index, self._endpoint(now, p))
@@ -252,6 +257,10 @@ class ControllerPlacement:
         self._fixed = [(a.name, a.nbytes, trace.tenants[a.tenant].name, trace.tenants[a.tenant].priority) for a in trace.adapters]
         self._demands = [AdapterDemand(name, nbytes, tenant=t, priority=p) for name, nbytes, t, p in self._fixed]
         self._rates = [(0.0, 0.0, 0.0)] * len(trace.adapters)
+
+    def staging(self) -> frozenset[str]:
+        """The staging pods of the last plan (what the controller writes into the route table)."""
+        return self._previous.staging if self._previous is not None else frozenset()
 
     def _rate(self, now: float, window: float) -> np.ndarray:
         start = now - window
@@ -363,7 +372,8 @@ def build_policy(
     if name == LORAPLANE:
         endpoint_picker_config = picker_config_for(profile, picker_config)
         scheduler = Scheduler(endpoint_picker_config)
-        router = PickerRouter(seed, trace, profile, scheduler)
+        placement = ControllerPlacement(trace, config)
+        router = PickerRouter(seed, trace, profile, scheduler, placement.staging)
         admission = None
         if flow_control is None:
             flow_control = shipped_flow_control(endpoint_picker_config)
@@ -373,7 +383,7 @@ def build_policy(
                 router.choose, lambda rid: tenants[trace.tenant[rid]].priority, trace.tenant.__getitem__, flow_control
             )
         return Policy(
-            router, EngineEviction(KeepScorePolicy(), trace, profile), ControllerPlacement(trace, config), admission,
+            router, EngineEviction(KeepScorePolicy(), trace, profile), placement, admission,
             runtime_priorities(trace) if chart_pods else None, loraplane_pod_profile(profile) if chart_pods else None,
         )
     if name not in BASELINES:

@@ -21,6 +21,7 @@ from loraplane.controller.placement import (
     gpu_loads,
     host_slots,
     is_burst,
+    keep_until_replaced,
     minimum_gpu_loads,
     place,
 )
@@ -436,7 +437,7 @@ def _holders(plan: Placement, prefix: str, tiers: tuple[Tier, ...] = (Tier.CPU, 
     return {pod for pod, held in plan.pods.items() if any(n.startswith(prefix) and held[n] in tiers for n in held)}
 
 
-#: staging on, at a quarter of the pods, with a host copy per busy adapter (both off by default: docs/controller.md)
+#: staging at a quarter of the pods (the default), with a host copy per busy adapter (off by default): docs/controller.md
 STAGING = PlacementConfig(staging_share=0.25, host_copies=1)
 
 
@@ -445,6 +446,8 @@ def test_idle_revisions_are_staged_on_a_quarter_of_the_pods_and_stay_there() -> 
     plan = place(pods, _gold_and_idle(), config=STAGING)
     staging = _holders(plan, "sweep-")
     assert len(staging) == 2  # staging_share 0.25 of 8 pods; without it the 60 revisions spread over all 8
+    assert plan.staging == staging  # the route table names them: revisions no pod holds go there
+    assert keep_until_replaced(plan, _gold_and_idle(), {}).staging == staging
     again = place(pods, _gold_and_idle(), previous=plan, config=STAGING)
     assert again.pods == plan.pods  # the same pods, plan after plan
     # a pool that keeps its idle revisions elsewhere keeps them there (the pods holding the most of them)
@@ -453,9 +456,10 @@ def test_idle_revisions_are_staged_on_a_quarter_of_the_pods_and_stay_there() -> 
         elsewhere.pods[f"pod-{6 + i % 2}"][f"sweep-{i:02d}@v1"] = Tier.DISK
     kept = place(pods, _gold_and_idle(), previous=elsewhere, config=STAGING)
     assert _holders(kept, "sweep-") == {"pod-6", "pod-7"}
-    # share 0 (the default): every pod stages
-    spread = place(pods, _gold_and_idle())
+    # share 0: every pod stages
+    spread = place(pods, _gold_and_idle(), config=dataclasses.replace(STAGING, staging_share=0))
     assert len(_holders(spread, "sweep-")) == 8
+    assert spread.staging == frozenset()
 
 
 def test_no_staging_without_gold_revisions_or_room_for_them_elsewhere() -> None:
@@ -463,6 +467,7 @@ def test_no_staging_without_gold_revisions_or_room_for_them_elsewhere() -> None:
     standard = [AdapterDemand(d.served_name, d.bytes, d.rates, d.tenant) for d in _gold_and_idle()]
     # nobody to shield from the cold traffic
     assert len(_holders(place(pods, standard, config=STAGING), "sweep-")) == 8
+    assert place(pods, standard, config=STAGING).staging == frozenset()
     # 13 gold revisions x gold_min_replicas 2 = 26 replicas: more than the 24 GPU slots of 6 pods
     busy = [_demand(f"gold-{i}@v1", 2.0, priority=1) for i in range(13)] + _gold_and_idle()[4:]
     assert len(_holders(place(pods, busy, config=STAGING), "sweep-")) == 8

@@ -82,3 +82,14 @@ def test_readers_refuse_an_older_generation_from_the_same_writer_only() -> None:
     assert supersedes(table(1, "ctl@2"), table(5, "ctl@1"))  # a restarted controller starts its own sequence
     assert supersedes(table(1, None), table(5, "ctl@1"))
     assert supersedes(table(1, "ctl@1"), None)
+
+
+async def test_the_staging_pods_alone_rewrite_the_route_table(redis_srv: RedisServer) -> None:
+    store, client = await _written(redis_srv)
+    assert await store.write_routes(POOL, ROUTES, "tiny", {"pod-b", "pod-a"})
+    table = RouteTable.from_json(await client.get(keys.route_table(POOL)))
+    assert (table.staging_pods, table.generation, table.models) == (["pod-a", "pod-b"], 2, ROUTES)
+    assert not await store.write_routes(POOL, ROUTES, "tiny", ["pod-a", "pod-b"])  # unchanged: no write
+    assert await store.write_routes(POOL, ROUTES, "tiny")  # staging over: every pod again
+    assert RouteTable.from_json(await client.get(keys.route_table(POOL))).staging_pods == []
+    await client.aclose()

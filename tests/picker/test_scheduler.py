@@ -292,3 +292,23 @@ def test_the_prefill_queue_score_counts_only_where_the_revision_is_warm_when_ask
 def test_the_prefill_queue_scorer_rejects_a_capacity_that_is_not_positive() -> None:
     with pytest.raises(ValidationError):
         PrefillQueueParameters.model_validate({"capacity": 0})
+
+
+def test_a_revision_no_pod_holds_goes_to_the_staging_pods(scheduler: Scheduler) -> None:
+    gold = {"vip@v1": (Tier.GPU, DIGEST_B)}
+    endpoints = [pod(1, gold), pod(2, gold), pod(3), pod(4, ON_DISK)]
+    staged = PoolSnapshot(endpoints, priorities={"vip@v1": 1}, staging={"pod-3", "pod-9"})
+    staged.in_flight[:] = [0, 0, 12, 0]  # the staging pod is the busiest, not saturated
+    cold = request(served_name="sweep-7@v1")
+    picks = {scheduler.schedule(cold, staged, np.random.default_rng(s)).endpoints[0] for s in range(20)}
+    assert picks == {"10.0.0.3:8000"}
+    # a revision some pod holds still goes to its holder
+    assert scheduler.schedule(request(), staged, np.random.default_rng(0)).endpoints[0] == "10.0.0.4:8000"
+    # without staging pods a cold revision may go anywhere (here: the idle pod without gold)
+    anywhere = PoolSnapshot(endpoints, priorities={"vip@v1": 1})
+    anywhere.in_flight[:] = [0, 0, 12, 0]
+    assert scheduler.schedule(cold, anywhere, np.random.default_rng(0)).endpoints[0] == "10.0.0.4:8000"
+    # a staging pod that cannot serve (not ready) leaves the choice to the other filters (fail open)
+    down = PoolSnapshot([*endpoints[:2], pod(3, ready=False), endpoints[3]], {"vip@v1": 1}, {"pod-3"})
+    assert scheduler.schedule(cold, down, np.random.default_rng(0)).endpoints[0] == "10.0.0.4:8000"
+    assert PoolSnapshot(endpoints, staging={"pod-9"}).staging is None  # names no member: any pod

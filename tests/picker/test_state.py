@@ -64,6 +64,14 @@ async def test_state_follows_redis_and_survives_outages(redis_srv: RedisServer) 
         await write_report(client, "pod-b", 2, clock.now, warm=True)
         await eventually(lambda: len(state.snapshot) == 2)
         assert state.snapshot.lookup("claims@v1", DIGEST_V1) is not None
+        # the controller names staging pods: the next snapshot marks them, for revisions no pod holds
+        assert state.snapshot.staging is None
+        staged = route_table().model_copy(update={"generation": 2, "staging_pods": ["pod-b", "pod-gone"]})
+        await client.set(keys.route_table(POOL), staged.to_json())
+        await client.publish(keys.routes_changed_channel(POOL), "2")
+        await eventually(lambda: state.snapshot.staging is not None)
+        assert dict(zip(state.snapshot.addresses, state.snapshot.staging.tolist(), strict=True)) == {
+            "127.0.0.1:1": False, "127.0.0.1:2": True}
         # reports older than their TTL turn stale on time
         clock.now += 10
         await eventually(lambda: bool(state.snapshot.stale.all()))
