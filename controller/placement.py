@@ -356,9 +356,11 @@ class _Planner:
         """The pods that stage idle revisions: ``staging_share`` of the pool, those that held the most idle revisions
         in the previous plan, then those with the fewest gold GPU replicas in it, so the set stays the same from plan
         to plan. Every pod when that share rounds to none or all of them, when no revision is idle (no sweep is to
-        come), when no revision is gold (there is no one to shield from the cold traffic), or when the other pods'
+        come), when no revision is gold (there is no one to shield from the cold traffic), when the other pods'
         GPU slots cannot hold ``gold_min_replicas`` replicas of every gold revision (the pool has no pods to
-        spare)."""
+        spare), or when they hold every replica the revisions with traffic need and a free slot each besides (slots
+        are not scarce: cold loads take free slots without evicting anyone, and a few staging pods would only
+        concentrate the cold traffic's loads and prefill on themselves)."""
         count = math.floor(len(self.pool.caps) * self.config.staging_share + 1e-9)
         if count <= 0 or count >= len(self.pool.caps) or not any(self.is_idle(e) for e in self.entries.values()):
             return frozenset(self.pool.caps)
@@ -376,7 +378,9 @@ class _Planner:
         staging = frozenset(sorted(self.pool.caps, key=lambda p: (-idle_held[p], gold_gpu[p], p))[:count])
         room = sum(cap.gpu_slots for pod, cap in self.pool.caps.items() if pod not in staging)
         gold_replicas = sum(self.config.gold_min_replicas for e in self.entries.values() if e.demand.priority > 0)
-        return staging if 0 < gold_replicas <= room else frozenset(self.pool.caps)
+        needed = sum(e.need for e in self.entries.values() if not self.is_floor(e))
+        scarce = needed >= room - (len(self.pool.caps) - count)
+        return staging if 0 < gold_replicas <= room and scarce else frozenset(self.pool.caps)
 
     def shields_staging(self) -> bool:
         """True while cold traffic shows on the staging pods: revisions below ``gpu_min_rate`` that the previous

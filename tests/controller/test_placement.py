@@ -427,9 +427,12 @@ def test_host_slots_leave_the_gpu_resident_adapters_their_place_in_the_host_cach
     assert host_slots(0, 4) == 0
 
 
-def _gold_and_idle(gold_rate: float = 2.0, idle: int = 60) -> list[AdapterDemand]:
+def _gold_and_idle(gold_rate: float = 2.0, idle: int = 60, busy: int = 10) -> list[AdapterDemand]:
+    """4 gold revisions, ``idle`` ones (a sweep to come) and ``busy`` standard ones with traffic: 8 + 10 GPU replicas
+    needed, as many as 6 of 8 pods' 24 slots hold with one free slot each (slots are scarce: staging pays)."""
     gold = [_demand(f"gold-{i}@v1", gold_rate, priority=1, tenant="online") for i in range(4)]
-    return gold + [_demand(f"sweep-{i:02d}@v1", tenant="batch") for i in range(idle)]
+    standard = [_demand(f"std-{i}@v1", 0.5, tenant="online") for i in range(busy)]
+    return gold + standard + [_demand(f"sweep-{i:02d}@v1", tenant="batch") for i in range(idle)]
 
 
 def _holders(plan: Placement, prefix: str, tiers: tuple[Tier, ...] = (Tier.CPU, Tier.DISK)) -> set[str]:
@@ -488,8 +491,10 @@ def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> 
         replicas = plan.replicas(Tier.GPU)[f"gold-{i}@v1"]
         assert len(replicas) >= 2 and not replicas & staging
         assert not any(pod in staging for pod in plan.tiers_of(f"gold-{i}@v1"))
-    # no floor replica takes a staging pod's GPU slots meanwhile (they are for the cold traffic's own loads)
-    assert not any(tier is Tier.GPU for pod in staging for tier in plan.pods[pod].values())
+    # no floor replica takes a staging pod's GPU slots meanwhile (they are for the cold traffic's own loads), and a
+    # staging pod plans one replica at most
+    assert not any(tier is Tier.GPU and n.startswith("sweep-") for pod in staging for n, tier in plan.pods[pod].items())
+    assert all(sum(t is Tier.GPU for t in plan.pods[pod].values()) <= 1 for pod in staging)
     # the other pods give up their burst slot, so 11 gold adapters keep their 2 warm pods each: 22 replicas, more
     # than the 6 x 3 slots the other pods have beside their burst slots
     crowded = [_demand(f"gold-{i}@v1", 2.0, priority=1) for i in range(11)]
@@ -502,11 +507,24 @@ def test_cold_traffic_on_the_staging_pods_moves_the_gold_replicas_off_them() -> 
     # gold asking for more replicas than the other pods have room for overflows onto the staging pods, one planned
     # replica on each (its other slots are for the cold traffic's loads), the least valuable ones
     busiest = _demand("gold-11@v1", 16.0, priority=1)  # asks for 4 replicas: 26 in all, 24 slots off the staging pods
-    demands = [*crowded, busiest, *swept[4:]]
+    demands = [*crowded, busiest, *(d for d in swept[4:] if d.served_name.startswith("sweep-"))]
     plan = place(pods, demands, previous=place(pods, demands, previous=before, config=STAGING), config=STAGING)
     assert plan.replicas(Tier.GPU)["gold-11@v1"].isdisjoint(staging) and len(plan.replicas(Tier.GPU)["gold-11@v1"]) == 4
     assert [sum(t is Tier.GPU for t in plan.pods[pod].values()) for pod in sorted(staging)] == [1, 1]
     assert sum(len(plan.replicas(Tier.GPU)[f"gold-{i}@v1"]) for i in range(12)) == 26
+
+
+def test_a_pool_whose_slots_are_not_scarce_stages_nothing() -> None:
+    # 32 slots a pod: the 18 replicas the traffic needs leave free slots everywhere, so cold loads evict nobody, and
+    # two staging pods would only concentrate the sweep's loads and prefill on themselves
+    roomy = _pods(8, gpu=32, cpu=64)
+    plan = place(roomy, _gold_and_idle(), config=STAGING)
+    assert plan.staging == frozenset() and len(_holders(plan, "sweep-", (Tier.GPU, Tier.CPU, Tier.DISK))) == 8
+    # the same traffic in 4-slot pods is scarce: staged apart
+    assert len(place(_pods(8, gpu=4, cpu=8), _gold_and_idle(), config=STAGING).staging) == 2
+    # and so is an idle pool (nothing needs a replica yet) of roomy pods: no staging until traffic shows scarcity
+    idle = [_demand(d.served_name, 0.0, priority=d.priority, tenant=d.tenant) for d in _gold_and_idle()]
+    assert place(roomy, idle, config=STAGING).staging == frozenset()
 
 
 def test_a_pool_with_no_idle_revision_stages_nothing() -> None:
