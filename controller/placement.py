@@ -25,14 +25,17 @@ The plan, in order:
    pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then trickles;
    a revision no disk has room for is fetched on its first request.
 
-Staging pods (off by default, ``staging_share`` 0): where the pool has gold revisions, the other pods' GPU slots
-hold ``gold_min_replicas`` of each and some revision is idle, idle revisions (no traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the
-pods only, the same ones from plan to plan (those holding the most idle revisions in the previous plan), so a sweep
-of new revisions loads and prefills there, not next to every gold replica. While that cold traffic shows (revisions
-below ``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the staging pods are shielded: the
-other pods keep no burst slot and hold the gold replicas, a gold revision is held on a staging pod at no tier except
-a GPU replica the other pods have no room for (one replica per staging pod at most: its other slots are for the cold
-traffic's own loads), and no floor replica of a non-gold revision takes a GPU slot anywhere.
+Staging pods (``staging_share``, a quarter of the pods by default): where the pool has gold revisions, the other
+pods' GPU slots hold ``gold_min_replicas`` of each, slots are scarce (the pool needs at least those slots less one
+free each: what its traffic asks for, at least the gold minimum) and some revision is idle, idle revisions (no traffic in 24 h) are staged (steps 4 and 5)
+on ``staging_share`` of the pods only, the same ones from plan to plan (those holding the most idle revisions in
+the previous plan), named in the plan (``Placement.staging``; the route table sends a revision no pod holds
+there), so a sweep of new revisions loads and prefills there, not next to every gold replica. While that cold
+traffic shows (revisions below ``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the
+staging pods are shielded: the other pods keep no burst slot and hold the gold replicas, a gold revision is held on
+a staging pod at no tier except a GPU replica the other pods have no room for (one replica per staging pod at most:
+its other slots are for the cold traffic's own loads), and no floor replica of a non-gold revision takes a GPU slot
+anywhere.
 
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
 current holders serving it (at CPU, or at disk where the runtime keeps disk-tier revisions registered) until a
@@ -145,9 +148,9 @@ class PlacementConfig:
     host_copies: int = 0
     #: share of the pool's pods (rounded down; 0: none) that stage the idle revisions (no traffic in 24 h) in host
     #: memory and on disk, so the cold traffic a sweep of new revisions brings lands on them; while that traffic
-    #: shows they hold no gold revision (see the module docstring). Only where the pool has gold revisions and the
-    #: other pods' GPU slots hold ``gold_min_replicas`` of each. Off by default: it helps a short sweep and hurts a
-    #: sustained one (docs/controller.md, "Staging pods")
+    #: shows they hold no gold revision (see the module docstring). Only where the pool has gold revisions, the
+    #: other pods' GPU slots hold ``gold_min_replicas`` of each and slots are scarce (docs/controller.md, "Staging
+    #: pods")
     staging_share: float = 0.25
 
 
@@ -358,9 +361,10 @@ class _Planner:
         to plan. Every pod when that share rounds to none or all of them, when no revision is idle (no sweep is to
         come), when no revision is gold (there is no one to shield from the cold traffic), when the other pods'
         GPU slots cannot hold ``gold_min_replicas`` replicas of every gold revision (the pool has no pods to
-        spare), or when they hold every replica the revisions with traffic need and a free slot each besides (slots
-        are not scarce: cold loads take free slots without evicting anyone, and a few staging pods would only
-        concentrate the cold traffic's loads and prefill on themselves)."""
+        spare), or when they hold every replica the pool needs (what the revisions with traffic ask for, at least
+        the gold minimum) and a free slot each besides: slots are not scarce, cold loads take free slots without
+        evicting anyone, and a few staging pods would only concentrate the cold traffic's loads and prefill on
+        themselves."""
         count = math.floor(len(self.pool.caps) * self.config.staging_share + 1e-9)
         if count <= 0 or count >= len(self.pool.caps) or not any(self.is_idle(e) for e in self.entries.values()):
             return frozenset(self.pool.caps)
@@ -378,7 +382,8 @@ class _Planner:
         staging = frozenset(sorted(self.pool.caps, key=lambda p: (-idle_held[p], gold_gpu[p], p))[:count])
         room = sum(cap.gpu_slots for pod, cap in self.pool.caps.items() if pod not in staging)
         gold_replicas = sum(self.config.gold_min_replicas for e in self.entries.values() if e.demand.priority > 0)
-        needed = sum(e.need for e in self.entries.values() if not self.is_floor(e))
+        # the replicas the pool must hold: what its traffic asks for, and the gold minimum (before traffic shows)
+        needed = max(gold_replicas, sum(e.need for e in self.entries.values() if not self.is_floor(e)))
         scarce = needed >= room - (len(self.pool.caps) - count)
         return staging if 0 < gold_replicas <= room and scarce else frozenset(self.pool.caps)
 

@@ -145,11 +145,9 @@ class Pod:
         self.cpu: set[int] = set()
         self.disk: set[int] = set(disk)
         self.disk_used = 0
-        #: what the last placement plans on this pod, at any tier (the sidecar's target state; before any plan, what
-        #: its disk held at the start): its disk cache evicts other adapters first, and only these count as held there
-        self.planned: set[int] = set(disk)
-        #: bumped whenever ``planned`` changes
-        self.plan_version = 0
+        #: what the last placement plans on this pod, at any tier (the sidecar's target state): its disk cache
+        #: evicts other adapters first
+        self.planned: set[int] = set()
         self.download_free_at = 0.0
         self.downloading: set[int] = set()
         #: bumped whenever an adapter changes tier here (lets readers cache what they derive from the tiers)

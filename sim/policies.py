@@ -133,9 +133,9 @@ class PickerRouter:
         ]
         self._snapshot: PoolSnapshot | None = None
         self._reported_at = -math.inf
-        self._versions: list[tuple[int, int]] = []
+        self._versions: list[int] = []
         self._staged: frozenset[str] = frozenset()
-        self._residency: dict[int, tuple[tuple[int, int], dict[str, tuple[Tier, str | None]]]] = {}
+        self._residency: dict[int, tuple[int, dict[str, tuple[Tier, str | None]]]] = {}
         #: tier -> per adapter, its residency row at that tier (a pod's report is made of these)
         self._rows: dict[Tier, list[tuple[str, tuple[Tier, str | None]]]] = {
             tier: [(n, (tier, d)) for n, d in zip(names, self._digests, strict=True)]
@@ -143,18 +143,14 @@ class PickerRouter:
         }
 
     def _residency_of(self, pod: Pod) -> dict[str, tuple[Tier, str | None]]:
-        """The pod's servable rows as its sidecar reports them: loaded adapters (GPU, host memory), and on disk only
-        those its target state lists (registered there; a disk-cache entry outside the target is not: ``registered:
-        false``, which the picker does not count as held)."""
-        version = (pod.residency_version, pod.plan_version)
         cached = self._residency.get(pod.index)
-        if cached is not None and cached[0] == version:
+        if cached is not None and cached[0] == pod.residency_version:
             return cached[1]
         rows = self._rows
-        held = dict(map(rows[Tier.DISK].__getitem__, pod.disk & pod.planned))
+        held = dict(map(rows[Tier.DISK].__getitem__, pod.disk))
         held.update(map(rows[Tier.CPU].__getitem__, pod.cpu))
         held.update(map(rows[Tier.GPU].__getitem__, pod.gpu))
-        self._residency[pod.index] = (version, held)
+        self._residency[pod.index] = (pod.residency_version, held)
         return held
 
     def _refresh(self, now: float, pods: list[Pod]) -> PoolSnapshot:
@@ -165,7 +161,7 @@ class PickerRouter:
         if snapshot is not None and now - self._reported_at < REPORT_S:
             return snapshot
         self._reported_at = now
-        versions = [(p.residency_version, p.plan_version) for p in pods]
+        versions = [p.residency_version for p in pods]
         staging = self._staging()
         if snapshot is None or versions != self._versions or staging != self._staged:
             self._versions, self._staged = versions, staging
@@ -288,10 +284,7 @@ class ControllerPlacement:
         self._previous = plan
         for pod in sim.pods:
             planned = plan.pods.get(f"pod-{pod.index}", {})
-            held = {self._index[name] for name in planned}
-            if held != pod.planned:
-                pod.planned = held
-                pod.plan_version += 1
+            pod.planned = {self._index[name] for name in planned}
             for name, tier in planned.items():
                 if tier is Tier.GPU:
                     sim.prefetch(pod, self._index[name])

@@ -522,9 +522,11 @@ def test_a_pool_whose_slots_are_not_scarce_stages_nothing() -> None:
     assert plan.staging == frozenset() and len(_holders(plan, "sweep-", (Tier.GPU, Tier.CPU, Tier.DISK))) == 8
     # the same traffic in 4-slot pods is scarce: staged apart
     assert len(place(_pods(8, gpu=4, cpu=8), _gold_and_idle(), config=STAGING).staging) == 2
-    # and so is an idle pool (nothing needs a replica yet) of roomy pods: no staging until traffic shows scarcity
+    # before any traffic the gold minimum counts: 4 gold revisions x 2 leave roomy pods free, 12 fill 4-slot ones
     idle = [_demand(d.served_name, 0.0, priority=d.priority, tenant=d.tenant) for d in _gold_and_idle()]
     assert place(roomy, idle, config=STAGING).staging == frozenset()
+    gold_only = [_demand(f"gold-{i}@v1", priority=1) for i in range(12)] + _gold_and_idle(busy=0)[4:]
+    assert len(place(_pods(8, gpu=4, cpu=8), gold_only, config=STAGING).staging) == 2
 
 
 def test_a_pool_with_no_idle_revision_stages_nothing() -> None:

@@ -1,28 +1,14 @@
-"""What the simulated picker sees of residency and staging, as the real one sees the sidecars' reports and the route
-table: a disk-cache entry the pod's target does not list is not held there (``registered: false``), and while the
-plan stages idle revisions apart a request for a revision no pod holds goes to a staging pod, never to a gold pod."""
+"""The simulated picker reads the controller's staging pods as the real one reads its route table: while the plan
+stages idle revisions apart, a request for a revision no pod holds goes to a staging pod, never to a gold pod."""
 
 from __future__ import annotations
 
 from loraplane.controller.placement import PlacementConfig
-from loraplane.picker.scheduler import Decision, Scheduler
+from loraplane.picker.scheduler import Decision
 from loraplane.sim.cluster import Pod, SimConfig, Simulator
-from loraplane.sim.policies import PickerRouter, build_policy, picker_config_for
+from loraplane.sim.policies import PickerRouter, build_policy
 from loraplane.sim.profile import LARGE_GPU
-from loraplane.sim.trace import Adapter, Tenant, Trace, scenario
-from tests.sim.conftest import ADAPTER_BYTES
-
-
-def test_a_disk_cache_entry_outside_the_target_is_not_held() -> None:
-    trace = Trace(name="one", tenants=[Tenant("t")], adapters=[Adapter("a@v1", 0, ADAPTER_BYTES)], arrival=[0.0],
-                  adapter=[0], tenant=[0], input_tokens=[100], output_tokens=[10])
-    router = PickerRouter(0, trace, LARGE_GPU, Scheduler(picker_config_for(LARGE_GPU)))
-    cached, empty = Pod(0, 4, 16, disk={0}), Pod(1, 4, 16, disk=set())
-    cached.planned = set()  # a plan that no longer lists it: only in the pod's disk cache
-    cached.waiting.extend([0, 0, 0])  # the pod with the adapter in its cache is the busier one
-    assert router.decide(0.0, 0, trace, [cached, empty]).indices[0] == 1  # only cached: no holder, least loaded
-    cached.planned, cached.plan_version = {0}, cached.plan_version + 1  # its target lists it: registered there
-    assert router.decide(5.0, 0, trace, [cached, empty]).indices[0] == 0
+from loraplane.sim.trace import Trace, scenario
 
 
 def _cold_decisions(share: float) -> list[tuple[frozenset[str], str]]:
