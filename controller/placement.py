@@ -27,15 +27,15 @@ The plan, in order:
 
 Staging pods (``staging_share``, a quarter of the pods by default): where the pool has gold revisions, the other
 pods' GPU slots hold ``gold_min_replicas`` of each, slots are scarce (the pool needs at least those slots less one
-free each: what its traffic asks for, at least the gold minimum) and some revision is idle, idle revisions (no traffic in 24 h) are staged (steps 4 and 5)
-on ``staging_share`` of the pods only, the same ones from plan to plan (those holding the most idle revisions in
-the previous plan), named in the plan (``Placement.staging``; the route table sends a revision no pod holds
-there), so a sweep of new revisions loads and prefills there, not next to every gold replica. While that cold
-traffic shows (revisions below ``gpu_min_rate`` held only on staging pods carry ``gpu_min_rate`` or more) the
-staging pods are shielded: the other pods keep no burst slot and hold the gold replicas, a gold revision is held on
-a staging pod at no tier except a GPU replica the other pods have no room for (one replica per staging pod at most:
-its other slots are for the cold traffic's own loads), and no floor replica of a non-gold revision takes a GPU slot
-anywhere.
+free each: what its traffic asks for, at least the gold minimum) and some revision is idle, idle revisions (no
+traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the pods only, the same ones from plan to plan
+(those holding the most idle revisions in the previous plan), named in the plan (``Placement.staging``; the route
+table sends a revision no pod holds there), so a sweep of new revisions loads and prefills there, not next to every
+gold replica. While that cold traffic shows (revisions below ``gpu_min_rate`` held only on staging pods carry
+``gpu_min_rate`` or more) the staging pods are shielded: the other pods keep no burst slot and hold the gold
+replicas, a gold revision is held on a staging pod at no tier except a GPU replica the other pods have no room for
+(one replica per staging pod at most: its other slots are for the cold traffic's own loads), and no floor replica of
+a non-gold revision takes a GPU slot anywhere.
 
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
 current holders serving it (at CPU, or at disk where the runtime keeps disk-tier revisions registered) until a

@@ -98,7 +98,7 @@ class RedisStore:
         """Write the route table if its models, base model or staging pods changed; True when written."""
         old = self.routes.get(pool)
         staging = sorted(staging_pods)
-        if old is not None and old.models == dict(models) and old.base_model == base_model and old.staging_pods == staging:
+        if old is not None and (old.models, old.base_model, old.staging_pods) == (dict(models), base_model, staging):
             return False
         table = RouteTable(pool=pool, generation=(old.generation + 1) if old else 1, base_model=base_model,
                            models=dict(sorted(models.items())), staging_pods=staging, updated_at=self.clock(),
