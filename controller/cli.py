@@ -14,73 +14,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
-import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from prometheus_client import start_http_server
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from loraplane.controller.config import FileConfig, load_config
 from loraplane.controller.kube import KubeApi
 from loraplane.controller.leader import LeaseConfig, LeaseElector
 from loraplane.controller.manager import Controller, ControllerConfig
 from loraplane.controller.metrics import ControllerMetrics
-from loraplane.controller.placement import PlacementConfig, TenantBudget
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.store import RedisStore
 from loraplane.credentials import async_redis, secret
 from loraplane.helptext import HelpFormatter
 
 log = logging.getLogger("loraplane.controller")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-class PlacementSettings(_Strict):
-    """``placement:`` in the config file (see docs/controller.md for the meaning of each)."""
-
-    replica_rate: float = Field(default=PlacementConfig.replica_rate, gt=0, alias="replicaRate")
-    stickiness: float = Field(default=PlacementConfig.stickiness, ge=0)
-    burst_ratio: float = Field(default=PlacementConfig.burst_ratio, gt=1, alias="burstRatio")
-    burst_min_rate: float = Field(default=PlacementConfig.burst_min_rate, ge=0, alias="burstMinRate")
-    burst_slots_per_pod: int = Field(default=PlacementConfig.burst_slots_per_pod, ge=0, alias="burstSlotsPerPod")
-    gold_weight: float = Field(default=PlacementConfig.gold_weight, gt=0, alias="goldWeight")
-    sheddable_weight: float = Field(default=PlacementConfig.sheddable_weight, gt=0, alias="sheddableWeight")
-    gpu_min_rate: float = Field(default=PlacementConfig.gpu_min_rate, ge=0, alias="gpuMinRate")
-    gold_min_replicas: int = Field(default=PlacementConfig.gold_min_replicas, ge=1, alias="goldMinReplicas")
-    balance_ratio: float = Field(default=PlacementConfig.balance_ratio, ge=1, alias="balanceRatio")
-    host_copies: int = Field(default=PlacementConfig.host_copies, ge=0, alias="hostCopies")
-    staging_share: float = Field(default=PlacementConfig.staging_share, ge=0, le=1, alias="stagingShare")
-
-
-class BudgetSettings(_Strict):
-    gpu_bytes: int | None = Field(default=None, ge=0, alias="gpuBytes")
-    cpu_bytes: int | None = Field(default=None, ge=0, alias="cpuBytes")
-
-
-class FileConfig(_Strict):
-    """The controller's YAML config file."""
-
-    placement: PlacementSettings = Field(default_factory=PlacementSettings)
-    tenant_budgets: dict[str, BudgetSettings] = Field(default_factory=dict, alias="tenantBudgets")
-
-    def placement_config(self) -> PlacementConfig:
-        return PlacementConfig(**self.placement.model_dump())
-
-    def budgets(self) -> dict[str, TenantBudget]:
-        return {t: TenantBudget(b.gpu_bytes, b.cpu_bytes) for t, b in self.tenant_budgets.items()}
-
-
-def load_config(path: Path | None) -> FileConfig:
-    """Parse the config file (an empty config without one); ValueError with the reason when it is invalid."""
-    if path is None:
-        return FileConfig()
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-        return FileConfig.model_validate(data)
-    except (OSError, yaml.YAMLError, ValidationError) as exc:
-        raise ValueError(f"config file {path}: {exc}") from exc
 
 
 #: Bearer token of the runtimes' inference API, for health probes of runtimes that require one (vLLM's --api-key).

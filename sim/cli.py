@@ -11,7 +11,7 @@ import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from loraplane.controller.cli import load_config
+from loraplane.controller.config import load_config
 from loraplane.helptext import HelpFormatter
 from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.cluster import SimConfig

@@ -20,7 +20,7 @@ from kubernetes_validate import utils as kv_utils
 from referencing import Registry, Resource
 
 from loraplane.api import crd
-from loraplane.controller.cli import load_config
+from loraplane.controller.config import load_config
 from loraplane.picker.scheduler import EndpointPickerConfig
 from tests.charts.conftest import CHART, NAMESPACE, RELEASE, Rendered, RenderFn, helm_template, name_of
 from tests.charts.custom_kinds import CUSTOM_KINDS, validate_custom

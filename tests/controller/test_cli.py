@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from loraplane.controller.cli import load_config, main
+from loraplane.controller.cli import main
+from loraplane.controller.config import load_config
 from loraplane.controller.placement import PlacementConfig, TenantBudget
 
 
