@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import orjson
 from rich.console import Console
@@ -14,13 +16,14 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from loraplane.controller.config import load_config
 from loraplane.helptext import HelpFormatter
 from loraplane.sim.admission import FlowControlConfig
+from loraplane.sim.azure import AzureOptions
 from loraplane.sim.cluster import SimConfig
 from loraplane.sim.metrics import DEFAULT_SLO_TTFT_MS
 from loraplane.sim.policies import POLICY_NAMES
 from loraplane.sim.profile import LARGE_GPU, PROFILES, ProfileError, load_profile
 from loraplane.sim.report import plot, print_table, without_curves
 from loraplane.sim.runner import Job, run_all
-from loraplane.sim.trace import SCENARIOS, TraceError, load_csv, scenario
+from loraplane.sim.trace import AZURE_SCENARIOS, DEFAULT_REQUESTS, SCENARIOS, TraceError, load_csv, scenario
 
 #: traces at least this long get a progress bar (on a terminal)
 PROGRESS_MIN_REQUESTS = 20_000
@@ -41,6 +44,45 @@ def _positive(text: str) -> int:
     return value
 
 
+def _above_zero(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (got {text})")
+    return value
+
+
+def _at_least_zero(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (got {text})")
+    return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (got {text})")
+    return value
+
+
+#: the options of the Azure scenarios: flag -> (AzureOptions field, type, metavar, help)
+AZURE_FLAGS: dict[str, tuple[str, Callable[[str], Any], str, str]] = {
+    "--compress": ("compress", _above_zero, "X", "time compression: arrival times are divided by this (2: twice the request rate)"),
+    "--adapters": ("adapters", _positive, "N", "adapters the requests are assigned to"),
+    "--zipf": ("zipf", _at_least_zero, "S", "Zipf skew of each family's popularity ranking (0: uniform)"),
+    "--locality": ("locality", _share, "P", "temporal locality: probability that a request reuses the adapter of one of "
+                   "its service's last --locality-window requests (else a fresh Zipf draw)"),
+    "--locality-window": ("locality_window", _positive, "K", "how many of its service's latest requests --locality "
+                          "reuses from"),
+    "--families": ("families", _positive, "F", "adapter families, each with its own popularity ranking (azure-merged: at "
+                   "least 2; even families serve the conversation service, odd ones code) (default: one per service)"),
+    "--tenants": ("tenants", _positive, "N", "tenants owning the adapters (adapter i: tenant i mod N) (default: one per 10 "
+                  "adapters)"),
+    "--gold-share": ("gold_share", _share, "SHARE", "share of the tenants that are gold (priority 1)"),
+    "--sheddable-share": ("sheddable_share", _share, "SHARE", "share of the tenants that are sheddable (priority -1)"),
+}  # fmt: skip
+
+
 def _scale(text: str) -> float:
     value = float(text)
     if not 0 < value <= 16:
@@ -54,12 +96,15 @@ def parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--scenario", choices=list(SCENARIOS), default="hot-plus-burst", help="generated trace")
     source.add_argument("--trace", type=Path, help="a recorded trace (CSV: timestamp, adapter, tenant, "
-                        "input_tokens, output_tokens[, tenant_class][, prefix_group, prefix_tokens, session]: the "
-                        "optional prefix columns name a shared-prefix group with its prompt tokens and a multi-turn "
-                        "session; with them the pods model prefix caches)")  # fmt: skip
+                        "input_tokens, output_tokens[, tenant_class][, priority][, prefix_group, prefix_tokens, session]: "
+                        "priority is the tenant's (an integer, the same on every row of a tenant; without the column "
+                        "0); the optional prefix columns name a shared-prefix group with its prompt tokens and a "
+                        "multi-turn session; with them the pods model prefix caches)")  # fmt: skip
     p.add_argument("--policies", type=_policies, default=POLICY_NAMES, help=f"comma-separated: {', '.join(POLICY_NAMES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated trace and the policies")
-    p.add_argument("--requests", type=_positive, default=200_000, help="requests a scenario generates")
+    p.add_argument("--requests", type=_positive,
+                   help=f"requests a scenario generates (default: {DEFAULT_REQUESTS:,}; the azure-* scenarios: the "
+                   "whole trace, and N takes its first N requests)")  # fmt: skip
     p.add_argument("--pods", type=_positive, default=8, help="model-server pods in the pool")
     p.add_argument("--pods-scale", type=_scale, default=1.0,
                    help="multiply --pods by this (rounded, at least 1): 0.5 runs a scenario at half the pods")  # fmt: skip
@@ -84,14 +129,39 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write ttft_cdf.png and cold_starts.png into DIR")
     p.add_argument("--save-trace", type=Path, metavar="CSV", help="also write the generated trace as CSV")
+    azure = p.add_argument_group(
+        "real-arrival scenarios", f"{', '.join(AZURE_SCENARIOS)}: Azure's LLM inference trace 2023 (CC-BY 4.0; "
+        'Patel et al., "Splitwise", ISCA 2024) with its real arrival times and token counts; adapters and tenants '
+        "are assigned by a seeded model (docs/sim.md). These options apply to them only.",
+    )  # fmt: skip
+    defaults = AzureOptions()
+    for flag, (field, kind, metavar, text) in AZURE_FLAGS.items():
+        default = getattr(defaults, field)
+        shown = "" if default is None or "default" in text else f" (default: {default:g})"
+        azure.add_argument(flag, type=kind, metavar=metavar, help=text + shown)
     return p
+
+
+def azure_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> AzureOptions | None:
+    """The Azure options given on the command line (None: none given); exits 2 when they are given with another
+    source."""
+    given = {f: getattr(args, f) for f, *_ in AZURE_FLAGS.values() if getattr(args, f) is not None}
+    if not given:
+        return None
+    if args.trace is not None or args.scenario not in AZURE_SCENARIOS:
+        flags = [flag for flag, (field, *_) in AZURE_FLAGS.items() if field in given]
+        source = f"--trace {args.trace}" if args.trace is not None else f"--scenario {args.scenario}"
+        p.error(f"{', '.join(flags)} apply to the scenarios {', '.join(AZURE_SCENARIOS)} only, not to {source}")
+    return AzureOptions(**given)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``loraplane sim``."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     err = Console(stderr=True)
     try:
+        options = azure_options(p, args)
         profile = load_profile(args.profile)
         pods = max(1, round(args.pods * args.pods_scale))
         placement = load_config(args.controller_config).placement_config()
@@ -99,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.trace is not None:
             trace = load_csv(args.trace, profile.default_adapter_bytes)
         else:
-            trace = scenario(args.scenario, args.requests, args.seed, profile.default_adapter_bytes)
+            trace = scenario(args.scenario, args.requests, args.seed, profile.default_adapter_bytes, options)
     except (ProfileError, TraceError, ValueError) as exc:
         err.print(f"loraplane sim: {exc}", markup=False)
         return 2

@@ -197,7 +197,7 @@ def run_all(
         if job.no_burst:
             report_policies[job.policy]["hot_ttft_p99_no_burst_ms"] = results[i]["hot_ttft_p99_ms"]
             report_policies[job.policy]["cpu_s"] += results[i]["cpu_s"]
-    return {
+    report: dict[str, Any] = {
         "scenario": trace.name,
         "requests": len(trace),
         "seed": seed,
@@ -216,3 +216,6 @@ def run_all(
         "policies": report_policies,
         "wall_s": round(time.monotonic() - started, 1),
     }
+    if trace.meta:  # how the trace was made (the Azure scenarios' options, clipping and source)
+        report["trace_options"] = dict(trace.meta)
+    return report

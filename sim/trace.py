@@ -12,10 +12,14 @@ import io
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from loraplane.api import served_name
+
+if TYPE_CHECKING:
+    from loraplane.sim.azure import AzureOptions
 
 #: the tenant class whose traffic is the sweep of cold adapters; every other class counts as "hot" (online)
 BURST = "burst"
@@ -114,7 +118,10 @@ class Trace:
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         prefix = self._prefix_fields()
-        writer.writerow([*CSV_COLUMNS, "tenant_class", *(PREFIX_COLUMNS if prefix else ())])
+        with_priority = any(t.priority != 0 for t in self.tenants)
+        writer.writerow(
+            [*CSV_COLUMNS, "tenant_class", *((PRIORITY_COLUMN,) if with_priority else ()), *(PREFIX_COLUMNS if prefix else ())]
+        )
         for i in range(len(self)):
             tenant = self.tenants[self.tenant[i]]
             row = [
@@ -125,6 +132,8 @@ class Trace:
                 self.output_tokens[i],
                 tenant.cls,
             ]
+            if with_priority:
+                row.append(tenant.priority)
             if prefix:
                 group, session = prefix["prefix_group"][i], prefix["session"][i]
                 row += [f"g{group}" if group >= 0 else "", prefix["prefix_tokens"][i], f"s{session}" if session >= 0 else ""]
@@ -133,6 +142,9 @@ class Trace:
 
 
 CSV_COLUMNS = ["timestamp", "adapter", "tenant", "input_tokens", "output_tokens"]
+#: optional: the request's tenant's priority (an integer, higher is more important; every row of a tenant the same;
+#: without the column every tenant has priority 0)
+PRIORITY_COLUMN = "priority"
 #: optional: a request's prefix group (any name; empty: none), the prompt tokens the group shares, its session
 PREFIX_COLUMNS = ["prefix_group", "prefix_tokens", "session"]
 
@@ -144,6 +156,8 @@ class TraceError(ValueError):
 def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trace:
     """Read a recorded trace: a header with ``timestamp, adapter, tenant, input_tokens, output_tokens``
     (optionally ``tenant_class``), one request per row. Timestamps are seconds (any origin; rows may be unsorted).
+    An optional ``priority`` column gives the row's tenant's priority (an integer; empty: 0), the same on every row
+    of a tenant; without it every tenant has priority 0.
 
     Optional prefix columns (any of them makes the trace one with prefix structure): ``prefix_group`` (a name;
     empty: none) with ``prefix_tokens`` (the prompt tokens every request of the group starts with, at most
@@ -163,6 +177,9 @@ def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trac
     adapters: dict[str, int] = {}
     adapter_list: list[Adapter] = []
     with_prefixes = any(c in header for c in PREFIX_COLUMNS)
+    with_priority = PRIORITY_COLUMN in header
+    #: per tenant, the line that set its priority
+    priority_line: dict[str, int] = {}
     groups: dict[str, int] = {}
     sessions: dict[str, int] = {}
     rows: list[tuple[float, int, int, int, int, int, int, int]] = []
@@ -180,9 +197,16 @@ def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trac
         adapter_name, tenant_name = (row["adapter"] or "").strip(), (row["tenant"] or "").strip()
         if not adapter_name or not tenant_name:
             raise TraceError(f"{path}:{line}: empty adapter or tenant")
+        priority = _priority_cell(row, path, line) if with_priority else 0
         if tenant_name not in tenants:
             tenants[tenant_name] = len(tenant_list)
-            tenant_list.append(Tenant(tenant_name, (row.get("tenant_class") or HOT).strip()))
+            tenant_list.append(Tenant(tenant_name, (row.get("tenant_class") or HOT).strip(), priority))
+            priority_line[tenant_name] = line
+        elif priority != tenant_list[tenants[tenant_name]].priority:
+            raise TraceError(
+                f"{path}:{line}: tenant {tenant_name!r} has priority {priority} here but "
+                f"{tenant_list[tenants[tenant_name]].priority} on line {priority_line[tenant_name]} (a tenant has one priority)"
+            )
         if adapter_name not in adapters:
             adapters[adapter_name] = len(adapter_list)
             adapter_list.append(Adapter(adapter_name, tenants[tenant_name], adapter_bytes))
@@ -207,6 +231,15 @@ def load_csv(path: Path, adapter_bytes: int, max_rows: int = 10_000_000) -> Trac
         prefix_tokens=[r[6] for r in rows] if with_prefixes else None,
         session=[r[7] for r in rows] if with_prefixes else None,
     )
+
+
+def _priority_cell(row: dict[str, str], path: Path, line: int) -> int:
+    """A CSV row's ``priority`` (empty: 0)."""
+    text = (row.get(PRIORITY_COLUMN) or "").strip()
+    try:
+        return int(text) if text else 0
+    except ValueError:
+        raise TraceError(f"{path}:{line}: priority must be an integer (got {text!r})") from None
 
 
 def _prefix_cells(row: dict[str, str], n_in: int, groups: dict[str, int], sessions: dict[str, int]) -> tuple[int, int, int]:
@@ -490,6 +523,23 @@ def rates_trace(rates: dict[str, float], nbytes: dict[str, int], requests: int, 
     return _assemble("planned-traffic", tenants, adapters, [(times, chosen)], rng, Lengths())
 
 
+#: the real-arrival scenarios (``loraplane.sim.azure``): their requests default to the whole trace, and they take
+#: ``AzureOptions``
+AZURE_SCENARIOS = ("azure-conv", "azure-code", "azure-merged")
+#: requests a generated (synthetic) scenario has unless asked otherwise
+DEFAULT_REQUESTS = 200_000
+
+
+def _azure(name: str) -> Callable[[int, int, int], Trace]:
+    def build(requests: int, seed: int, adapter_bytes: int) -> Trace:
+        from loraplane.sim.azure import azure_trace  # azure imports this module
+
+        return azure_trace(name, requests, seed, adapter_bytes)
+
+    build.__doc__ = f"{name} with the default AzureOptions (loraplane.sim.azure)"
+    return build
+
+
 SCENARIOS: dict[str, Callable[[int, int, int], Trace]] = {
     "gie-multilora": gie_multilora,
     "hot-plus-burst": hot_plus_burst,
@@ -498,13 +548,24 @@ SCENARIOS: dict[str, Callable[[int, int, int], Trace]] = {
     "zipf-many": zipf_many,
     "diurnal-peak": diurnal_peak,
     "prefix-chat": prefix_chat,
+    **{name: _azure(name) for name in AZURE_SCENARIOS},
 }
 
 
-def scenario(name: str, requests: int, seed: int, adapter_bytes: int) -> Trace:
-    """Generate the named scenario."""
+def scenario(
+    name: str, requests: int | None, seed: int, adapter_bytes: int, options: AzureOptions | None = None
+) -> Trace:
+    """Generate the named scenario: ``requests`` requests (None: ``DEFAULT_REQUESTS``, or an Azure scenario's whole
+    trace; for those a number takes the first ``requests`` of the trace). ``options`` apply to the Azure scenarios
+    only."""
     if name not in SCENARIOS:
         raise TraceError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
-    if requests < 1:
+    if requests is not None and requests < 1:
         raise TraceError("requests must be >= 1")
-    return SCENARIOS[name](requests, seed, adapter_bytes)
+    if name in AZURE_SCENARIOS:
+        from loraplane.sim.azure import azure_trace
+
+        return azure_trace(name, requests, seed, adapter_bytes, options)
+    if options is not None:
+        raise TraceError(f"the Azure options apply to {', '.join(AZURE_SCENARIOS)} only, not to {name}")
+    return SCENARIOS[name](DEFAULT_REQUESTS if requests is None else requests, seed, adapter_bytes)
