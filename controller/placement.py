@@ -444,25 +444,38 @@ class _Planner:
                 self.gold_load[pod] += share
 
     # -- steps ---------------------------------------------------------------------------------------------------
-    def place_required(self) -> None:
+    def required_order(self) -> list[tuple[_Entry, str, Tier]]:
+        """Every rollout requirement, those the previous plan already met first (a canary keeps the slot it holds:
+        a newcomer never takes it from under a gate in progress, e.g. between an activation and its probe), then
+        the others, each group in demand order."""
+        held: list[tuple[_Entry, str, Tier]] = []
+        new: list[tuple[_Entry, str, Tier]] = []
         for e in self.entries.values():
             for pod, tier in sorted(e.demand.required.items()):
                 if pod not in self.pool.caps or tier is Tier.ABSENT:
                     continue
-                if tier is Tier.GPU:
-                    if not self.pool.fits(pod, Tier.GPU, e.demand.bytes):
-                        self.evict_for(e, pod, ignore_value=True)
-                    if self.pool.fits(pod, Tier.GPU, e.demand.bytes):
-                        self.add_gpu(e, pod)
-                        e.forced_gpu.add(pod)
-                    else:
-                        self.notes[e.demand.served_name] = f"pod {pod} has no GPU room for a required replica"
-                elif self.pool.fits(pod, tier, e.demand.bytes):
-                    self.pool.put(pod, e.demand.served_name, tier, e.demand.bytes)
-                    self.charge(e, tier, +1)
-                else:
-                    self.pool.put(pod, e.demand.served_name, Tier.DISK, e.demand.bytes)
-                    self.notes[e.demand.served_name] = f"pod {pod} has no {tier.value} room for a required replica"
+                before = self.previous.get(pod, {}).get(e.demand.served_name)
+                (held if before is not None and before.level <= tier.level else new).append((e, pod, tier))
+        return held + new
+
+    def place_required(self) -> None:
+        for e, pod, tier in self.required_order():
+            name = e.demand.served_name
+            if tier is Tier.GPU:
+                if not self.pool.fits(pod, Tier.GPU, e.demand.bytes):
+                    self.evict_for(e, pod, ignore_value=True)
+                if self.pool.fits(pod, Tier.GPU, e.demand.bytes):
+                    self.add_gpu(e, pod)
+                    e.forced_gpu.add(pod)
+                    continue
+                self.notes[name] = f"pod {pod} has no GPU room for a required replica"
+                # one tier lower, as a sidecar clips it: the canary pod keeps the revision (never a 404 there)
+                tier = Tier.CPU if self.pool.fits(pod, Tier.CPU, e.demand.bytes) else Tier.DISK
+            elif not self.pool.fits(pod, tier, e.demand.bytes):
+                self.notes[name] = f"pod {pod} has no {tier.value} room for a required replica"
+                tier = Tier.DISK
+            self.pool.put(pod, name, tier, e.demand.bytes)
+            self.charge(e, tier, +1)
 
     def hot_order(self) -> list[_Entry]:
         return sorted(

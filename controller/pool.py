@@ -38,6 +38,7 @@ from loraplane.controller.placement import (
     place,
 )
 from loraplane.controller.rollout import (
+    ROLLOUT_PHASES,
     AdapterPlan,
     AdapterReconcile,
     Event,
@@ -127,10 +128,16 @@ def _observation(inputs: PoolInputs) -> Observation:
             base_model_digest=r.base_model_digest,
             max_lora_rank=r.max_lora_rank,
             adapters=r.by_name(),
+            gpu_slots=r.load.max_gpu_slots,
         )
         for r in inputs.reports
     ]
     return Observation(now=inputs.now, pods=pods, counters=summed_counters(inputs.counters), probes=inputs.probes)
+
+
+def _waiting_since(revisions: Sequence[AdapterRevision], now: datetime) -> datetime:
+    """Since when the adapter's rollout waits in its phase (``now`` when none is rolling out)."""
+    return min((r.status.phase_since or now for r in revisions if r.status.phase in ROLLOUT_PHASES), default=now)
 
 
 def _reported_bytes(reports: Sequence[ResidencyReport]) -> dict[str, int]:
@@ -188,8 +195,12 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     groups: dict[tuple[str, str], list[AdapterRevision]] = defaultdict(list)
     for rev in inputs.revisions:
         groups[(rev.metadata.namespace or "default", rev.spec.adapter)].append(rev)
+    observation.hold_gpu_slots(inputs.revisions)  # every canary's GPU slot, before any adapter is admitted
     reconciles = {key: AdapterReconcile(revs, observation) for key, revs in sorted(groups.items())}
-    adapters = {key: r.decide() for key, r in reconciles.items()}
+    # the longest-waiting rollout first: admission into Activating (free canary GPU slots) is first come, first served
+    adapters = {key: reconciles[key].decide()
+                for key in sorted(reconciles, key=lambda k: (_waiting_since(groups[k], inputs.now), k))}
+    adapters = {key: adapters[key] for key in reconciles}
 
     rates = _rates_by_adapter(inputs.rates, inputs.revisions)
     sizes = _reported_bytes(inputs.reports)

@@ -54,6 +54,8 @@ GATE_CONDITIONS = {
 }
 #: The tier the canary pods must report (digest matching) for a gate to pass.
 _GATE_TIERS = {Phase.VERIFYING: Tier.DISK, Phase.PREWARMING: Tier.CPU, Phase.ACTIVATING: Tier.GPU}
+#: Phases whose revision holds a GPU slot on each of its canary pods (admitted at the end of Prewarming).
+SLOT_PHASES = (Phase.ACTIVATING, Phase.PROBING, Phase.CANARY)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class PodObservation:
     base_model_digest: str | None = None
     max_lora_rank: int | None = None
     adapters: Mapping[str, AdapterResidency] = field(default_factory=dict)
+    #: GPU adapter slots of its runtime (``PodLoad.max_gpu_slots``); None: not bounded (admission off)
+    gpu_slots: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,9 @@ class Observation:
     _compatible: dict[tuple[str, int], tuple[list[PodObservation], str]] = field(
         default_factory=dict, compare=False, repr=False)
     _held: dict[str, list[AdapterResidency]] = field(default_factory=dict, compare=False, repr=False)
+    #: pod -> served names of the revisions holding a canary GPU slot there (``hold_gpu_slots``, ``admit``)
+    _slot_holders: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
+    _slots_counted: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def held(self, served_name: str) -> list[AdapterResidency]:
         """What the pods report of ``served_name`` (one entry per pod that holds it at any tier), indexed once."""
@@ -106,6 +113,33 @@ class Observation:
         if key not in self._compatible:
             self._compatible[key] = compatible_pods(rev, self.pods)
         return self._compatible[key]
+
+    # -- canary GPU slots: admission into Activating -------------------------------------------------------------
+    def hold_gpu_slots(self, revisions: Sequence[AdapterRevision]) -> None:
+        """Count the canary GPU slots ``revisions`` hold as their persisted status says (each revision once: the
+        pool's reconcile counts every revision before any adapter decides)."""
+        for rev in revisions:
+            if rev.served_name in self._slots_counted:
+                continue
+            self._slots_counted.add(rev.served_name)
+            if rev.status.phase in SLOT_PHASES and rev.metadata.deletion_timestamp is None:
+                for pod in canary_pods(rev, self.compatible(rev)[0]):
+                    self._slot_holders.setdefault(pod.name, set()).add(rev.served_name)
+
+    def full_pods(self, served_name: str, pods: Sequence[PodObservation]) -> list[PodObservation]:
+        """Those of ``pods`` whose GPU slots are all held by other revisions' canaries."""
+        return [p for p in pods if p.gpu_slots is not None
+                and len(self._slot_holders.get(p.name, set()) - {served_name}) >= p.gpu_slots]
+
+    def admit(self, served_name: str, pods: Sequence[PodObservation]) -> None:
+        """``served_name`` holds a canary GPU slot on each of ``pods`` from now on."""
+        for pod in pods:
+            self._slot_holders.setdefault(pod.name, set()).add(served_name)
+
+    def release(self, served_name: str) -> None:
+        """``served_name`` holds no canary GPU slot any more (it left Activating, Probing and Canary)."""
+        for holders in self._slot_holders.values():
+            holders.discard(served_name)
 
 
 @dataclass(frozen=True)
@@ -269,6 +303,7 @@ class AdapterReconcile:
         self.incompatible: dict[str, str] = {}
         for r in self.revs:
             self.eligible[r.metadata.name], self.incompatible[r.metadata.name] = obs.compatible(r)
+        obs.hold_gpu_slots(self.revs)
 
     # -- transitions ---------------------------------------------------------------------------------------------
     def phase(self, rev: AdapterRevision) -> Phase:
@@ -276,6 +311,8 @@ class AdapterReconcile:
 
     def move(self, rev: AdapterRevision, phase: Phase, reason: str, message: str, *, step: int | None = None) -> None:
         st = self.status[rev.metadata.name]
+        if st.phase in SLOT_PHASES and phase not in SLOT_PHASES:
+            self.obs.release(rev.served_name)
         st.phase, st.canary_step, st.phase_since = phase, step, self.obs.now
         st.reason, st.message = reason, message
         warning = phase in (Phase.FAILED, Phase.ROLLED_BACK)
@@ -316,6 +353,9 @@ class AdapterReconcile:
         phase = self.phase(rev)
         if phase is Phase.PENDING:
             return self.gate_compatible(rev)
+        if phase is Phase.PREWARMING:
+            verdict = self.gate_residency(rev, Tier.CPU)
+            return self.gate_gpu_slot(rev, verdict) if verdict.kind == "advance" else verdict
         if phase in _GATE_TIERS:
             return self.gate_residency(rev, _GATE_TIERS[phase])
         if phase is Phase.PROBING:
@@ -350,6 +390,20 @@ class AdapterReconcile:
             return _wait(f"WaitingFor{tier.value.capitalize()}Residency",
                          f"canary pods not yet at {tier.value} with digest verified: {', '.join(waiting)}")
         return _advance(f"canary pods hold {rev.served_name} at {tier.value} with digest {rev.spec.artifact.digest}")
+
+    def gate_gpu_slot(self, rev: AdapterRevision, prewarmed: _Verdict) -> _Verdict:
+        """Admission into Activating: each canary pod has a GPU slot no other revision's canary holds (revisions
+        between Activating and Canary hold theirs until they leave those phases), so placement never takes a
+        canary's slot for another canary (which would unload it before its probe). Revisions wait in line, the
+        longest-waiting first (``plan_pool`` decides adapters in that order)."""
+        pods = canary_pods(rev, self.eligible[rev.metadata.name])
+        full = self.obs.full_pods(rev.served_name, pods)
+        if full:
+            shown = ", ".join(f"{p.name} ({p.gpu_slots} of {p.gpu_slots})" for p in full)
+            return _wait("WaitingForGpuSlot", f"prewarmed; canary GPU slots all held by other revisions' canaries "
+                                              f"on {shown}")
+        self.obs.admit(rev.served_name, pods)
+        return prewarmed
 
     def gate_probe(self, rev: AdapterRevision) -> _Verdict:
         since = self.status[rev.metadata.name].phase_since

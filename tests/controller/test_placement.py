@@ -154,6 +154,20 @@ def test_required_placements_override_rates_and_eligibility_is_respected() -> No
     assert plan.tiers_of("hot@v1")["pod-0"] is Tier.CPU
 
 
+def test_a_canary_keeps_the_gpu_slot_it_holds_against_a_newer_requirement() -> None:
+    """Two canaries require the one GPU slot of a pod: the one the previous plan put there keeps it (between its
+    activation and its probe), whatever the demand order; the newcomer stays on the pod one tier lower."""
+    pods = _pods(1, gpu=1, cpu=2)
+    config = PlacementConfig(burst_slots_per_pod=0)
+    holder = _demand("b@v1", 0.0, required={"pod-0": Tier.GPU}, warm_policy=WarmPolicy.ON_DEMAND, min_replicas=0)
+    before = place(pods, [holder], config=config)
+    assert before.pods["pod-0"] == {"b@v1": Tier.GPU}
+    newcomer = _demand("a@v1", 0.0, required={"pod-0": Tier.GPU}, warm_policy=WarmPolicy.ON_DEMAND, min_replicas=0)
+    after = place(pods, [newcomer, holder], previous=before, config=config)  # the newcomer comes first
+    assert after.pods["pod-0"] == {"b@v1": Tier.GPU, "a@v1": Tier.CPU}
+    assert after.notes == {"a@v1": "pod pod-0 has no GPU room for a required replica"}
+
+
 def test_burst_is_detected_from_the_windows() -> None:
     config = PlacementConfig()
     assert is_burst(Rates(m5=5.0, h1=0.1, h24=0.01), config)
