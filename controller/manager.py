@@ -82,6 +82,12 @@ def _namespace(obj: dict[str, Any]) -> str:
     return obj.get("metadata", {}).get("namespace") or "default"
 
 
+def _phase_label(status: AdapterRevisionStatus) -> str:
+    """``Canary step 2``, ``Stable`` ... as people read a status."""
+    step = f" step {status.canary_step + 1}" if status.phase.value == "Canary" and status.canary_step is not None else ""
+    return f"{status.phase.value}{step}"
+
+
 class Controller:
     """Reconciles every pool, one work item per pool, while this replica holds the lease."""
 
@@ -121,6 +127,9 @@ class Controller:
         self._parsed: dict[Key, tuple[str, AdapterRevision | str]] = {}
         #: pool -> its terminal error (not retried by the resync; any change of its objects clears it)
         self.terminal: dict[str, TerminalError] = {}
+        #: revision -> (uid, the status this replica last wrote or confirmed): the status the state machine goes on
+        #: from. One found changed by someone else is not trusted (see ``_trusted``); forgotten on losing the lead.
+        self.written: dict[Key, tuple[str, AdapterRevisionStatus]] = {}
         #: completed pool reconciles (for tests and metrics)
         self.reconciles = 0
         if elector is not None:
@@ -167,6 +176,7 @@ class Controller:
         pool = None if kind == "DELETED" else _pool_of(obj)
         if kind == "DELETED":
             self._parsed.pop(key, None)
+            self.written.pop(key, None)
         old = self._index(key, pool)
         for concerned in {p for p in (old, pool) if p is not None}:
             self.enqueue(concerned)
@@ -276,6 +286,7 @@ class Controller:
         if leader and not self._was_leader:
             self.store.targets.clear()  # another replica may have written meanwhile: read back from Redis
             self.store.routes.clear()
+            self.written.clear()  # ... and the statuses: the last leader's are the record now
         self._was_leader = leader
         return leader
 
@@ -329,12 +340,20 @@ class Controller:
         started = time.perf_counter()
         revisions: list[tuple[dict[str, Any], AdapterRevision]] = []
         invalid: list[tuple[dict[str, Any], str]] = []
+        stored: dict[Key, AdapterRevisionStatus] = {}
+        overwritten: list[tuple[dict[str, Any], Event]] = []
         for obj in self._revision_objects(pool):
             parsed = self._parse(obj)
             if isinstance(parsed, str):
                 invalid.append((obj, parsed))
-            else:
-                revisions.append((obj, parsed))
+                continue
+            stored[object_key(obj)] = parsed.status
+            trusted, event = self._trusted(obj, parsed)
+            revisions.append((obj, trusted))
+            if event is not None:
+                overwritten.append((obj, event))
+        if overwritten:
+            self._record_events(overwritten)
         for obj, why in invalid:  # terminal for that object only: recorded, and the rest of the pool goes on
             await self._record_terminal([obj], "InvalidSpec", why)
         live = {rev.served_name for _, rev in revisions}
@@ -343,13 +362,32 @@ class Controller:
         now = self.wall_clock()
         plan = await self._plan(pool, [rev for _, rev in revisions], now)
         if plan is not None:
-            await self._write(pool, plan, {object_key(o): o for o, _ in revisions}, revisions)
+            await self._write(pool, plan, {object_key(o): o for o, _ in revisions}, revisions, stored)
         self.reconciles += 1
         if self.metrics:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
         if plan is None or plan.next_due is None:
             return None
         return max(0.0, plan.next_due.timestamp() - self.wall_clock())
+
+    def _trusted(self, obj: dict[str, Any], rev: AdapterRevision) -> tuple[AdapterRevision, Event | None]:
+        """The revision with the status the state machine may go on from: the one this replica last wrote (or
+        confirmed) when the stored one differs from it, for nobody else writes a revision's status; a status patched
+        by someone else (``phase: Stable`` during a canary) is never acted on, and the reconcile writes the record
+        back. With no record (a new leader's first pass) the stored status is the last leader's: taken as is."""
+        key, uid = object_key(obj), str(obj["metadata"].get("uid", ""))
+        record = self.written.get(key)
+        if record is None or record[0] != uid or record[1] == rev.status:
+            return rev, None
+        ours = record[1]
+        log.warning("%s/%s: status changed by another writer (phase %s, ours %s); restoring ours", key[0] or "default",
+                    key[1], rev.status.phase.value, ours.phase.value)
+        if self.metrics:
+            self.metrics.status_repairs.inc()
+        event = Event(rev.metadata.name, "Warning", "StatusOverwritten",
+                      f"status (phase {_phase_label(rev.status)}) was not written by the controller; restored "
+                      f"{_phase_label(ours)}: phases change only through the rollout's gates")
+        return rev.model_copy(update={"status": ours}), event
 
     async def _plan(self, pool: str, revisions: list[AdapterRevision], now: float) -> PoolPlan | None:
         readings = await self.store.read(pool)
@@ -374,7 +412,8 @@ class Controller:
         return plan if self.is_leader() else None
 
     async def _write(self, pool: str, plan: PoolPlan, objects: dict[Key, dict[str, Any]],
-                     revisions: list[tuple[dict[str, Any], AdapterRevision]]) -> None:
+                     revisions: list[tuple[dict[str, Any], AdapterRevision]],
+                     stored: dict[Key, AdapterRevisionStatus]) -> None:
         writes_before, repairs_before = self.store.writes, self.store.repairs
         await self.store.repair(pool)  # what Redis lost or someone overwrote since the last pass comes back first
         # routes first: a revision leaves the route before any pod unloads it; one only enters it once warm
@@ -384,7 +423,6 @@ class Controller:
         if self.metrics:
             self.metrics.redis_writes.inc(self.store.writes - writes_before)
             self.metrics.redis_repairs.inc(self.store.repairs - repairs_before)
-        stored = {object_key(o): rev.status for o, rev in revisions}
         # one object's writes stay in order; different objects' go out side by side (each call blocks a thread)
         await asyncio.gather(*(self._write_back(objects[key], rp.status, finalize=rp.finalize, stored=stored[key])
                                for key, rp in plan.revisions.items()))
@@ -402,7 +440,9 @@ class Controller:
                 stored = AdapterRevisionStatus.model_validate(obj.get("status") or {})
             except ValidationError:
                 stored = AdapterRevisionStatus()
-            status = stored.model_copy(update={"conditions": list(stored.conditions)})
+            record = self.written.get(object_key(obj))
+            base = record[1] if record is not None and record[0] == str(obj["metadata"].get("uid", "")) else stored
+            status = base.model_copy(update={"conditions": list(base.conditions)})
             generation = obj.get("metadata", {}).get("generation")
             record_terminal_error(status, reason, message, datetime.fromtimestamp(self.wall_clock(), UTC),
                                   generation if isinstance(generation, int) else None)
@@ -413,6 +453,7 @@ class Controller:
         """Patch the status when it differs from ``stored`` (the object's, parsed); add our finalizer, or remove it
         once the revision is unloaded."""
         informer = self.informers["revisions"]
+        key, uid = object_key(obj), str(obj["metadata"].get("uid", ""))
         try:
             if stored != status and obj["metadata"].get("deletionTimestamp") is None:
                 obj = await self.kube.patch_status(_namespace(obj), obj["metadata"]["name"],
@@ -420,6 +461,8 @@ class Controller:
                 informer.remember(obj)
                 if self.metrics:
                     self.metrics.status_patches.inc()
+            if obj["metadata"].get("deletionTimestamp") is None:
+                self.written[key] = (uid, status)  # what the object holds now, as this replica wrote or confirmed it
             finalizers = list(obj["metadata"].get("finalizers") or [])
             deleting = obj["metadata"].get("deletionTimestamp") is not None
             if add_finalizer and not deleting and FINALIZER not in finalizers:

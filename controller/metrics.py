@@ -31,6 +31,11 @@ class ControllerMetrics:
         self.status_patches = Counter(
             "loraplane_controller_status_patches_total", "AdapterRevision status patches sent", registry=self.registry,
         )
+        self.status_repairs = Counter(
+            "loraplane_controller_status_repairs_total",
+            "AdapterRevision statuses found changed by someone else (not what this controller last wrote) and "
+            "written back from the controller's own record", registry=self.registry,
+        )
         self.leader = Gauge(
             "loraplane_controller_leader", "1 while this replica holds the Lease and acts", registry=self.registry,
         )

@@ -21,6 +21,7 @@ from e2e.fixtures.processes import RedisServer
 from loraplane.api import PickerCounters, RevisionCounters, RouteTable, TargetState, keys
 from loraplane.controller.kube import FINALIZER
 from loraplane.controller.manager import Controller
+from loraplane.controller.metrics import ControllerMetrics
 from loraplane.devcluster import ServerThread
 from tests.controller.harness import (
     POOL,
@@ -264,3 +265,41 @@ async def test_deleting_a_revision_unloads_it_before_the_finalizer_goes(env: Env
         await eventually(gone, 10, "claims-v1 deleted")
         assert await env.routes() == {}
         assert await env.held("claims@v1") == {}
+
+
+async def test_a_status_patch_cannot_skip_a_gate(env: Env) -> None:
+    """Someone patches ``status.phase: Stable`` (and weight 100) during Canary step 1: no route ever sends the new
+    revision more than its step's 10 %, the controller writes its own status back, says so in a Warning Event and
+    a metric, and the canary goes on through its gates (step 2 before promotion)."""
+    controller = env.controller()
+    controller.metrics = ControllerMetrics()
+    async with running(controller):
+        await asyncio.to_thread(create, env.kube, body("v1", 1))
+        await _watch_phases(env, "claims-v1", "Stable")
+        await env.traffic("claims@v1", "claims@v2")
+        manifest = body("v2", 2)
+        manifest["spec"]["rollout"] = {**FAST, "steps": [{"weight": 10, "pauseSeconds": 4},
+                                                         {"weight": 50, "pauseSeconds": 1}]}
+        await asyncio.to_thread(create, env.kube, manifest)
+        await _watch_phases(env, "claims-v2", "Canary(0)")
+        ours = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
+        forged = {"status": {"phase": "Stable", "trafficWeight": 100, "reason": "Promoted"}}
+        await asyncio.to_thread(k8s.CustomObjectsApi(env.kube).patch_namespaced_custom_object_status,
+                                "loraplane.io", "v1alpha1", "default", "adapterrevisions", "claims-v2", forged)
+        weights, phases = [], []
+
+        def sample() -> bool:
+            weights.append(env.routes_now().get("v2", 0))
+            status = get(env.kube, "claims-v2")["status"]
+            phases.append(status["phase"])
+            return status["phase"] == "Canary" and status.get("canaryStep") == 0 and len(weights) >= 20
+
+        await eventually(sample, 10, "the controller's own status back")
+        restored = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
+        assert max(weights) == 10, weights
+        assert restored["phaseSince"] == ours["phaseSince"]  # the step's pause runs on from where it was
+        assert controller.metrics.registry.get_sample_value("loraplane_controller_status_repairs_total") >= 1
+        events = await asyncio.to_thread(env.events, "claims-v2")
+        assert any(reason == "StatusOverwritten" and "restored Canary step 1" in message for reason, message in events)
+        seen = await _watch_phases(env, "claims-v2", "Stable", within=30)
+        assert "Canary(1)" in seen  # step 2 was not skipped
