@@ -29,6 +29,10 @@ SHORT_NAMES = ("ar", "adrev")
 DnsLabel = Annotated[str, Field(pattern=v.DNS1123_LABEL, max_length=v.DNS1123_LABEL_MAX)]
 DnsSubdomain = Annotated[str, Field(pattern=v.DNS1123_SUBDOMAIN, max_length=v.DNS1123_SUBDOMAIN_MAX)]
 Digest = Annotated[str, Field(pattern=v.DIGEST, description="sha256:<64 lowercase hex digits>")]
+#: Marks a field that defines what is served: the CRD makes it immutable after create (a CEL ``self == oldSelf``
+#: rule on its node, ``loraplane.api.crd``), so the object always describes what its pods serve.
+IMMUTABLE_MARK = "x-loraplane-immutable"
+_IMMUTABLE: dict[str, Any] = {IMMUTABLE_MARK: True}
 
 
 class WarmPolicy(StrEnum):
@@ -86,10 +90,11 @@ class BaseModelRef(ApiModel):
 class Artifact(ApiModel):
     """Where the PEFT adapter lives and what its bytes must hash to."""
 
-    uri: Annotated[str, Field(max_length=2048, pattern=v.ARTIFACT_URI)]
+    uri: Annotated[str, Field(max_length=2048, pattern=v.ARTIFACT_URI)] = Field(json_schema_extra=_IMMUTABLE)
     digest: Digest = Field(
         description="sha256 of the artifact exactly as fetched (the tar archive, or the bare safetensors file); "
-        "the sidecar verifies it before anything is unpacked or loaded"
+        "the sidecar verifies it before anything is unpacked or loaded",
+        json_schema_extra=_IMMUTABLE,
     )
     size_bytes: Annotated[int | None, Field(ge=1)] = None
 
@@ -174,6 +179,12 @@ class Rollout(ApiModel):
     analysis: CanaryAnalysis = Field(default_factory=CanaryAnalysis)
     rollback_window_seconds: int = Field(default=600, ge=0, le=30 * 24 * 3600)
     eviction_delay_seconds: int = Field(default=300, ge=0, le=30 * 24 * 3600)
+    progress_deadline_seconds: int = Field(
+        default=600, ge=1, le=7 * 24 * 3600,
+        description="the most seconds a revision may stay in Verifying (its canary pods fetching and checking the "
+        "artifact) before it fails with reason ProgressDeadlineExceeded; the later phases wait for shared capacity "
+        "(GPU slots) and have no deadline",
+    )
 
     @field_validator("steps")
     @classmethod
@@ -185,14 +196,16 @@ class Rollout(ApiModel):
 
 
 class AdapterRevisionSpec(ApiModel):
-    """What the user asks for. ``adapter``, ``revision`` and ``artifact.digest`` are immutable."""
+    """What the user asks for. The fields that define what is served (``adapter``, ``revision``, ``poolRef``,
+    ``baseModel``, ``artifact.uri``, ``artifact.digest``, ``lora``) are immutable after create."""
 
-    adapter: DnsLabel = Field(description="logical adapter name clients send as the request's model")
-    revision: DnsLabel
-    pool_ref: PoolRef
-    base_model: BaseModelRef
+    adapter: DnsLabel = Field(description="logical adapter name clients send as the request's model",
+                              json_schema_extra=_IMMUTABLE)
+    revision: DnsLabel = Field(json_schema_extra=_IMMUTABLE)
+    pool_ref: PoolRef = Field(json_schema_extra=_IMMUTABLE)
+    base_model: BaseModelRef = Field(json_schema_extra=_IMMUTABLE)
     artifact: Artifact
-    lora: LoraSpec
+    lora: LoraSpec = Field(json_schema_extra=_IMMUTABLE)
     tenant: DnsLabel = "default"
     priority_class: PriorityClass = PriorityClass.STANDARD
     warm_policy: WarmPolicy = WarmPolicy.GPU_PREFERRED

@@ -27,16 +27,9 @@ _PRINTER_COLUMNS = [
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 
-# CEL rules, keyed by the JSON path of the schema node they sit on.
+# CEL rules, keyed by the JSON path of the schema node they sit on (besides the immutability rules generated on
+# every field the models mark ``IMMUTABLE_MARK``).
 _CEL_RULES: dict[tuple[str, ...], list[dict[str, str]]] = {
-    ("spec",): [
-        {"rule": "self.adapter == oldSelf.adapter", "message": "spec.adapter is immutable; create a new AdapterRevision"},
-        {"rule": "self.revision == oldSelf.revision", "message": "spec.revision is immutable; create a new AdapterRevision"},
-        {
-            "rule": "self.artifact.digest == oldSelf.artifact.digest",
-            "message": "spec.artifact.digest is immutable; publish a new revision instead",
-        },
-    ],
     ("spec", "rollout", "canary"): [
         {"rule": "!(has(self.pods) && has(self.fraction))", "message": "canary: set either pods or fraction, not both"}
     ],
@@ -80,9 +73,22 @@ def _structural(node: Any, defs: dict[str, Any], path: tuple[str, ...]) -> Any:
             out[key] = value
     if out.get("type") == "object" and "properties" not in out and "additionalProperties" not in out:
         out["x-kubernetes-preserve-unknown-fields"] = True
-    if path in _CEL_RULES:
-        out["x-kubernetes-validations"] = _CEL_RULES[path]
+    rules = list(_CEL_RULES.get(path, []))
+    if out.pop(ar.IMMUTABLE_MARK, False):
+        shown = ".".join(path)
+        rules.append({"rule": "self == oldSelf", "message": f"{shown} is immutable; create a new AdapterRevision"})
+    if rules:
+        out["x-kubernetes-validations"] = rules
     return out
+
+
+def immutable_paths(schema: dict[str, Any] | None = None, path: tuple[str, ...] = ()) -> list[str]:
+    """Dotted paths of the fields the CRD makes immutable (those with a ``self == oldSelf`` rule)."""
+    node = openapi_schema() if schema is None else schema
+    found = [".".join(path)] if any(r["rule"] == "self == oldSelf" for r in node.get("x-kubernetes-validations", [])) else []
+    for name, sub in node.get("properties", {}).items():
+        found += immutable_paths(sub, (*path, name))
+    return found
 
 
 def openapi_schema() -> dict[str, Any]:

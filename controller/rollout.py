@@ -356,6 +356,8 @@ class AdapterReconcile:
         if phase is Phase.PREWARMING:
             verdict = self.gate_residency(rev, Tier.CPU)
             return self.gate_gpu_slot(rev, verdict) if verdict.kind == "advance" else verdict
+        if phase is Phase.VERIFYING:
+            return self.deadline(rev, self.gate_residency(rev, Tier.DISK))
         if phase in _GATE_TIERS:
             return self.gate_residency(rev, _GATE_TIERS[phase])
         if phase is Phase.PROBING:
@@ -390,6 +392,17 @@ class AdapterReconcile:
             return _wait(f"WaitingFor{tier.value.capitalize()}Residency",
                          f"canary pods not yet at {tier.value} with digest verified: {', '.join(waiting)}")
         return _advance(f"canary pods hold {rev.served_name} at {tier.value} with digest {rev.spec.artifact.digest}")
+
+    def deadline(self, rev: AdapterRevision, verdict: _Verdict) -> _Verdict:
+        """Verifying's progress deadline: still waiting ``progressDeadlineSeconds`` after it began fails the revision
+        with what it waited for (a fetch that keeps failing retries forever in the sidecar)."""
+        if verdict.kind != "wait":
+            return verdict
+        limit = rev.spec.rollout.progress_deadline_seconds
+        if self.status[rev.metadata.name].phase_since is not None and self.elapsed(rev) >= limit:
+            return _fail(Phase.FAILED, "ProgressDeadlineExceeded", f"not verified within {limit}s: {verdict.message}")
+        self.due_after(rev, limit)
+        return verdict
 
     def gate_gpu_slot(self, rev: AdapterRevision, prewarmed: _Verdict) -> _Verdict:
         """Admission into Activating: each canary pod has a GPU slot no other revision's canary holds (revisions

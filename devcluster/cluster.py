@@ -30,6 +30,11 @@ _OBJECT_META_FIELDS = frozenset({
     "name", "generateName", "namespace", "uid", "resourceVersion", "generation", "creationTimestamp",
     "deletionTimestamp", "deletionGracePeriodSeconds", "labels", "annotations", "ownerReferences", "finalizers",
     "managedFields", "selfLink"})
+#: The real API server's size limits (besides a request body's 3 MiB, ``ServerConfig.max_body_bytes``, and the name
+#: and label lengths): every annotation key and value together (apimachinery's ``TotalAnnotationSizeLimitB``), and
+#: the stored object (etcd's default ``--max-request-bytes``, 1.5 MiB, which refuses a larger write).
+MAX_ANNOTATIONS_BYTES = 256 * 1024
+MAX_OBJECT_BYTES = 1536 * 1024
 _NAMESPACES = "namespaces"
 _CRDS = "customresourcedefinitions.apiextensions.k8s.io"
 _DNS_SUBDOMAIN_HELP = (
@@ -166,7 +171,19 @@ def _meta_errors(rt: ResourceType, meta: dict[str, Any]) -> list[e.FieldError]:
             errors.append(e.invalid(f"metadata.{field_name}", values, "must be a map of strings"))
         elif values:
             errors += _label_errors(values, check_values=field_name == "labels")
+    annotations = meta.get("annotations")
+    if isinstance(annotations, dict) and sum(
+            len(str(k).encode()) + len(str(v).encode()) for k, v in annotations.items()) > MAX_ANNOTATIONS_BYTES:
+        errors.append(e.too_long("metadata.annotations", MAX_ANNOTATIONS_BYTES))
     return errors
+
+
+def _check_stored_size(obj: dict[str, Any]) -> None:
+    """Refuse an object larger than etcd stores (a real API server relays etcd's refusal)."""
+    size = len(json.dumps(obj, separators=(",", ":")).encode())
+    if size > MAX_OBJECT_BYTES:
+        raise e.ApiError(413, "RequestEntityTooLarge",
+                         f"etcdserver: request is too large (the object is {size} bytes; at most {MAX_OBJECT_BYTES})")
 
 
 def _crd_status(crd: dict[str, Any]) -> dict[str, Any]:
@@ -497,6 +514,7 @@ class Cluster:
             errors += self._crd_errors(obj)
         if errors:
             raise e.invalid_object(rt.kind, rt.group, meta.get("name", ""), errors)
+        _check_stored_size(obj)
         return warnings
 
     def _crd_errors(self, crd: dict[str, Any]) -> list[e.FieldError]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,12 @@ def test_crd_has_status_subresource_printer_columns_and_cel() -> None:
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Adapter", "Revision", "Phase", "Weight", "GPU", "CPU", "Reason", "Age"]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    rules = " ".join(r["rule"] for r in spec["x-kubernetes-validations"])
-    assert "self.artifact.digest == oldSelf.artifact.digest" in rules
+    assert spec["properties"]["artifact"]["properties"]["digest"]["x-kubernetes-validations"] == [
+        {"rule": "self == oldSelf", "message": "spec.artifact.digest is immutable; create a new AdapterRevision"}]
+    # every field that defines what is served, and nothing else
+    assert crd.immutable_paths() == ["spec.adapter", "spec.revision", "spec.poolRef", "spec.baseModel",
+                                     "spec.artifact.uri", "spec.artifact.digest", "spec.lora"]
+    assert "x-loraplane-immutable" not in json.dumps(crd.crd())
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

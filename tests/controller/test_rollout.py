@@ -10,7 +10,7 @@ import pytest
 from loraplane.api import AdapterRevision, Phase, RevisionCounters
 from loraplane.api.runtime import AdapterResidency, Tier
 from loraplane.controller.rollout import AdapterPlan, ProbeResult, canary_pods, reconcile_adapter
-from tests.controller.world import World, digest, revision, step
+from tests.controller.world import T0, World, digest, revision, step
 
 
 def _phases(revs: list[AdapterRevision]) -> dict[str, str]:
@@ -174,6 +174,29 @@ def test_transient_fetch_error_waits_and_says_why() -> None:
     step(world, [rev], apply=False)
     assert rev.status.phase is Phase.VERIFYING and rev.status.reason == "WaitingForDiskResidency"
     assert f"{pod} (absent, FetchFailed: connection refused)" in (rev.status.message or "")
+
+
+def test_a_fetch_that_keeps_failing_fails_verifying_at_its_progress_deadline() -> None:
+    world = World()
+    rev = revision("v1", n=1, rollout={"progressDeadlineSeconds": 120})
+    plan = step(world, [rev], apply=False)
+    pod = next(iter(plan.revisions["claims-v1"].required))
+    world.hold(pod, rev, Tier.ABSENT, digest=None, error="connection refused", error_reason="FetchFailed")
+    world.tick(119)
+    plan = step(world, [rev], apply=False)
+    assert rev.status.phase is Phase.VERIFYING and rev.status.reason == "WaitingForDiskResidency"
+    assert plan.next_due == T0 + timedelta(seconds=120)  # the controller comes back at the deadline
+    world.tick(1)
+    plan = step(world, [rev], apply=False)
+    assert (rev.status.phase, rev.status.reason) == (Phase.FAILED, "ProgressDeadlineExceeded")
+    assert f"not verified within 120s: canary pods not yet at disk with digest verified: {pod} (absent, " \
+           "FetchFailed: connection refused)" in (rev.status.message or "")
+    assert not plan.revisions["claims-v1"].placed and plan.route is None
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "ProgressDeadlineExceeded")]
+
+
+def test_the_progress_deadline_defaults_to_ten_minutes() -> None:
+    assert revision("v1").spec.rollout.progress_deadline_seconds == 600
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from loraplane.api import AdapterRevision, AdapterRevisionSpec, LoraSpec
 from loraplane.devcluster import ServerThread
 from tests.devcluster.conftest import (
     AR_PATH,
+    DIGEST_A,
     DIGEST_B,
     POOL_PATH,
     FixedClock,
@@ -142,18 +143,76 @@ def test_unknown_fields_are_pruned_warned_or_refused(http: httpx.Client) -> None
     assert 'unknown field \\"spec.typo\\"' in warned.headers["warning"]
 
 
-def test_cel_rules_immutability_and_either_or(http: httpx.Client) -> None:
+@pytest.mark.parametrize(("field", "patch"), [
+    ("spec.adapter", {"adapter": "other"}),
+    ("spec.revision", {"revision": "v9"}),
+    ("spec.poolRef", {"poolRef": {"name": "another-pool"}}),
+    ("spec.baseModel", {"baseModel": {"digest": DIGEST_A}}),
+    ("spec.artifact.uri", {"artifact": {"uri": "oci://registry.local/adapters/claims:elsewhere"}}),
+    ("spec.artifact.digest", {"artifact": {"digest": DIGEST_B}}),
+    ("spec.lora", {"lora": {"alpha": 64}}),
+    ("spec.lora", {"lora": {"targetModules": ["q_proj"]}}),
+])
+def test_the_fields_that_define_what_is_served_are_immutable(http: httpx.Client, field: str,
+                                                               patch: dict[str, Any]) -> None:
+    """CEL ``self == oldSelf`` rules generated from the api models' marks, enforced on update as a real API server
+    does; the object is left as it was."""
+    created = _create(http, AR_PATH, adapter_revision("claims-v1"))
+    changed = http.patch(f"{AR_PATH}/claims-v1", json={"spec": patch}, headers=MERGE)
+    assert changed.status_code == 422, changed.text
+    (cause,) = changed.json()["details"]["causes"]
+    assert (cause["field"], cause["reason"]) == (field, "FieldValueInvalid")
+    assert cause["message"].endswith(f"{field} is immutable; create a new AdapterRevision")
+    assert http.get(f"{AR_PATH}/claims-v1").json()["spec"] == created["spec"]
+
+
+def test_the_rest_of_the_spec_stays_mutable(http: httpx.Client) -> None:
     _create(http, AR_PATH, adapter_revision("claims-v1"))
-    changed = http.patch(f"{AR_PATH}/claims-v1", json={"spec": {"artifact": {"digest": DIGEST_B}}}, headers=MERGE)
-    assert changed.status_code == 422
-    assert changed.json()["details"]["causes"] == [{
-        "reason": "FieldValueInvalid", "field": "spec",
-        "message": 'Invalid value: "object": spec.artifact.digest is immutable; publish a new revision instead'}]
+    patch = {"spec": {"paused": True, "warmPolicy": "cpu", "tenant": "other", "artifact": {"sizeBytes": 1024},
+                      "rollout": {"steps": [{"weight": 50, "pauseSeconds": 5}], "progressDeadlineSeconds": 60}}}
+    changed = http.patch(f"{AR_PATH}/claims-v1", json=patch, headers=MERGE)
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["spec"]["rollout"]["progressDeadlineSeconds"] == 60
+
+
+def test_cel_either_or(http: httpx.Client) -> None:
     both = adapter_revision("both")
     both["spec"]["rollout"] = {"canary": {"pods": 1, "fraction": 0.5}}
     refused = http.post(AR_PATH, json=both)
     assert refused.status_code == 422
     assert "canary: set either pods or fraction, not both" in refused.json()["message"]
+
+
+def test_annotations_over_256_kib_in_total_are_refused(http: httpx.Client) -> None:
+    """A real API server refuses annotations whose keys and values total more than 256 KiB (one 300 KiB value, or
+    several smaller ones), on create and on update."""
+    body = adapter_revision("annotated")
+    body["metadata"]["annotations"] = {"example.com/big": "x" * (300 * 1024)}
+    refused = http.post(AR_PATH, json=body)
+    assert refused.status_code == 422
+    assert refused.json()["details"]["causes"] == [{
+        "reason": "FieldValueTooLong", "field": "metadata.annotations",
+        "message": "Too long: may not be more than 262144 bytes"}]
+    body["metadata"]["annotations"] = {f"example.com/part-{i}": "x" * (64 * 1024) for i in range(3)}
+    _create(http, AR_PATH, body)  # 192 KiB: allowed
+    more = http.patch(f"{AR_PATH}/annotated", json={"metadata": {"annotations": {"example.com/part-3": "x" * 65536}}},
+                      headers=MERGE)
+    assert more.status_code == 422 and "metadata.annotations: Too long" in more.json()["message"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "annotations": {"a": "x" * (257 * 1024)}},
+           "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    assert http.post("/api/v1/namespaces/default/pods", json=pod).status_code == 422  # every kind
+
+
+def test_an_object_larger_than_etcd_stores_is_refused(http: httpx.Client) -> None:
+    """Under the 3 MiB request limit but over etcd's 1.5 MiB: refused, nothing stored."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "huge"},
+           "spec": {"containers": [{"name": f"c{i}", "image": "i", "command": ["x" * 1024] * 100}
+                                   for i in range(18)]}}
+    refused = http.post("/api/v1/namespaces/default/pods", json=pod)
+    assert refused.status_code == 413
+    assert refused.json()["reason"] == "RequestEntityTooLarge"
+    assert "etcdserver: request is too large" in refused.json()["message"]
+    assert http.get("/api/v1/namespaces/default/pods/huge").status_code == 404
 
 
 def test_generation_moves_on_spec_changes_only(http: httpx.Client) -> None:
