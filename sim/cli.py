@@ -23,7 +23,15 @@ from loraplane.sim.policies import POLICY_NAMES
 from loraplane.sim.profile import LARGE_GPU, PROFILES, ProfileError, load_profile
 from loraplane.sim.report import plot, print_table, without_curves
 from loraplane.sim.runner import Job, run_all
-from loraplane.sim.trace import AZURE_SCENARIOS, DEFAULT_REQUESTS, SCENARIOS, TraceError, load_csv, scenario
+from loraplane.sim.trace import (
+    AZURE_SCENARIOS,
+    DEFAULT_REQUESTS,
+    SCENARIOS,
+    Trace,
+    TraceError,
+    load_csv,
+    scenario,
+)
 
 #: traces at least this long get a progress bar (on a terminal)
 PROGRESS_MIN_REQUESTS = 20_000
@@ -90,9 +98,9 @@ def _scale(text: str) -> float:
     return value
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command's arguments."""
-    p = argparse.ArgumentParser(prog="loraplane sim", description=__doc__, formatter_class=HelpFormatter)
+def add_trace_source(p: argparse.ArgumentParser, default_requests: int = DEFAULT_REQUESTS) -> None:
+    """The flags that choose a trace (a scenario with its options, or a recorded CSV) and its seed; read them with
+    ``trace_from_args``. Every command that runs a trace (``sim``, ``bench twin``, ``bench fidelity``) takes them."""
     source = p.add_mutually_exclusive_group()
     source.add_argument("--scenario", choices=list(SCENARIOS), default="hot-plus-burst", help="generated trace")
     source.add_argument("--trace", type=Path, help="a recorded trace (CSV: timestamp, adapter, tenant, "
@@ -100,11 +108,40 @@ def parser() -> argparse.ArgumentParser:
                         "priority is the tenant's (an integer, the same on every row of a tenant; without the column "
                         "0); the optional prefix columns name a shared-prefix group with its prompt tokens and a "
                         "multi-turn session; with them the pods model prefix caches)")  # fmt: skip
-    p.add_argument("--policies", type=_policies, default=POLICY_NAMES, help=f"comma-separated: {', '.join(POLICY_NAMES)}")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated trace and the policies")
     p.add_argument("--requests", type=_positive,
-                   help=f"requests a scenario generates (default: {DEFAULT_REQUESTS:,}; the azure-* scenarios: the "
+                   help=f"requests a scenario generates (default: {default_requests:,}; the azure-* scenarios: the "
                    "whole trace, and N takes its first N requests)")  # fmt: skip
+    p.set_defaults(default_requests=default_requests)
+    azure = p.add_argument_group(
+        "real-arrival scenarios", f"{', '.join(AZURE_SCENARIOS)}: Azure's LLM inference trace 2023 (CC-BY 4.0; "
+        'Patel et al., "Splitwise", ISCA 2024) with its real arrival times and token counts; adapters and tenants '
+        "are assigned by a seeded model (docs/sim.md). These options apply to them only.",
+    )  # fmt: skip
+    defaults = AzureOptions()
+    for flag, (field, kind, metavar, text) in AZURE_FLAGS.items():
+        default = getattr(defaults, field)
+        shown = "" if default is None or "default" in text else f" (default: {default:g})"
+        azure.add_argument(flag, type=kind, metavar=metavar, help=text + shown)
+
+
+def trace_from_args(p: argparse.ArgumentParser, args: argparse.Namespace, adapter_bytes: int) -> Trace:
+    """The trace ``add_trace_source``'s flags name (TraceError when it cannot be made; exits 2 when Azure options
+    come with another source)."""
+    options = azure_options(p, args)
+    if args.trace is not None:
+        return load_csv(args.trace, adapter_bytes)
+    requests = args.requests
+    if requests is None and args.scenario not in AZURE_SCENARIOS:
+        requests = args.default_requests
+    return scenario(args.scenario, requests, args.seed, adapter_bytes, options)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's arguments."""
+    p = argparse.ArgumentParser(prog="loraplane sim", description=__doc__, formatter_class=HelpFormatter)
+    add_trace_source(p)
+    p.add_argument("--policies", type=_policies, default=POLICY_NAMES, help=f"comma-separated: {', '.join(POLICY_NAMES)}")
     p.add_argument("--pods", type=_positive, default=8, help="model-server pods in the pool")
     p.add_argument("--pods-scale", type=_scale, default=1.0,
                    help="multiply --pods by this (rounded, at least 1): 0.5 runs a scenario at half the pods")  # fmt: skip
@@ -129,16 +166,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write ttft_cdf.png and cold_starts.png into DIR")
     p.add_argument("--save-trace", type=Path, metavar="CSV", help="also write the generated trace as CSV")
-    azure = p.add_argument_group(
-        "real-arrival scenarios", f"{', '.join(AZURE_SCENARIOS)}: Azure's LLM inference trace 2023 (CC-BY 4.0; "
-        'Patel et al., "Splitwise", ISCA 2024) with its real arrival times and token counts; adapters and tenants '
-        "are assigned by a seeded model (docs/sim.md). These options apply to them only.",
-    )  # fmt: skip
-    defaults = AzureOptions()
-    for flag, (field, kind, metavar, text) in AZURE_FLAGS.items():
-        default = getattr(defaults, field)
-        shown = "" if default is None or "default" in text else f" (default: {default:g})"
-        azure.add_argument(flag, type=kind, metavar=metavar, help=text + shown)
     return p
 
 
@@ -161,15 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     err = Console(stderr=True)
     try:
-        options = azure_options(p, args)
         profile = load_profile(args.profile)
         pods = max(1, round(args.pods * args.pods_scale))
         placement = load_config(args.controller_config).placement_config()
         config = SimConfig(pods=pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, placement=placement)
-        if args.trace is not None:
-            trace = load_csv(args.trace, profile.default_adapter_bytes)
-        else:
-            trace = scenario(args.scenario, args.requests, args.seed, profile.default_adapter_bytes, options)
+        trace = trace_from_args(p, args, profile.default_adapter_bytes)
     except (ProfileError, TraceError, ValueError) as exc:
         err.print(f"loraplane sim: {exc}", markup=False)
         return 2

@@ -16,7 +16,8 @@ PERCENTILES = (50, 95, 99)
 DEFAULT_SLO_TTFT_MS = 2000.0
 
 
-def _percentiles_ms(values: np.ndarray) -> dict[str, float | None]:
+def percentiles_ms(values: np.ndarray) -> dict[str, float | None]:
+    """p50 / p95 / p99 in ms of ``values`` (seconds); None each when there are none."""
     if values.size == 0:
         return {f"p{q}": None for q in PERCENTILES}
     got = np.percentile(values, PERCENTILES) * 1e3
@@ -95,14 +96,14 @@ def summarize(
     tier = np.frombuffer(bytes(result.tier), dtype=np.uint8)
     warm = tier == 0
     classes = np.array([t.cls for t in trace.tenants])[np.asarray(trace.tenant, dtype=int)] if n else np.array([])
-    by_class = {str(c): _percentiles_ms(ttft[served & (classes == c)]) for c in sorted(set(classes.tolist()))}
+    by_class = {str(c): percentiles_ms(ttft[served & (classes == c)]) for c in sorted(set(classes.tolist()))}
     capacity_s = config.pods * config.max_loras * result.sim_seconds
     return {
         "requests": n,
         **slo_figures(result, slo_ttft_ms),
-        "ttft_ms": _percentiles_ms(ttft[served]),
-        "warm_ttft_ms": _percentiles_ms(ttft[served & warm]),
-        "cold_ttft_ms": _percentiles_ms(ttft[served & ~warm]),
+        "ttft_ms": percentiles_ms(ttft[served]),
+        "warm_ttft_ms": percentiles_ms(ttft[served & warm]),
+        "cold_ttft_ms": percentiles_ms(ttft[served & ~warm]),
         "ttft_ms_by_class": by_class,
         "hot_ttft_p99_ms": hot_ttft_p99_ms(result),
         # every load into a GPU slot, on demand or ahead of it (placement): what Belady minimises
