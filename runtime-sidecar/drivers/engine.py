@@ -12,8 +12,9 @@ import dataclasses
 import urllib.parse
 
 from loraplane.api import AdapterResidency
+from loraplane.api.vllm_metrics import lora_requests
 from loraplane.sidecar.drivers.base import Capabilities, Observation, RuntimeAdapter
-from loraplane.sidecar.drivers.vllm import VllmApiDriver, lora_requests, pod_load
+from loraplane.sidecar.drivers.vllm import VllmApiDriver, pod_load
 
 
 class EngineDriver(VllmApiDriver):

@@ -34,9 +34,9 @@ from typing import Any
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
-from loraplane.api import PodLoad, Tier
+from loraplane.api import PodLoad, Tier, vllm_metrics
+from loraplane.api.vllm_metrics import Samples, lora_last_served, lora_requests, parse_metrics
 from loraplane.sidecar.drivers.base import (
     Capabilities,
     Observation,
@@ -50,56 +50,17 @@ from loraplane.vllm_server import refuse_lora_resolver
 
 log = logging.getLogger(__name__)
 
-Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-
-def parse_metrics(text: str) -> Samples:
-    """Prometheus text -> sample name -> [(labels, value)]."""
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
-    return samples
-
-
-def _sum(samples: Samples, name: str) -> float:
-    """The sum over every series of ``name`` (vLLM has one per data-parallel engine, label ``engine``)."""
-    return sum(value for _, value in samples.get(name, ()))
-
-
-def _adapter_names(labels: dict[str, str]) -> tuple[set[str], set[str]]:
-    def names(key: str) -> set[str]:
-        return {n for n in labels.get(key, "").split(",") if n}
-
-    return names("running_lora_adapters"), names("waiting_lora_adapters")
-
-
-def lora_requests(samples: Samples) -> tuple[set[str], set[str]]:
-    """Running and waiting adapters now: the newest ``vllm:lora_requests_info`` series (its value is a timestamp)."""
-    series = samples.get("vllm:lora_requests_info")
-    if not series:
-        return set(), set()
-    labels, _ = max(series, key=lambda s: s[1])
-    return _adapter_names(labels)
-
-
-def lora_last_served(samples: Samples) -> dict[str, float]:
-    """When each adapter last had requests: the newest ``vllm:lora_requests_info`` series naming it."""
-    last: dict[str, float] = {}
-    for labels, stamp in samples.get("vllm:lora_requests_info", ()):
-        running, waiting = _adapter_names(labels)
-        for name in running | waiting:
-            last[name] = max(stamp, last.get(name, stamp))
-    return last
+#: re-exported: the parsing moved to the contract (``loraplane.api.vllm_metrics``)
+__all__ = ["LoraCacheModel", "Samples", "VllmApiDriver", "VllmDriver", "lora_last_served", "lora_requests",
+           "parse_metrics", "pod_load"]
 
 
 def pod_load(samples: Samples, info: RuntimeInfo) -> PodLoad:
     """The GIE model-server protocol metrics as a PodLoad (queue and running summed over engines)."""
-    kv = [value for _, value in samples.get("vllm:kv_cache_usage_perc", ())]
     return PodLoad(
-        queue_depth=int(_sum(samples, "vllm:num_requests_waiting")),
-        running=int(_sum(samples, "vllm:num_requests_running")),
-        kv_utilization=min(1.0, max(0.0, max(kv, default=0.0))),
+        queue_depth=vllm_metrics.queue_depth(samples),
+        running=vllm_metrics.running(samples),
+        kv_utilization=vllm_metrics.kv_usage(samples),
         max_gpu_slots=info.max_loras or 0,
         max_cpu_slots=max(info.max_cpu_loras or 0, info.max_loras or 0),
     )
