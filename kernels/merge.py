@@ -1,4 +1,10 @@
-"""Merging one adapter into a base weight and back, and when a batch is faster served merged."""
+"""Merging one adapter into a base weight and back, and when a batch is faster served merged.
+
+Two ways to serve an adapter merged: :func:`merged_weight` builds a separate merged copy next to a base weight that
+is never written (the engine's way: restoring the base is dropping the copy, bitwise exact however often it is
+done), and :func:`merge_adapter` / :func:`unmerge_adapter` add and subtract the delta in place (no second copy,
+but every round trip may move a weight by a rounding step).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,29 @@ def _delta_for(weight: torch.Tensor, slots: LoraSlots, slot: int, fan_in_fan_out
     if delta.shape != weight.shape:
         raise ValueError(f"adapter delta {tuple(delta.shape)} does not fit the weight {tuple(weight.shape)}")
     return delta
+
+
+@torch.no_grad()
+def merged_weight(weight: torch.Tensor, slots: LoraSlots, slot: int, fan_in_fan_out: bool = False) -> torch.Tensor:
+    """A new tensor ``W + scale * B A`` (``weight`` untouched): float32 accumulate, rounded once to its dtype.
+
+    Each output slice's delta is one GEMM at the slot's own rank (not the padded one). ``fan_in_fan_out`` for
+    ``[in, out]`` weights (transformers' ``Conv1D``).
+    """
+    slots._check_slot(slot)
+    shape = (slots.d_in, slots.d_out) if fan_in_fan_out else (slots.d_out, slots.d_in)
+    if tuple(weight.shape) != shape:
+        raise ValueError(f"adapter delta {shape} does not fit the weight {tuple(weight.shape)}")
+    merged = weight.to(torch.float32, copy=True)
+    rows = merged.t() if fan_in_fan_out else merged  # [d_out, d_in] view
+    rank = slots.ranks[slot]
+    if rank:
+        for index, (offset, width) in enumerate(zip(slots.slice_offsets, slots.out_slices, strict=True)):
+            first = index * slots.rank_pad
+            a = slots.lora_a[slot, first : first + rank, : slots.d_in].to(weight.device, torch.float32)
+            b_t = slots.slice_b(slot, index, rank).to(weight.device, torch.float32)  # [rank, width], scaled
+            rows[offset : offset + width].addmm_(b_t.t(), a)
+    return merged if weight.dtype == torch.float32 else merged.to(weight.dtype)
 
 
 @torch.no_grad()

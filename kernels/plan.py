@@ -113,8 +113,9 @@ class BatchPlanner:
         # rows: active_slots, counts, starts (per slot); segment_slots, segment_starts, segment_rows (per segment)
         self._meta = torch.empty(6, max_tokens, dtype=torch.int32)
 
-    def plan(self, token_slots: Sequence[int] | torch.Tensor) -> BatchPlan:
-        """Plan a batch from each token's slot index (-1 = no LoRA)."""
+    def plan(self, token_slots: Sequence[int] | torch.Tensor, decode: bool = False) -> BatchPlan:
+        """Plan a batch from each token's slot index (-1 = no LoRA); ``decode``: the rows are one token per
+        sequence (mode ``decode`` whatever the segment lengths, as :meth:`plan_decode`)."""
         slots_list = token_slots.tolist() if isinstance(token_slots, torch.Tensor) else list(token_slots)
         self._validate(slots_list)
         runs = [run for run in _runs(slots_list) if run.slot >= 0]
@@ -131,7 +132,7 @@ class BatchPlanner:
         else:
             order = sorted((i for i, s in enumerate(slots_list) if s >= 0), key=slots_list.__getitem__)
             segments = _segments(order, slots_list)
-        return self._fill(slots_list, order, segments, contiguous, decode=False)
+        return self._fill(slots_list, order, segments, contiguous, decode=decode)
 
     def plan_decode(self, groups: DecodeGroups) -> BatchPlan:
         """Plan a decode step whose rows are laid out in ``groups.order()`` (no sort: the groups are kept).

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,14 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from loraplane.kernels import BatchPlanner  # noqa: E402
-from loraplane.kernels.layers import LoraContext, inject_lora, load_adapter  # noqa: E402
+from loraplane.kernels.layers import (  # noqa: E402
+    LoraContext,
+    LoraLinear,
+    inject_lora,
+    load_adapter,
+    merge_slot,
+    unmerge_slot,
+)
 from loraplane.kernels.peft import load_peft_adapter  # noqa: E402
 
 SEQ_LEN = 5
@@ -37,6 +46,9 @@ ROWS = ["alpha", None, "gamma", "beta", "alpha", None, "gamma"]
 #: The CPU backends: the torch reference and the native C kernels (where a C compiler builds them).
 NO_COMPILER = shutil.which(os.environ.get("CC") or "cc") is None
 CPU_BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(NO_COMPILER, reason="no C compiler"))]
+#: Adapters served from merged weights (merge forced on): none, one, two; the others and base rows stay unmerged.
+MERGED = [(), ("alpha",), ("gamma", "beta")]
+MERGED_IDS = ["unmerged", "merged-alpha", "merged-gamma-beta"]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +86,19 @@ def models(tmp_path_factory: pytest.TempPathFactory):
     for name, slot in SLOT_OF.items():
         directory = root / name if (root / name).is_dir() else root
         load_adapter(layers, slot, load_peft_adapter(Path(directory)))
-    return peft_model, ours, context
+    return peft_model, ours, context, layers
+
+
+@contextmanager
+def _merged(layers: dict[str, LoraLinear], names: tuple[str, ...]) -> Iterator[None]:
+    """Serve the named adapters from merged weights for the duration (every other row stays unmerged)."""
+    for name in names:
+        merge_slot(layers.values(), SLOT_OF[name])
+    try:
+        yield
+    finally:
+        for name in names:
+            unmerge_slot(layers.values(), SLOT_OF[name])
 
 
 def _tokens() -> torch.Tensor:
@@ -108,7 +132,7 @@ def _peft_alone(peft_model, tokens: torch.Tensor, name: str | None, merged: bool
 
 
 def test_saved_adapters_parse_with_patterns_and_rslora(models, tmp_path: Path) -> None:
-    peft_model, _, _ = models
+    peft_model, _, _, _ = models
     peft_model.save_pretrained(str(tmp_path), selected_adapters=["gamma", "beta"])
     gamma = load_peft_adapter(tmp_path / "gamma")
     down = gamma.modules["model.layers.0.mlp.down_proj"]
@@ -119,31 +143,39 @@ def test_saved_adapters_parse_with_patterns_and_rslora(models, tmp_path: Path) -
     assert beta.modules["model.layers.0.self_attn.k_proj"].scale == pytest.approx(8 / 2.0)
 
 
+@pytest.mark.parametrize("merged", MERGED, ids=MERGED_IDS)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_mixed_batch_matches_peft_row_alone_and_merged(models, backend: str) -> None:
-    peft_model, ours, context = models
+def test_mixed_batch_matches_peft_row_alone_and_merged(models, backend: str, merged: tuple[str, ...]) -> None:
+    peft_model, ours, context, layers = models
     context.backend = backend
     tokens = _tokens()
-    batch = _ours(ours, context, tokens, ROWS)
+    by_slot = sorted(range(len(ROWS)), key=lambda row: -1 if ROWS[row] is None else SLOT_OF[ROWS[row]])
+    with _merged(layers, merged):
+        assert context.merged_slots == {SLOT_OF[name] for name in merged}
+        batch = _ours(ours, context, tokens, ROWS)  # an adapter's rows apart: merged rows gathered
+        grouped = _ours(ours, context, tokens[by_slot], [ROWS[row] for row in by_slot])  # as the engine lays rows out
+    torch.testing.assert_close(grouped, batch[by_slot], atol=1e-5, rtol=0)
     for row, name in enumerate(ROWS):
         alone = _peft_alone(peft_model, tokens[row : row + 1], name)
         torch.testing.assert_close(batch[row : row + 1], alone, atol=1e-4, rtol=0)
-        merged = _peft_alone(peft_model, tokens[row : row + 1], name, merged=True)
-        torch.testing.assert_close(batch[row : row + 1], merged, atol=1e-4, rtol=0)
+        peft_merged = _peft_alone(peft_model, tokens[row : row + 1], name, merged=True)
+        torch.testing.assert_close(batch[row : row + 1], peft_merged, atol=1e-4, rtol=0)
     with torch.no_grad(), peft_model.disable_adapter():
         base = peft_model(input_ids=tokens).logits
     for row, name in enumerate(ROWS):  # every adapter changes its rows: the comparison above can fail
         assert (name is None) == bool(torch.allclose(batch[row], base[row], atol=1e-4))
 
 
+@pytest.mark.parametrize("merged", MERGED, ids=MERGED_IDS)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_permuting_adapters_permutes_outputs_only(models, backend: str) -> None:
-    _, ours, context = models
+def test_permuting_adapters_permutes_outputs_only(models, backend: str, merged: tuple[str, ...]) -> None:
+    _, ours, context, layers = models
     context.backend = backend
     tokens = _tokens()
-    first = _ours(ours, context, tokens, ROWS)
-    permutation = [3, 6, 0, 5, 2, 4, 1]
-    second = _ours(ours, context, tokens[permutation], [ROWS[i] for i in permutation])
+    with _merged(layers, merged):
+        first = _ours(ours, context, tokens, ROWS)
+        permutation = [3, 6, 0, 5, 2, 4, 1]
+        second = _ours(ours, context, tokens[permutation], [ROWS[i] for i in permutation])
     torch.testing.assert_close(second, first[permutation], atol=1e-5, rtol=1e-5)
 
 
