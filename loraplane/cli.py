@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "state and reports residency (same as loraplane-sidecar)"),
     "engine": ("loraplane.engine.cli:tools_main", "the multi-LoRA reference engine (serve) and its helpers "
                "(make-adapters, make-model)"),
+    "emulate": ("loraplane.emulator.cli:main", "a vLLM emulator: vLLM's API, metrics and LoRA semantics with time "
+                "from a simulator profile (vLLM's api_server flags)"),
     "sim": ("loraplane.sim.cli:main", "simulate a pool under a trace and compare routing/residency policies"),
     "plan": ("loraplane.sim.plan:main", "recommend max_loras / max_cpu_loras / pods for adapters and traffic"),
     "up": ("loraplane.stack:main", "run the whole system locally (API server, Redis, engines, sidecars, picker, "
