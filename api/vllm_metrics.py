@@ -72,8 +72,17 @@ _UNESCAPE = re.compile(r"\\(.)")
 
 
 def _line_pattern(names: Iterable[str]) -> re.Pattern[str]:
-    alternatives = "|".join(re.escape(n) for n in sorted(set(names), key=len, reverse=True))
-    return re.compile(rf"^({alternatives})(?:\{{(.*)\}})?[ \t]+(\S+)(?:[ \t]+-?\d+)?[ \t]*\r?$", re.M)
+    """A sample line of one of ``names``, after a newline: the names' common prefix is spelt out first, so the
+    regular-expression engine scans for that literal (~20 us over a 35 kB exposition, where ``^`` with ``re.M``
+    tries every position)."""
+    unique = sorted(set(names), key=len, reverse=True)
+    first, last = min(unique), max(unique)  # the common prefix of all is theirs
+    size = 0
+    while size < min(len(first), len(last)) and first[size] == last[size]:
+        size += 1
+    common = first[:size]
+    alternatives = "|".join(re.escape(n[len(common):]) for n in unique)
+    return re.compile(rf"\n({re.escape(common)}(?:{alternatives}))(?:\{{([^\n]*)\}})?[ \t]+([^ \t\r\n]+)")
 
 
 _PICKER_LINES = _line_pattern(PICKER_SERIES)
@@ -91,7 +100,7 @@ def parse_series(text: str, names: Iterable[str] = PICKER_SERIES) -> Samples:
     buckets are skipped unread). Comments and other series are ignored."""
     pattern = _PICKER_LINES if names is PICKER_SERIES else _line_pattern(names)
     samples: Samples = {}
-    for match in pattern.finditer(text):
+    for match in pattern.finditer("\n" + text if not text.startswith("\n") else text):
         name, labels_text, value = match.groups()
         labels = {key: _unescape(raw) for key, raw in _LABEL.findall(labels_text)} if labels_text else {}
         try:
@@ -242,14 +251,16 @@ def read_metrics(text: str) -> VllmMetrics:
     """One runtime's /metrics text -> ``VllmMetrics`` (the fast ``parse_series`` pass)."""
     samples = parse_series(text)
     busy, waiting = lora_requests(samples)
+    running_adapters = frozenset(busy)
+    waiting_adapters = running_adapters if waiting == busy else frozenset(waiting)  # vLLM: the same (one object)
     max_slots = max_gpu_adapters(samples)
     loaded = loaded_adapters(samples)
     return VllmMetrics(
         waiting=queue_depth(samples),
         running=running(samples),
         kv_usage=kv_usage(samples),
-        running_adapters=frozenset(busy),
-        waiting_adapters=frozenset(waiting),
+        running_adapters=running_adapters,
+        waiting_adapters=waiting_adapters,
         max_gpu_adapters=max(0, max_slots or 0),
         loaded=loaded,
         gpu_loaded=gpu_loaded_count(samples, loaded),

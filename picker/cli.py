@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import socket
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from loraplane.api import validation
 from loraplane.helptext import HelpFormatter
 from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED, PickerSettings
+from loraplane.picker.peers import PEER_PREFIX, peer_configs
 from loraplane.picker.server import ServerOptions, serve
 from loraplane.picker.transport import TransportLimits
 
@@ -31,6 +33,23 @@ def _endpoint(value: str) -> tuple[str, str]:
     return pod, address
 
 
+def _config_ref(value: str) -> Path | str:
+    """A config file, or ``peer:NAME`` (a packaged peer config)."""
+    if value.startswith(PEER_PREFIX):
+        name = value.removeprefix(PEER_PREFIX)
+        if name not in peer_configs():
+            raise argparse.ArgumentTypeError(f"no packaged peer config {name!r}; known: {', '.join(peer_configs())}")
+        return value
+    return Path(value)
+
+
+def _seconds(value: str) -> float:
+    seconds = float(value)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0 (got {value})")
+    return seconds
+
+
 def _default_replica() -> str:
     name = os.environ.get("POD_NAME") or socket.gethostname().split(".")[0].lower()
     return name if validation.is_pod_name(name) else "picker-0"
@@ -42,7 +61,10 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--pool", required=True, help="InferencePool name (the Redis key namespace)")
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the bus: route table, reports, rates")
-    p.add_argument("--config", type=Path, help="EndpointPickerConfig YAML (default: the packaged default-config.yaml)")
+    p.add_argument("--config", type=_config_ref, metavar="FILE|peer:NAME",
+                   help="EndpointPickerConfig YAML, or a packaged peer config: peer:NAME, NAME one of "
+                        f"{', '.join(peer_configs())} (docs/picker.md, \"Peer configs\"; default: the packaged "
+                        "default-config.yaml)")
     p.add_argument("--grpc-address", default="127.0.0.1:9002", help="ext_proc gRPC listen address")
     p.add_argument("--health-address", default="127.0.0.1:9003", help="extra gRPC listen address for health ('' = none)")
     p.add_argument("--metrics-address", default="127.0.0.1:9090", help="Prometheus /metrics address ('' = none)")
@@ -90,6 +112,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-grace-seconds", type=float, default=30.0,
                    help="how long past its TTL a pod's last report still counts (routing stays on the pods last known "
                         "to hold a revision while Redis or a sidecar is silent); after it the pod is unknown")
+    scrape = p.add_argument_group(
+        "data source", "where the pool's state comes from: the sidecars' reports and the controller's route table in "
+        "Redis, or each endpoint's vLLM /metrics as the peers' pickers read them (llm-d-router's metrics-data-source)")
+    scrape.add_argument("--data-source", choices=("redis", "scrape"), default="redis",
+                        help="redis: reports, routes and rates in Redis (--redis-url); scrape: no Redis, every "
+                             "--endpoint's (or --inference-pool member's) /metrics scraped every --scrape-interval, "
+                             "model names routed as given (a name the pods do not serve gets their 404)")
+    scrape.add_argument("--scrape-interval", type=_seconds, default=0.05,
+                        help="scrape mode: seconds between two scrapes of one endpoint (llm-d's "
+                             "--refresh-metrics-interval default; docs/picker.md gives the CPU it costs)")
+    scrape.add_argument("--scrape-timeout", type=_seconds, default=1.0, help="scrape mode: seconds one scrape may take")
+    scrape.add_argument("--metrics-staleness-threshold", type=_seconds, default=2.0,
+                        help="scrape mode: an endpoint whose last good scrape is older is stale (llm-d's default)")
+    scrape.add_argument("--metrics-path", default="/metrics", help="scrape mode: the path scraped on each endpoint")
+    scrape.add_argument("--base-model", action="append", default=[], metavar="NAME",
+                        help="scrape mode: a model name routed as a base-model request (repeat); the pods' own "
+                             "model_name label counts without it")
     p.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True, help="use uvloop if installed")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
     return p
@@ -101,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not validation.matches(validation.DNS1123_SUBDOMAIN, args.pool):
         print(f"loraplane-picker: pool {args.pool!r} is not a DNS-1123 name", file=sys.stderr)
+        return 2
+    if args.data_source == "scrape" and not (args.endpoint or args.inference_pool):
+        print("loraplane-picker: --data-source scrape needs the endpoints to scrape: --endpoint POD=IP:PORT (repeat) "
+              "or --inference-pool", file=sys.stderr)
         return 2
     if args.max_message_bytes <= args.max_body_bytes:
         print("loraplane-picker: --max-message-bytes must be above --max-body-bytes (a buffered body is one message)",
@@ -131,6 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         resync_seconds=args.resync_seconds,
         publish_seconds=args.publish_seconds,
         stale_grace_seconds=args.stale_grace_seconds,
+        data_source=args.data_source,
+        scrape_interval=args.scrape_interval,
+        scrape_timeout=args.scrape_timeout,
+        metrics_staleness_threshold=args.metrics_staleness_threshold,
+        metrics_path=args.metrics_path,
+        base_models=tuple(args.base_model),
     )
     loop_factory = None
     if args.uvloop:

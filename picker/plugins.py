@@ -58,6 +58,9 @@ class Cycle:
     prefix_hit: FloatArray | None = None
     #: the request's hashed prompt length in tokens (what a full prefix hit saves in prefill)
     prefix_tokens: float = 0.0
+    #: the scheduler's seeded generator, for plugins that draw (the legacy ``lora-affinity-filter``); None outside
+    #: a decision
+    rng: np.random.Generator | None = None
 
 
 class SchedulingError(Exception):
@@ -97,7 +100,8 @@ class SaturationThresholds(ApiModel):
 def reported_utilisation(pool: PoolSnapshot, thresholds: SaturationThresholds) -> FloatArray:
     """The part of utilisation that comes from the sidecars' reports (fixed for a snapshot's lifetime)."""
     util = np.maximum(pool.queue_depth / thresholds.queue_threshold, pool.kv_utilization / thresholds.kv_threshold)
-    util[pool.stale] = np.maximum(util[pool.stale], 1.0)
+    if pool.any_stale:
+        util[pool.stale] = np.maximum(util[pool.stale], 1.0)
     return util
 
 

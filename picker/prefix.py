@@ -498,6 +498,8 @@ class PrefixCacheParameters(ApiModel):
     #: with ``prefillSecondsPerToken``: the least score per matched share, so a short prompt's hit, which saves
     #: little prefill, still scores ``shareFloor x`` its share (and still outweighs the light load scorers)
     share_floor: float = Field(default=0.0, ge=0, le=1)
+    #: score only endpoints below saturation (as tier affinity); false: every endpoint, as llm-d's prefix scorer
+    below_saturation_only: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> PrefixCacheParameters:
@@ -524,7 +526,7 @@ def _load_tokenizer(path: str) -> Tokenizer:
 class PrefixCacheScorer:
     """``prefix-cache-scorer``: the share of a request's prefix blocks each endpoint holds, or with
     ``prefillSecondsPerToken`` the prefill that share saves (in [0, 1], on endpoints below saturation only, like tier
-    affinity), for the same served name and digest.
+    affinity, unless ``belowSaturationOnly: false``), for the same served name and digest.
 
     How a caller feeds it (the picker does all of this; the simulator and tests call the same methods):
 
@@ -593,7 +595,7 @@ class PrefixCacheScorer:
         hit = cycle.prefix_hit
         if request.prefix is None or hit is None or not np.count_nonzero(hit):
             return None
-        score = hit * cycle.unsaturated
+        score = hit * cycle.unsaturated if self.params.below_saturation_only else hit.copy()
         seconds = self.params.prefill_seconds_per_token
         if seconds is None:
             return score

@@ -30,7 +30,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from loraplane.api import ApiModel, Tier
-from loraplane.picker import flowcontrol, lifecycle  # noqa: F401  (register the request plugins configs may name)
+from loraplane.picker import flowcontrol, lifecycle, peers  # noqa: F401  (register the plugins configs may name)
 from loraplane.picker.plugins import (
     REGISTRY,
     SMALL_POOL,
@@ -118,9 +118,12 @@ class EndpointPickerConfig(ApiModel):
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> EndpointPickerConfig:
-        """Read a YAML config file; without a path, the packaged default (``default-config.yaml``)."""
+        """Read a YAML config file; ``"peer:<name>"``: a packaged peer config (``loraplane.picker.peers``); without
+        a path, the packaged default (``default-config.yaml``)."""
         if path is None:
             text = resources.files("loraplane.picker").joinpath("default-config.yaml").read_text()
+        elif isinstance(path, str) and path.startswith(peers.PEER_PREFIX):
+            text = peers.peer_config_text(path.removeprefix(peers.PEER_PREFIX))
         else:
             text = Path(path).read_text()
         return cls.from_yaml(text)
@@ -284,7 +287,7 @@ class Scheduler:
         np.multiply(pool.in_flight, self._in_flight_scale, out=util)
         np.maximum(util, cache.reported_utilisation, out=util)
         np.less(util, 1.0, out=unsaturated)
-        cycle = Cycle(cache.everyone, util, unsaturated)
+        cycle = Cycle(cache.everyone, util, unsaturated, rng=rng)
         for step in self.filters:
             keep = step.run(request, pool, cycle)
             if keep is None:
@@ -317,19 +320,23 @@ class Scheduler:
         return self._decide(request, pool, unsaturated, indices, saturated)
 
     def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
+        n = pool.size
         reported = reported_utilisation(pool, self.thresholds)
-        everyone = np.ones(pool.size, dtype=np.bool_)
+        previous = self._cache
+        if previous is not None and previous.pool is pool and len(previous.everyone) == n:
+            # the same snapshot updated in place (a new version): its scratch vectors are reused
+            everyone, scratch = previous.everyone, (previous.utilisation, previous.unsaturated, previous.total,
+                                                    previous.term)
+        else:
+            everyone = np.ones(n, dtype=np.bool_)
+            scratch = (np.empty(n), np.empty(n, dtype=np.bool_), np.empty(n), np.empty(n))
         whole = Cycle(everyone, reported, reported < 1.0)
-        scores = np.zeros(pool.size)
+        scores = np.zeros(n)
         for _name, scorer, weight in self.snapshot_scorers:
-            score = scorer(SchedulingRequest(), pool, whole)
+            score = scorer(_NO_REQUEST, pool, whole)
             if score is not None:
                 scores += weight * score
-        n = pool.size
-        self._cache = _SnapshotCache(
-            pool, pool.version, reported, everyone, scores, scores.tolist(),
-            np.empty(n), np.empty(n, dtype=np.bool_), np.empty(n), np.empty(n),
-        )
+        self._cache = _SnapshotCache(pool, pool.version, reported, everyone, scores, scores.tolist(), *scratch)
         return self._cache
 
     def _decide(
@@ -352,6 +359,8 @@ class Scheduler:
 
 
 _TIER_OF_LEVEL = {t.level: t for t in Tier}
+#: what the snapshot-only scorers are called with (they ignore the request)
+_NO_REQUEST = SchedulingRequest()
 
 
 def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.Generator) -> tuple[int, ...]:

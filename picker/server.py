@@ -26,9 +26,10 @@ from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
 from loraplane.picker.lifecycle import FairShareParameters, FairSharePlugin
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
+from loraplane.picker.scrape import MetricsScraper, ScrapedPool
 from loraplane.picker.snapshot import InFlightTracker
 from loraplane.picker.state import PoolState, RedisSync
-from loraplane.picker.telemetry import PickerMetrics, RequestStats
+from loraplane.picker.telemetry import NoRequestStats, PickerMetrics, RequestStats
 from loraplane.picker.transport import FrameLayer, GrpcStatusError, Routes, TransportLimits, start_server
 from loraplane.waits import sleep_or_stop
 
@@ -49,7 +50,8 @@ class ServerOptions:
     grpc_address: str = "127.0.0.1:9002"
     health_address: str | None = "127.0.0.1:9003"
     metrics_address: str | None = "127.0.0.1:9090"
-    config_path: Path | None = None
+    #: a YAML file, or ``"peer:<name>"`` (a packaged peer config); None: the packaged default
+    config_path: Path | str | None = None
     endpoints: Sequence[tuple[str, str]] | None = None
     settings: PickerSettings = field(default_factory=PickerSettings)
     seed: int | None = None
@@ -69,6 +71,17 @@ class ServerOptions:
     publish_seconds: float = 10.0
     #: seconds past its TTL a report still counts as last heard (then the pod is unknown)
     stale_grace_seconds: float = 30.0
+    #: where the pool's state comes from: ``redis`` (the sidecars' reports and the controller's route table) or
+    #: ``scrape`` (each endpoint's vLLM /metrics, as the peers' pickers read them; no Redis, model names as given)
+    data_source: str = "redis"
+    #: scrape mode: seconds between scrapes of each endpoint, a scrape's timeout, when an endpoint turns stale
+    scrape_interval: float = 0.05
+    scrape_timeout: float = 1.0
+    metrics_staleness_threshold: float = 2.0
+    #: scrape mode: the path scraped on each endpoint
+    metrics_path: str = "/metrics"
+    #: scrape mode: names routed as base-model requests besides the pods' own ``model_name``
+    base_models: Sequence[str] = ()
 
 
 class HealthStatus:
@@ -146,8 +159,13 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     metrics = PickerMetrics()
     tracker = InFlightTracker()
     metrics.watch_in_flight(tracker)
-    state = PoolState(options.pool, tracker, time.time, options.endpoints, metrics, options.stale_grace_seconds)
-    stats = RequestStats(time.time)
+    state: PoolState | ScrapedPool
+    if options.data_source == "scrape":
+        state = ScrapedPool(tracker, time.monotonic, options.endpoints, metrics, options.metrics_staleness_threshold,
+                            options.base_models)
+    else:
+        state = PoolState(options.pool, tracker, time.time, options.endpoints, metrics, options.stale_grace_seconds)
+    stats = NoRequestStats(time.time) if isinstance(state, ScrapedPool) else RequestStats(time.time)
     scheduler = Scheduler(EndpointPickerConfig.load(options.config_path))
     ctx = PickerContext(
         scheduler=scheduler,
@@ -174,12 +192,20 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
     if options.metrics_address:
         host, port = validation.parse_host_port(options.metrics_address)
         start_http_server(port, host, registry=metrics.registry)
-    client = async_redis(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-    block_sets = scheduler.prefix.precise_index if scheduler.prefix is not None else None
-    sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds,
-                     block_sets)
-    log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
-    tasks = [asyncio.create_task(coro) for coro in (sync.run(stop), sync.expire_stale(), sync.publish_forever())]
+    client = sync = None
+    if isinstance(state, ScrapedPool):
+        scraper = MetricsScraper(state, options.scrape_interval, options.scrape_timeout, options.metrics_path,
+                                 registry=metrics.registry)
+        tasks = [asyncio.create_task(scraper.run(stop))]
+        log.info("picker listening on %s (pool %s, scraping %d endpoints every %g s)", ", ".join(addresses),
+                 options.pool, len(state.members), options.scrape_interval)
+    else:
+        client = async_redis(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        block_sets = scheduler.prefix.precise_index if scheduler.prefix is not None else None
+        sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds,
+                         block_sets)
+        log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
+        tasks = [asyncio.create_task(coro) for coro in (sync.run(stop), sync.expire_stale(), sync.publish_forever())]
     discovery = _start_discovery(options, state)
     if discovery is not None:
         ctx.objectives = discovery.objective_priorities
@@ -196,15 +222,17 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await sync.publish_once()
+        if sync is not None:
+            with contextlib.suppress(Exception):
+                await sync.publish_once()
         if (flow := ctx.flow_control) is not None:
             flow.stop()  # every waiting request gets 503 picker-stopping before the connections close
         await stop_serving()
-        await client.aclose()
+        if client is not None:
+            await client.aclose()
 
 
-def _start_discovery(options: ServerOptions, state: PoolState) -> PoolDiscovery | None:
+def _start_discovery(options: ServerOptions, state: PoolState | ScrapedPool) -> PoolDiscovery | None:
     if options.inference_pool is None:
         return None
     from kubernetes import config as kube_config

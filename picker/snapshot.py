@@ -10,6 +10,7 @@ be unloaded from its pod) are indexed apart: never warm, and routed to only when
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -18,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loraplane.api import AdapterResidency, LoadCosts, ResidencyReport, Tier, validation
+from loraplane.api.vllm_metrics import LoadedAdapter
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.intp]
@@ -52,14 +54,28 @@ class EndpointState:
     residency: Mapping[str, tuple[Tier, str | None]] = field(default_factory=dict)
     #: served names in ``residency`` that are leaving this pod (the sidecar will unload them): not resident here.
     draining: frozenset[str] = frozenset()
+    #: what the peers' LoRA plugins read (``loraplane.picker.peers``), from vLLM's metrics (the scrape data source,
+    #: the simulator's peer view): the adapters the newest ``vllm:lora_requests_info`` lists as running / waiting
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    #: vLLM's residency gauges (``vllm:lora_adapter_loaded``, vLLM PR #54830): adapter -> on a GPU / pinned;
+    #: None: the runtime exports none (residency unknown)
+    loaded_adapters: Mapping[str, LoadedAdapter] | None = None
+    #: adapters in GPU slots (``vllm:num_gpu_loaded_lora_adapters``)
+    gpu_loaded: int = 0
 
     @property
     def ip(self) -> str:
         """The host part of ``address`` (what a subset hint matches on)."""
-        try:
-            return validation.parse_host_port(self.address)[0]
-        except ValueError:
-            return self.address
+        return _ip_of(self.address)
+
+
+@functools.lru_cache(maxsize=65_536)
+def _ip_of(address: str) -> str:
+    try:
+        return validation.parse_host_port(address)[0]
+    except ValueError:
+        return address
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +163,7 @@ class PoolSnapshot:
         }
         self._memo: dict[Hashable, Any] = {}
         self._memo_entries = max(64, MEMO_BYTES // (8 * max(1, n)))
+        self._per_version: dict[Hashable, tuple[int, Any]] = {}
         #: bumped by every in-place update, so caches keyed on the snapshot know when to recompute
         self.version = 0
         self._derive_flags()
@@ -169,10 +186,28 @@ class PoolSnapshot:
         Costs O(its residency rows) when residency changed and O(1) otherwise (plus a few whole-pool flag
         recomputations), instead of re-indexing the pool. ``in_flight`` is kept; ``version`` is bumped.
         """
-        old = self.endpoints[index]
-        if state.address != old.address:
-            raise ValueError(f"endpoint {index} is {old.address}, not {state.address}: build a new snapshot")
-        self.endpoints = (*self.endpoints[:index], state, *self.endpoints[index + 1:])
+        self.update_endpoints([(index, state)])
+
+    def update_endpoints(self, updates: Sequence[tuple[int, EndpointState]]) -> None:
+        """``update_endpoint`` for several endpoints at once (the whole-pool flags recomputed once, one version)."""
+        if not updates:
+            return
+        endpoints = list(self.endpoints)
+        for index, state in updates:
+            if state.address != endpoints[index].address:
+                raise ValueError(f"endpoint {index} is {endpoints[index].address}, not {state.address}: build a new "
+                                 "snapshot")
+        olds = []
+        for index, state in updates:
+            olds.append(endpoints[index])
+            endpoints[index] = state
+        self.endpoints = tuple(endpoints)
+        for (index, state), old in zip(updates, olds, strict=True):
+            self._update_arrays(index, old, state)
+        self._derive_flags()
+        self.version += 1
+
+    def _update_arrays(self, index: int, old: EndpointState, state: EndpointState) -> None:
         self.ready[index], self.stale[index] = state.ready, state.stale
         self.queue_depth[index], self.running[index] = state.queue_depth, state.running
         self.active_tokens[index], self.kv_utilization[index] = state.active_tokens, state.kv_utilization
@@ -182,8 +217,6 @@ class PoolSnapshot:
         self._count_fetching(index)
         if (old.stale, old.residency, old.draining) != (state.stale, state.residency, state.draining):
             self._reindex(index, old, state)
-        self._derive_flags()
-        self.version += 1
 
     def _reindex(self, index: int, old: EndpointState, new: EndpointState) -> None:
         """Re-index only the revisions whose (tier level, draining) on this endpoint changed: O(its rows)."""
@@ -227,6 +260,16 @@ class PoolSnapshot:
                 del self._memo[next(iter(self._memo))]  # bounded: the oldest entry goes (one at a time, no spikes)
             value = self._memo[key] = compute()
         return cast(T, value)
+
+    def per_version(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """A value derived from this snapshot, computed once per ``version`` (recomputed after any in-place update,
+        whatever it changed; the peers' LoRA view is kept here)."""
+        cached = self._per_version.get(key)
+        if cached is not None and cached[0] == self.version:
+            return cast(T, cached[1])
+        value = compute()
+        self._per_version[key] = (self.version, value)
+        return value
 
     def lookup(self, served_name: str | None, digest: str | None) -> ResidencyEntry | None:
         """Where this exact revision (name and digest) is resident, or None."""

@@ -141,3 +141,14 @@ class RequestStats:
         """This replica's cumulative counters."""
         revisions = {name: c.model_copy() for name, c in self.counters.items()}
         return PickerCounters(pool=pool, replica=replica, published_at=self.clock(), revisions=revisions)
+
+
+class NoRequestStats(RequestStats):
+    """Counts nothing: the scrape data source publishes no rates, and routes model names clients choose (counting
+    per name would let clients grow the picker's memory without bound)."""
+
+    def record_request(self, served_name: str) -> None:
+        """Nothing."""
+
+    def record_response(self, served_name: str, status: int, ttft_seconds: float | None) -> None:
+        """Nothing."""
