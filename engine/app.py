@@ -13,6 +13,7 @@ from starlette.applications import Starlette
 
 from loraplane.engine.adapters import default_read_threads
 from loraplane.engine.core import Engine, EngineLimits
+from loraplane.engine.merging import MergeConfig
 from loraplane.engine.metrics import EngineMetrics
 from loraplane.engine.model import (
     PRESETS,
@@ -53,6 +54,9 @@ class EngineOptions:
     admin_token: str | None = None
     lora_backend: str | None = None
     load_read_threads: int = field(default_factory=default_read_threads)
+    #: dynamic merge: auto (the policy), off, force (tests and benchmarks)
+    lora_merge: str = "auto"
+    max_merged_loras: int = 2
 
 
 @dataclass
@@ -73,6 +77,7 @@ def build(options: EngineOptions, clock: Callable[[], float] = time.monotonic,
         raise ValueError(f"--eviction-policy must be one of {sorted(POLICIES)}")
     if options.load_read_threads < 1:
         raise ValueError("--load-read-threads must be at least 1")
+    merge = MergeConfig(mode=options.lora_merge, max_merged=options.max_merged_loras)
     model_dir: Path | None = None
     if options.model in PRESETS:
         config, weights = PRESETS[options.model], seeded_weights(PRESETS[options.model], options.seed)
@@ -95,7 +100,7 @@ def build(options: EngineOptions, clock: Callable[[], float] = time.monotonic,
     limits = EngineLimits(options.max_num_seqs, options.max_model_len, options.max_num_batched_tokens,
                           options.scheduling_policy)
     engine = Engine(model, tiers, load_tokenizer(model_dir, config.bos_token_id), metrics, limits, clock=clock, rng=rng,
-                    load_read_threads=options.load_read_threads)
+                    load_read_threads=options.load_read_threads, merge=merge)
     metrics.bind(engine, wall_clock)
     server_config = ServerConfig(name, digest, options.adapter_root, options.allow_runtime_lora_updating,
                                  options.admin_token, options.max_model_len)

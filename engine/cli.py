@@ -61,6 +61,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token-file", default=os.environ.get(ADMIN_TOKEN_FILE_ENV),
                    help=f"file holding the admin token (or {ADMIN_TOKEN_FILE_ENV})")
     p.add_argument("--lora-backend", default=None, help="force a loraplane.kernels backend (cpu, torch, triton, ascend)")
+    p.add_argument("--lora-merge", choices=("auto", "off", "force"), default="auto",
+                   help="serve an adapter that carries almost every row from merged weights: auto (where the "
+                   "engine measured that it pays), off, force (every step; for tests)")
+    p.add_argument("--max-merged-loras", type=int, default=2,
+                   help="adapters merged at once at most (each a copy of the projection weights), where memory allows")
     p.add_argument("--torch-threads", type=int, default=1, help="intra-op CPU threads (1 lets several engines share cores)")
     p.add_argument("--load-read-threads", type=int, default=None,
                    help="threads that read one large adapter file at once (default: this process's CPUs, at most 4)")
@@ -87,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         allow_runtime_lora_updating=args.enable_lora_runtime_updating
         or os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
         admin_token=secret(args.admin_token or os.environ.get(ADMIN_TOKEN_ENV), args.admin_token_file),
-        lora_backend=args.lora_backend,
+        lora_backend=args.lora_backend, lora_merge=args.lora_merge, max_merged_loras=args.max_merged_loras,
     )
     if args.load_read_threads is not None:
         options.load_read_threads = args.load_read_threads

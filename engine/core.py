@@ -16,8 +16,8 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Hashable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
@@ -33,6 +33,7 @@ from loraplane.engine.adapters import (
     host_copy,
     parse_adapter,
 )
+from loraplane.engine.merging import MergeConfig, MergePolicy, available_memory
 from loraplane.engine.metrics import EngineMetrics
 from loraplane.engine.model import KVCache, LlamaModel, SequenceChunk
 from loraplane.engine.tiers import AdapterState, AdapterTiers
@@ -111,6 +112,12 @@ class EngineLimits:
     scheduling_policy: str = "fcfs"
 
 
+def _rank_of(adapter: Hashable) -> int:
+    """An adapter's rank for the merge policy's verdicts (0 when unknown)."""
+    weights = adapter.weights if isinstance(adapter, AdapterState) else None
+    return weights.max_rank if weights is not None else 0
+
+
 def _slot_of(request: Request) -> int:
     """The device slot a scheduled request's rows use (-1: no adapter)."""
     if request.adapter is None:
@@ -132,6 +139,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         load_read_threads: int = 1,
+        merge: MergeConfig | None = None,
     ) -> None:
         self.model = model
         self.tiers = tiers
@@ -153,6 +161,10 @@ class Engine:
         self.file_digests = FileDigests(read_threads=load_read_threads)
         self.parsed_adapters = ParsedAdapters()
         self.host_buffers = HostBuffers(tiers.max_cpu_loras + 1, pinned=model.device.type == "cuda")
+        self.merge_policy = MergePolicy(merge or MergeConfig(), rank_of=_rank_of)
+        #: bytes that may still be allocated on the model's device (a function, so tests can pretend)
+        self.available_memory: Callable[[torch.device], int] = available_memory
+        model.on_merge = metrics.merge_event
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -339,6 +351,61 @@ class Engine:
         rank_pad = next(self.model.lora_linears()).slots.rank_pad
         return tokens * (4 + 8) + self.tiers.max_loras * 12 + tokens * rank_pad * 4
 
+    # --- dynamic merge ------------------------------------------------------------------------------------------
+    @property
+    def merge_config(self) -> MergeConfig:
+        """The merge switch and policy settings in force."""
+        return self.merge_policy.config
+
+    def set_merge_mode(self, mode: str) -> None:
+        """Switch ``auto`` / ``off`` / ``force`` on a running engine (``off`` unmerges at the next step)."""
+        self.merge_policy.config = replace(self.merge_policy.config, mode=mode)
+
+    def merged_adapters(self) -> list[AdapterState]:
+        """Adapters served from merged weights now, by slot."""
+        return [a for slot in sorted(self.model.merged_slots) if (a := self.tiers.slots[slot]) is not None]
+
+    def _merge_room(self, merged: int) -> int:
+        """How many more adapters may be merged: ``max_merged`` less those merged, and what memory takes."""
+        room = self.merge_config.max_merged - merged
+        if room <= 0 or self.merge_config.mode == "off":
+            return 0
+        copy_bytes = max(1, self.model.merge_nbytes())
+        fits = int(self.available_memory(self.model.device) * self.merge_config.memory_fraction // copy_bytes)
+        return max(0, min(room, fits))
+
+    def _merge_decision(self, rows: dict[Hashable | None, int]) -> tuple[list[int], list[int]]:
+        """Slots to unmerge and to merge before this step (the policy works on adapters)."""
+        merged = frozenset(self.merged_adapters())
+        decision = self.merge_policy.decide(rows, merged, self._merge_room(len(merged)))
+        unmerge = [a.slot for a in decision.unmerge if isinstance(a, AdapterState) and a.slot is not None]
+        merge = [a.slot for a in decision.merge if isinstance(a, AdapterState) and a.slot is not None]
+        return unmerge, merge
+
+    def _run_step(self, unmerge: list[int], merge: list[int], token_ids: torch.Tensor, positions: torch.Tensor,
+                  chunks: list[SequenceChunk], plan: BatchPlan) -> tuple[torch.Tensor, float]:
+        """In the step thread: apply the merge decision, then the forward pass; logits and the forward's seconds."""
+        for slot in unmerge:
+            self.model.unmerge_slot(slot)
+        for slot in merge:
+            started = time.perf_counter()
+            self.model.merge_slot(slot)
+            self.merge_policy.switched(time.perf_counter() - started)
+        clock = self._step_clock()
+        started = clock()
+        logits = self.model.forward(token_ids, positions, chunks, plan, self.kv)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return logits, clock() - started
+
+    def _step_clock(self) -> Callable[[], float]:
+        """What the merge policy times a step with: on a CPU the work itself, the step thread's CPU time (with one
+        intra-op thread; the process's with more), which other processes on shared cores do not inflate as they
+        do wall time; on an accelerator wall time after a synchronize."""
+        if self.model.device.type != "cpu":
+            return time.perf_counter
+        return time.thread_time if self.model.compute_threads == 1 else time.process_time
+
     # --- the step loop ------------------------------------------------------------------------------------------
     async def _loop(self) -> None:
         while True:
@@ -350,14 +417,24 @@ class Engine:
                     if not batch:
                         break
                     token_ids, positions, chunks, plan = self._prepare(batch)
+                    rows: dict[Hashable | None, int] = {}
+                    for request, prefill in batch:
+                        rows[request.adapter] = rows.get(request.adapter, 0) + (len(request.prompt_ids) if prefill else 1)
+                    decode = not any(prefill for _, prefill in batch)
                     try:
-                        logits = await asyncio.to_thread(self.model.forward, token_ids, positions, chunks, plan, self.kv)
+                        unmerge, merge = self._merge_decision(rows)
+                        logits, seconds = await asyncio.to_thread(self._run_step, unmerge, merge, token_ids, positions,
+                                                                  chunks, plan)
                     except Exception as exc:  # a failed step fails its requests, never the engine
                         log.exception("engine step failed")
                         for request, _ in batch:
                             self.running.remove(request)
                             self._finish(request, "error", f"engine step failed: {exc}")
                         continue
+                    merged = frozenset(self.merged_adapters())
+                    merged_rows = sum(n for key, n in rows.items() if key in merged)
+                    self.metrics.merged_step(merged_rows, plan.num_tokens - merged_rows)
+                    self.merge_policy.record(rows, merged, seconds, decode)
                     self._emit(batch, logits)
                 await asyncio.sleep(0)  # let handlers enqueue between steps
 

@@ -40,6 +40,17 @@ class EngineMetrics:
         self.evictions = Counter("loraplane_engine_adapter_evictions",
                                  "Adapters evicted, by the tier they left (gpu: slot -> host, cpu: host -> disk).", ["tier"],
                                  registry=self.registry)
+        self.merges = Counter("loraplane_engine_lora_merges",
+                              "Dynamic merge: adapters merged (merged copies built) and unmerged (copies dropped).",
+                              ["action"], registry=self.registry)
+        self.merge_seconds = Histogram("loraplane_engine_lora_merge_seconds",
+                                       "Time to merge (build every merged copy of an adapter) or unmerge.",
+                                       ["action"], buckets=_LOAD_BUCKETS, registry=self.registry)
+        self.merged_steps = Counter("loraplane_engine_lora_merged_steps",
+                                    "Steps with rows served from merged weights (pure: every row; mixed: other rows "
+                                    "took the unmerged path).", ["batch"], registry=self.registry)
+        self.merged_rows = Counter("loraplane_engine_lora_merged_rows",
+                                   "Rows (tokens) served from merged weights.", registry=self.registry)
         ProcessCollector(registry=self.registry)
 
     def bind(self, engine: Engine, clock: Callable[[], float] = time.time) -> None:
@@ -58,6 +69,17 @@ class EngineMetrics:
     def evicted(self, tier: Tier) -> None:
         """Count one eviction from ``tier``."""
         self.evictions.labels(tier.value).inc()
+
+    def merge_event(self, action: str, seconds: float) -> None:
+        """One merge or unmerge and its time."""
+        self.merges.labels(action).inc()
+        self.merge_seconds.labels(action).observe(seconds)
+
+    def merged_step(self, merged_rows: int, other_rows: int) -> None:
+        """A step served ``merged_rows`` rows from merged weights and ``other_rows`` on the unmerged path."""
+        if merged_rows:
+            self.merged_steps.labels("mixed" if other_rows else "pure").inc()
+            self.merged_rows.inc(merged_rows)
 
     def render(self) -> bytes:
         """The text exposition format."""
@@ -95,6 +117,11 @@ class _StateCollector(Collector):
             if adapter.tier in (Tier.GPU, Tier.CPU):
                 loaded.add_metric([adapter.name, adapter.tier.value, str(adapter.pinned).lower()], 1)
         yield loaded
+        merged = GaugeMetricFamily("loraplane_engine_lora_merged_adapters",
+                                   "Adapters served from merged weights now (1 each).", labels=["adapter_name"])
+        for adapter in engine.merged_adapters():
+            merged.add_metric([adapter.name], 1)
+        yield merged
         weight_bytes = GaugeMetricFamily("loraplane_engine_adapter_weight_bytes",
                                          "Adapter weight bytes held per tier (a slot-resident adapter also counts in cpu).",
                                          labels=["tier"])
@@ -107,6 +134,8 @@ class _StateCollector(Collector):
             ("loraplane_engine_lora_temp_buffer_bytes", engine.lora_temp_buffer_bytes(),
              "Upper bound of LoRA temporary buffers per step (plan buffers + shrink intermediate)."),
             ("loraplane_engine_kv_cache_bytes", engine.kv.nbytes, "KV-cache buffers."),
+            ("loraplane_engine_lora_merged_bytes", engine.model.merged_nbytes(),
+             "Merged weight copies held (dynamic merge; the base weights are never written)."),
             ("loraplane_engine_adapters_registered", len(tiers.registered), "Adapters registered (any tier)."),
         ):
             gauge = GaugeMetricFamily(name, help_text)

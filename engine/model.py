@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from loraplane.kernels import BatchPlan, LoraSlots
-from loraplane.kernels.layers import LoraContext, LoraLinear
+from loraplane.kernels.layers import LoraContext, LoraLinear, merge_slot, unmerge_slot
 from loraplane.kernels.peft import PeftAdapter
 
 #: The projections LoRA can target, PEFT's module names.
@@ -342,6 +343,8 @@ class LlamaModel:
                                w(f"model.layers.{i}.post_attention_layernorm.weight")))
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
         self.inv_freq = inv_freq.to(self.device)
+        #: called with ("merge" | "unmerge", seconds) after every merge and unmerge (the engine's metrics)
+        self.on_merge: Callable[[str, float], None] | None = None
 
     def lora_linears(self) -> Iterator[LoraLinear]:
         """Every LoRA-wrapped projection."""
@@ -349,16 +352,57 @@ class LlamaModel:
             yield from layer.values()
 
     def load_slot(self, slot: int, adapter: PeftAdapter) -> None:
-        """Copy ``adapter`` into ``slot`` of every projection (zeroing the projections it does not target)."""
+        """Copy ``adapter`` into ``slot`` of every projection (zeroing the projections it does not target);
+        a merged slot is unmerged first."""
+        self.unmerge_slot(slot)
         with single_intra_op_thread():
             for linear in self.lora_linears():
                 linear.load_adapter(slot, adapter)
 
     def clear_slot(self, slot: int) -> None:
-        """Zero ``slot`` everywhere."""
+        """Zero ``slot`` everywhere (unmerged first)."""
+        self.unmerge_slot(slot)
         with single_intra_op_thread():
             for linear in self.lora_linears():
                 linear.slots.clear(slot)
+
+    # --- dynamic merge (engine/merging.py decides) ----------------------------------------------------------------
+    @property
+    def merged_slots(self) -> frozenset[int]:
+        """Slots served from merged weights."""
+        return self.lora_context.merged_slots
+
+    def merge_slot(self, slot: int) -> int:
+        """Serve ``slot`` from merged copies of every projection it touches (base weights untouched); bytes."""
+        if slot in self.merged_slots:
+            return 0
+        started = time.perf_counter()
+        nbytes = merge_slot(self.lora_linears(), slot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.on_merge is not None:
+            self.on_merge("merge", time.perf_counter() - started)
+        return nbytes
+
+    def unmerge_slot(self, slot: int) -> bool:
+        """Serve ``slot`` through the LoRA ops again (its merged copies are freed); False when it was not merged."""
+        if slot not in self.merged_slots:
+            return False
+        started = time.perf_counter()
+        unmerge_slot(self.lora_linears(), slot)
+        if self.on_merge is not None:
+            self.on_merge("unmerge", time.perf_counter() - started)
+        return True
+
+    def merge_nbytes(self, slot: int | None = None) -> int:
+        """Bytes merging ``slot`` would allocate (None: an adapter on every projection, the most one can take)."""
+        if slot is None:
+            return sum(linear.base_weight.nbytes for linear in self.lora_linears())
+        return sum(linear.merge_nbytes(slot) for linear in self.lora_linears())
+
+    def merged_nbytes(self) -> int:
+        """Bytes of the merged copies held now."""
+        return sum(linear.merged_nbytes for linear in self.lora_linears())
 
     def lora_slot_bytes(self) -> int:
         """Bytes of all stacked slot tensors (the device tier's preallocated footprint)."""

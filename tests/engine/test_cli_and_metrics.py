@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraplane.api import adapter_digest
 from loraplane.cli import main as loraplane_main
 from loraplane.engine.app import EngineOptions
+from loraplane.engine.bench import merge_backends
 from loraplane.engine.cli import main as engine_main
 from loraplane.engine.core import SamplingParams
 from loraplane.kernels.peft import load_peft_adapter
@@ -81,9 +82,21 @@ async def test_metrics_follow_the_vllm_names(tiny_adapters: list[GeneratedAdapte
 @pytest.mark.slow
 def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
     code = loraplane_main(["bench", "engine", "--json", "--model", "tiny", "--trials", "1", "--batch", "2",
-                           "--decode-tokens", "3"])
+                           "--decode-tokens", "3", "--merge-ranks", "16,64", "--merge-dtypes", "float32,bfloat16",
+                           "--merge-repeats", "1", "--auto-runs", "1"])
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert set(result["ttft_ms"]) == {"L0", "L1", "L2"}
     assert set(result["load_stages_ms"]) == {"disk_read", "parse", "host_to_device"}
     assert set(result["decode_tokens_per_s"]) == {"base", "1_adapter", "2_adapters"}
+    cases = result["merge"]["cases"]
+    assert {(c["backend"], c["dtype"], c["rank"]) for c in cases} == {
+        (backend, dtype, rank) for backend in merge_backends("cpu") for dtype in ("float32", "bfloat16") for rank in (16, 64)}
+    for case in cases:
+        for shape in ("pure", "mixed"):
+            figures = case[shape]
+            assert figures["merged_tokens_per_s"] > 0 and figures["unmerged_tokens_per_s"] > 0
+            assert figures["merged_over_unmerged"] == round(figures["merged_tokens_per_s"] / figures["unmerged_tokens_per_s"], 3)
+            assert figures["merged_over_unmerged_cpu"] > 0
+        assert case["merge_ms"] > 0 and case["merged_mib"] > 0
+        assert isinstance(case["auto"]["merged_at_end"], bool)

@@ -1,7 +1,7 @@
 """External reference: a random ``LlamaForCausalLM`` saved by ``transformers`` and a ``peft`` LoRA on it.
 
 The engine must reproduce transformers' logits (fp32, atol 1e-4) and greedy tokens, and peft's greedy tokens with
-the adapter loaded through ``/v1/load_lora_adapter`` of a real engine process.
+the adapter loaded through ``/v1/load_lora_adapter`` of a real engine process, unmerged and with merge forced on.
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ def test_logits_match_transformers(tie: bool, tmp_path: Path) -> None:
     torch.testing.assert_close(step[0], reference_step, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("merge", ["auto", "force"])
 def test_greedy_tokens_match_transformers_and_peft_over_http(
-    tmp_path: Path, adapter_root: Path, start_engine: Callable[[Sequence[str]], EngineProcess]
+    tmp_path: Path, adapter_root: Path, start_engine: Callable[[Sequence[str]], EngineProcess], merge: str
 ) -> None:
     hf = _hf_model(tie=False)
     model_dir = tmp_path / "hf-llama"
@@ -101,7 +102,7 @@ def test_greedy_tokens_match_transformers_and_peft_over_http(
     assert lora_tokens != base_tokens, "the reference adapter must change the output"
 
     engine = start_engine(["--model", str(model_dir), "--max-lora-rank", "8", "--enable-lora-runtime-updating",
-                           "--adapter-root", str(adapter_root)])
+                           "--adapter-root", str(adapter_root), "--lora-merge", merge])
     with httpx.Client(base_url=engine.url, timeout=60) as http:
         body = {"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         base = http.post("/v1/completions", json={**body, "model": "hf-llama"})
@@ -114,3 +115,6 @@ def test_greedy_tokens_match_transformers_and_peft_over_http(
         assert with_lora.headers[ADAPTER_DIGEST_HEADER] == adapter_digest(adapter_dir)
         text = http.post("/v1/completions", json={**body, "model": "hf-llama", "prompt": "hello world unknown"})
         assert text.json()["choices"][0]["prompt_token_ids"] == tokenizer.encode("hello world unknown").ids == [5, 6, 0]
+        merges = [line for line in http.get("/metrics").text.splitlines()
+                  if line.startswith('loraplane_engine_lora_merges_total{action="merge"}')]
+    assert (sum(float(line.split()[-1]) for line in merges) > 0) == (merge == "force")  # forced: served merged
