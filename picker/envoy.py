@@ -17,6 +17,15 @@ from loraplane.picker.transport.grpc import TransportLimits
 from loraplane.picker.wire import DESTINATION_HEADER, LB_NAMESPACE
 
 LOOPBACK = "127.0.0.1"
+#: the ext_proc service a picker's gRPC health answers for (SERVING once it has read Redis)
+EXT_PROC_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+#: Envoy's circuit breakers on the picker and model-server clusters in the hardened gateways. Envoy's defaults
+#: (1,024 connections, pending requests and requests per cluster) refuse the 1,025th concurrent request with an empty
+#: 500 before the picker sees it, while the picker admits more: what the pods take below their saturation thresholds
+#: plus flow control's queues (gold 512 + standard 512 + sheddable 256 by default), past which it answers 429 / 503
+#: itself, with the reason. So the gateway's limits sit far above anything the picker admits; they bound only a
+#: runaway (each open stream costs Envoy ~40 KiB).
+GATEWAY_MAX_REQUESTS = 65536
 
 
 @dataclass
@@ -51,17 +60,77 @@ def _socket(port: int, host: str = LOOPBACK) -> dict[str, Any]:
     return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _static_cluster(name: str, port: int, http2_streams: int | None = None) -> dict[str, Any]:
-    """A one-address cluster; ``http2_streams`` makes it HTTP/2 with at most that many streams per connection."""
+@dataclass(frozen=True)
+class PickerEndpoint:
+    """One picker replica as the gateway lists it: its ext_proc port and, for active health checks, its gRPC
+    health port (``--health-address``; None: not checked)."""
+
+    port: int
+    health_port: int | None = None
+    host: str = LOOPBACK
+
+
+@dataclass(frozen=True)
+class PickerHealth:
+    """How Envoy finds a dead or unready picker replica: active gRPC health checks (``grpc.health.v1`` on each
+    replica's health port, for the ext_proc service: NOT_SERVING until it has read Redis) and outlier detection
+    (a replica that refuses or resets connections is ejected at once). Ejected or unhealthy replicas get no new
+    streams; with none left, requests fail as with no picker (no panic routing to dead replicas)."""
+
+    interval: str = "1s"
+    timeout: str = "0.5s"
+    unhealthy_threshold: int = 1
+    healthy_threshold: int = 1
+    consecutive_local_origin_failures: int = 1
+    base_ejection_time: str = "5s"
+
+    def health_checks(self) -> list[dict[str, Any]]:
+        """The cluster's ``health_checks``."""
+        return [{"timeout": self.timeout, "interval": self.interval, "no_traffic_interval": self.interval,
+                 "unhealthy_threshold": self.unhealthy_threshold, "healthy_threshold": self.healthy_threshold,
+                 "grpc_health_check": {"service_name": EXT_PROC_HEALTH_SERVICE}}]
+
+    def outlier_detection(self) -> dict[str, Any]:
+        """The cluster's ``outlier_detection``: connection failures (local origin) eject a replica."""
+        return {"split_external_local_origin_errors": True,
+                "consecutive_local_origin_failure": self.consecutive_local_origin_failures,
+                "enforcing_consecutive_local_origin_failure": 100, "interval": self.interval,
+                "base_ejection_time": self.base_ejection_time, "max_ejection_percent": 100}
+
+
+def circuit_breakers(limit: int) -> dict[str, Any]:
+    """Envoy ``circuit_breakers`` with connections, pending requests and requests at ``limit``, and retries in flight
+    by a budget (a fifth of the requests in flight, at least 32) instead of Envoy's fixed 3."""
+    return {"thresholds": [{"priority": "DEFAULT", "max_connections": limit, "max_pending_requests": limit,
+                            "max_requests": limit,
+                            "retry_budget": {"budget_percent": {"value": 20.0}, "min_retry_concurrency": 32}}]}
+
+
+def _static_cluster(name: str, port: int | Sequence[PickerEndpoint], http2_streams: int | None = None,
+                    health: PickerHealth | None = None, max_requests: int | None = None) -> dict[str, Any]:
+    """A static cluster of one address (``port``) or of each ``PickerEndpoint``; ``http2_streams`` makes it HTTP/2
+    with at most that many streams per connection; ``health`` adds active health checks (endpoints with a health
+    port) and outlier detection; ``max_requests`` sets its circuit breakers."""
+    endpoints = [PickerEndpoint(port)] if isinstance(port, int) else list(port)
+    hosts = []
+    for e in endpoints:
+        host: dict[str, Any] = {"address": _socket(e.port, e.host)}
+        if health is not None and e.health_port is not None:
+            host["health_check_config"] = {"port_value": e.health_port}
+        hosts.append({"endpoint": host})
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC",
         "connect_timeout": "1s",
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(port)}}]}],
-        },
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": hosts}]},
     }
+    if health is not None:
+        if any(e.health_port is not None for e in endpoints):
+            cluster["health_checks"] = health.health_checks()
+        cluster["outlier_detection"] = health.outlier_detection()
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+    if max_requests is not None:
+        cluster["circuit_breakers"] = circuit_breakers(max_requests)
     if http2_streams is not None:
         cluster["typed_extension_protocol_options"] = {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -107,12 +176,17 @@ class GatewayPolicy:
     #: bearer token put on every routed request in place of a client's ``Authorization`` (vLLM's ``--api-key``;
     #: the bootstrap then holds a secret: write it to a private file)
     upstream_authorization: str | None = None
+    #: circuit breakers of the picker and pool clusters (``GATEWAY_MAX_REQUESTS``); None: Envoy's defaults (1,024)
+    max_requests: int | None = None
+    #: health checking and outlier detection of the picker cluster; None: none
+    picker_health: PickerHealth | None = None
 
 
-#: ``loraplane up``'s gateway: inference paths only, client address forwarded, timeouts, two retries.
+#: ``loraplane up``'s gateway: inference paths only, client address forwarded, timeouts, two retries, circuit
+#: breakers above what the picker admits, dead or unready picker replicas taken out.
 HARDENED = GatewayPolicy(inference_paths=INFERENCE_PATHS, forward_client_address=True, strip_destination_header=True,
                          request_headers_timeout="10s", stream_idle_timeout="60s", connection_idle_timeout="300s",
-                         retries=2)
+                         retries=2, max_requests=GATEWAY_MAX_REQUESTS, picker_health=PickerHealth())
 
 _NO_EXT_PROC = {"envoy.filters.http.ext_proc": {
     "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
@@ -183,12 +257,15 @@ def _bootstrap(listen_port: int, admin_port: int, http_filters: list[dict[str, A
     }
 
 
-def _pool_cluster(endpoints: Sequence[str] | None) -> dict[str, Any]:
+def _pool_cluster(endpoints: Sequence[str] | None, max_requests: int | None = None) -> dict[str, Any]:
     """``ORIGINAL_DST`` on the destination header, or (with ``endpoints``) a static cluster whose override-host
-    policy follows the picker's ordered list and takes the next entry on each retry."""
+    policy follows the picker's ordered list and takes the next entry on each retry; ``max_requests`` sets its
+    circuit breakers."""
+    breakers = {} if max_requests is None else {"circuit_breakers": circuit_breakers(max_requests)}
     if endpoints is None:
         return {"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED", "connect_timeout": "2s",
-                "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER}}
+                "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+                **breakers}
     hosts = [{"endpoint": {"address": _socket(port, host)}} for host, port in map(validation.parse_host_port, endpoints)]
     override = {
         "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
@@ -202,7 +279,7 @@ def _pool_cluster(endpoints: Sequence[str] | None) -> dict[str, Any]:
     return {"name": "pool", "type": "STATIC", "connect_timeout": "2s",
             "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": hosts}]},
             "load_balancing_policy": {"policies": [{"typed_extension_config": {
-                "name": "envoy.load_balancing_policies.override_host", "typed_config": override}}]}}
+                "name": "envoy.load_balancing_policies.override_host", "typed_config": override}}]}, **breakers}
 
 
 def _subset_hint_from_header(header: str) -> dict[str, Any]:
@@ -214,15 +291,18 @@ def _subset_hint_from_header(header: str) -> dict[str, Any]:
         "request_rules": [rule]}}
 
 
-def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: ExtProcModes | None = None,
+def picker_config(listen_port: int, picker_port: int | Sequence[PickerEndpoint], admin_port: int,
+                  modes: ExtProcModes | None = None,
                   message_timeout: str = "5s", upstream_header: bool = False,
                   policy: GatewayPolicy | None = None,
                   picker_streams: int = TransportLimits.max_concurrent_streams) -> dict[str, Any]:
     """Envoy with the ext_proc filter calling the picker and the pool cluster ``policy`` describes.
 
-    ``picker_streams`` is the picker's ``--max-concurrent-streams``: Envoy puts no more streams than that on one
-    connection from the start, so a stream sent on a new connection before the picker's SETTINGS arrive is never
-    refused (Envoy's gRPC client would fail that request rather than retry it).
+    ``picker_port`` is one picker's port, or every replica (``PickerEndpoint``: with its health port, checked
+    when ``policy.picker_health`` is set). ``picker_streams`` is the picker's ``--max-concurrent-streams``: Envoy
+    puts no more streams than that on one connection from the start, so a stream sent on a new connection before
+    the picker's SETTINGS arrive is never refused (Envoy's gRPC client would fail that request rather than retry
+    it).
     """
     modes = modes or ExtProcModes()
     policy = policy or GatewayPolicy()
@@ -240,7 +320,9 @@ def picker_config(listen_port: int, picker_port: int, admin_port: int, modes: Ex
     if modes.subset_hint_header:
         ext_proc["metadata_options"] = {"forwarding_namespaces": {"untyped": [SUBSET_NAMESPACE]}}
         filters.insert(0, _subset_hint_from_header(modes.subset_hint_header))
-    clusters = [_pool_cluster(policy.endpoints), _static_cluster("picker", picker_port, http2_streams=picker_streams)]
+    clusters = [_pool_cluster(policy.endpoints, policy.max_requests),
+                _static_cluster("picker", picker_port, http2_streams=picker_streams, health=policy.picker_health,
+                                max_requests=policy.max_requests)]
     return _bootstrap(listen_port, admin_port, filters, "pool", clusters, upstream_header, policy)
 
 

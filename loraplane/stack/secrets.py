@@ -91,10 +91,10 @@ class StackSecrets:
         """Redis's ACL file (password hashes only)."""
         return self.directory / "users.acl"
 
-    def create(self, pool: str, pods: Sequence[str]) -> None:
+    def create(self, pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = ("picker-0",)) -> None:
         """Write a random password per Redis user, the ACL file, and a random admin token per pod."""
         lines = ["user default off resetkeys resetchannels -@all"]
-        for user, rules in acl_rules(pool, pods).items():
+        for user, rules in acl_rules(pool, pods, picker_replicas).items():
             password = secrets.token_hex(24)
             write_private(self.password_file(user), password)
             lines.append(f"user {user} on #{hashlib.sha256(password.encode()).hexdigest()} {rules}")

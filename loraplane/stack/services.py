@@ -122,6 +122,8 @@ class StackOptions:
     publish_seconds: float = 2.0
     #: the InferencePool's ``endpointPickerRef.failureMode``: FailOpen lets Envoy route without the picker
     failure_mode: str = "FailClose"
+    #: picker replicas (``picker-0`` ...), each listed in Envoy's picker cluster with its gRPC health port
+    pickers: int = 1
 
 
 @dataclass
@@ -149,7 +151,9 @@ class LocalStack:
     cluster: DevCluster | None = None
     redis: RedisServer | None = None
     engines: list[Engine] = field(default_factory=list)
+    #: the first picker replica (``pickers`` holds every one)
     picker: ManagedProcess | None = None
+    pickers: list[ManagedProcess] = field(default_factory=list)
     envoy: ManagedProcess | None = None
     controller: ManagedProcess | None = None
     gateway_port: int = 0
@@ -203,7 +207,8 @@ class LocalStack:
         """Every child started so far, in start order."""
         started: list[ManagedProcess | None] = [
             self.cluster.process if self.cluster else None, self.redis.process if self.redis else None,
-            *(e.engine for e in self.engines), *(e.sidecar for e in self.engines), self.picker, self.envoy,
+            *(e.engine for e in self.engines), *(e.sidecar for e in self.engines), *(self.pickers or [self.picker]),
+            self.envoy,
             self.controller,
         ]
         return [p for p in started if p is not None]
@@ -264,7 +269,8 @@ class LocalStack:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.artifacts.mkdir(parents=True, exist_ok=True)
         self.cluster = start_devcluster(work / "cluster")
-        self.secrets.create(POOL, [f"engine-{i}" for i in range(self.options.engines)])
+        self.secrets.create(POOL, [f"engine-{i}" for i in range(self.options.engines)],
+                            [f"picker-{i}" for i in range(self.options.pickers)])
         self.redis = start_redis(self.logs, acl_file=self.secrets.acl_file())
         if self.options.runtime == "vllm":
             self._write_model()
@@ -358,24 +364,30 @@ class LocalStack:
                                  "-p", json.dumps({"status": running_pod_status(engine)}))
 
     def _start_gateway(self) -> None:
-        from loraplane.picker.envoy import HARDENED, picker_config
+        from loraplane.picker.envoy import HARDENED, PickerEndpoint, picker_config
 
-        picker_port, health_port = free_port(), free_port()
-        self.picker_metrics_port = free_port()
-        self.picker = ManagedProcess(
-            [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
-             "--grpc-address", f"{LOOPBACK}:{picker_port}", "--health-address", f"{LOOPBACK}:{health_port}",
-             "--metrics-address", f"{LOOPBACK}:{self.picker_metrics_port}", "--replica", "picker-0",
-             "--no-destination-fallbacks", "--resync-seconds", "1", "--runtime-priority",
-             "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING",
-             *self._picker_config_args()],
-            self.logs / "picker.log", env=self.secrets.redis_env("picker")).start()
-        self._wait(picker_port, self.picker)
+        listed: list[PickerEndpoint] = []
+        for i in range(max(1, self.options.pickers)):
+            picker_port, health_port, metrics_port = free_port(), free_port(), free_port()
+            self.picker_metrics_port = self.picker_metrics_port or metrics_port
+            picker = ManagedProcess(
+                [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
+                 "--grpc-address", f"{LOOPBACK}:{picker_port}", "--health-address", f"{LOOPBACK}:{health_port}",
+                 "--metrics-address", f"{LOOPBACK}:{metrics_port}", "--replica", f"picker-{i}",
+                 "--no-destination-fallbacks", "--resync-seconds", "1", "--runtime-priority",
+                 "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING",
+                 *self._picker_config_args()],
+                self.logs / ("picker.log" if i == 0 else f"picker-{i}.log"),
+                env=self.secrets.redis_env("picker")).start()
+            self._wait(picker_port, picker)
+            self.pickers.append(picker)
+            listed.append(PickerEndpoint(picker_port, health_port))
+        self.picker = self.pickers[0]
         self.gateway_port, admin_port = free_port(), free_port()
         config = self.options.workdir / "envoy.json"
         policy = dataclasses.replace(HARDENED, endpoints=[e.address for e in self.engines],
                                      fail_open=self.options.failure_mode == "FailOpen")
-        write_private(config, json.dumps(picker_config(self.gateway_port, picker_port, admin_port,
+        write_private(config, json.dumps(picker_config(self.gateway_port, listed, admin_port,
                                                        upstream_header=True, policy=policy)))
         self.envoy = ManagedProcess([envoy_binary(), "-c", str(config), "--concurrency", "1", "-l", "warning",
                                      "--base-id", str(self.gateway_port)], self.logs / "envoy.log").start()
