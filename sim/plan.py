@@ -339,10 +339,23 @@ def _bytes(text: str) -> int:
     return int(value)
 
 
+#: the flags that choose ``loraplane plan``'s GPUs-at-SLO mode (``loraplane.sim.capacity``)
+CAPACITY_FLAGS = ("--scenario", "--trace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``loraplane plan``."""
-    p = argparse.ArgumentParser(prog="loraplane plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    """Entry point of ``loraplane plan``: sizing from adapters and traffic, or, with ``--scenario`` / ``--trace``,
+    the fewest pods each routing policy needs to reach an SLO on that trace (``loraplane.sim.capacity``)."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if any(a in CAPACITY_FLAGS or a.startswith(tuple(f + "=" for f in CAPACITY_FLAGS)) for a in args_list):
+        from loraplane.sim.capacity import main as capacity_main
+
+        return capacity_main(args_list)
+    p = argparse.ArgumentParser(
+        prog="loraplane plan", formatter_class=HelpFormatter,
+        description=__doc__.split("\n\n")[0] + " With --scenario S or --trace CSV instead: the fewest pods each "
+        "routing policy needs to reach a target slo_attainment on that trace (loraplane plan --scenario S --help).",
+    )  # fmt: skip
     p.add_argument("--base-model", type=Path, required=True, help="transformers config.json (or its directory)")
     p.add_argument("--adapters", type=Path, required=True, help="PEFT adapter dir(s) or a JSON/YAML manifest")
     p.add_argument("--traffic", required=True, help="total req/s (Zipf over adapters), name=rate,... or a file")
@@ -352,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--profile", default=LARGE_GPU.name, help="calibration profile (name or JSON file)")
     p.add_argument("--seed", type=int, default=0, help="seed of the simulated traffic")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args(argv)
+    args = p.parse_args(args_list)
     err = Console(stderr=True)
     try:
         if args.slo_ttft_p99 <= 0:
