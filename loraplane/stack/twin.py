@@ -1,0 +1,457 @@
+"""``loraplane bench twin``: the whole real control plane on emulated vLLM pods, driven by a trace through Envoy.
+
+The local stack (``loraplane up``) runs with ``--runtime emulated``: every pod is loraplane's vLLM emulator (vLLM's
+HTTP API, metrics and adapter semantics, time charged from a profile) with a real sidecar; the API server, Redis,
+the picker, Envoy and the controller are the production processes. The benchmark applies one AdapterRevision per
+adapter of the trace with the real kubectl, waits until every one is ``Stable``, replays the trace open loop through
+Envoy at its timestamps, and reports what ``loraplane sim --json`` reports per policy (computed by the simulator's
+own functions), plus the control plane's own figures and each process's CPU and memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import sys
+import tarfile
+import time
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraplane.api import AdapterRevision, PriorityClass, parse_served_name
+from loraplane.emulator.tokens import expected_text
+from loraplane.sim.cluster import SERVED, SimResult
+from loraplane.sim.metrics import (
+    DEFAULT_SLO_TTFT_MS,
+    hot_ttft_p99_ms,
+    percentiles_ms,
+    served_ttft,
+    slo_figures,
+)
+from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.trace import Trace
+from loraplane.stack.replay import NO_ANSWER, Outcome, ReplayRequest, replay
+from loraplane.stack.services import POOL, LocalStack, StackOptions
+
+#: the AdapterRevisions' API path on the embedded API server
+GROUP_PATH = "/apis/loraplane.io/v1alpha1/namespaces/default/adapterrevisions"
+#: the twin's adapters: rank 16 on q_proj/v_proj of the tiny model the emulated pods are given (the emulator
+#: charges loads by the profile's adapter bytes for rank 16, so the file's own size does not matter)
+ADAPTER_RANK = 16
+ADAPTER_TARGETS = ("q_proj", "v_proj")
+#: the refusal code recorded for a request that got no HTTP answer at all (``Outcome.status == NO_ANSWER``)
+NO_ANSWER_STATUS = 502
+#: kubectl applies the manifests in files of this many objects
+APPLY_CHUNK = 100
+#: requests a scenario generates for the twin unless told (a few minutes of real time at the scenarios' rates)
+DEFAULT_REQUESTS = 3000
+
+
+@dataclass(frozen=True)
+class TwinOptions:
+    """The pool the twin runs and how long it may take to onboard the adapters."""
+
+    pods: int = 32
+    max_loras: int = 4
+    max_cpu_loras: int = 16
+    profile: str = LARGE_GPU.name
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    #: seconds between sidecar heartbeats (and the controller's resync): reports about a second old, as the
+    #: simulator's loraplane policy sees them
+    heartbeat: float = 1.0
+    stable_timeout_s: float = 1800.0
+
+
+@dataclass(frozen=True)
+class TwinAdapter:
+    """One adapter revision of the trace as the twin serves it."""
+
+    adapter: str
+    revision: str
+    tenant: str
+    priority: int
+    uri: str
+    digest: str
+    content_digest: str
+
+    @property
+    def object_name(self) -> str:
+        """The AdapterRevision's name."""
+        return f"{self.adapter}-{self.revision}"
+
+
+def write_adapters(trace: Trace, artifacts: Path, model: str) -> list[TwinAdapter]:
+    """A real PEFT adapter per revision of ``trace`` (seeded by its index), archived as a tar below ``artifacts``."""
+    from loraplane.engine.make_adapters import model_config, write_adapter
+
+    config = model_config(model)
+    written = []
+    for index, entry in enumerate(trace.adapters):
+        adapter, revision = parse_served_name(entry.name)
+        directory = artifacts / "adapters" / f"{adapter}-{revision}"
+        content_digest = write_adapter(directory, config, ADAPTER_RANK, seed=index, targets=ADAPTER_TARGETS,
+                                       base_model_name=model)
+        archive = artifacts / f"{adapter}-{revision}.tar"
+        with tarfile.open(archive, "w") as tar:
+            tar.add(directory, arcname=directory.name)
+        tenant = trace.tenants[entry.tenant]
+        written.append(TwinAdapter(adapter, revision, tenant.name, tenant.priority, archive.as_uri(),
+                                   "sha256:" + hashlib.sha256(archive.read_bytes()).hexdigest(), content_digest))
+    return written
+
+
+def priority_class(priority: int) -> PriorityClass:
+    """The trace's tenant priority (1 gold, 0 standard, -1 sheddable) as an AdapterRevision's class."""
+    return PriorityClass.GOLD if priority > 0 else PriorityClass.SHEDDABLE if priority < 0 else PriorityClass.STANDARD
+
+
+def manifest(adapter: TwinAdapter, base_model: str, base_digest: str) -> dict[str, Any]:
+    """The AdapterRevision of ``adapter``: GPU-preferred (as the simulator plans every adapter), its tenant's
+    priority class, a one-pod canary probed with two tokens (a first revision goes Stable after its probe)."""
+    body = {
+        "apiVersion": "loraplane.io/v1alpha1",
+        "kind": "AdapterRevision",
+        "metadata": {"name": adapter.object_name, "namespace": "default"},
+        "spec": {
+            "adapter": adapter.adapter, "revision": adapter.revision, "poolRef": {"name": POOL},
+            "baseModel": {"name": base_model, "digest": base_digest},
+            "artifact": {"uri": adapter.uri, "digest": adapter.digest},
+            "lora": {"rank": ADAPTER_RANK, "alpha": ADAPTER_RANK, "dtype": "float32",
+                     "targetModules": list(ADAPTER_TARGETS)},
+            "tenant": adapter.tenant, "priorityClass": priority_class(adapter.priority).value,
+            "warmPolicy": "gpu-preferred",
+            "rollout": {"canary": {"pods": 1},
+                        "healthProbe": {"prompt": "hello", "maxTokens": 2, "ttftBoundMs": 60000,
+                                        "timeoutSeconds": 60}},
+        },
+    }
+    AdapterRevision.model_validate(body)
+    return body
+
+
+def prompt_text(rid: int, tokens: int) -> str:
+    """A prompt of ``tokens`` words no other request shares a first block with (no accidental prefix-cache hits)."""
+    return " ".join(f"q{rid}w{i}" for i in range(tokens))
+
+
+def replay_requests(trace: Trace, models: Sequence[str]) -> list[ReplayRequest]:
+    """One request per trace row, leaving at its arrival (seconds after the first), naming its adapter's model."""
+    start = trace.arrival[0] if len(trace) else 0.0
+    return [ReplayRequest(at=trace.arrival[i] - start, model=models[trace.adapter[i]],
+                          prompt=prompt_text(i, trace.input_tokens[i]), max_tokens=trace.output_tokens[i])
+            for i in range(len(trace))]
+
+
+def outcomes_as_result(policy: str, trace: Trace, outcomes: Sequence[Outcome],
+                       pod_of: Callable[[str | None], int]) -> SimResult:
+    """The replay's outcomes in the simulator's result shape, so the twin's figures are computed by the same code:
+    a request counts as served when it got a 200 and its stream ended; any other status is a refusal with that
+    status (no HTTP answer at all: ``NO_ANSWER_STATUS``)."""
+    n = len(trace)
+    ttft, refused, pod = array("d", bytes(8 * n)), array("H", bytes(2 * n)), array("i", bytes(4 * n))
+    for i, outcome in enumerate(outcomes):
+        served = outcome.status == 200 and not math.isnan(outcome.e2e_s) and not math.isnan(outcome.ttft_s)
+        ttft[i] = outcome.ttft_s if served else math.nan
+        if served:
+            refused[i] = SERVED
+        else:  # no answer, or a 200 whose stream broke off: the client got nothing usable
+            refused[i] = NO_ANSWER_STATUS if outcome.status in (NO_ANSWER, 200) else outcome.status
+        pod[i] = pod_of(outcome.upstream)
+    return SimResult(policy=policy, trace=trace, ttft=ttft, tier=bytearray(n), pod=pod, refused=refused,
+                     held_s=array("d", bytes(8 * n)))
+
+
+def finite_ms(values: Iterable[float]) -> dict[str, float | None]:
+    """p50 / p95 / p99 in ms of the finite ``values`` (seconds)."""
+    return percentiles_ms(np.asarray([v for v in values if not math.isnan(v)], dtype=np.float64))
+
+
+# -- what the processes say ----------------------------------------------------------------------------------------
+def metric_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Prometheus text -> sample name -> [(labels, value)]."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
+    return samples
+
+
+def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> float:
+    """The sum of every series of ``name``."""
+    return sum(value for _, value in samples.get(name, ()))
+
+
+def histogram_quantiles(before: dict[str, list[tuple[dict[str, str], float]]],
+                        after: dict[str, list[tuple[dict[str, str], float]]], name: str,
+                        quantiles: Sequence[float] = (0.5, 0.99)) -> dict[str, float | None]:
+    """Quantiles (ms, the upper bound of the bucket they fall in) of histogram ``name`` between two scrapes."""
+    def buckets(samples: dict[str, list[tuple[dict[str, str], float]]]) -> dict[float, float]:
+        counts: dict[float, float] = {}
+        for labels, value in samples.get(f"{name}_bucket", ()):
+            bound = float(labels["le"])
+            counts[bound] = counts.get(bound, 0.0) + value
+        return counts
+
+    start, end = buckets(before), buckets(after)
+    delta = sorted((bound, end[bound] - start.get(bound, 0.0)) for bound in end)
+    count = delta[-1][1] if delta else 0.0
+    out: dict[str, float | None] = {"count": count}
+    for q in quantiles:
+        bound = next((b for b, c in delta if count and c >= q * count), None)
+        out[f"p{round(q * 100)}_ms_le"] = None if bound is None else (math.inf if math.isinf(bound) else bound * 1e3)
+    return out
+
+
+def process_usage(pid: int) -> tuple[float, int, int]:
+    """(CPU seconds used so far, RSS and peak RSS in bytes) of process ``pid`` (from /proc; zeros once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0, 0, 0
+    ticks = 100.0
+    cpu = (int(stat[11]) + int(stat[12])) / ticks
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+
+    def kib(key: str) -> int:
+        return int(fields.get(key, "0 kB").split()[0]) * 1024
+
+    return cpu, kib("VmRSS"), kib("VmHWM")
+
+
+@dataclass
+class Scrapes:
+    """Every emulated pod's, the picker's and the controller's /metrics at one moment."""
+
+    pods: dict[str, dict[str, list[tuple[dict[str, str], float]]]] = field(default_factory=dict)
+    picker: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+    controller: dict[str, list[tuple[dict[str, str], float]]] = field(default_factory=dict)
+
+
+async def scrape_all(stack: LocalStack) -> Scrapes:
+    """Scrape every pod's, the picker's and the controller's metrics directly (not through Envoy)."""
+    async def one(http: aiohttp.ClientSession, url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=30)) as response:
+            return metric_samples(await response.text())
+
+    async with aiohttp.ClientSession() as http:
+        pods = await asyncio.gather(*(one(http, f"http://{e.address}/metrics") for e in stack.engines))
+        picker = await one(http, f"http://127.0.0.1:{stack.picker_metrics_port}/metrics")
+        controller = await one(http, f"http://127.0.0.1:{stack.controller_metrics_port}/metrics")
+    return Scrapes(dict(zip((e.pod for e in stack.engines), pods, strict=True)), picker, controller)
+
+
+# -- the run --------------------------------------------------------------------------------------------------------
+class Twin:
+    """One trace through a started emulated stack."""
+
+    def __init__(self, stack: LocalStack, trace: Trace, options: TwinOptions,
+                 say: Callable[[str], None] = lambda _m: None) -> None:
+        assert stack.cluster is not None and stack.model_digest is not None
+        self.stack, self.trace, self.options, self.say = stack, trace, options, say
+        self.adapters: list[TwinAdapter] = []
+
+    def onboard(self) -> float:
+        """Write the artifacts, ``kubectl apply`` one AdapterRevision per adapter, wait until all are Stable;
+        returns the seconds it took from the first apply."""
+        stack = self.stack
+        assert stack.cluster is not None and stack.model_digest is not None
+        self.adapters = write_adapters(self.trace, stack.artifacts, stack.options.model)
+        manifests = [manifest(a, stack.options.model, stack.model_digest) for a in self.adapters]
+        directory = stack.options.workdir / "manifests"
+        directory.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        for first in range(0, len(manifests), APPLY_CHUNK):
+            path = directory / f"twin-{first // APPLY_CHUNK:03d}.yaml"
+            path.write_text(yaml.safe_dump_all(manifests[first:first + APPLY_CHUNK], sort_keys=False))
+            stack.cluster.kubectl("apply", "-f", str(path), timeout=120)
+        asyncio.run(self._wait_stable({a.object_name for a in self.adapters}))
+        return time.monotonic() - started
+
+    async def _wait_stable(self, names: set[str]) -> None:
+        assert self.stack.cluster is not None
+        deadline = time.monotonic() + self.options.stable_timeout_s
+        last = -1
+        async with aiohttp.ClientSession() as http:
+            while True:
+                async with http.get(self.stack.cluster.url + GROUP_PATH) as response:
+                    items = (await response.json())["items"]
+                phases = {i["metadata"]["name"]: (i.get("status") or {}).get("phase", "") for i in items}
+                stable = sum(phases.get(n) == "Stable" for n in names)
+                ended = {n: phases[n] for n in names if phases.get(n) in ("Failed", "RolledBack")}
+                if ended:
+                    raise RuntimeError(f"{len(ended)} revisions ended without becoming Stable: "
+                                       f"{dict(list(ended.items())[:5])} (kubectl describe adapterrevision NAME)")
+                if stable != last:
+                    self.say(f"twin: {stable} of {len(names)} revisions Stable")
+                    last = stable
+                if stable == len(names):
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(names) - stable} revisions not Stable after "
+                                       f"{self.options.stable_timeout_s:.0f} s")
+                await asyncio.sleep(1.0)
+
+    def run(self, policy: str) -> dict[str, Any]:
+        """Replay the trace through the gateway; the report of ``policy`` on this stack."""
+        stack = self.stack
+        models = [a.adapter for a in self.adapters]
+        requests = replay_requests(self.trace, models)
+        identity = {a.adapter: a.content_digest for a in self.adapters}
+
+        def check(request: ReplayRequest, text: str) -> bool:
+            """The emulator's answer under the revision's weights (its content digest), token for token."""
+            words = len(text.split())
+            return words > 0 and text == expected_text(identity[request.model], request.prompt, words)
+
+        pod_index = {e.address: i for i, e in enumerate(stack.engines)}
+        usage_before = {name: process_usage(pid) for name, pid in stack.pids().items()}
+        before = asyncio.run(scrape_all(stack))
+        started = time.monotonic()
+        outcomes = asyncio.run(replay(stack.gateway_url, requests, check=check))
+        wall = time.monotonic() - started
+        after = asyncio.run(scrape_all(stack))
+        usage_after = {name: process_usage(pid) for name, pid in stack.pids().items()}
+        result = outcomes_as_result(policy, self.trace, outcomes, lambda upstream: pod_index.get(upstream or "", -1))
+        summary = twin_summary(result, outcomes, before, after, self.options.slo_ttft_ms)
+        summary["replay_wall_s"] = round(wall, 1)
+        summary["processes"] = usage_summary(usage_before, usage_after, wall)
+        return summary
+
+
+def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes, after: Scrapes,
+                 slo_ttft_ms: float) -> dict[str, Any]:
+    """The figures ``loraplane sim --json`` reports for a policy (the same functions), from the twin's run."""
+    loads = sum(total(after.pods[p], "loraplane_emulator_lora_loads_total")
+                - total(before.pods[p], "loraplane_emulator_lora_loads_total") for p in after.pods)
+    hits = sum(total(after.pods[p], "vllm:prefix_cache_hits_total") - total(before.pods[p], "vllm:prefix_cache_hits_total")
+               for p in after.pods)
+    queries = sum(total(after.pods[p], "vllm:prefix_cache_queries_total")
+                  - total(before.pods[p], "vllm:prefix_cache_queries_total") for p in after.pods)
+    late = [o.late_s for o in outcomes]
+    return {
+        "requests": len(result.trace),
+        **slo_figures(result, slo_ttft_ms),
+        "ttft_ms": percentiles_ms(served_ttft(result)),
+        "hot_ttft_p99_ms": hot_ttft_p99_ms(result),
+        "e2e_ms": finite_ms(o.e2e_s for o in outcomes if o.status == 200),
+        "cold_starts": int(loads),
+        "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "refusal_reasons": dict(Counter(f"{o.status} {o.reason}" for o in outcomes if o.status != 200).most_common(8)),
+        "wrong_revision": sum(o.wrong for o in outcomes),
+        "no_answer": sum(o.status == NO_ANSWER for o in outcomes),
+        "client_late_p99_ms": finite_ms(late)["p99"],
+        "control_plane": {
+            "picker_decision": histogram_quantiles(before.picker, after.picker,
+                                                   "loraplane_picker_decision_duration_seconds"),
+            "controller_reconcile": histogram_quantiles(before.controller, after.controller,
+                                                        "loraplane_controller_reconcile_seconds"),
+        },
+    }
+
+
+def usage_summary(before: dict[str, tuple[float, int, int]], after: dict[str, tuple[float, int, int]],
+                  wall_s: float) -> dict[str, Any]:
+    """Per process kind (emulated pods, sidecars, picker, ...): CPU share of one core over the replay, RSS now and
+    at its peak (largest process of the kind, and the kind's sum)."""
+    kinds: dict[str, list[tuple[float, int, int]]] = {}
+    for name, (cpu, rss, peak) in after.items():
+        kind = "sidecar" if name.startswith("sidecar-") else "pod" if name.startswith("engine-") else name
+        kinds.setdefault(kind, []).append((cpu - before.get(name, (0.0, 0, 0))[0], rss, peak))
+    return {kind: {"processes": len(rows), "cpu_core_share": round(sum(r[0] for r in rows) / wall_s, 3) if wall_s else None,
+                   "rss_mb_sum": round(sum(r[1] for r in rows) / 2**20, 1),
+                   "rss_mb_max": round(max(r[1] for r in rows) / 2**20, 1),
+                   "peak_rss_mb_max": round(max(r[2] for r in rows) / 2**20, 1)}
+            for kind, rows in sorted(kinds.items())}
+
+
+def start_stack(workdir: Path, options: TwinOptions) -> LocalStack:
+    """The local stack on ``options.pods`` emulated pods."""
+    stack = LocalStack(StackOptions(workdir=workdir, engines=options.pods, runtime="emulated", model="tiny-hd32",
+                                    profile=options.profile, max_loras=options.max_loras,
+                                    max_cpu_loras=options.max_cpu_loras, heartbeat=options.heartbeat,
+                                    body_mode="FULL_DUPLEX_STREAMED"))
+    return stack.start()
+
+
+def add_pool_options(p: argparse.ArgumentParser, pods: int) -> None:
+    """The flags of the twin's pool (read them with ``pool_options``); ``bench fidelity`` takes them too."""
+    p.add_argument("--pods", type=int, default=pods, help="emulated model-server pods, each with its sidecar")
+    p.add_argument("--max-loras", type=int, default=TwinOptions.max_loras, help="GPU adapter slots per pod")
+    p.add_argument("--max-cpu-loras", type=int, default=TwinOptions.max_cpu_loras,
+                   help="host-memory adapter slots per pod")
+    p.add_argument("--profile", default=TwinOptions.profile,
+                   help="the emulated pods' timing profile: a built-in name or a JSON file (loraplane.sim.profile)")
+    p.add_argument("--slo-ttft-ms", type=float, default=TwinOptions.slo_ttft_ms,
+                   help="TTFT a served request must meet for slo_attainment")
+    p.add_argument("--workdir", type=Path, default=Path(".run-twin"),
+                   help="the stack's logs, artifacts and manifests go here")
+    p.add_argument("--json", action="store_true", help="print one JSON object (always on; kept for symmetry)")
+
+
+def pool_options(args: argparse.Namespace) -> TwinOptions:
+    """The ``TwinOptions`` of ``add_pool_options``' flags."""
+    return TwinOptions(pods=args.pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
+                       profile=args.profile, slo_ttft_ms=args.slo_ttft_ms)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command's flags."""
+    from loraplane.helptext import HelpFormatter
+    from loraplane.sim.cli import add_trace_source
+
+    p = argparse.ArgumentParser(prog="loraplane bench twin", formatter_class=HelpFormatter,
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    add_trace_source(p, default_requests=DEFAULT_REQUESTS)
+    add_pool_options(p, pods=TwinOptions.pods)
+    p.add_argument("--policy", default="loraplane", choices=["loraplane"], help="the routing policy")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``loraplane bench twin``."""
+    from loraplane.sim.cli import trace_from_args
+    from loraplane.sim.profile import load_profile
+    from loraplane.sim.trace import TraceError
+
+    p = parser()
+    args = p.parse_args(list(argv))
+    options = pool_options(args)
+    profile = load_profile(args.profile)
+    try:
+        trace = trace_from_args(p, args, profile.default_adapter_bytes)
+    except TraceError as exc:
+        print(f"loraplane bench twin: {exc}", file=sys.stderr)
+        return 2
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    stack = start_stack(args.workdir.resolve(), options)
+    try:
+        twin = Twin(stack, trace, options, say)
+        onboard_s = twin.onboard()
+        say(f"twin: {len(twin.adapters)} revisions Stable after {onboard_s:.1f} s; replaying {len(trace)} requests")
+        report = {"scenario": trace.name, "pods": options.pods, "requests": len(trace), "seed": args.seed,
+                  "profile": profile.name, "slo_ttft_ms": options.slo_ttft_ms,
+                  "pool": {"pods": options.pods, "max_loras": options.max_loras,
+                           "max_cpu_loras": options.max_cpu_loras},
+                  "onboard_s": round(onboard_s, 1), "policies": {args.policy: twin.run(args.policy)}}
+    finally:
+        stack.stop()
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    print(json.dumps(report, indent=2))
+    return 0
