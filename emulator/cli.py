@@ -123,6 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(str(exc))
     model = Path(args.model)
     max_model_len = args.max_model_len or _max_position_embeddings(model) or DEFAULT_MAX_MODEL_LEN
+    if max_model_len > profile.kv_capacity_tokens:
+        p.error(f"max_model_len ({max_model_len}) is larger than the KV cache ({profile.kv_capacity_tokens} tokens, "
+                f"profile {profile.name}): not even one request of that length would fit")
     threshold = (profile.long_prefill_token_threshold if args.long_prefill_token_threshold is None
                  else args.long_prefill_token_threshold)
     if threshold > max_model_len:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loraplane.api import Tier
+from loraplane.api import vllm_metrics as names
 
 if TYPE_CHECKING:
     from loraplane.emulator.engine import Engine
@@ -113,12 +114,11 @@ def render(engine: Engine, model_name: str, start_time: float, wall: Callable[[f
     """The exposition of ``engine``'s state; ``wall`` turns engine time into ``time.time()`` seconds."""
     stats = engine.stats
     out = _Writer()
-    base = {"engine": "0", "model_name": model_name}
+    base = {"engine": "0", names.MODEL_NAME_LABEL: model_name}
     out.gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds.", {}, start_time)
-    out.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", base,
-              len(engine.running))
-    out.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", base, len(engine.waiting))
-    out.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", base, engine.pool.usage)
+    out.gauge(names.RUNNING, "Number of requests in model execution batches.", base, len(engine.running))
+    out.gauge(names.WAITING, "Number of requests waiting to be processed.", base, len(engine.waiting))
+    out.gauge(names.KV_USAGE, "KV-cache usage. 1 means 100 percent usage.", base, engine.pool.usage)
     out.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", base,
                 stats.prefix_queries)
     out.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", base,
@@ -136,20 +136,21 @@ def render(engine: Engine, model_name: str, start_time: float, wall: Callable[[f
                   stats.e2e)
     out.histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", base,
                   stats.queue)
-    out.family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.",
-               [("vllm:lora_requests_info", {"max_lora": str(engine.config.max_loras), "running_lora_adapters": combo,
-                                             "waiting_lora_adapters": combo}, wall(stamp))
-                for combo, stamp in engine.lora_requests_series().items()])
+    out.family(names.LORA_REQUESTS_INFO, "gauge", "Running stats on lora requests.",
+               [(names.LORA_REQUESTS_INFO, {names.MAX_LORA_LABEL: str(engine.config.max_loras),
+                                            names.RUNNING_ADAPTERS_LABEL: combo, names.WAITING_ADAPTERS_LABEL: combo},
+                 wall(stamp)) for combo, stamp in engine.lora_requests_series().items()])
     # vLLM's open residency PR stack
     cache = engine.cache
     resident = [(lora, cache.tier(lora.int_id)) for lora in engine.registered.values()]
-    out.family("vllm:lora_adapter_loaded", "gauge", "LoRA adapters resident per level (1 = resident).",
-               [("vllm:lora_adapter_loaded", {"adapter_name": lora.name, "level": tier.value, "pinned": "false",
-                                              "rank": str(lora.files.rank)}, 1.0)
+    out.family(names.LORA_ADAPTER_LOADED, "gauge", "LoRA adapters resident per level (1 = resident).",
+               [(names.LORA_ADAPTER_LOADED, {names.ADAPTER_LABEL: lora.name, names.LEVEL_LABEL: tier.value,
+                                             names.PINNED_LABEL: "false", "rank": str(lora.files.rank)}, 1.0)
                 for lora, tier in resident if tier is not Tier.DISK])
-    out.gauge("vllm:num_gpu_loaded_lora_adapters", "LoRA adapter copies in GPU slots.", base, len(cache.active))
-    out.gauge("vllm:num_cpu_loaded_lora_adapters", "LoRA adapter copies in host memory.", base, len(cache.host))
-    out.gauge("vllm:max_gpu_lora_adapters", "GPU LoRA slots (max_loras).", base, cache.max_loras)
+    out.gauge(names.NUM_GPU_LOADED, "LoRA adapter copies in GPU slots.", base, len(cache.active))
+    out.gauge(names.NUM_CPU_LOADED, "LoRA adapter copies in host memory (those in GPU slots too).", base,
+              len(cache.host))
+    out.gauge(names.MAX_GPU_ADAPTERS, "GPU LoRA slots (max_loras).", base, cache.max_loras)
     out.histogram("vllm:lora_adapter_load_seconds", "Histogram of LoRA adapter load time in seconds.", base,
                   stats.lora_load)
     # the emulator's own

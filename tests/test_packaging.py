@@ -13,7 +13,7 @@ import pytest
 
 from loraplane.cli import BENCHMARKS, COMMANDS
 
-COMPONENTS = ["api", "kernels", "engine", "sidecar", "picker", "controller", "devcluster", "sim"]
+COMPONENTS = ["api", "kernels", "engine", "sidecar", "picker", "controller", "devcluster", "sim", "emulator"]
 SCRIPTS = ["loraplane", "loraplane-picker", "loraplane-controller", "loraplane-sidecar", "loraplane-engine"]
 
 
