@@ -105,7 +105,7 @@ def test_bootstrap_routes_to_the_picker_and_the_pickers_endpoints_with_retries(r
     config = bootstrap(render, {})
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     picker = clusters["picker"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
-    assert picker["socket_address"] == {"address": f"{name_of('picker')}.serving.svc", "port_value": 9002}
+    assert picker["socket_address"] == {"address": f"{name_of('picker')}-replicas.serving.svc", "port_value": 9002}
     pool = clusters["model-servers"]
     assert pool["type"] == "STRICT_DNS"
     host = pool["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
@@ -267,3 +267,45 @@ def test_live_envoy_adds_the_runtime_token_for_vllm_and_replaces_a_clients(
         envoy.stop()
     assert plain.status_code == spoofed.status_code == 200
     assert [s["authorization"] for s in backend.seen] == [f"Bearer {token}"] * 2
+
+
+def test_every_picker_replica_is_health_checked_and_a_dead_one_ejected(render: RenderFn) -> None:
+    """Envoy lists the pickers one by one (a headless Service), checks each one's gRPC health on its health port for
+    the ext_proc service (NOT_SERVING until it has read Redis) and ejects one at its first refused connection."""
+    rendered = render({"gateway": {"mode": "envoy"}})
+    config = bootstrap(render, {})
+    (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == "picker"]
+    replicas = rendered.get("Service", f"{name_of('picker')}-replicas")
+    assert replicas["spec"]["clusterIP"] == "None"
+    assert replicas["spec"]["selector"] == rendered.get("Service", name_of("picker"))["spec"]["selector"]
+    host = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert host["health_check_config"] == {"port_value": 9003}
+    picker = rendered.get("Deployment", name_of("picker"))["spec"]["template"]["spec"]["containers"][0]
+    assert "--health-address=0.0.0.0:9003" in picker["args"]
+    (check,) = cluster["health_checks"]
+    assert check["grpc_health_check"] == {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
+    assert (check["interval"], check["no_traffic_interval"], check["unhealthy_threshold"]) == ("1s", "1s", 1)
+    outlier = cluster["outlier_detection"]
+    assert outlier["consecutive_local_origin_failure"] == 1 and outlier["split_external_local_origin_errors"]
+    assert cluster["common_lb_config"] == {"healthy_panic_threshold": {"value": 0}}
+    httproute = render({"gateway": {"mode": "httproute", "httpRoute": {"parentRefs": [{"name": "gw"}]}},
+                        "networkPolicy": {"enabled": False}})
+    assert f"{name_of('picker')}-replicas" not in httproute.names("Service")
+
+
+def test_circuit_breakers_sit_above_what_the_picker_admits(render: RenderFn) -> None:
+    """Envoy's default breakers (1,024) refused the 1,025th concurrent request with an empty 500; the picker's own
+    queue limits (and the pods below saturation) bound what it admits, then it answers 429 / 503 with a reason."""
+    import importlib.resources
+
+    default = yaml.safe_load(importlib.resources.files("loraplane.picker").joinpath("default-config.yaml").read_text())
+    flow = next(p for p in default["plugins"] if p["type"] == "flow-control")["parameters"]
+    queued = sum(flow["queueLimit"].values())
+    clusters = {c["name"]: c for c in bootstrap(render, {})["static_resources"]["clusters"]}
+    for name in ("picker", "model-servers"):
+        (limits,) = clusters[name]["circuit_breakers"]["thresholds"]
+        assert min(limits["max_connections"], limits["max_pending_requests"], limits["max_requests"]) >= 32 * queued
+        assert limits["retry_budget"] == {"budget_percent": {"value": 20.0}, "min_retry_concurrency": 32}
+    custom = bootstrap(render, {"gateway": {"envoy": {"maxRequests": 4096}}})
+    assert {c["name"]: c["circuit_breakers"]["thresholds"][0]["max_requests"]
+            for c in custom["static_resources"]["clusters"]} == {"picker": 4096, "model-servers": 4096}

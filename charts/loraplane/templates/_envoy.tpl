@@ -3,10 +3,13 @@ the envoy.lb metadata (and the first in x-gateway-destination-endpoint); the mod
 headless Service) is balanced by Envoy's override-host policy, which sends the request to the first and, on a
 retry (refused, reset or closed before response headers), to the next. A client's own copy of the header is
 removed before the picker runs, only the inference paths are routed, and header, stream-idle and connection-idle
-timeouts bound what a slow or stalled client may hold. */}}
+timeouts bound what a slow or stalled client may hold. The picker cluster lists every replica (a headless
+Service), checks each one's gRPC health and ejects one that refuses connections; both clusters' circuit breakers
+sit above what the picker admits (it answers 429 / 503 with a reason past its own queue limits). */}}
 {{- define "loraplane.envoyBootstrap" -}}
 {{- $e := .Values.gateway.envoy -}}
-{{- $picker := printf "%s.%s.svc" (include "loraplane.componentName" (dict "root" . "component" "picker")) .Release.Namespace -}}
+{{- $picker := printf "%s-replicas.%s.svc" (include "loraplane.componentName" (dict "root" . "component" "picker")) .Release.Namespace -}}
+{{- $hc := $e.pickerHealthCheck -}}
 {{- $endpoints := printf "%s.%s.svc" (include "loraplane.componentName" (dict "root" . "component" "model-server")) .Release.Namespace -}}
 {{- $noExtProc := dict "envoy.filters.http.ext_proc" (dict "@type" "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute" "disabled" true) -}}
 node:
@@ -105,6 +108,24 @@ static_resources:
       type: STRICT_DNS
       connect_timeout: 2s
       lb_policy: ROUND_ROBIN
+      dns_lookup_family: V4_ONLY
+      circuit_breakers: {{ include "loraplane.envoyCircuitBreakers" $e.maxRequests }}
+      health_checks:
+        - timeout: {{ $hc.timeout }}
+          interval: {{ $hc.interval }}
+          no_traffic_interval: {{ $hc.interval }}
+          unhealthy_threshold: 1
+          healthy_threshold: 1
+          grpc_health_check: {service_name: envoy.service.ext_proc.v3.ExternalProcessor}
+      outlier_detection:
+        split_external_local_origin_errors: true
+        consecutive_local_origin_failure: 1
+        enforcing_consecutive_local_origin_failure: 100
+        interval: {{ $hc.interval }}
+        base_ejection_time: {{ $hc.ejectionTime }}
+        max_ejection_percent: 100
+      # with every replica out, fail as with no picker rather than route to dead ones
+      common_lb_config: {healthy_panic_threshold: {value: 0}}
       typed_extension_protocol_options:
         envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
           "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
@@ -117,9 +138,11 @@ static_resources:
               - endpoint:
                   address:
                     socket_address: {address: {{ $picker }}, port_value: {{ .Values.picker.ports.grpc }}}
+                  health_check_config: {port_value: {{ .Values.picker.ports.health }}}
     - name: model-servers
       type: STRICT_DNS
       connect_timeout: 5s
+      circuit_breakers: {{ include "loraplane.envoyCircuitBreakers" $e.maxRequests }}
       load_assignment:
         cluster_name: model-servers
         endpoints:
@@ -142,4 +165,10 @@ static_resources:
                         name: envoy.load_balancing_policies.round_robin
                         typed_config:
                           "@type": type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin
+{{- end -}}
+
+
+{{/* Envoy circuit_breakers (flow style) at the given limit, retries in flight by a budget. */}}
+{{- define "loraplane.envoyCircuitBreakers" -}}
+{thresholds: [{priority: DEFAULT, max_connections: {{ . }}, max_pending_requests: {{ . }}, max_requests: {{ . }}, retry_budget: {budget_percent: {value: 20.0}, min_retry_concurrency: 32}}]}
 {{- end -}}
