@@ -65,7 +65,6 @@ class ModelShapes:
 class AdapterFiles:
     """What the emulator needs of an adapter directory."""
 
-    path: Path
     rank: int
     #: content digest (``loraplane.api.adapter_digest``): the identity its answers are computed from
     digest: str
@@ -104,7 +103,7 @@ def read_adapter(name: str, lora_path: str, max_lora_rank: int, shapes: ModelSha
     if unexpected:
         raise WorkerError(f"While loading {path}, expected target modules in {sorted(LINEAR_MODULES)} but received "
                           f"{unexpected}. Please verify that the loaded LoRA module is correct")
-    return AdapterFiles(path, rank, adapter_digest(path), _slot_error(tensors, shapes))
+    return AdapterFiles(rank, adapter_digest(path), _slot_error(tensors, shapes))
 
 
 def _max_rank(config: dict[str, Any]) -> int:

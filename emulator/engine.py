@@ -91,7 +91,6 @@ class Request:
     preemptions: int = 0
     #: admitted and not yet sampled since (its scheduled tokens are prefill tokens)
     in_prefill: bool = False
-    scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float = 0.0
     finished_at: float | None = None
@@ -139,7 +138,6 @@ class LoadTicket:
 class _Run:
     """A first step (which may admit, prefill and load) followed by ``steps - 1`` identical decode steps."""
 
-    start: float
     first_end: float
     step_s: float
     steps: int
@@ -303,7 +301,7 @@ class Engine:
         prefill = sum(n for req, n in batch if req.in_prefill)
         first_ms = api_ms + decode_ms + self.profile.prefill_per_token_ms * prefill + load_ms
         repeat_ms = decode_ms + sum(self.profile.load_ms(Tier.DISK, lora.nbytes) for lora in reloads)
-        run = _Run(start=now, first_end=now + first_ms / 1e3, step_s=repeat_ms / 1e3, steps=1, batch=batch,
+        run = _Run(first_end=now + first_ms / 1e3, step_s=repeat_ms / 1e3, steps=1, batch=batch,
                    tickets=tickets, reloads=reloads)
         if plan.repeatable and batch:
             run.steps = self._repeatable_steps(batch)
@@ -365,7 +363,6 @@ class Engine:
                     self.stats.prefix_hits += len(hit) * cfg.block_size
                 if req.status is Status.WAITING:
                     req.cached_tokens = len(hit) * cfg.block_size
-                    req.scheduled_at = now
                     self.stats.queue.observe(now - req.arrival)
                 req.status = Status.RUNNING
                 req.in_prefill = True

@@ -61,7 +61,7 @@ def write_adapter(path: Path, rank: int = 8, config: dict[str, int] = TINY, seed
 
 def lora(name: str, int_id: int, nbytes: int = LARGE_GPU.default_adapter_bytes) -> Lora:
     """An adapter for engine-level tests (no files)."""
-    return Lora(name, int_id, name, AdapterFiles(Path(name), 16, f"digest-{name}", None), nbytes)
+    return Lora(name, int_id, name, AdapterFiles(16, f"digest-{name}", None), nbytes)
 
 
 def small_profile(**changes: float | int) -> Profile:

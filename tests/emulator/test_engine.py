@@ -19,8 +19,7 @@ P = LARGE_GPU
 
 def request(rid: str, prompt: int | list[int], max_tokens: int, adapter: Lora | None = None, priority: int = 0,
             stream: bool = False) -> Request:
-    ids = list(range(1000 + 7 * len(rid), 1000 + 7 * len(rid) + prompt)) if isinstance(prompt, int) else prompt
-    ids = [hash((rid, i)) % 4096 for i in range(len(ids))] if isinstance(prompt, int) else ids
+    ids = [hash((rid, i)) % 4096 for i in range(prompt)] if isinstance(prompt, int) else prompt
     return Request(rid, ids, max_tokens, adapter, adapter.files.digest if adapter else "base", priority=priority,
                    stream=stream)
 
