@@ -219,7 +219,7 @@ class LocalStack:
         """Every child started so far, in start order."""
         started: list[ManagedProcess | None] = [
             self.cluster.process if self.cluster else None, self.redis.process if self.redis else None,
-            *(e.engine for e in self.engines), *(e.sidecar for e in self.engines), *(self.pickers or [self.picker]),
+            *(e.engine for e in self.engines), *(e.sidecar for e in self.engines), *(self.pickers or (self.picker,)),
             self.envoy,
             self.controller,
         ]

@@ -288,12 +288,14 @@ class Twin:
             while True:
                 async with http.get(self.stack.cluster.url + GROUP_PATH) as response:
                     items = (await response.json())["items"]
-                phases = {i["metadata"]["name"]: (i.get("status") or {}).get("phase", "") for i in items}
+                status = {i["metadata"]["name"]: i.get("status") or {} for i in items}
+                phases = {name: st.get("phase", "") for name, st in status.items()}
                 stable = sum(phases.get(n) == "Stable" for n in names)
-                ended = {n: phases[n] for n in names if phases.get(n) in ("Failed", "RolledBack")}
+                ended = {n: f"{phases[n]} ({status[n].get('reason')}: {status[n].get('message')})"
+                         for n in names if phases.get(n) in ("Failed", "RolledBack")}
                 if ended:
                     raise RuntimeError(f"{len(ended)} revisions ended without becoming Stable: "
-                                       f"{dict(list(ended.items())[:5])} (kubectl describe adapterrevision NAME)")
+                                       f"{dict(list(ended.items())[:5])}")
                 if stable != last:
                     self.say(f"twin: {stable} of {len(names)} revisions Stable")
                     last = stable
