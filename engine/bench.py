@@ -116,7 +116,7 @@ async def _merge_case(options: argparse.Namespace, tmp: Path, prompt: list[int],
                       rank: int) -> dict[str, object]:
     """One adapter on every row of a decode batch (``pure``), and on all rows but one base row (``mixed``):
     tokens/s with merge off and forced, interleaved over ``--merge-repeats`` rounds (medians); then the cost of a
-    switch, and what the ``auto`` policy does with the pure batch on its own measurements."""
+    switch, and what the ``auto`` policy does with the pure, then the mixed batch on its own measurements."""
     config = PRESETS[options.model]
     path = tmp / f"merge-r{rank}"
     if not path.exists():
@@ -140,9 +140,12 @@ async def _merge_case(options: argparse.Namespace, tmp: Path, prompt: list[int],
         await _decode_tokens_per_s(engine, prompt, [None], 2)  # a step that unmerges
         switch = await _switch_cost(engine, adapter, options.merge_repeats)
         engine.set_merge_mode("auto")
-        auto = [await _decode_tokens_per_s(engine, prompt, shapes["pure"], tokens) for _ in range(options.auto_runs)]
-        auto_merged = adapter in engine.merged_adapters()
-        verdicts = engine.merge_policy.verdicts_json()
+        auto: dict[str, object] = {}
+        for shape, adapters in shapes.items():  # pure first: the mixed batch alone is under the entry share
+            auto[f"{shape}_tokens_per_s"] = [await _decode_tokens_per_s(engine, prompt, adapters, tokens)
+                                             for _ in range(options.auto_runs)]
+            auto[f"{shape}_held_at_end"] = adapter in engine.merged_adapters()
+        auto["verdicts"] = engine.merge_policy.verdicts_json()
     result: dict[str, object] = {"backend": backend, "dtype": dtype, "rank": rank}
     for shape in shapes:
         figures: dict[str, float] = {}
@@ -155,7 +158,7 @@ async def _merge_case(options: argparse.Namespace, tmp: Path, prompt: list[int],
             figures[f"merged_over_unmerged{suffix}"] = round(merged / off, 3) if off else 0.0
         result[shape] = figures
     result.update(switch)
-    result["auto"] = {"tokens_per_s": auto, "merged_at_end": auto_merged, "verdicts": verdicts}
+    result["auto"] = auto
     return result
 
 
@@ -286,8 +289,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--merge-dtypes", type=_names, default=["float32", "bfloat16"], help="dtypes of the merge cases")
     parser.add_argument("--merge-backends", type=_names, default=None,
                         help="LoRA backends of the merge cases (default: the device's, and torch)")
-    parser.add_argument("--merge-repeats", type=int, default=3, help="interleaved rounds per merge case (medians)")
-    parser.add_argument("--auto-runs", type=int, default=3, help="decode runs of the pure batch under --lora-merge auto")
+    parser.add_argument("--merge-repeats", type=int, default=5, help="interleaved rounds per merge case (medians)")
+    parser.add_argument("--auto-runs", type=int, default=3,
+                        help="decode runs of the pure, then the mixed batch under --lora-merge auto")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1, as loraplane-engine's --torch-threads)")
     args = parser.parse_args(list(argv))

@@ -374,16 +374,17 @@ class Engine:
         fits = int(self.available_memory(self.model.device) * self.merge_config.memory_fraction // copy_bytes)
         return max(0, min(room, fits))
 
-    def _merge_decision(self, rows: dict[Hashable | None, int]) -> tuple[list[int], list[int]]:
-        """Slots to unmerge and to merge before this step (the policy works on adapters)."""
-        merged = frozenset(self.merged_adapters())
-        decision = self.merge_policy.decide(rows, merged, self._merge_room(len(merged)))
+    def _merge_decision(self, rows: dict[Hashable | None, int], decode: bool) -> tuple[list[int], list[int], bool]:
+        """Slots to unmerge and to merge before this step, and whether it uses the copies (the policy works on
+        adapters)."""
+        held = frozenset(self.merged_adapters())
+        decision = self.merge_policy.decide(rows, held, lambda: self._merge_room(len(held)), decode)
         unmerge = [a.slot for a in decision.unmerge if isinstance(a, AdapterState) and a.slot is not None]
         merge = [a.slot for a in decision.merge if isinstance(a, AdapterState) and a.slot is not None]
-        return unmerge, merge
+        return unmerge, merge, decision.use
 
-    def _run_step(self, unmerge: list[int], merge: list[int], token_ids: torch.Tensor, positions: torch.Tensor,
-                  chunks: list[SequenceChunk], plan: BatchPlan) -> tuple[torch.Tensor, float]:
+    def _run_step(self, unmerge: list[int], merge: list[int], use: bool, token_ids: torch.Tensor,
+                  positions: torch.Tensor, chunks: list[SequenceChunk], plan: BatchPlan) -> tuple[torch.Tensor, float]:
         """In the step thread: apply the merge decision, then the forward pass; logits and the forward's seconds."""
         for slot in unmerge:
             self.model.unmerge_slot(slot)
@@ -391,6 +392,7 @@ class Engine:
             started = time.perf_counter()
             self.model.merge_slot(slot)
             self.merge_policy.switched(time.perf_counter() - started)
+        self.model.use_merged(use)
         clock = self._step_clock()
         started = clock()
         logits = self.model.forward(token_ids, positions, chunks, plan, self.kv)
@@ -422,19 +424,21 @@ class Engine:
                         rows[request.adapter] = rows.get(request.adapter, 0) + (len(request.prompt_ids) if prefill else 1)
                     decode = not any(prefill for _, prefill in batch)
                     try:
-                        unmerge, merge = self._merge_decision(rows)
-                        logits, seconds = await asyncio.to_thread(self._run_step, unmerge, merge, token_ids, positions,
-                                                                  chunks, plan)
+                        unmerge, merge, use = self._merge_decision(rows, decode)
+                        logits, seconds = await asyncio.to_thread(self._run_step, unmerge, merge, use, token_ids,
+                                                                  positions, chunks, plan)
                     except Exception as exc:  # a failed step fails its requests, never the engine
                         log.exception("engine step failed")
                         for request, _ in batch:
                             self.running.remove(request)
                             self._finish(request, "error", f"engine step failed: {exc}")
                         continue
-                    merged = frozenset(self.merged_adapters())
-                    merged_rows = sum(n for key, n in rows.items() if key in merged)
+                    held = frozenset(self.merged_adapters())
+                    merged_rows = sum(n for key, n in rows.items() if key in held) if use else 0
                     self.metrics.merged_step(merged_rows, plan.num_tokens - merged_rows)
-                    self.merge_policy.record(rows, merged, seconds, decode)
+                    for adapter in self.merge_policy.record(rows, held, use, seconds, decode).unmerge:
+                        if isinstance(adapter, AdapterState) and adapter.slot is not None:
+                            self.model.unmerge_slot(adapter.slot)
                     self._emit(batch, logits)
                 await asyncio.sleep(0)  # let handlers enqueue between steps
 

@@ -3,16 +3,18 @@
 The mechanism is :mod:`loraplane.kernels.layers` (``merge_slot``): a merged adapter's rows run through a separate
 ``W + scale * B A`` copy with no LoRA ops, every other row (base rows, other adapters) through the base weight,
 which is never written, plus its own LoRA. Restoring the base is dropping the copy: exact however often it is done.
+And because the base stays, a held copy can be used or not step by step at no cost.
 
-This module decides when. :class:`MergePolicy` looks at the rows of each step over a window of steps and keeps
-apart what it measured: the engine's step times with the adapter set served unmerged and merged, per case (how
-many rows, whether every row is the set's, the set's size and rank). It merges a set that covers at least
-``enter_share`` of the rows (mean per-step share over a full window) when the measurement says merging pays for
-that case, or, for a case never measured merged, to measure it (a probe): after ``probe_steps`` merged steps the
-verdict is in, and a case where merged steps were not at least ``min_gain`` faster is unmerged and not tried again
-for ``retry_steps`` steps. Hysteresis: a merged set stays until its share falls below ``exit_share``, and no switch
-follows another within a window. A known saving must also repay the measured cost of a switch within as many
-steps as the set has dominated so far.
+This module decides when. :class:`MergePolicy` looks at the rows of each step over a window of steps. A set of at
+most ``max_merged`` adapters whose mean per-step share of rows reaches ``enter_share`` over a full window gets
+merged copies (where memory takes them); they are dropped when its share falls below ``exit_share``, and no
+switch follows another within a window (hysteresis). Whether a step *uses* the held copies is decided per case
+(set size, rank, rows per step in powers of two, whether every row is the set's), from the engine's own step
+times: a case never measured is probed by alternating steps with and without the copies (paired, so a load that
+changes on shared cores moves both sides), and after ``probe_steps`` of each it is served merged only if the
+median of the pairs' merged / unmerged ratios is at most ``1 - min_gain``. A set whose every measured case does not pay is unmerged and not merged
+again for ``retry_steps`` steps; a set that pays is merged again when its saving per step, over as many steps as
+it has dominated, repays the measured cost of building its copies.
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ class MergeConfig:
     enter_share: float = 0.9
     #: ... and unmerged when it falls below this (hysteresis)
     exit_share: float = 0.6
-    #: merged steps must be at least this much faster than unmerged ones of the same case, or merging stops
+    #: merged steps of a case must be at least this much faster than unmerged ones for the case to use the copies
     min_gain: float = 0.05
-    #: timed steps each way before a verdict (medians of these)
-    probe_steps: int = 8
-    #: after a case did not pay, it is not merged again for this many steps
+    #: timed steps each way (alternating) before a case's verdict: the median of the paired ratios
+    probe_steps: int = 16
+    #: a set none of whose cases paid is not merged again for this many steps
     retry_steps: int = 2048
     #: a merged copy must fit in this fraction of the memory available on the device
     memory_fraction: float = 0.5
@@ -71,21 +73,24 @@ Case = tuple[int, int, int, bool]
 @dataclass
 class _Verdict:
     pays: bool
+    #: median over the probe's pairs of adjacent steps of merged / unmerged seconds
+    ratio: float
     #: seconds saved per step (unmerged median - merged median)
     saving: float
-    #: step number until which a negative verdict holds
+    #: medians each way
+    unmerged: float
+    merged: float
+    #: a verdict that does not pay is measured again from this step on
     until: int = 0
 
 
 @dataclass
 class MergeDecision:
-    """What to change before the coming step."""
+    """What to change before the coming step, and whether the step uses the merged copies held then."""
 
     merge: list[Hashable] = field(default_factory=list)
     unmerge: list[Hashable] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.merge or self.unmerge)
+    use: bool = False
 
 
 def _bucket(rows: int) -> int:
@@ -94,11 +99,11 @@ def _bucket(rows: int) -> int:
 
 
 class MergePolicy:
-    """Decides, step by step, which adapters to serve merged (see the module docstring).
+    """Decides, step by step, which adapters to hold merged copies of and whether the step uses them.
 
     Keys are opaque adapter identities (the engine's ``AdapterState`` objects); ``None`` stands for base rows.
     ``rank_of`` gives a key's rank (verdicts are kept per rank). The policy holds no weights: the engine tells it
-    what is merged at every call.
+    what is held at every call.
     """
 
     def __init__(self, config: MergeConfig, rank_of: Callable[[Hashable], int] = lambda _key: 0) -> None:
@@ -110,9 +115,11 @@ class MergePolicy:
         self.dominant_since: int | None = None
         self.candidate: frozenset[Hashable] = frozenset()
         self.verdicts: dict[Case, _Verdict] = {}
-        self.samples: dict[tuple[Case, bool], deque[float]] = {}
+        self.samples: dict[tuple[Case, bool], list[float]] = {}
         self.switch_seconds: deque[float] = deque(maxlen=8)
-        self._withdraw = False
+        #: set of adapters -> step until which it is not merged again (none of its cases paid)
+        self.refused: dict[frozenset[Hashable], int] = {}
+        self._turn: dict[Case, bool] = {}
 
     # --- shares -------------------------------------------------------------------------------------------------
     def share(self, keys: Iterable[Hashable]) -> float:
@@ -151,93 +158,115 @@ class MergePolicy:
         pure = all(key in keys for key, n in rows.items() if n)
         return (len(keys), rank, _bucket(total), pure)
 
-    # --- decisions ----------------------------------------------------------------------------------------------
-    def decide(self, rows: Mapping[Hashable | None, int], merged: frozenset[Hashable], room: int) -> MergeDecision:
-        """Called before each step with its rows per key: what to merge and unmerge first.
+    def _set_verdicts(self, keys: frozenset[Hashable]) -> list[_Verdict]:
+        rank = max((self.rank_of(key) for key in keys), default=0)
+        return [v for c, v in self.verdicts.items() if c[0] == len(keys) and c[1] == rank and self._valid(v)]
 
-        ``merged``: what is merged now; ``room``: how many more adapters may be merged (``max_merged`` less those
-        merged, less those memory would not take).
-        """
+    def _verdict(self, case: Case) -> _Verdict | None:
+        """The case's verdict, None when never measured or when a negative one expired (measured again)."""
+        verdict = self.verdicts.get(case)
+        return verdict if verdict is not None and self._valid(verdict) else None
+
+    def _valid(self, verdict: _Verdict) -> bool:
+        return verdict.pays or self.step < verdict.until
+
+    # --- decisions ----------------------------------------------------------------------------------------------
+    def decide(self, rows: Mapping[Hashable | None, int], held: frozenset[Hashable], room: int | Callable[[], int],
+               decode: bool = True) -> MergeDecision:
+        """Called before each step with its rows per key: what to merge and unmerge first, and whether the step
+        uses the copies. ``held``: adapters with merged copies now; ``room``: how many more may be merged
+        (``max_merged`` less those held, less those memory would not take), or a function asked only when a
+        merge is in view; ``decode``: every row is one sequence's next token (the steps that are timed)."""
         self.step += 1
         self.window.append(dict(rows))
         config = self.config
+        if self.refused and self.step % config.window == 0:  # forget expired refusals (they hold adapter objects)
+            self.refused = {keys: until for keys, until in self.refused.items() if until > self.step}
         if config.mode == "off" or config.max_merged == 0:
-            return MergeDecision(unmerge=list(merged))
+            return MergeDecision(unmerge=list(held))
         if config.mode == "force":
-            return self._force(rows, merged, room)
-        decision = MergeDecision()
+            wanted = {key for key, n in rows.items() if key is not None and n} - held
+            return self._force(rows, held, (room() if callable(room) else room) if wanted else 0)
         settled = self.step - self.last_switch >= config.window
-        if merged:
-            if self._withdraw or (settled and self.share(merged) < config.exit_share):
-                decision.unmerge = list(merged)
-                self._withdraw = False
+        if held:
+            if settled and self.share(held) < config.exit_share:
                 self._switched()
-            return decision
-        candidate = self._candidate(min(config.max_merged, room))
+                return MergeDecision(unmerge=list(held))
+            return MergeDecision(use=self._use(rows, held, decode))
+        candidate = self._candidate(config.max_merged)
+        if candidate and len(candidate) > (room() if callable(room) else room):
+            candidate = self._candidate(min(config.max_merged, room() if callable(room) else room))
         if candidate != self.candidate:
             self.candidate = candidate
             self.dominant_since = self.step if candidate else None
-        if not candidate or not settled or len(self.window) < config.window:
-            return decision
-        if self._pays(self.case(rows, candidate)):
-            decision.merge = list(candidate)
-            self._switched()
-        return decision
+        if (not candidate or not decode or not settled or len(self.window) < config.window
+                or self.refused.get(candidate, 0) > self.step):
+            return MergeDecision()
+        verdict = self._verdict(self.case(rows, candidate))
+        if verdict is not None:
+            dominated = self.step - (self.dominant_since if self.dominant_since is not None else self.step)
+            switch = statistics.median(self.switch_seconds) if self.switch_seconds else 0.0
+            if not verdict.pays or verdict.saving * max(dominated, config.window) <= switch:
+                return MergeDecision()
+        self._switched()
+        return MergeDecision(merge=list(candidate), use=self._use(rows, candidate, decode))
 
-    def _force(self, rows: Mapping[Hashable | None, int], merged: frozenset[Hashable], room: int) -> MergeDecision:
+    def _use(self, rows: Mapping[Hashable | None, int], held: frozenset[Hashable], decode: bool) -> bool:
+        """Whether this step uses the held copies: by its case's verdict, alternating while the case is probed."""
+        if not any(n for key, n in rows.items() if key in held):
+            return False
+        case = self.case(rows, held)
+        verdict = self._verdict(case)
+        if verdict is not None:
+            return verdict.pays
+        if not decode:  # untimed: merged where a timed case of the set pays and every row is the set's
+            return case[3] and any(v.pays for v in self._set_verdicts(held))
+        turn = not self._turn.get(case, False)
+        self._turn[case] = turn
+        return turn
+
+    def _force(self, rows: Mapping[Hashable | None, int], held: frozenset[Hashable], room: int) -> MergeDecision:
         present = [key for key, n in rows.items() if key is not None and n]
-        present.sort(key=lambda key: (-rows[key], key not in merged))
+        present.sort(key=lambda key: (-rows[key], key not in held))
         target = set(present[: self.config.max_merged])
-        unmerge = [key for key in merged if key not in target]
+        unmerge = [key for key in held if key not in target]
         space = room + len(unmerge)
-        merge = [key for key in present if key in target and key not in merged][:space]
-        return MergeDecision(merge=merge, unmerge=unmerge)
-
-    def _pays(self, case: Case) -> bool:
-        verdict = self.verdicts.get(case)
-        if verdict is None:  # never measured merged: probe once enough unmerged steps of this case are timed
-            return len(self.samples.get((case, False), ())) >= self.config.probe_steps
-        if not verdict.pays:
-            if self.step < verdict.until:
-                return False
-            del self.verdicts[case]  # expired: measure again
-            self.samples.pop((case, True), None)
-            return len(self.samples.get((case, False), ())) >= self.config.probe_steps
-        # a known saving must repay a switch within as many steps as the set has dominated so far
-        dominated = self.step - (self.dominant_since if self.dominant_since is not None else self.step)
-        switch = statistics.median(self.switch_seconds) if self.switch_seconds else 0.0
-        return verdict.saving * max(dominated, self.config.window) > switch
+        merge = [key for key in present if key in target and key not in held][:space]
+        return MergeDecision(merge=merge, unmerge=unmerge, use=True)
 
     def _switched(self) -> None:
         self.last_switch = self.step
 
     # --- measurements -------------------------------------------------------------------------------------------
-    def record(self, rows: Mapping[Hashable | None, int], merged: frozenset[Hashable], seconds: float, decode: bool) -> None:
-        """After a step: its forward time. Only all-decode steps are timed (a prefill's cost depends on prompts)."""
-        if not decode or self.config.mode != "auto" or not math.isfinite(seconds):
-            return
-        present = merged & {key for key, n in rows.items() if n}
-        if merged and present:
-            case = self.case(rows, merged)
-            samples = self.samples.setdefault((case, True), deque(maxlen=4 * self.config.probe_steps))
-            samples.append(seconds)
-            self._judge(case)
-        elif not merged and self.candidate and self.candidate & {key for key, n in rows.items() if n}:
-            case = self.case(rows, self.candidate)
-            self.samples.setdefault((case, False), deque(maxlen=4 * self.config.probe_steps)).append(seconds)
-
-    def _judge(self, case: Case) -> None:
-        merged = self.samples.get((case, True), ())
-        unmerged = self.samples.get((case, False), ())
+    def record(self, rows: Mapping[Hashable | None, int], held: frozenset[Hashable], used: bool, seconds: float,
+               decode: bool) -> MergeDecision:
+        """After a step: its forward time, whether it used the copies. Only all-decode steps are timed (a
+        prefill's cost depends on prompts). Returns the adapters to unmerge when the set's cases do not pay."""
+        if not decode or not held or self.config.mode != "auto" or not math.isfinite(seconds):
+            return MergeDecision()
+        if not any(n for key, n in rows.items() if key in held):
+            return MergeDecision()
+        case = self.case(rows, held)
+        if self._verdict(case) is not None:
+            return MergeDecision()
+        self.samples.setdefault((case, used), []).append(seconds)
+        merged = self.samples.get((case, True), [])
+        unmerged = self.samples.get((case, False), [])
         if len(merged) < self.config.probe_steps or len(unmerged) < self.config.probe_steps:
-            return
+            return MergeDecision()
+        # the probe alternates, so the i-th merged and i-th unmerged steps are neighbours: compare them in pairs
+        ratio = statistics.median(m / u for m, u in zip(merged, unmerged, strict=False) if u > 0)
         before, after = statistics.median(unmerged), statistics.median(merged)
-        pays = after <= before * (1 - self.config.min_gain)
-        known = self.verdicts.get(case)
-        if known is None or known.pays != pays or pays:
-            self.verdicts[case] = _Verdict(pays, before - after, 0 if pays else self.step + self.config.retry_steps)
-        if not pays:
-            self._withdraw = True
+        pays = ratio <= 1 - self.config.min_gain
+        self.verdicts[case] = _Verdict(pays, ratio, before - after, before, after,
+                                       0 if pays else self.step + self.config.retry_steps)
+        del self.samples[(case, True)], self.samples[(case, False)]
+        if any(v.pays for v in self._set_verdicts(held)):
+            return MergeDecision()
+        # nothing this set does pays: drop the copies, and do not merge it again for a while
+        self.refused[held] = self.step + self.config.retry_steps
+        self._switched()
+        return MergeDecision(unmerge=list(held))
 
     def switched(self, seconds: float) -> None:
         """The engine measured one merge (copy building) in ``seconds``."""
@@ -246,7 +275,9 @@ class MergePolicy:
     def verdicts_json(self) -> list[dict[str, object]]:
         """The verdicts so far (the bench reports them)."""
         return [{"adapters": c[0], "rank": c[1], "rows": c[2], "pure": c[3], "pays": v.pays,
-                 "saving_ms": round(v.saving * 1000, 3)} for c, v in sorted(self.verdicts.items())]
+                 "merged_over_unmerged": round(v.ratio, 3), "unmerged_ms": round(v.unmerged * 1000, 3),
+                 "merged_ms": round(v.merged * 1000, 3)}
+                for c, v in sorted(self.verdicts.items())]
 
 
 def available_memory(device: torch.device) -> int:

@@ -345,6 +345,7 @@ class LlamaModel:
         self.inv_freq = inv_freq.to(self.device)
         #: called with ("merge" | "unmerge", seconds) after every merge and unmerge (the engine's metrics)
         self.on_merge: Callable[[str, float], None] | None = None
+        self._merged: set[int] = set()  # slots whose merged copies are held
 
     def lora_linears(self) -> Iterator[LoraLinear]:
         """Every LoRA-wrapped projection."""
@@ -369,15 +370,20 @@ class LlamaModel:
     # --- dynamic merge (engine/merging.py decides) ----------------------------------------------------------------
     @property
     def merged_slots(self) -> frozenset[int]:
-        """Slots served from merged weights."""
-        return self.lora_context.merged_slots
+        """Slots whose merged copies are held (used or not in a given step: :meth:`use_merged`)."""
+        return frozenset(self._merged)
+
+    def use_merged(self, use: bool) -> None:
+        """Whether the coming steps serve the held slots' rows from their copies (True) or through the LoRA ops."""
+        self.lora_context.merged_slots = frozenset(self._merged) if use else frozenset()
 
     def merge_slot(self, slot: int) -> int:
-        """Serve ``slot`` from merged copies of every projection it touches (base weights untouched); bytes."""
-        if slot in self.merged_slots:
+        """Build merged copies of every projection ``slot`` touches (base weights untouched) and use them; bytes."""
+        if slot in self._merged:
             return 0
         started = time.perf_counter()
         nbytes = merge_slot(self.lora_linears(), slot)
+        self._merged.add(slot)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.on_merge is not None:
@@ -385,11 +391,12 @@ class LlamaModel:
         return nbytes
 
     def unmerge_slot(self, slot: int) -> bool:
-        """Serve ``slot`` through the LoRA ops again (its merged copies are freed); False when it was not merged."""
-        if slot not in self.merged_slots:
+        """Serve ``slot`` through the LoRA ops again and free its merged copies; False when it had none."""
+        if slot not in self._merged:
             return False
         started = time.perf_counter()
         unmerge_slot(self.lora_linears(), slot)
+        self._merged.discard(slot)
         if self.on_merge is not None:
             self.on_merge("unmerge", time.perf_counter() - started)
         return True

@@ -38,7 +38,9 @@ class LoraContext:
     """The current step's plan (and optional backend override), shared by every :class:`LoraLinear`.
 
     ``merged_slots``: slots served from merged weights in every layer (:func:`merge_slot`); their rows skip the
-    LoRA ops and use ``W + scale * B A``, every other row the unmerged weight plus its own adapter.
+    LoRA ops and use ``W + scale * B A``, every other row the unmerged weight plus its own adapter. Taking a slot
+    out of this set (without :func:`unmerge_slot`) serves it unmerged again while the layers keep its copies, so a
+    caller can choose per step at no cost.
     """
 
     def __init__(self, backend: Backend | str | None = None) -> None:
@@ -218,7 +220,7 @@ class LoraLinear(nn.Module):
 
     def load_adapter(self, slot: int, adapter: PeftAdapter) -> bool:
         """Load the adapter's modules for this layer into ``slot`` (cleared if it has none); True if it has any."""
-        if slot in self.context.merged_slots:
+        if slot in self._merged or slot in self.context.merged_slots:
             raise RuntimeError(f"slot {slot} is merged: unmerge it (unmerge_slot) before loading another adapter")
         a_list, b_list, scales = adapter.for_slices(self.slice_modules)
         if all(a.numel() == 0 for a in a_list):

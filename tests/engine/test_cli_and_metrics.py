@@ -99,4 +99,4 @@ def test_bench_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> Non
             assert figures["merged_over_unmerged"] == round(figures["merged_tokens_per_s"] / figures["unmerged_tokens_per_s"], 3)
             assert figures["merged_over_unmerged_cpu"] > 0
         assert case["merge_ms"] > 0 and case["merged_mib"] > 0
-        assert isinstance(case["auto"]["merged_at_end"], bool)
+        assert isinstance(case["auto"]["pure_held_at_end"], bool) and len(case["auto"]["mixed_tokens_per_s"]) == 1

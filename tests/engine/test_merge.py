@@ -22,77 +22,105 @@ A, B = "adapter-a", "adapter-b"
 
 
 # --- the policy on its own ------------------------------------------------------------------------------------------
-def _run(policy: MergePolicy, steps: int, rows: dict[Hashable | None, int], merged: set[Hashable],
-         cost: Callable[[frozenset[Hashable]], float], room: int = 2) -> list[tuple[int, str, Hashable]]:
-    """Drive the policy like the engine: decide, apply, time a decode step at ``cost(merged)``; the switches."""
+Rows = dict[Hashable | None, int]
+Cost = Callable[[bool, Rows], float]
+
+
+def _paying(used: bool, rows: Rows) -> float:
+    return 0.006 if used else 0.010
+
+
+def _run(policy: MergePolicy, steps: int, rows: Rows, held: set[Hashable], cost: Cost = _paying,
+         room: int = 2, uses: list[bool] | None = None) -> list[tuple[int, str, Hashable]]:
+    """Drive the policy like the engine: decide, apply, time a decode step at ``cost``; the switches."""
     switches = []
     for _ in range(steps):
-        decision = policy.decide(rows, frozenset(merged), room - len(merged))
+        decision = policy.decide(rows, frozenset(held), room - len(held))
         for key in decision.unmerge:
-            merged.discard(key)
+            held.discard(key)
             switches.append((policy.step, "unmerge", key))
         for key in decision.merge:
-            merged.add(key)
+            held.add(key)
             policy.switched(0.001)
             switches.append((policy.step, "merge", key))
-        policy.record(rows, frozenset(merged), cost(frozenset(merged)), decode=True)
+        if uses is not None:
+            uses.append(decision.use)
+        for key in policy.record(rows, frozenset(held), decision.use, cost(decision.use, rows), decode=True).unmerge:
+            held.discard(key)
+            switches.append((policy.step, "unmerge", key))
     return switches
 
 
-def test_policy_probes_a_dominant_adapter_and_keeps_it_merged_where_merging_pays() -> None:
+def test_policy_probes_a_dominant_adapter_by_alternating_steps_and_keeps_it_merged_where_it_pays() -> None:
     policy = MergePolicy(MergeConfig(window=16, probe_steps=8))
-    merged: set[Hashable] = set()
-    switches = _run(policy, 60, {A: 8}, merged, lambda m: 0.006 if m else 0.010)
-    assert switches == [(16, "merge", A)]  # a full window of dominance, 8+ unmerged steps timed, then the probe
-    assert merged == {A}
-    assert policy.verdicts_json() == [{"adapters": 1, "rank": 0, "rows": 8, "pure": True, "pays": True, "saving_ms": 4.0}]
+    held: set[Hashable] = set()
+    uses: list[bool] = []
+    switches = _run(policy, 60, {A: 8}, held, uses=uses)
+    assert switches == [(16, "merge", A)]  # a full window of dominance
+    assert uses[15:31] == [True, False] * 8  # the probe: with and without the copy, paired
+    assert all(uses[31:]) and held == {A}
+    assert policy.verdicts_json() == [{"adapters": 1, "rank": 0, "rows": 8, "pure": True, "pays": True,
+                                       "merged_over_unmerged": 0.6, "unmerged_ms": 10.0, "merged_ms": 6.0}]
 
 
-def test_policy_unmerges_where_merged_steps_are_not_faster_and_does_not_retry() -> None:
+def test_policy_unmerges_where_merged_steps_are_not_faster_and_does_not_retry_soon() -> None:
     policy = MergePolicy(MergeConfig(window=16, probe_steps=8, retry_steps=500))
-    merged: set[Hashable] = set()
-    switches = _run(policy, 300, {A: 8}, merged, lambda m: 0.0099 if m else 0.010)  # 1 % is below min_gain
-    assert switches == [(16, "merge", A), (24, "unmerge", A)]
-    assert not merged and policy.verdicts_json()[0]["pays"] is False
-    later = _run(policy, 300, {A: 8}, merged, lambda m: 0.0099 if m else 0.010)
-    assert [s[1] for s in later] == ["merge", "unmerge"] and later[0][0] >= 500  # measured again, once
+    held: set[Hashable] = set()
+    flat: Cost = lambda used, rows: 0.0099 if used else 0.010  # noqa: E731  # 1 %: under min_gain
+    switches = _run(policy, 300, {A: 8}, held, flat)
+    assert switches == [(16, "merge", A), (31, "unmerge", A)]
+    assert not held
+    later = _run(policy, 300, {A: 8}, held, flat)
+    assert [s[1] for s in later] == ["merge", "unmerge"] and later[0][0] >= 31 + 500  # measured again, once
+
+
+def test_policy_serves_pure_steps_merged_and_mixed_steps_unmerged_from_one_copy() -> None:
+    policy = MergePolicy(MergeConfig(window=16, probe_steps=4, enter_share=0.8))
+    held: set[Hashable] = set()
+    pure_pays: Cost = lambda used, rows: (0.006 if None not in rows else 0.012) if used else 0.010  # noqa: E731
+    _run(policy, 40, {A: 8}, held, pure_pays)
+    uses: list[bool] = []
+    switches = _run(policy, 30, {A: 7, None: 1}, held, pure_pays, uses=uses)
+    assert not switches and held == {A}  # still dominant: the copy stays
+    assert uses[:8] == [True, False] * 4 and not any(uses[8:])  # probed, then served unmerged
+    uses = []
+    _run(policy, 5, {A: 8}, held, pure_pays, uses=uses)
+    assert all(uses)
+    assert {(v["pure"], v["pays"]) for v in policy.verdicts_json()} == {(True, True), (False, False)}
 
 
 def test_policy_hysteresis_keeps_a_merged_adapter_through_a_dip_and_leaves_on_a_change() -> None:
     policy = MergePolicy(MergeConfig(window=16, probe_steps=8))
-    merged: set[Hashable] = set()
-    paying = lambda m: 0.006 if m else 0.010  # noqa: E731
-    _run(policy, 40, {A: 8}, merged, paying)
-    dip = _run(policy, 6, {A: 6, B: 2}, merged, paying)  # 75 %: under enter_share, over exit_share
-    assert not dip and merged == {A}
+    held: set[Hashable] = set()
+    _run(policy, 40, {A: 8}, held)
+    dip = _run(policy, 6, {A: 6, B: 2}, held)  # 75 %: under enter_share, over exit_share
+    assert not dip and held == {A}
     flapping = []
     for n in itertools.islice(itertools.cycle([8, 7]), 100):  # 87.5 % / 100 %: around enter_share
-        flapping += _run(policy, 1, {A: n, B: 8 - n}, merged, paying)
-    assert not flapping and merged == {A}
-    change = _run(policy, 40, {A: 1, B: 7}, merged, paying)
+        flapping += _run(policy, 1, {A: n, B: 8 - n}, held)
+    assert not flapping and held == {A}
+    change = _run(policy, 40, {A: 1, B: 7}, held)
     assert change[0][1:] == ("unmerge", A)
 
 
 def test_policy_merges_two_adapters_only_with_room_for_two() -> None:
-    rows: dict[Hashable | None, int] = {A: 4, B: 3, None: 1}  # only A and B together carry 90 %... not quite
     policy = MergePolicy(MergeConfig(window=8, probe_steps=4))
-    assert not _run(policy, 40, rows, set(), lambda m: 0.005 if m else 0.010)
-    rows = {A: 5, B: 5}
+    assert not _run(policy, 40, {A: 4, B: 3, None: 1}, set())  # together 87.5 %: under enter_share
     policy = MergePolicy(MergeConfig(window=8, probe_steps=4))
-    merged: set[Hashable] = set()
-    _run(policy, 40, rows, merged, lambda m: 0.005 if m else 0.010)
-    assert merged == {A, B}
+    held: set[Hashable] = set()
+    _run(policy, 40, {A: 5, B: 5}, held)
+    assert held == {A, B}
     policy = MergePolicy(MergeConfig(window=8, probe_steps=4))
-    merged = set()
-    assert not _run(policy, 40, rows, merged, lambda m: 0.005 if m else 0.010, room=1)  # memory for one copy only
+    assert not _run(policy, 40, {A: 5, B: 5}, set(), room=1)  # memory for one copy only
 
 
 def test_policy_force_and_off() -> None:
     force = MergePolicy(MergeConfig(mode="force", max_merged=1))
     decision = force.decide({A: 2, B: 5, None: 3}, frozenset({A}), room=0)
-    assert decision.merge == [B] and decision.unmerge == [A]
+    assert decision.merge == [B] and decision.unmerge == [A] and decision.use
     off = MergePolicy(MergeConfig(mode="off"))
-    assert off.decide({A: 8}, frozenset({A}), room=1).unmerge == [A]
+    decision = off.decide({A: 8}, frozenset({A}), room=1)
+    assert decision.unmerge == [A] and not decision.use
     with pytest.raises(ValueError, match="--lora-merge"):
         MergeConfig(mode="sometimes")
 
@@ -264,7 +292,7 @@ def _step_costs(engine: Engine, merged_seconds: float, unmerged_seconds: float) 
     ticks = itertools.count()
 
     def clock_factory() -> Callable[[], float]:
-        cost = merged_seconds if engine.model.merged_slots else unmerged_seconds
+        cost = merged_seconds if engine.model.lora_context.merged_slots else unmerged_seconds  # copies in use
         start = next(ticks) * 100.0
         calls = iter((start, start + cost))
         return lambda: next(calls)
