@@ -124,6 +124,19 @@ class Admission(Protocol):
         ...
 
 
+class Scraper(Protocol):
+    """Reads the pods' metrics every ``period_s`` simulated seconds (the peers' metrics scrape): ``scrape`` is called
+    at each tick ``first arrival + k x period_s`` after every event before it (so a trace shifted in time is
+    scraped alike), with the pods as they are then. Ticks with no event
+    since the last one are folded into one call (nothing changed); ``period_s <= 0`` never ticks."""
+
+    period_s: float
+
+    def scrape(self, now: float, pods: list[Pod]) -> None:
+        """The pods' state at tick ``now``."""
+        ...
+
+
 class Placement(Protocol):
     """Periodically moves adapters between tiers ahead of demand (the controller's job)."""
 
@@ -231,10 +244,15 @@ class SimConfig:
     disk_bytes: int = 20_000_000_000
     #: the controller's placement settings loraplane's pool is planned with (``--controller-config``)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    #: how often the peers' pickers scrape each pod's vLLM metrics (llm-d-router's default 50 ms; 0: before every
+    #: decision)
+    scrape_interval_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.pods < 1 or self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
             raise ValueError("need pods >= 1, max_loras >= 1 and max_cpu_loras >= max_loras (as vLLM requires)")
+        if not self.scrape_interval_s >= 0:
+            raise ValueError("the scrape interval must be >= 0 seconds")
 
 
 @dataclass
@@ -278,9 +296,13 @@ class Simulator:
         progress: Callable[[int], None] | None = None,
         admission: Admission | None = None,
         priority: Sequence[int] | None = None,
+        scraper: Scraper | None = None,
     ) -> None:
         self.trace = trace
         self.admission = admission
+        #: reads the pods' metrics on its own clock (the peers' routers: ``loraplane.sim.peers``); a router that is
+        #: a ``Scraper`` itself is one unless another is given
+        self.scraper = scraper if scraper is not None else _as_scraper(router)
         #: per request, its vLLM ``priority`` (lower is served first) when the pods run vLLM's ``priority``
         #: scheduling policy; ``None``: ``fcfs``, waiting requests in the order they reached the pod
         self.priority = priority
@@ -355,8 +377,18 @@ class Simulator:
         i = 0
         events = 0
         report_every = max(1, n // 100)
+        scraper = self.scraper
+        period = scraper.period_s if scraper is not None and scraper.period_s > 0 else 0.0
+        next_scrape = (arrivals[0] if n else 0.0) if period else math.inf  # the grid starts with the trace
         while i < n or heap:
             next_arrival = arrivals[i] if i < n else math.inf
+            if period and (upcoming := min(heap[0][0], next_arrival) if heap else next_arrival) >= next_scrape:
+                # the last tick up to what comes next sees the pods as they are now (a tick at an event's time is
+                # taken before it)
+                assert scraper is not None
+                tick = next_scrape + math.floor((upcoming - next_scrape) / period) * period
+                scraper.scrape(tick, pods)
+                next_scrape = tick + period
             if heap and heap[0][0] <= next_arrival:
                 when, _, kind, pod_index, arg = heapq.heappop(heap)
                 self.now = when
@@ -757,6 +789,11 @@ class Simulator:
         """Ask ``pod`` to have ``adapter`` on local disk (fetched in the background)."""
         if adapter not in pod.disk:
             self._download(pod, adapter)
+
+
+def _as_scraper(router: Router) -> Scraper | None:
+    """``router`` when it scrapes the pods on its own clock (it has ``period_s`` and ``scrape``), else None."""
+    return router if callable(getattr(router, "scrape", None)) and hasattr(router, "period_s") else None  # type: ignore[return-value]
 
 
 def _insert(queue: deque[int], rid: int, key: int, order: array) -> None:

@@ -8,7 +8,9 @@ loraplane's policy is three pieces of production code, unchanged:
 - placement: ``loraplane.controller.placement.place`` run every reconcile period on the request rates the picker
   would publish, its GPU / CPU targets applied the way a sidecar applies a ``TargetState``.
 
-Baselines use the routers of ``loraplane.sim.baselines`` and vLLM's LRU (the engine's ``lru`` policy).
+The baselines are the peers' packaged picker configs (``picker/peers/<name>.yaml``) run by the same ``Scheduler``
+over the pods' vLLM metrics as a peer's picker scrapes them (``loraplane.sim.peers``), plus round-robin
+(``loraplane.sim.baselines``: no picker does it); their pods evict by vLLM's LRU (the engine's ``lru`` policy).
 """
 
 from __future__ import annotations
@@ -44,8 +46,19 @@ from loraplane.picker.scheduler import (
 )
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.sim.admission import OFF, QUEUES, FlowControlConfig
-from loraplane.sim.baselines import BASELINES
-from loraplane.sim.cluster import Admission, Eviction, Placement, Pod, Refused, Router, SimConfig, Simulator
+from loraplane.sim.baselines import ROUND_ROBIN, RoundRobin
+from loraplane.sim.cluster import (
+    Admission,
+    Eviction,
+    Placement,
+    Pod,
+    Refused,
+    Router,
+    Scraper,
+    SimConfig,
+    Simulator,
+)
+from loraplane.sim.peers import PEER_POLICIES, peer_router
 from loraplane.sim.prefix import PickerPrefixSignal
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
@@ -54,6 +67,8 @@ LORAPLANE = "loraplane"
 #: ``--max-num-batched-tokens`` of loraplane's vLLM pods: a smaller step budget bounds how long a step full of
 #: lower-priority prefill keeps a gold request waiting (with ``--scheduling-policy priority`` gold goes first)
 LORAPLANE_MAX_BATCHED_TOKENS = 2048
+#: the baselines: round-robin and the peers' packaged picker configs
+BASELINES = [ROUND_ROBIN, *PEER_POLICIES]
 POLICY_NAMES = [LORAPLANE, *BASELINES]
 #: how often the picker gets new sidecar reports (residency and load): the sidecar's default heartbeat. Its own
 #: in-flight counts are always current.
@@ -353,6 +368,8 @@ class Policy:
     priority: Sequence[int] | None = None
     #: the profile its pods run with, where their vLLM arguments differ from the profile's defaults
     pod_profile: Profile | None = None
+    #: reads the pods' metrics on its own clock (the peers' routers)
+    scraper: Scraper | None = None
 
 
 def build_policy(
@@ -386,7 +403,10 @@ def build_policy(
             router, EngineEviction(KeepScorePolicy(), trace, profile), placement, admission,
             runtime_priorities(trace) if chart_pods else None, loraplane_pod_profile(profile) if chart_pods else None,
         )
-    if name not in BASELINES:
+    eviction = EngineEviction(LruPolicy(), trace, profile)
+    if name == ROUND_ROBIN:
+        return Policy(RoundRobin(seed), eviction)
+    if name not in PEER_POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-    router_factory: Callable[[int, int], Router] = BASELINES[name]
-    return Policy(router_factory(seed, profile.kv_capacity_tokens), EngineEviction(LruPolicy(), trace, profile))
+    peer = peer_router(name, seed, trace, profile, config.scrape_interval_s)
+    return Policy(peer, eviction, scraper=peer)

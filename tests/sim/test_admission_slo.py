@@ -13,7 +13,7 @@ import pytest
 from loraplane.picker.flowcontrol import FlowControlParameters
 from loraplane.picker.scheduler import EndpointPickerConfig
 from loraplane.sim.admission import OFF, QUEUES, Band, FlowControlConfig, PickerFlowControl, SimFlowControl
-from loraplane.sim.baselines import LeastRequest
+from loraplane.sim.baselines import RoundRobin
 from loraplane.sim.cli import main as sim_main
 from loraplane.sim.cluster import Pod, Refused, SimConfig, Simulator
 from loraplane.sim.metrics import summarize
@@ -26,8 +26,8 @@ from tests.sim.conftest import ADAPTER_BYTES, sparse_trace
 POOL = SimConfig(pods=2, max_loras=2, max_cpu_loras=4)
 
 
-class RefuseEveryFourth(LeastRequest):
-    """Least-request, refusing every fourth request (503) as a picker would."""
+class RefuseEveryFourth(RoundRobin):
+    """Round-robin, refusing every fourth request (503) as a picker would."""
 
     name = "refuse-every-fourth"
 

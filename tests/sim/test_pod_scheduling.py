@@ -8,9 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from loraplane.sim.baselines import BASELINES
 from loraplane.sim.cluster import SimConfig, Simulator
-from loraplane.sim.policies import LORAPLANE_MAX_BATCHED_TOKENS, build_policy, runtime_priorities
+from loraplane.sim.policies import BASELINES, LORAPLANE_MAX_BATCHED_TOKENS, build_policy, runtime_priorities
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import run_all
 from loraplane.sim.trace import Adapter, Tenant, Trace, scenario
