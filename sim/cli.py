@@ -147,6 +147,9 @@ def parser() -> argparse.ArgumentParser:
                    help="multiply --pods by this (rounded, at least 1): 0.5 runs a scenario at half the pods")  # fmt: skip
     p.add_argument("--max-loras", type=_positive, default=4, help="GPU adapter slots per pod")
     p.add_argument("--max-cpu-loras", type=_positive, default=16, help="host-memory adapter slots per pod")
+    p.add_argument("--scrape-interval", type=_at_least_zero, default=0.05, metavar="S",
+                   help="seconds between the peers' scrapes of each pod's vLLM metrics (llm-d's default; 0: every "
+                        "decision reads the pods as they are)")
     p.add_argument("--profile", default=LARGE_GPU.name,
                    help=f"{', '.join(PROFILES)} or a JSON file (saved profile or bench output)")  # fmt: skip
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")
@@ -191,7 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = load_profile(args.profile)
         pods = max(1, round(args.pods * args.pods_scale))
         placement = load_config(args.controller_config).placement_config()
-        config = SimConfig(pods=pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, placement=placement)
+        config = SimConfig(pods=pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, placement=placement,
+                           scrape_interval_s=args.scrape_interval)
         trace = trace_from_args(p, args, profile.default_adapter_bytes)
     except (ProfileError, TraceError, ValueError) as exc:
         err.print(f"loraplane sim: {exc}", markup=False)
