@@ -11,7 +11,8 @@ blocks. The step then brings every adapter of the batch into a GPU slot (``lora_
 
 Step time (ms) = ``profile.decode_step_ms(batch, distinct adapters)`` + ``prefill_per_token_ms`` x prefill tokens
 + the adapter loads of the step + the ``/v1/load_lora_adapter`` loads since the last step. A request's first token
-comes at the end of the step that computed the last of its prompt; then one per step.
+comes at the end of the step that computed the last of its prompt; then one per step. A request reaches the
+scheduler ``profile.request_overhead_ms`` after it is added (vLLM's API server and the hand-off to its engine core).
 
 The engine never runs step by step: after a step, the steps that follow are identical until something changes the
 batch (a finish, an arrival, a load, an abort, a block boundary with no free block), so it plans a *run* of them
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import math
 from bisect import insort
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -76,7 +78,10 @@ class Request:
     stream: bool = False
     #: called when ``delivered`` grows (streaming) or the request ends
     on_update: Callable[[], None] | None = None
+    #: when the scheduler got it (``received`` + the profile's ``request_overhead_ms``)
     arrival: float = 0.0
+    #: when ``add_request`` was called (the API server received it)
+    received: float = 0.0
     seq: int = 0
     status: Status = Status.WAITING
     output: int = 0
@@ -192,6 +197,9 @@ class Engine:
         self._run: _Run | None = None
         self._loads: list[LoadTicket] = []
         self._aborts: list[Request] = []
+        #: requests added but not yet at the scheduler (``request_overhead_ms``), by the time they reach it
+        self._incoming: deque[tuple[float, Request]] = deque()
+        self._overhead_s = profile.request_overhead_ms / 1e3
         self._arrivals = 0
         #: unfinished requests per adapter name, in the order the names got their first one (vLLM's
         #: ``LoRARequestStates``), and the ``vllm:lora_requests_info`` series: label value -> engine time last set
@@ -203,8 +211,17 @@ class Engine:
 
     # --- inputs ---------------------------------------------------------------------------------------------------
     def add_request(self, req: Request, now: float) -> None:
-        """``req`` reaches the engine at ``now``: it waits for the next step boundary."""
+        """``req`` is received at ``now``; it reaches the scheduler ``request_overhead_ms`` later and waits there for
+        the next step boundary."""
         self.advance(now)
+        req.received = now
+        if self._overhead_s > 0:
+            self._incoming.append((now + self._overhead_s, req))
+            return
+        self._accept(req, now)
+
+    def _accept(self, req: Request, now: float) -> None:
+        """``req`` reaches the scheduler at ``now``."""
         req.arrival = req.last_token_at = now
         req.seq = self._arrivals
         self._arrivals += 1
@@ -218,7 +235,13 @@ class Engine:
         self.advance(now)
         if req.finished:
             return
-        if req in self.waiting:
+        incoming = next((item for item in self._incoming if item[1] is req), None)
+        if incoming is not None:  # never reached the scheduler: nothing of it is counted there
+            self._incoming.remove(incoming)
+            req.status, req.finish_reason, req.finished_at = Status.FINISHED, "abort", now
+            self.stats.finished["abort"] += 1
+            req._notify()
+        elif req in self.waiting:
             self.waiting.remove(req)
             self._end(req, "abort", now)
         elif req not in self._aborts:
@@ -236,9 +259,10 @@ class Engine:
         """When ``advance`` has something to do next (inf when idle): the end of the current run, a load's reply,
         or tokens streaming requests are waiting for."""
         run = self._run
+        arriving = self._incoming[0][0] if self._incoming else math.inf
         if run is None:
-            return math.inf
-        due = run.end
+            return arriving
+        due = min(run.end, arriving)
         for ticket in run.tickets:
             if not ticket.replied and ticket.done_at is not None:
                 due = min(due, ticket.done_at)
@@ -251,7 +275,15 @@ class Engine:
         return due
 
     def advance(self, now: float) -> None:
-        """Commit everything that happened by ``now``: steps ended, loads done, requests finished."""
+        """Commit everything that happened by ``now``: steps ended, loads done, requests finished, requests that
+        reached the scheduler."""
+        while self._incoming and self._incoming[0][0] <= now:
+            at, req = self._incoming.popleft()
+            self._catch_up(at)
+            self._accept(req, at)
+        self._catch_up(now)
+
+    def _catch_up(self, now: float) -> None:
         while self._run is not None:
             run = self._run
             self._commit(run, now)

@@ -352,6 +352,8 @@ class Simulator:
         self._lora_base = p.lora_base_ms / 1e3
         self._lora_per = p.lora_per_adapter_ms / 1e3
         self._prefill = p.prefill_per_token_ms / 1e3
+        #: the profile's fixed per-request latency outside the steps (API server, hand-off): added to every TTFT
+        self._request_overhead = p.request_overhead_ms / 1e3
         self._load_s = [
             [p.load_ms(tier, a.nbytes) / 1e3 for tier in (Tier.GPU, Tier.CPU, Tier.DISK)] for a in trace.adapters
         ]
@@ -562,7 +564,7 @@ class Simulator:
         first_end = now + first
         res, arrivals = self.result, self.trace.arrival
         for rid in first_tokens:
-            res.ttft[rid] = first_end - arrivals[rid]
+            res.ttft[rid] = first_end - arrivals[rid] + self._request_overhead
         pod.busy = True
         pod.run_t0 = now
         pod.run_first_end = first_end

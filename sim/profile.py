@@ -6,12 +6,15 @@ A profile is plain numbers in milliseconds, bytes and tokens. Two sources:
   figure; the derivation is in ``docs/sim.md`` and in the field comments below.
 - ``from_bench``: the JSON printed by ``loraplane bench engine --json`` (and optionally ``bench sidecar --json``),
   i.e. what this project's own runtime measured on the machine at hand.
+- measured from a real vLLM by ``loraplane bench profile --runtime vllm`` (``loraplane.emulator.calibrate``), saved
+  with its provenance as ``{"profile": {...}, "measurement": {...}}``; the packaged ones (``sim/data/*.profile.json``,
+  e.g. ``vllm-cpu-tiny-hd32``) load by name.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +59,10 @@ class Profile:
     default_adapter_bytes: int
     #: vLLM's ``--long-prefill-token-threshold``: most prompt tokens one request prefills per step (0: no limit)
     long_prefill_token_threshold: int = 0
+    #: fixed latency of a request outside the engine's steps: the API server (HTTP, validation, tokenizer) and the
+    #: hand-off to the engine core and back. The emulator holds a request this long before its engine sees it; the
+    #: simulator adds it to every TTFT. 0 in the derived profiles: a GPU step dwarfs it
+    request_overhead_ms: float = 0.0
 
     def load_ms(self, tier: Tier, nbytes: int) -> float:
         """Synchronous (batch-stalling) cost of bringing an adapter of ``nbytes`` from ``tier`` into a GPU slot."""
@@ -123,11 +130,33 @@ LARGE_GPU = Profile(
     default_adapter_bytes=lora_bytes(LLAMA_8B_LINEARS, 32, 16, 2),
 )
 
-PROFILES = {LARGE_GPU.name: LARGE_GPU, "large-gpu": LARGE_GPU}
-
-
 class ProfileError(ValueError):
     """A profile file or bench output that cannot be turned into a profile."""
+
+
+def from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
+    """A profile from its ``to_dict()`` form; fields added since it was saved take their defaults."""
+    known = {f.name for f in fields(Profile)}
+    required = {f.name for f in fields(Profile) if f.default is MISSING}
+    if not known >= set(data) >= required:
+        raise ProfileError(f"{where}: expected keys {sorted(required)} (optional: {sorted(known - required)}), got "
+                           f"{sorted(data)}")
+    try:
+        return Profile(**data)
+    except TypeError as exc:
+        raise ProfileError(f"{where}: {exc}") from exc
+
+
+def _packaged() -> dict[str, Profile]:
+    """The measured profiles shipped with the package (``sim/data/<name>.profile.json``), by name."""
+    found = {}
+    for path in sorted((Path(__file__).parent / "data").glob("*.profile.json")):
+        profile = from_dict(json.loads(path.read_text())["profile"], str(path.name))
+        found[profile.name] = profile
+    return found
+
+
+PROFILES = {LARGE_GPU.name: LARGE_GPU, "large-gpu": LARGE_GPU, **_packaged()}
 
 
 def _number(obj: dict[str, Any], *path: str) -> float:
@@ -197,7 +226,8 @@ def from_bench(
 
 
 def load_profile(spec: str) -> Profile:
-    """A named built-in profile, or a JSON file: a saved profile, or ``{"engine": {..}, "sidecar": {..}}`` bench output."""
+    """A named built-in profile, or a JSON file: a saved profile (bare, or ``{"profile": {..}, ...}`` as ``loraplane
+    bench profile --out`` writes it), or ``{"engine": {..}, "sidecar": {..}}`` bench output."""
     if spec in PROFILES:
         return PROFILES[spec]
     path = Path(spec)
@@ -213,10 +243,6 @@ def load_profile(spec: str) -> Profile:
         return from_bench(data["engine"], data.get("sidecar"), name=path.stem)
     if "ttft_ms" in data:
         return from_bench(data, name=path.stem)
-    names = {f.name for f in fields(Profile)}
-    if set(data) != names:
-        raise ProfileError(f"profile {spec}: expected keys {sorted(names)}, got {sorted(data)}")
-    try:
-        return Profile(**data)
-    except TypeError as exc:
-        raise ProfileError(f"profile {spec}: {exc}") from exc
+    if isinstance(data.get("profile"), dict):
+        data = data["profile"]
+    return from_dict(data, f"profile {spec}")

@@ -22,7 +22,7 @@ from loraplane.engine.policies import LruPolicy
 from loraplane.sim.baselines import RoundRobin
 from loraplane.sim.cluster import SCAN_LIMIT, SimConfig, Simulator
 from loraplane.sim.policies import EngineEviction
-from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.profile import LARGE_GPU, Profile
 from loraplane.sim.trace import Adapter, Tenant, Trace
 from tests.emulator.conftest import lora
 
@@ -88,3 +88,40 @@ def test_every_ttft_equals_the_simulators(seed: int) -> None:
     assert chunked and engine.stats.preemptions == 0
     emulated = [req.first_token_at - req.arrival for req in requests]
     assert emulated == pytest.approx(list(result.ttft), abs=1e-9)
+
+
+def test_request_overhead_is_in_every_ttft_of_both_on_an_idle_pod() -> None:
+    """The profile's ``request_overhead_ms``: the emulator holds a request that long before its scheduler, the
+    simulator adds it to the TTFT -- the same figure whenever the pod is idle when the request comes."""
+    profile = replace(PROFILE, request_overhead_ms=25.0)
+    trace = make_trace(40, rate=3.0, seed=5)
+    trace.arrival[:] = [10.0 * i for i in range(len(trace))]  # each request alone on the pod
+    engine = Engine(EngineConfig(max_loras=MAX_LORAS, max_cpu_loras=MAX_CPU_LORAS, max_model_len=100_000,
+                                 long_prefill_token_threshold=512), profile)
+    loras = [lora(a.name, i + 1, a.nbytes) for i, a in enumerate(trace.adapters)]
+    for adapter in loras:
+        engine.load(LoadTicket(adapter), 0.0)
+    engine.advance(math.inf)
+    host, active = list(engine.cache.host), set(engine.cache.active)
+
+    def simulate(profile: Profile) -> list[float]:
+        sim = Simulator(trace, SimConfig(pods=1, max_loras=MAX_LORAS, max_cpu_loras=MAX_CPU_LORAS), profile,
+                        RoundRobin(-1), EngineEviction(LruPolicy(), trace, profile))
+        pod = sim.pods[0]
+        pod.cpu = {i - 1 for i in host}
+        pod.gpu = {i - 1 for i in active}
+        for rank, int_id in enumerate(host):
+            pod.last_use[int_id - 1] = -1.0 + rank / 1000
+        return list(sim.run().ttft)
+
+    ttft = simulate(profile)
+    requests = []
+    for i in range(len(trace)):
+        req = Request(str(i), [(i * 7919 + t) % 4096 for t in range(trace.input_tokens[i])], trace.output_tokens[i],
+                      loras[trace.adapter[i]], "x")
+        engine.add_request(req, 100.0 + trace.arrival[i])
+        requests.append(req)
+    engine.advance(math.inf)
+    emulated = [req.first_token_at - req.received for req in requests]
+    assert emulated == pytest.approx(ttft, abs=1e-9)
+    assert [a - b for a, b in zip(ttft, simulate(PROFILE), strict=True)] == pytest.approx([0.025] * len(trace))

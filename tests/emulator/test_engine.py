@@ -4,6 +4,7 @@ KV blocks and prefix cache, its worker LoRA caches, and time charged from the pr
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -249,3 +250,32 @@ def test_lora_requests_info_lists_adapters_with_requests_and_stamps_the_newest()
     assert max(series, key=series.__getitem__) == ""
     assert set(series) == {"a,b", "b", ""}  # ra finished first; "a" alone was never the list at a step's end
     assert ra.status is Status.FINISHED and ra.finished_at < rb.finished_at
+
+
+def test_request_overhead_delays_each_request_before_the_scheduler_and_aborts_there_count_nothing() -> None:
+    profile = replace(P, request_overhead_ms=40.0)
+    engine = Engine(EngineConfig(), profile)
+    first = request("first", 10, 3)
+    engine.add_request(first, 1.0)
+    assert engine.next_due() == pytest.approx(1.04) and not engine.waiting
+    engine.advance(1.03)
+    assert not engine.waiting and not engine.running  # still in the API server
+    engine.advance(math.inf)
+    assert first.arrival == pytest.approx(1.04) and first.received == 1.0
+    assert first.first_token_at - first.received == pytest.approx(0.04 + step_ms(1, 0, 10) / 1e3)
+    # a request arriving while another decodes joins the batch at the first step boundary after its overhead
+    long = request("long", 10, 1000)
+    engine.add_request(long, 5.0)
+    late = request("late", 10, 2)
+    engine.add_request(late, 5.1)
+    engine.advance(5.1 + 0.039)
+    assert late not in engine.waiting and late.status is Status.WAITING
+    engine.advance(math.inf)
+    assert late.arrival == pytest.approx(5.14) and late.first_token_at > 5.14
+    assert late.finished and long.output == 1000
+    gone = request("gone", 10, 2, lora("a", 1))
+    engine.add_request(gone, 20.0)
+    engine.abort(gone, 20.01)
+    assert gone.finished and gone.finish_reason == "abort" and engine.lora_requests_series().get("a") is None
+    engine.advance(math.inf)
+    assert gone.first_token_at is None and engine.next_due() == math.inf
