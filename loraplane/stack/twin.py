@@ -262,6 +262,8 @@ class Twin:
         assert stack.cluster is not None and stack.model_digest is not None
         self.stack, self.trace, self.options, self.say = stack, trace, options, say
         self.adapters: list[TwinAdapter] = []
+        #: what the client saw of each request of the last run, in trace order
+        self.outcomes: list[Outcome] = []
 
     def onboard(self) -> float:
         """Write the artifacts, ``kubectl apply`` one AdapterRevision per adapter, wait until all are Stable;
@@ -322,7 +324,7 @@ class Twin:
         usage_before = {name: process_usage(pid) for name, pid in stack.pids().items()}
         before = asyncio.run(scrape_all(stack))
         started = time.monotonic()
-        outcomes = asyncio.run(replay(stack.gateway_url, requests, check=check))
+        outcomes = self.outcomes = asyncio.run(replay(stack.gateway_url, requests, check=check))
         wall = time.monotonic() - started
         after = asyncio.run(scrape_all(stack))
         usage_after = {name: process_usage(pid) for name, pid in stack.pids().items()}
