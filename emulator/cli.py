@@ -168,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log.info("vLLM %s emulator: model %s, profile %s, max_loras %d, max_cpu_loras %d, on %s:%d", "0.32.0",
              args.model, profile.name, engine.config.max_loras, engine.config.max_cpu_loras, args.host, args.port)
+    # vLLM's own start-up lines for its limits (``loraplane bench profile`` reads either runtime's log alike)
+    log.info("GPU KV cache size: %s tokens", f"{engine.pool.num_blocks * args.block_size:,}")
+    log.info("max_num_batched_tokens %d, max_num_seqs %d", engine.config.max_num_batched_tokens,
+             engine.config.max_num_seqs)
     from loraplane.emulator.serve import serve
 
     serve(build_app(api, load_lora_modules), args.host, args.port)

