@@ -342,12 +342,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cpu-loras", type=int, default=6, help="vLLM's --max-cpu-loras (> --max-loras)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="passed to the server (default: its own, read from its log)")
-    p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32], help="decode batch sizes")
+    p.add_argument("--batches", type=_ints, default=None, help="decode batch sizes (default 1,2,4,8,16,32)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens each decode request generates")
-    p.add_argument("--prompts", type=_ints, default=[8, 32, 64, 128, 192, 248], help="prefill prompt lengths")
-    p.add_argument("--per-tier", type=int, default=8, help="load measurements per tier and repeat")
-    p.add_argument("--repeats", type=int, default=3, help="repeats of every measurement (prefill: 2 more)")
-    p.add_argument("--quick", action="store_true", help="one repeat, batches 1,4,16, 3 prompt lengths")
+    p.add_argument("--prompts", type=_ints, default=None,
+                   help="prefill prompt lengths (default 8,32,64,128,192,248)")
+    p.add_argument("--per-tier", type=int, default=None, help="load measurements per tier and repeat (default 8)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats of every measurement (default 3; prefill: 2 "
+                   "more)")
+    p.add_argument("--quick", action="store_true",
+                   help="defaults for a short run: one repeat, batches 1,4,16, prompts 8,128,248, 4 per tier")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the order of measurements")
     p.add_argument("--emulator-profile", default=LARGE_GPU.name,
                    help="with --runtime emulated: the profile the emulator runs")
@@ -359,8 +362,11 @@ def main(argv: Sequence[str]) -> int:
     """Entry point of ``loraplane bench profile``."""
     p = parser()
     args = p.parse_args(argv)
-    if args.quick:
-        args.repeats, args.batches, args.prompts, args.per_tier = 1, [1, 4, 16], [8, 128, 248], 4
+    defaults = ((1, [1, 4, 16], [8, 128, 248], 4) if args.quick else
+                (3, [1, 2, 4, 8, 16, 32], [8, 32, 64, 128, 192, 248], 8))
+    for key, value in zip(("repeats", "batches", "prompts", "per_tier"), defaults, strict=True):
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if Path(args.emulator_profile).is_file():  # the emulator runs in its own working directory
         args.emulator_profile = str(Path(args.emulator_profile).resolve())
     if args.runtime == "vllm" and vllm_python() is None:

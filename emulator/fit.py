@@ -17,7 +17,11 @@ unconstrained solution puts below zero is fixed at 0 and the rest refitted):
   (2): ``TTFT = base + h2d x [tier >= 1] + disk x [tier = 2]``: the activation (``h2d_fixed_ms``) and the read from
   disk (``disk_fixed_ms``). One adapter size is measured, so every load cost is a fixed cost (the per-MB fields 0).
 
-Residuals (measured - fitted) are reported per model: count, RMS, largest, and RMS relative to the mean.
+On a shared machine a measurement now and then catches a burst of someone else's work: after a first fit, the
+observations whose residual is more than ``TRIM`` scaled median absolute deviations (1.4826 x MAD, at least 2 % of
+the median observation) from the median residual are dropped and the model refitted once; the count dropped is reported.
+Residuals (measured - fitted, of the observations kept) are reported per model: count, RMS, largest, and RMS
+relative to the mean.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class Fit:
     coef: dict[str, float]
     observed: tuple[float, ...]
     residuals: tuple[float, ...]
+    #: observations left out as outliers
+    dropped: int = 0
 
     def summary(self, digits: int = 4) -> dict[str, Any]:
         """Coefficients and residual statistics (in the observations' unit), JSON-ready."""
@@ -47,13 +53,34 @@ class Fit:
         mean = float(np.mean(self.observed)) if self.observed else 0.0
         return {"coef": {k: round(v, digits) for k, v in self.coef.items()}, "n": len(res),
                 "residual_rms": round(rms, digits), "residual_max_abs": round(float(np.max(np.abs(res))), digits)
-                if len(res) else 0.0, "residual_rms_rel": round(rms / mean, 4) if mean > 0 else None}
+                if len(res) else 0.0, "residual_rms_rel": round(rms / mean, 4) if mean > 0 else None,
+                "dropped_outliers": self.dropped}
+
+
+#: residuals beyond this many scaled MADs are outliers (0: keep every observation)
+TRIM = 4.0
 
 
 def least_squares(names: Sequence[str], rows: Sequence[Sequence[float]], observed: Sequence[float],
-                  nonnegative: bool = True) -> Fit:
+                  nonnegative: bool = True, trim: float = TRIM) -> Fit:
     """Solve ``rows @ coef ~= observed``; with ``nonnegative`` a negative coefficient is fixed at 0 and the others
-    refitted until none is negative. A column that no row uses (all zeros) gets 0."""
+    refitted until none is negative. A column that no row uses (all zeros) gets 0. With ``trim``, observations
+    whose residual is beyond ``trim`` scaled MADs are dropped and the fit done again."""
+    fit = _solve(names, rows, observed, nonnegative)
+    if trim <= 0 or len(observed) < 2 * len(names) + 2:
+        return fit
+    res = np.asarray(fit.residuals)
+    centre = float(np.median(res))  # an outlier pulls the whole fit: residuals are judged from their median
+    scale = max(1.4826 * float(np.median(np.abs(res - centre))), 0.02 * abs(float(np.median(observed))), 1e-9)
+    keep = [i for i, r in enumerate(res) if abs(r - centre) <= trim * scale]
+    if len(keep) == len(res):
+        return fit
+    again = _solve(names, [rows[i] for i in keep], [observed[i] for i in keep], nonnegative)
+    return replace(again, dropped=len(res) - len(keep))
+
+
+def _solve(names: Sequence[str], rows: Sequence[Sequence[float]], observed: Sequence[float],
+           nonnegative: bool) -> Fit:
     x = np.asarray(rows, dtype=float).reshape(len(rows), len(names))
     y = np.asarray(observed, dtype=float)
     if len(y) < 1:

@@ -116,3 +116,13 @@ def test_limits_are_read_from_either_runtimes_log_and_flags_win() -> None:
     assert read_limits(EMULATOR_LOG, [])["kv_capacity_tokens"] == 400_000
     with pytest.raises(RuntimeError, match="kv_capacity_tokens"):
         read_limits("nothing", [])
+
+
+def test_an_outlier_from_a_burst_of_other_work_is_dropped_and_counted() -> None:
+    rows = [[1, x] for x in range(12)]
+    observed = [2.0 + x + (0.01 if x % 2 else -0.01) for x in range(12)]
+    observed[5] += 40.0  # the machine was busy for this one
+    fit = least_squares(("c", "slope"), rows, observed)
+    assert fit.dropped == 1 and fit.coef["slope"] == pytest.approx(1.0, abs=0.01)
+    assert fit.summary()["dropped_outliers"] == 1 and len(fit.residuals) == 11
+    assert least_squares(("c", "slope"), rows, observed, trim=0).coef["slope"] != pytest.approx(1.0, abs=0.01)
