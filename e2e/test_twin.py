@@ -15,7 +15,7 @@ import pytest
 
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.trace import scenario
-from loraplane.stack.twin import Twin, TwinOptions, start_stack
+from loraplane.stack.twin import ARTIFACTS, MODEL, Twin, TwinOptions, start_stack, write_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,10 @@ PODS = 8
 def test_eight_emulated_pods_serve_a_trace_through_the_real_control_plane(tmp_path: Path) -> None:
     trace = scenario("gie-multilora", 400, 0, LARGE_GPU.default_adapter_bytes)
     options = TwinOptions(pods=PODS)
+    adapters = write_adapters(trace, tmp_path / "twin" / ARTIFACTS, MODEL)
     stack = start_stack(tmp_path / "twin", options)
     try:
-        twin = Twin(stack, trace, options)
+        twin = Twin(stack, trace, options, adapters)
         twin.onboard()
         report = twin.run("loraplane")
     finally:

@@ -14,6 +14,7 @@ GPU slots the emulated pods counted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -28,11 +29,12 @@ from loraplane.sim.runner import simulate
 from loraplane.sim.trace import Trace
 from loraplane.stack.twin import (
     DEFAULT_REQUESTS,
-    Twin,
+    LORAPLANE,
     TwinOptions,
     add_pool_options,
     pool_options,
-    start_stack,
+    run_policy,
+    twin_policies,
 )
 
 #: the figures compared, as (report key path, error name, absolute or relative)
@@ -71,13 +73,20 @@ def winner(reports: dict[str, dict[str, Any]]) -> str | None:
     return min(reports, key=key) if reports else None
 
 
+def static_set(trace: Trace) -> Trace:
+    """``trace`` with every adapter on every pod's disk from the start: how the peers' users run adapters (every one
+    registered on every pod at start-up, as the twin's peer pools are)."""
+    return dataclasses.replace(trace, adapters=[dataclasses.replace(a, on_disk=True) for a in trace.adapters])
+
+
 def sim_report(trace: Trace, options: TwinOptions, profile: Profile, policy: str, seed: int) -> dict[str, Any]:
-    """The simulator's summary of ``policy`` on the twin's pool."""
+    """The simulator's summary of ``policy`` on the twin's pool (a peer's with every adapter on every pod's disk,
+    as the twin registers them)."""
     from loraplane.sim.bound import belady_misses
 
     config = SimConfig(pods=options.pods, max_loras=options.max_loras, max_cpu_loras=options.max_cpu_loras)
     started = time.process_time()
-    result = simulate(trace, config, profile, policy, seed)
+    result = simulate(trace if policy == LORAPLANE else static_set(trace), config, profile, policy, seed)
     summary = summarize(result, config, belady_misses(trace.adapter, config.pods * config.max_loras),
                         options.slo_ttft_ms)
     summary["cpu_s"] = round(time.process_time() - started, 2)
@@ -93,13 +102,7 @@ def run(trace: Trace, options: TwinOptions, policies: Sequence[str], seed: int, 
         say(f"fidelity: {policy}: simulator")
         sim = sim_report(trace, options, profile, policy, seed)
         say(f"fidelity: {policy}: twin")
-        stack = start_stack(workdir / policy, options)
-        try:
-            twin = Twin(stack, trace, options, say)
-            twin.onboard()
-            measured = twin.run(policy)
-        finally:
-            stack.stop()
+        measured = run_policy(trace, options, policy, workdir / policy, say)
         out[policy] = {"sim": sim, "twin": measured, "error": errors(sim, measured)}
     sim_winner = winner({p: r["sim"] for p, r in out.items()})
     twin_winner = winner({p: r["twin"] for p, r in out.items()})
@@ -117,7 +120,8 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
     add_trace_source(p, default_requests=DEFAULT_REQUESTS)
     add_pool_options(p, pods=16)
-    p.add_argument("--policies", default="loraplane", help="comma-separated policies, each run in both")
+    p.add_argument("--policies", type=twin_policies, default=[LORAPLANE],
+                   help="comma-separated policies, each run in the simulator and on a fresh twin")
     return p
 
 
@@ -135,11 +139,9 @@ def main(argv: Sequence[str]) -> int:
     except TraceError as exc:
         print(f"loraplane bench fidelity: {exc}", file=sys.stderr)
         return 2
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    report = run(trace, options, policies, args.seed, args.workdir.resolve(), say)
+    report = run(trace, options, args.policies, args.seed, args.workdir.resolve(), say)
     print(json.dumps(report, indent=2))
     return 0

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,6 +130,13 @@ class StackOptions:
     publish_seconds: float = 2.0
     #: the InferencePool's ``endpointPickerRef.failureMode``: FailOpen lets Envoy route without the picker
     failure_mode: str = "FailClose"
+    #: a peer's packaged picker config (``loraplane.picker.peers``): the pool runs as the peer's users run it -- the
+    #: picker scrapes every pod's vLLM metrics (``--data-source scrape``, every ``scrape_interval`` s) and routes model
+    #: names as given; every adapter of ``lora_modules`` is registered on every pod at start-up (vLLM's
+    #: ``--lora-modules``); the pods keep vLLM's default scheduling; no sidecars, no controller. None: loraplane.
+    peer: str | None = None
+    lora_modules: Mapping[str, Path] = field(default_factory=dict)
+    scrape_interval: float = 0.05
     #: how Envoy hands request and response bodies to the picker: ``BUFFERED`` (whole bodies: a streamed answer
     #: reaches the client only when it ends) or ``FULL_DUPLEX_STREAMED`` (GIE's reference and the chart's default:
     #: each chunk as it comes, so the client sees the first token when the pod sends it)
@@ -288,11 +295,15 @@ class LocalStack:
             self._write_model()
         for i in range(self.options.engines):
             self.engines.append(self._start_engine(f"engine-{i}"))
-        for engine in self.engines:
-            self._wait(engine.port, engine.engine, timeout=420 if self.options.runtime == "vllm" else 180)
-            engine.sidecar = self._start_sidecar(engine)
+        for engine in self.engines:  # a pod registering many adapters at start-up listens only after loading them
+            slow = self.options.runtime == "vllm" or bool(self.options.lora_modules)
+            self._wait(engine.port, engine.engine, timeout=600 if slow else 180)
+            if self.options.peer is None:
+                engine.sidecar = self._start_sidecar(engine)
         self._apply_pool()
         self._start_gateway()
+        if self.options.peer is not None:
+            return
         self.controller_metrics_port = free_port()
         self.controller = ManagedProcess(
             [sys.executable, "-m", "loraplane.controller.cli", "--kubeconfig", str(self.cluster.kubeconfig),
@@ -338,8 +349,7 @@ class LocalStack:
                               max_model_len=EMULATED_MAX_MODEL_LEN if emulated else VllmOptions.max_model_len,
                               cpu_bind=None if emulated else str(index % (os.cpu_count() or 1)),
                               block_size=None if emulated else VLLM_BLOCK_SIZE, kv_events_endpoint=events,
-                              extra_args=("--enable-prompt-tokens-details", *SCHEDULING_ARGS,
-                                          *(self._chart_step_args() if emulated else ())),
+                              extra_args=("--enable-prompt-tokens-details", *self._pod_args(emulated)),
                               emulated=emulated, profile=self.options.profile)
         server = start_vllm(options, self.logs / f"{pod}.log", port=port)
         return Engine(pod, port, server.process, kv_events=events)
@@ -394,7 +404,7 @@ class LocalStack:
                 [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
                  "--grpc-address", f"{LOOPBACK}:{picker_port}", "--health-address", f"{LOOPBACK}:{health_port}",
                  "--metrics-address", f"{LOOPBACK}:{metrics_port}", "--replica", f"picker-{i}",
-                 "--no-destination-fallbacks", "--resync-seconds", "1", "--runtime-priority",
+                 "--no-destination-fallbacks", "--resync-seconds", "1",
                  "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING",
                  *self._picker_config_args()],
                 self.logs / ("picker.log" if i == 0 else f"picker-{i}.log"),
@@ -414,18 +424,31 @@ class LocalStack:
                                      "--base-id", str(self.gateway_port)], self.logs / "envoy.log").start()
         self._wait(self.gateway_port, self.envoy)
 
-    @staticmethod
-    def _chart_step_args() -> tuple[str, ...]:
-        """The step budget the chart gives loraplane's pods (``modelServer.scheduling.maxNumBatchedTokens``)."""
+    def _pod_args(self, emulated: bool) -> tuple[str, ...]:
+        """A vLLM pod's scheduling and adapters: loraplane's as the chart starts them (``priority`` queues; emulated
+        pods also its step budget, ``modelServer.scheduling.maxNumBatchedTokens``), a peer's with vLLM's defaults
+        and its adapters registered at start-up."""
+        if self.options.peer is not None:
+            modules = [f"{name}={path}" for name, path in self.options.lora_modules.items()]
+            return ("--lora-modules", *modules) if modules else ()
         from loraplane.sim.policies import LORAPLANE_MAX_BATCHED_TOKENS
 
-        return ("--max-num-batched-tokens", str(LORAPLANE_MAX_BATCHED_TOKENS))
+        steps = ("--max-num-batched-tokens", str(LORAPLANE_MAX_BATCHED_TOKENS)) if emulated else ()
+        return (*SCHEDULING_ARGS, *steps)
 
     def _picker_config_args(self) -> list[str]:
-        """Over vLLM pods, the default config with the prefix scorer in precise mode (their KV-cache events, the
-        model's tokenizer); over emulated pods, the default config with its saturation thresholds sized for the
-        profile's pod (as the simulator runs it, and as an operator sizes them for the pool's GPUs); over engines,
-        the packaged default (approximate)."""
+        """A peer's packaged config over the pods' scraped metrics. loraplane's picker writes each request's priority
+        into its body (``--runtime-priority``) and runs: over vLLM pods, the default config with the prefix scorer in
+        precise mode (their KV-cache events, the model's tokenizer); over emulated pods, the default config with its
+        saturation thresholds sized for the profile's pod (as the simulator runs it, and as an operator sizes them
+        for the pool's GPUs); over engines, the packaged default (approximate)."""
+        if self.options.peer is not None:
+            endpoints = [arg for e in self.engines for arg in ("--endpoint", f"{e.pod}={e.address}")]
+            return ["--data-source", "scrape", "--config", f"peer:{self.options.peer}", "--scrape-interval",
+                    str(self.options.scrape_interval), *endpoints]
+        return ["--runtime-priority", *self._own_picker_config_args()]
+
+    def _own_picker_config_args(self) -> list[str]:
         if self.options.runtime == "emulated":
             from loraplane.sim.policies import picker_config_for
             from loraplane.sim.profile import LARGE_GPU, load_profile

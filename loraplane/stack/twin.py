@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane.api import AdapterRevision, PriorityClass, parse_served_name
 from loraplane.emulator.tokens import expected_text
+from loraplane.picker.peers import peer_configs
 from loraplane.sim.cluster import SERVED, SimResult
 from loraplane.sim.metrics import (
     DEFAULT_SLO_TTFT_MS,
@@ -53,6 +54,13 @@ ADAPTER_RANK = 16
 ADAPTER_TARGETS = ("q_proj", "v_proj")
 #: the refusal code recorded for a request that got no HTTP answer at all (``Outcome.status == NO_ANSWER``)
 NO_ANSWER_STATUS = 502
+#: the model the emulated pods are given (its shapes check the adapters' tensors, as vLLM does)
+MODEL = "tiny-hd32"
+#: the stack's artifacts folder (``LocalStack.artifacts``), relative to its workdir
+ARTIFACTS = "artifacts"
+LORAPLANE = "loraplane"
+#: the policies the twin runs: loraplane and every peer with a packaged picker config
+TWIN_POLICIES = (LORAPLANE, *peer_configs())
 #: kubectl applies the manifests in files of this many objects
 APPLY_CHUNK = 100
 #: requests a scenario generates for the twin unless told (a few minutes of real time at the scenarios' rates)
@@ -72,6 +80,8 @@ class TwinOptions:
     #: simulator's loraplane policy sees them
     heartbeat: float = 1.0
     stable_timeout_s: float = 1800.0
+    #: seconds between a peer's picker scrapes of each pod (llm-d-router's ``--refresh-metrics-interval``)
+    scrape_interval: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -249,7 +259,8 @@ async def scrape_all(stack: LocalStack) -> Scrapes:
     async with aiohttp.ClientSession() as http:
         pods = await asyncio.gather(*(one(http, f"http://{e.address}/metrics") for e in stack.engines))
         picker = await one(http, f"http://127.0.0.1:{stack.picker_metrics_port}/metrics")
-        controller = await one(http, f"http://127.0.0.1:{stack.controller_metrics_port}/metrics")
+        controller = (await one(http, f"http://127.0.0.1:{stack.controller_metrics_port}/metrics")
+                      if stack.controller is not None else {})
     return Scrapes(dict(zip((e.pod for e in stack.engines), pods, strict=True)), picker, controller)
 
 
@@ -257,20 +268,19 @@ async def scrape_all(stack: LocalStack) -> Scrapes:
 class Twin:
     """One trace through a started emulated stack."""
 
-    def __init__(self, stack: LocalStack, trace: Trace, options: TwinOptions,
+    def __init__(self, stack: LocalStack, trace: Trace, options: TwinOptions, adapters: Sequence[TwinAdapter],
                  say: Callable[[str], None] = lambda _m: None) -> None:
         assert stack.cluster is not None and stack.model_digest is not None
         self.stack, self.trace, self.options, self.say = stack, trace, options, say
-        self.adapters: list[TwinAdapter] = []
+        self.adapters = list(adapters)
         #: what the client saw of each request of the last run, in trace order
         self.outcomes: list[Outcome] = []
 
     def onboard(self) -> float:
-        """Write the artifacts, ``kubectl apply`` one AdapterRevision per adapter, wait until all are Stable;
-        returns the seconds it took from the first apply."""
+        """``kubectl apply`` one AdapterRevision per adapter, wait until all are Stable; returns the seconds it took
+        from the first apply."""
         stack = self.stack
         assert stack.cluster is not None and stack.model_digest is not None
-        self.adapters = write_adapters(self.trace, stack.artifacts, stack.options.model)
         manifests = [manifest(a, stack.options.model, stack.model_digest) for a in self.adapters]
         directory = stack.options.workdir / "manifests"
         directory.mkdir(parents=True, exist_ok=True)
@@ -381,13 +391,45 @@ def usage_summary(before: dict[str, tuple[float, int, int]], after: dict[str, tu
             for kind, rows in sorted(kinds.items())}
 
 
-def start_stack(workdir: Path, options: TwinOptions) -> LocalStack:
-    """The local stack on ``options.pods`` emulated pods."""
-    stack = LocalStack(StackOptions(workdir=workdir, engines=options.pods, runtime="emulated", model="tiny-hd32",
+def start_stack(workdir: Path, options: TwinOptions, peer: str | None = None,
+                adapters: Sequence[TwinAdapter] = ()) -> LocalStack:
+    """The local stack on ``options.pods`` emulated pods: loraplane's, or run as ``peer``'s users run it (its
+    packaged picker config over the pods' scraped metrics, ``adapters`` registered on every pod at start-up)."""
+    modules = {a.adapter: workdir / ARTIFACTS / "adapters" / a.object_name for a in adapters} if peer else {}
+    stack = LocalStack(StackOptions(workdir=workdir, engines=options.pods, runtime="emulated", model=MODEL,
                                     profile=options.profile, max_loras=options.max_loras,
                                     max_cpu_loras=options.max_cpu_loras, heartbeat=options.heartbeat,
-                                    body_mode="FULL_DUPLEX_STREAMED"))
+                                    body_mode="FULL_DUPLEX_STREAMED", peer=peer, lora_modules=modules,
+                                    scrape_interval=options.scrape_interval))
     return stack.start()
+
+
+def run_policy(trace: Trace, options: TwinOptions, policy: str, workdir: Path,
+               say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
+    """``policy`` (loraplane, or a peer's packaged config) on a fresh twin: the adapters written, the stack
+    started, loraplane's revisions onboarded through kubectl (a peer's registered at start-up), the trace
+    replayed; its report, with ``onboard_s``."""
+    adapters = write_adapters(trace, workdir / ARTIFACTS, MODEL)
+    peer = None if policy == LORAPLANE else policy
+    stack = start_stack(workdir, options, peer, adapters)
+    try:
+        twin = Twin(stack, trace, options, adapters, say)
+        onboard_s = twin.onboard() if peer is None else 0.0
+        say(f"twin: {policy}: {len(adapters)} adapters ready after {onboard_s:.1f} s; replaying {len(trace)} requests")
+        report = twin.run(policy)
+    finally:
+        stack.stop()
+    report["onboard_s"] = round(onboard_s, 1)
+    return report
+
+
+def twin_policies(text: str) -> list[str]:
+    """``--policies``: loraplane and the peers' packaged configs."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TWIN_POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown)}; choose from {', '.join(TWIN_POLICIES)}")
+    return list(dict.fromkeys(names))
 
 
 def add_pool_options(p: argparse.ArgumentParser, pods: int) -> None:
@@ -400,6 +442,8 @@ def add_pool_options(p: argparse.ArgumentParser, pods: int) -> None:
                    help="the emulated pods' timing profile: a built-in name or a JSON file (loraplane.sim.profile)")
     p.add_argument("--slo-ttft-ms", type=float, default=TwinOptions.slo_ttft_ms,
                    help="TTFT a served request must meet for slo_attainment")
+    p.add_argument("--scrape-interval", type=float, default=TwinOptions.scrape_interval,
+                   help="seconds between a peer picker's scrapes of each pod's metrics (llm-d's default 0.05)")
     p.add_argument("--workdir", type=Path, default=Path(".run-twin"),
                    help="the stack's logs, artifacts and manifests go here")
     p.add_argument("--json", action="store_true", help="print one JSON object (always on; kept for symmetry)")
@@ -408,7 +452,7 @@ def add_pool_options(p: argparse.ArgumentParser, pods: int) -> None:
 def pool_options(args: argparse.Namespace) -> TwinOptions:
     """The ``TwinOptions`` of ``add_pool_options``' flags."""
     return TwinOptions(pods=args.pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-                       profile=args.profile, slo_ttft_ms=args.slo_ttft_ms)
+                       profile=args.profile, slo_ttft_ms=args.slo_ttft_ms, scrape_interval=args.scrape_interval)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -420,7 +464,8 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
     add_trace_source(p, default_requests=DEFAULT_REQUESTS)
     add_pool_options(p, pods=TwinOptions.pods)
-    p.add_argument("--policy", default="loraplane", choices=["loraplane"], help="the routing policy")
+    p.add_argument("--policies", type=twin_policies, default=[LORAPLANE],
+                   help=f"comma-separated, each on a fresh twin: {', '.join(TWIN_POLICIES)}")
     return p
 
 
@@ -444,18 +489,11 @@ def main(argv: Sequence[str]) -> int:
         print(message, file=sys.stderr, flush=True)
 
     started = time.monotonic()
-    stack = start_stack(args.workdir.resolve(), options)
-    try:
-        twin = Twin(stack, trace, options, say)
-        onboard_s = twin.onboard()
-        say(f"twin: {len(twin.adapters)} revisions Stable after {onboard_s:.1f} s; replaying {len(trace)} requests")
-        report = {"scenario": trace.name, "pods": options.pods, "requests": len(trace), "seed": args.seed,
-                  "profile": profile.name, "slo_ttft_ms": options.slo_ttft_ms,
-                  "pool": {"pods": options.pods, "max_loras": options.max_loras,
-                           "max_cpu_loras": options.max_cpu_loras},
-                  "onboard_s": round(onboard_s, 1), "policies": {args.policy: twin.run(args.policy)}}
-    finally:
-        stack.stop()
+    report = {"scenario": trace.name, "pods": options.pods, "requests": len(trace), "seed": args.seed,
+              "profile": profile.name, "slo_ttft_ms": options.slo_ttft_ms,
+              "pool": {"pods": options.pods, "max_loras": options.max_loras, "max_cpu_loras": options.max_cpu_loras},
+              "policies": {policy: run_policy(trace, options, policy, args.workdir.resolve() / policy, say)
+                           for policy in args.policies}}
     report["wall_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(report, indent=2))
     return 0
