@@ -4,8 +4,11 @@ Each request is a streamed completion of token ids (``prompt`` as a list of ints
 tokenizer) with ``ignore_eos`` (every answer is ``max_tokens`` long, as the emulator's always are) and
 ``return_token_ids`` (a chunk can carry a token whose text is empty: vLLM's byte tokenizer holds back partial
 characters). The client records, from the moment it sends: the first chunk that carries a token (TTFT) and the
-last one (so TPOT = (last - first) / (tokens - 1), whatever the server coalesces in between). ``replay`` sends a
-list open loop, each request at its own time whatever the answers do; ``burst`` sends them all at once.
+last one (so TPOT = (last - first) / (tokens - 1), whatever the server coalesces in between), and how many tokens
+after the first reached it together with the one before (in one chunk, or within ``TOGETHER_S``): a server whose
+stream delivers a token per chunk but whose tokens arrive together was held up -- its API server or this client did
+not get the CPU -- and its TPOT says nothing of its steps. ``replay`` sends a list open loop, each request at its own
+time whatever the answers do; ``burst`` sends them all at once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import orjson
 
 #: status of a request that got no HTTP answer
 NO_ANSWER = 0
+#: tokens this close after the previous one came together with it (no engine step is that short)
+TOGETHER_S = 1e-4
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class Timing:
     last_token_s: float = math.nan
     #: tokens received (``token_ids`` of the chunks)
     tokens: int = 0
+    #: tokens after the first that came together with the previous one
+    together: int = 0
     #: seconds the request left after its time (a late client would bias the figures)
     late_s: float = 0.0
     error: str | None = None
@@ -52,6 +59,11 @@ class Timing:
     def ok(self) -> bool:
         """Answered 200 with at least one token."""
         return self.status == 200 and self.tokens > 0 and self.error is None
+
+    @property
+    def held_up(self) -> float:
+        """Share of the tokens after the first that came together with the one before (0 for one token)."""
+        return self.together / (self.tokens - 1) if self.tokens > 1 else 0.0
 
     @property
     def tpot_s(self) -> float:
@@ -91,6 +103,9 @@ async def send(http: aiohttp.ClientSession, url: str, request: TimedRequest, tim
                         now = time.perf_counter() - started
                         if timing.tokens == 0:
                             timing.ttft_s = now
+                            timing.together += count - 1
+                        else:
+                            timing.together += count - 1 + (now - timing.last_token_s < TOGETHER_S)
                         timing.last_token_s = now
                         timing.tokens += count
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:

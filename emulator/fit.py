@@ -3,8 +3,8 @@
 Three linear models, each fitted over every repeated measurement (non-negative coefficients: a coefficient the
 unconstrained solution puts below zero is fixed at 0 and the rest refitted):
 
-- **decode** -- the time per output token of a batch of ``B`` sequences decoding together using ``A`` distinct
-  adapters is one engine step: ``TPOT = c + per_seq x B + lora_base x [A > 0] + lora_per_adapter x A``. ``c`` is
+- **decode** -- one engine step of a batch of ``B`` sequences decoding together using ``A`` distinct adapters (the
+  time per output token): ``step = c + per_seq x B + lora_base x [A > 0] + lora_per_adapter x A``. ``c`` is
   the step's constant part; a client cannot split it into ``step_overhead_ms`` (scheduling, sampling, Python) and
   ``decode_base_ms`` (the weights read once per step), so it goes into ``step_overhead_ms`` and ``decode_base_ms``
   is 0 (the model has no weights worth reading).
