@@ -386,14 +386,14 @@ class Engine:
     def _run_step(self, unmerge: list[int], merge: list[int], use: bool, token_ids: torch.Tensor,
                   positions: torch.Tensor, chunks: list[SequenceChunk], plan: BatchPlan) -> tuple[torch.Tensor, float]:
         """In the step thread: apply the merge decision, then the forward pass; logits and the forward's seconds."""
+        clock = self._step_clock()
         for slot in unmerge:
             self.model.unmerge_slot(slot)
         for slot in merge:
-            started = time.perf_counter()
+            started = clock()
             self.model.merge_slot(slot)
-            self.merge_policy.switched(time.perf_counter() - started)
+            self.merge_policy.switched(clock() - started)  # the clock the savings it must repay are measured in
         self.model.use_merged(use)
-        clock = self._step_clock()
         started = clock()
         logits = self.model.forward(token_ids, positions, chunks, plan, self.kv)
         if self.model.device.type == "cuda":

@@ -292,10 +292,15 @@ def _step_costs(engine: Engine, merged_seconds: float, unmerged_seconds: float) 
     ticks = itertools.count()
 
     def clock_factory() -> Callable[[], float]:
-        cost = merged_seconds if engine.model.lora_context.merged_slots else unmerged_seconds  # copies in use
-        start = next(ticks) * 100.0
-        calls = iter((start, start + cost))
-        return lambda: next(calls)
+        now = [next(ticks) * 100.0]
+        readings = itertools.count()
+
+        def clock() -> float:  # every second reading ends an interval: it took the cost of what is in use then
+            if next(readings) % 2:
+                now[0] += merged_seconds if engine.model.lora_context.merged_slots else unmerged_seconds
+            return now[0]
+
+        return clock
 
     engine._step_clock = clock_factory  # type: ignore[method-assign]
 
