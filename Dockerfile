@@ -25,6 +25,7 @@ COPY picker/ picker/
 COPY controller/ controller/
 COPY devcluster/ devcluster/
 COPY sim/ sim/
+COPY emulator/ emulator/
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}
