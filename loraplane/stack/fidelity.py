@@ -84,7 +84,8 @@ def sim_report(trace: Trace, options: TwinOptions, profile: Profile, policy: str
     as the twin registers them)."""
     from loraplane.sim.bound import belady_misses
 
-    config = SimConfig(pods=options.pods, max_loras=options.max_loras, max_cpu_loras=options.max_cpu_loras)
+    config = SimConfig(pods=options.pods, max_loras=options.max_loras, max_cpu_loras=options.max_cpu_loras,
+                       scrape_interval_s=options.scrape_interval)
     started = time.process_time()
     result = simulate(trace if policy == LORAPLANE else static_set(trace), config, profile, policy, seed)
     summary = summarize(result, config, belady_misses(trace.adapter, config.pods * config.max_loras),
