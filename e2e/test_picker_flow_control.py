@@ -19,6 +19,7 @@ import httpx
 import pytest
 import redis
 
+from e2e.fixtures.heartbeat import Heartbeats
 from e2e.fixtures.picker import Gateway, gateway, wait_picker_ready
 from e2e.fixtures.processes import LOOPBACK, ManagedProcess, free_port, start_redis, wait_for_port
 from loraplane.api import (
@@ -52,6 +53,7 @@ def picker_config() -> str:
 class Setup:
     gateway: Gateway
     health_port: int
+    heartbeats: Heartbeats
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +72,17 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         backend = ManagedProcess([sys.executable, "-m", "e2e.fixtures.echo_backend", "--port", str(port), "--pod", "pod-a"],
                                  work / "pod-a.log").start()
         wait_for_port(port, proc=backend.proc)
-        report = ResidencyReport(pool=POOL, pod="pod-a", address=f"{LOOPBACK}:{port}", heartbeat_at=time.time() + 3600,
+        report = ResidencyReport(pool=POOL, pod="pod-a", address=f"{LOOPBACK}:{port}", heartbeat_at=time.time(),
                                  adapters=[AdapterResidency(served_name="claims@v1", tier=Tier.GPU, digest=DIGEST)])
-        client.set(keys.residency_report(POOL, "pod-a"), report.to_json())
-        client.sadd(keys.residency_index(POOL), "pod-a")
+        heartbeats = Heartbeats(client, [report]).start()  # the pod's sidecar
         gateways = gateway(work, POOL, redis_server.url, config_yaml=picker_config())
         gw = next(gateways)
         health_port = int(gw.picker.args[gw.picker.args.index("--health-address") + 1].rpartition(":")[2])
         try:
-            yield Setup(gw, health_port)
+            yield Setup(gw, health_port, heartbeats)
         finally:
             gateways.close()
+            heartbeats.stop()
     finally:
         if backend is not None:
             backend.stop()
@@ -146,6 +148,38 @@ def test_a_full_band_refuses_at_once(setup: Setup) -> None:
     ))
     by_name = {r.name: r for r in results}
     assert (by_name["shed-2"].status, by_name["shed-2"].reason) == (429, "queue-full")  # the sheddable limit is 2
+
+
+def test_requests_waiting_when_their_pod_turns_not_ready_are_each_answered_at_the_next_round(setup: Setup) -> None:
+    """Issue 31, item 4: four requests wait behind a blocker; the pod then reports not ready, so the scheduler
+    refuses each one at its next dispatch round (503 no-endpoint). Before, the first refusal raised ``KeyError`` in
+    ``FlowControl.dispatch`` (the refused request left the queue twice), the round ended there and armed no next one:
+    the others waited for another arrival or a completion, or for their deadline (503 queue-deadline)."""
+    ready = setup.heartbeats.reports["pod-a"]
+    log_size = setup.gateway.picker.log_path.stat().st_size
+
+    async def not_ready_while_waiting(_client: httpx.AsyncClient) -> None:
+        await asyncio.sleep(0.8)
+        await asyncio.to_thread(setup.heartbeats.set, ready.model_copy(update={"ready": False}))
+
+    try:
+        results = asyncio.run(run(
+            lambda c: post(c, setup, "blocker", sleep_s=DEADLINES["standard"] + 2.0),
+            *(lambda c, i=i: post(c, setup, f"waiting-{i}", delay=0.2) for i in range(4)),
+            not_ready_while_waiting,
+        ))[:5]
+    finally:
+        setup.heartbeats.set(ready)
+    waited = sorted(results[1:], key=lambda r: r.done_at)
+    with setup.gateway.picker.log_path.open() as log:
+        log.seek(log_size)
+        tracebacks = log.read().count("KeyError")
+    answers = [(r.status, r.reason) for r in waited]
+    print(f"FLOW-CONTROL-REFUSAL {{'answers': {answers}, 'answered_within_s': "
+          f"{round(waited[-1].done_at - waited[0].done_at, 3)}, 'key_errors_logged': {tracebacks}}}")
+    assert answers == [(503, "no-endpoint")] * 4, answers
+    assert tracebacks == 0
+    assert results[0].status == 200  # the blocker was on its way already
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])

@@ -85,7 +85,8 @@ class Waiter(Protocol):
 
     def try_dispatch(self) -> bool:
         """Schedule again: True when the request is gone from the queue's view (sent, or refused by the scheduler),
-        False when every candidate is still saturated."""
+        False when every candidate is still saturated. A refused waiter may ``cancel`` itself meanwhile (the
+        ext_proc exchange does, answering its refusal): the round goes on with the next."""
         ...
 
     def refuse(self, error: SchedulingError) -> None:
@@ -141,6 +142,8 @@ class FlowControl(RequestPlugin):
         self._held: dict[Waiter, _Held] = {}
         self._wake: Cancellable | None = None
         self._wake_soon = False
+        #: the request a dispatch round is trying now (a ``cancel`` of it is the scheduler's refusal)
+        self._trying: _Held | None = None
         self.stopped = False
         self.limits = (params.queue_limit.gold, params.queue_limit.standard, params.queue_limit.sheddable)
         self.deadlines = (params.deadline_seconds.gold, params.deadline_seconds.standard,
@@ -192,10 +195,10 @@ class FlowControl(RequestPlugin):
         self._wake_after(0.0)
 
     def cancel(self, waiter: Waiter) -> None:
-        """``waiter`` went away (its stream ended): forget it."""
+        """``waiter`` went away (its stream ended, or the scheduler refused it while it was tried): forget it."""
         held = self._held.get(waiter)
         if held is not None:
-            self._remove(held, "cancelled")
+            self._remove(held, "refused" if held is self._trying else "cancelled")
 
     def response_complete(self, request: InFlightRequest) -> None:
         """A request finished somewhere: a dispatch round soon."""
@@ -208,22 +211,31 @@ class FlowControl(RequestPlugin):
             self._wake.cancel()  # this round replaces the one that was due
         self._wake, self._wake_soon = None, False
         blocked = 0
-        for band in Band:
-            queues = self._bands[band]
-            tried: set[str] = set()
-            while queues and blocked < self.params.max_blocked_tries:
-                key = next(iter(queues))
-                if key in tried:
-                    break  # every key's head in this band is blocked
-                held = queues[key][0]
-                if held.waiter.try_dispatch():
-                    self._remove(held, "dispatched")
-                else:
-                    blocked += 1
-                    tried.add(key)
-                    queues[key] = queues.pop(key)  # its turn passes
-        if self._held:
-            self._wake_after(self.params.retry_interval_seconds)
+        try:
+            for band in Band:
+                queues = self._bands[band]
+                tried: set[str] = set()
+                while queues and blocked < self.params.max_blocked_tries:
+                    key = next(iter(queues))
+                    if key in tried:
+                        break  # every key's head in this band is blocked
+                    held = queues[key][0]
+                    self._trying = held
+                    try:
+                        gone = held.waiter.try_dispatch()
+                    finally:
+                        self._trying = None
+                    if held.waiter not in self._held:
+                        continue  # refused by the scheduler: answered, and out of the queue already (``cancel``)
+                    if gone:
+                        self._remove(held, "dispatched")
+                    else:
+                        blocked += 1
+                        tried.add(key)
+                        queues[key] = queues.pop(key)  # its turn passes
+        finally:  # whatever a waiter did, the requests still waiting get their next round
+            if self._held:
+                self._wake_after(self.params.retry_interval_seconds)
 
     def stop(self) -> None:
         """The picker is stopping: answer every waiting request 503 ``picker-stopping`` and take no more."""

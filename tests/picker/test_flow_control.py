@@ -160,6 +160,41 @@ def test_a_cancelled_request_leaves_the_queue() -> None:
     assert log == ["stays"] and not gone.refused
 
 
+@dataclass(eq=False)
+class Refused:
+    """A waiter the scheduler refuses when tried: it answers and leaves the queue itself, as the ext_proc exchange
+    does (``_refuse`` -> ``close`` -> ``cancel``), then tells the round it is gone."""
+
+    queue: FlowControl
+    log: list[str]
+
+    def try_dispatch(self) -> bool:
+        self.log.append("refused")
+        self.queue.cancel(self)
+        return True
+
+    def refuse(self, error: SchedulingError) -> None:
+        raise AssertionError("answered already")
+
+
+def test_a_request_the_scheduler_refuses_at_dispatch_leaves_the_round_going() -> None:
+    """Issue 31, item 4: the refused request left the queue inside ``try_dispatch`` and the round removed it again
+    (``KeyError``), ending before the other requests were tried and before its next round was due."""
+    queue, loop = make_queue()
+    room, log = [1], []
+    queue.hold(Refused(queue, log), 0, "a")
+    queue.hold(Request("next-key", room, log), 0, "b")
+    queue.hold(Request("waits", room, log), 0, "c")
+    loop.advance(0.0)  # one round: the refusal, then the others in turn
+    assert log == ["refused", "next-key"] and queue.size == 1
+    room[0] = 1
+    loop.advance(0.05)  # the round re-armed the next one
+    assert log == ["refused", "next-key", "waits"] and queue.size == 0
+    outcomes = {s.labels["outcome"]: s.value for m in queue.wait_seconds.collect() for s in m.samples
+                if s.name.endswith("_count")}
+    assert outcomes == {"refused": 1, "dispatched": 2}
+
+
 # --- held ext_proc exchanges ------------------------------------------------------------------------------------
 
 ONE_IN_FLIGHT = EndpointPickerConfig.load().model_dump(by_alias=True)
@@ -359,3 +394,26 @@ async def test_a_held_request_whose_client_goes_away_leaves_the_queue(transport:
         assert not routed
         if how == "reset":
             client.close()
+
+
+def test_held_requests_the_pool_can_no_longer_take_are_all_answered_in_one_round() -> None:
+    """Every pod turns not ready while three requests wait: the next round answers all three 503 no-endpoint
+    (before: the first refusal raised KeyError in the round, the others waited for another arrival or their
+    deadline)."""
+    ctx, state = make_context(scheduler=Scheduler(EndpointPickerConfig.model_validate(ONE_IN_FLIGHT)))
+    loop = FakeLoop()
+    ctx.lifecycle = Lifecycle.from_specs(PluginRuntime(ctx.tracker, loop.clock, loop.call_later),
+                                         [("flow-control", {})])
+    for _ in range(2):
+        send(ctx)
+    held = [send(ctx) for _ in range(3)]
+    assert all(replies == [] for _, replies in held)
+    for report in reports(time.time()):
+        state.set_report(report.model_copy(update={"ready": False}))
+    state.rebuild()
+    loop.advance(0.05)
+    answers = [[(r.immediate_response.status.code,
+                 header_map(r.immediate_response.headers)["x-llm-d-request-dropped-reason"]) for r in replies]
+               for _, replies in held]
+    assert answers == [[(503, "no-endpoint")]] * 3
+    assert ctx.flow_control is not None and ctx.flow_control.size == 0
