@@ -70,16 +70,24 @@ class PickerEndpoint:
     host: str = LOOPBACK
 
 
+#: below this share of healthy picker replicas Envoy routes to every replica (its default, made explicit)
+PANIC_THRESHOLD_PERCENT = 50
+
+
 @dataclass(frozen=True)
 class PickerHealth:
     """How Envoy finds a dead or unready picker replica: active gRPC health checks (``grpc.health.v1`` on each
     replica's health port, for the ext_proc service: NOT_SERVING until it has read Redis) and outlier detection
-    (a replica that refuses or resets connections is ejected at once). Ejected or unhealthy replicas get no new
-    streams; with none left, requests fail as with no picker (no panic routing to dead replicas)."""
+    (a replica that refuses or resets connections is ejected at once). A live replica is marked unhealthy only after
+    ``unhealthy_threshold`` checks in a row fail (one slow answer from a busy picker is not a death). Ejected or
+    unhealthy replicas get no new streams while at least half the replicas are healthy; below that Envoy routes to
+    all of them (panic routing): a dead replica refuses at once either way, while health checks a starved machine
+    failed on every replica would otherwise cut off every request (seen on the twin: the one picker's checks timed
+    out under load and 64 requests got Envoy's empty 500)."""
 
     interval: str = "1s"
-    timeout: str = "0.5s"
-    unhealthy_threshold: int = 1
+    timeout: str = "1s"
+    unhealthy_threshold: int = 3
     healthy_threshold: int = 1
     consecutive_local_origin_failures: int = 1
     base_ejection_time: str = "5s"
@@ -128,7 +136,7 @@ def _static_cluster(name: str, port: int | Sequence[PickerEndpoint], http2_strea
         if any(e.health_port is not None for e in endpoints):
             cluster["health_checks"] = health.health_checks()
         cluster["outlier_detection"] = health.outlier_detection()
-        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+        cluster["common_lb_config"] = {"healthy_panic_threshold": {"value": PANIC_THRESHOLD_PERCENT}}
     if max_requests is not None:
         cluster["circuit_breakers"] = circuit_breakers(max_requests)
     if http2_streams is not None:

@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import sys
 import tarfile
 import time
@@ -333,13 +334,13 @@ class Twin:
             return words > 0 and text == expected_text(identity[request.model], request.prompt, words)
 
         pod_index = {e.address: i for i, e in enumerate(stack.engines)}
-        usage_before = {name: process_usage(pid) for name, pid in stack.pids().items()}
+        usage_before = {name: process_usage(pid) for name, pid in {**stack.pids(), "client": os.getpid()}.items()}
         before = asyncio.run(scrape_all(stack))
         started = time.monotonic()
         outcomes = self.outcomes = asyncio.run(replay(stack.gateway_url, requests, check=check))
         wall = time.monotonic() - started
         after = asyncio.run(scrape_all(stack))
-        usage_after = {name: process_usage(pid) for name, pid in stack.pids().items()}
+        usage_after = {name: process_usage(pid) for name, pid in {**stack.pids(), "client": os.getpid()}.items()}
         result = outcomes_as_result(policy, self.trace, outcomes, lambda upstream: pod_index.get(upstream or "", -1))
         summary = twin_summary(result, outcomes, before, after, self.options.slo_ttft_ms)
         summary["replay_wall_s"] = round(wall, 1)
@@ -380,11 +381,13 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
 
 def usage_summary(before: dict[str, tuple[float, int, int]], after: dict[str, tuple[float, int, int]],
                   wall_s: float) -> dict[str, Any]:
-    """Per process kind (emulated pods, sidecars, picker, ...): CPU share of one core over the replay, RSS now and
+    """Per process kind (emulated pods, sidecars, picker, ..., and ``client``, this benchmark's own process, which
+    sends the trace): CPU share of one core over the replay, RSS now and
     at its peak (largest process of the kind, and the kind's sum)."""
     kinds: dict[str, list[tuple[float, int, int]]] = {}
     for name, (cpu, rss, peak) in after.items():
-        kind = "sidecar" if name.startswith("sidecar-") else "pod" if name.startswith("engine-") else name
+        kind = ("sidecar" if name.startswith("sidecar-") else "pod" if name.startswith("engine-")
+                else "redis" if name.startswith("redis-") else name)
         kinds.setdefault(kind, []).append((cpu - before.get(name, (0.0, 0, 0))[0], rss, peak))
     return {kind: {"processes": len(rows), "cpu_core_share": round(sum(r[0] for r in rows) / wall_s, 3) if wall_s else None,
                    "rss_mb_sum": round(sum(r[1] for r in rows) / 2**20, 1),

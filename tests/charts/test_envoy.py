@@ -284,10 +284,10 @@ def test_every_picker_replica_is_health_checked_and_a_dead_one_ejected(render: R
     assert "--health-address=0.0.0.0:9003" in picker["args"]
     (check,) = cluster["health_checks"]
     assert check["grpc_health_check"] == {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}
-    assert (check["interval"], check["no_traffic_interval"], check["unhealthy_threshold"]) == ("1s", "1s", 1)
+    assert (check["interval"], check["no_traffic_interval"], check["unhealthy_threshold"]) == ("1s", "1s", 3)
     outlier = cluster["outlier_detection"]
     assert outlier["consecutive_local_origin_failure"] == 1 and outlier["split_external_local_origin_errors"]
-    assert cluster["common_lb_config"] == {"healthy_panic_threshold": {"value": 0}}
+    assert cluster["common_lb_config"] == {"healthy_panic_threshold": {"value": 50}}
     httproute = render({"gateway": {"mode": "httproute", "httpRoute": {"parentRefs": [{"name": "gw"}]}},
                         "networkPolicy": {"enabled": False}})
     assert f"{name_of('picker')}-replicas" not in httproute.names("Service")

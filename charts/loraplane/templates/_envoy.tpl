@@ -114,7 +114,7 @@ static_resources:
         - timeout: {{ $hc.timeout }}
           interval: {{ $hc.interval }}
           no_traffic_interval: {{ $hc.interval }}
-          unhealthy_threshold: 1
+          unhealthy_threshold: 3
           healthy_threshold: 1
           grpc_health_check: {service_name: envoy.service.ext_proc.v3.ExternalProcessor}
       outlier_detection:
@@ -124,8 +124,9 @@ static_resources:
         interval: {{ $hc.interval }}
         base_ejection_time: {{ $hc.ejectionTime }}
         max_ejection_percent: 100
-      # with every replica out, fail as with no picker rather than route to dead ones
-      common_lb_config: {healthy_panic_threshold: {value: 0}}
+      # below half the replicas healthy, route to all: a dead one refuses at once anyway, while checks that a
+      # starved node failed on every replica would otherwise cut off every request
+      common_lb_config: {healthy_panic_threshold: {value: 50}}
       typed_extension_protocol_options:
         envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
           "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
