@@ -16,7 +16,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from loraplane.api import ApiModel
 from loraplane.picker.snapshot import BoolArray, FloatArray, PoolSnapshot
@@ -288,6 +288,23 @@ class PrefillQueueParameters(ApiModel):
     #: (0 elsewhere, as tier affinity): a short first-token queue on a pod that would have to load the revision
     #: from disk is no reason to go there
     warm_only: bool = False
+    #: score every endpoint below saturation, counting on one that would have to load the revision its load time as
+    #: that many more requests awaiting their first token (``request_seconds`` each): a cold pod with a short queue
+    #: beats a warm one whose queue is longer than the load takes (needs ``capacity``)
+    load_cost: bool = False
+    #: the prefill wait one request awaiting its first token stands for (a ~1,000-token prompt at 0.1 ms a token)
+    request_seconds: float = Field(default=0.1, gt=0)
+    #: load time of the revision from each tier where the pod reports no measurement (``PodLoad.load_seconds``);
+    #: the same defaults as the ``predicted-ttft-scorer``'s
+    cpu_load_seconds: float = Field(default=0.02, ge=0)
+    disk_load_seconds: float = Field(default=0.25, ge=0)
+    fetch_load_seconds: float = Field(default=3.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> PrefillQueueParameters:
+        if self.load_cost and (self.warm_only or self.capacity is None):
+            raise ValueError("loadCost needs a capacity and excludes warmOnly")
+        return self
 
 
 def prefill_queue_scorer(params: PrefillQueueParameters) -> Scorer:
@@ -296,6 +313,8 @@ def prefill_queue_scorer(params: PrefillQueueParameters) -> Scorer:
         return _load_scorer("prefilling")(_NoParameters())
     per_request = 1.0 / params.capacity if params.capacity is not None else 0.0
     token = object()
+    if params.load_cost:
+        return _load_cost_scorer(params, per_request)
 
     def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
         if params.capacity is None:
@@ -316,6 +335,32 @@ def prefill_queue_scorer(params: PrefillQueueParameters) -> Scorer:
             return warm
 
         return scores * pool.memo((token, request.served_name, request.digest), warm_mask) * cycle.unsaturated
+
+    return run
+
+
+def _load_cost_scorer(params: PrefillQueueParameters, per_request: float) -> Scorer:
+    """``max(0, 1 - (prefilling + load seconds / request_seconds) / capacity)`` on every endpoint below saturation:
+    the first-token queue in requests, a pod that lacks the revision in a GPU slot charged its load as requests."""
+    defaults = np.asarray([0.0, params.cpu_load_seconds, params.disk_load_seconds, params.fetch_load_seconds])
+    in_requests = 1.0 / params.request_seconds
+    token = object()
+
+    def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> FloatArray | None:
+        if request.served_name is None:
+            charge: FloatArray | float = 0.0
+        else:
+
+            def load_charge() -> FloatArray:
+                levels = np.full(pool.size, 3, dtype=np.intp)
+                entry = pool.lookup(request.served_name, request.digest)
+                if entry is not None:
+                    levels[entry.indices] = entry.levels
+                costs = np.where(np.isnan(pool.load_seconds), defaults, pool.load_seconds)
+                return np.asarray(costs[pool.all_indices, levels] * in_requests)
+
+            charge = pool.per_version((token, request.served_name, request.digest), load_charge)
+        return np.maximum(0.0, 1.0 - (pool.prefilling + charge) * per_request) * cycle.unsaturated
 
     return run
 

@@ -1,0 +1,80 @@
+"""The prefill-queue scorer's load-cost mode: a pod that would load the revision counts its load time as requests
+awaiting their first token, so a cold holder with a short queue takes a request from a warm pod with a long one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from loraplane.api import Tier
+from loraplane.picker.plugins import Cycle, PrefillQueueParameters, SchedulingRequest, prefill_queue_scorer
+from loraplane.picker.scheduler import EndpointPickerConfig, Outcome, Scheduler
+from loraplane.picker.snapshot import EndpointState, PoolSnapshot
+
+DIGEST = "sha256:" + "a" * 64
+OTHER = "sha256:" + "b" * 64
+ADAPTER = "claims@v1"
+REQUEST = SchedulingRequest(served_name=ADAPTER, digest=DIGEST)
+
+
+def pod(i: int, tier: Tier | None = None, digest: str = DIGEST, **load: object) -> EndpointState:
+    residency = {ADAPTER: (tier, digest)} if tier is not None else {}
+    return EndpointState(name=f"pod-{i}", address=f"10.0.0.{i}:8000", residency=residency, **load)  # type: ignore[arg-type]
+
+
+def scores(pool: PoolSnapshot, unsaturated: list[bool] | None = None, **params: object) -> list[float]:
+    scorer = prefill_queue_scorer(PrefillQueueParameters.model_validate({"capacity": 16, "loadCost": True, **params}))
+    n = pool.size
+    below = np.ones(n, dtype=np.bool_) if unsaturated is None else np.asarray(unsaturated)
+    got = scorer(REQUEST, pool, Cycle(np.ones(n, dtype=np.bool_), np.zeros(n), below))
+    assert got is not None
+    return [round(float(s), 4) for s in got]
+
+
+def test_a_pod_that_would_load_the_revision_counts_its_load_time_as_requests() -> None:
+    pool = PoolSnapshot([pod(1, Tier.GPU), pod(2, Tier.CPU), pod(3, Tier.DISK), pod(4), pod(5, Tier.GPU, OTHER)])
+    pool.prefilling[:] = [4, 0, 0, 0, 0]
+    # GPU: 1 - 4/16; host: 0.02 s = 0.2 requests of 0.1 s; disk: 0.25 s = 2.5; absent (or another digest): a 3 s
+    # fetch = 30 requests, more than the capacity
+    assert scores(pool) == [0.75, 0.9875, 0.8438, 0.0, 0.0]
+    # requests worth more seconds each make the same load cost fewer of them
+    assert scores(pool, requestSeconds=0.25) == [0.75, 0.995, 0.9375, 0.25, 0.25]
+    # saturated pods score nothing, warm or not
+    assert scores(pool, [True, True, False, True, True]) == [0.75, 0.9875, 0.0, 0.0, 0.0]
+
+
+def test_a_pods_measured_load_times_replace_the_defaults() -> None:
+    slow_disk = pod(2, Tier.DISK, load_seconds=(0.05, 1.0, 4.0))
+    pool = PoolSnapshot([pod(1, Tier.DISK), slow_disk])
+    assert scores(pool) == [0.8438, 0.375]  # 1 s from this pod's disk = 10 requests
+
+
+def test_the_default_config_sends_a_request_to_a_cold_holder_once_the_warm_queue_outgrows_the_load() -> None:
+    scheduler = Scheduler.default()
+    rng = np.random.default_rng(0)
+    pool = PoolSnapshot([pod(1, Tier.GPU), pod(2, Tier.DISK)])
+    pool.in_flight[:] = pool.prefilling[:] = [2, 0]
+    decision = scheduler.schedule(REQUEST, pool, rng)
+    assert decision.endpoints[0] == "10.0.0.1:8000" and decision.outcome is Outcome.WARM_GPU
+    # twelve requests awaiting their first token on the GPU pod (still below saturation): ~1.2 s of prefill ahead,
+    # against a 0.25 s read from the other pod's disk
+    pool.in_flight[:] = pool.prefilling[:] = [12, 0]
+    assert scheduler.schedule(REQUEST, pool, rng).endpoints[0] == "10.0.0.2:8000"
+    # a pod that lacks the revision altogether (a 3 s fetch) is no such alternative
+    absent = PoolSnapshot([pod(1, Tier.GPU), pod(2)])
+    absent.in_flight[:] = absent.prefilling[:] = [12, 0]
+    assert scheduler.schedule(REQUEST, absent, rng).endpoints[0] == "10.0.0.1:8000"
+
+
+def test_the_default_config_runs_the_load_cost_mode() -> None:
+    config = EndpointPickerConfig.load()
+    spec = next(p for p in config.plugins if p.type == "prefill-queue-scorer")
+    params = PrefillQueueParameters.model_validate(spec.parameters)
+    assert params.load_cost and not params.warm_only and params.capacity == 16
+
+
+@pytest.mark.parametrize("params", [{"loadCost": True}, {"capacity": 16, "loadCost": True, "warmOnly": True}])
+def test_load_cost_needs_a_capacity_and_excludes_warm_only(params: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        PrefillQueueParameters.model_validate(params)
