@@ -9,7 +9,8 @@ The plan, in order:
 1. rollout requirements (``AdapterDemand.required``: canary pods, retiring revisions) are placed first;
 2. GPU replicas by marginal value: an adapter's k-th replica is worth ``score / k`` where the score is its steady
    request rate (bursts excluded) times a priority weight; pinned adapters come first. Below ``gpu_min_rate`` an
-   adapter plans like an idle one (its warm policy's floor); a gold one with traffic gets ``gold_min_replicas``.
+   adapter plans like an idle one (its warm policy's floor, and only where the slots left hold every adapter with
+   a trickle of traffic: ``floors_fit``); a gold one with traffic gets ``gold_min_replicas``.
    Existing replicas are kept while their value, raised by ``stickiness``, still earns them a slot, so a small
    change in rates moves few adapters; a first replica goes to a pod already holding the revision. Capacity is
    counted in slots and bytes; ``burst_slots_per_pod`` GPU slots per pod are kept free for bursts; a pod left far
@@ -21,9 +22,10 @@ The plan, in order:
    to another pod for it); a revision that loses its GPU or CPU place on a pod is demoted to CPU there, not
    dropped (both worth their score); GPU-placed adapters with traffic get ``host_copies`` CPU copies on other pods,
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
-5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed) as far as the
-   pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then trickles;
-   a revision no disk has room for is fetched on its first request.
+5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed), one with
+   traffic on ``traffic_holders`` pods while every pod stages, as far as the pods' disk caches
+   (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then trickles; a revision no
+   disk has room for is fetched on its first request.
 
 Staging pods (``staging_share``, a quarter of the pods by default): where the pool has gold revisions, the other
 pods' GPU slots hold ``gold_min_replicas`` of each, slots are scarce (the pool needs at least those slots less one
@@ -152,6 +154,10 @@ class PlacementConfig:
     #: other pods' GPU slots hold ``gold_min_replicas`` of each and slots are scarce (docs/controller.md, "Staging
     #: pods")
     staging_share: float = 0.25
+    #: pods that hold each revision with traffic at some tier (disk included: step 5) where their disk caches have
+    #: room and every pod stages (no staging pods apart), so while one holder's GPU slots are all busy with other
+    #: revisions the picker can send a request to another holder (a read from its disk) instead of holding it
+    traffic_holders: int = 3
 
 
 @dataclass
@@ -335,6 +341,10 @@ class _Planner:
             # a tiny positive score for idle floors keeps them behind every adapter with traffic
             score = rate * weight if rate > 0 else 1e-9 * weight
             self.entries[d.served_name] = _Entry(d, rate, score, need, is_burst(d.rates, config))
+        if not self.floors_fit():
+            for e in self.entries.values():
+                if self.is_floor(e):
+                    e.need = 0
         self.staging = self.staging_pods()
         self.shielded = self.shields_staging()
         if self.shielded:  # the other pods' burst slots hold gold replicas; a staging pod plans one replica at most
@@ -354,6 +364,16 @@ class _Planner:
     def is_floor(self, e: _Entry) -> bool:
         """True when ``e`` plans like an idle adapter: below ``gpu_min_rate``, not pinned."""
         return not e.demand.pinned and e.rate < self.config.gpu_min_rate
+
+    def floors_fit(self) -> bool:
+        """Whether the GPU slots left beyond the burst reserve and the replicas of adapters with real demand hold a
+        slot for every adapter with a trickle of traffic (below ``gpu_min_rate``). Only then do warm-policy floor
+        replicas get GPU slots: otherwise the trickles' on-demand loads evict them, and every plan would load them
+        again (a GPU load per on-demand load, each stalling its pod's batch), so the floors stay in host memory."""
+        free = sum(cap.gpu_slots - self.pool.reserved[pod] for pod, cap in self.pool.caps.items())
+        wanted = sum(e.need for e in self.entries.values() if not self.is_floor(e))
+        trickles = sum(1 for e in self.entries.values() if self.is_floor(e) and e.rate > 0)
+        return trickles <= free - wanted
 
     def staging_pods(self) -> frozenset[str]:
         """The pods that stage idle revisions: ``staging_share`` of the pool, those that held the most idle revisions
@@ -791,13 +811,18 @@ class _Planner:
         return rank, -e.score, e.demand.served_name
 
     def place_disk(self) -> None:
-        """Every demand on at least ``min_replicas`` pods where disk caches have room: fill up with the disk tier
-        (an idle revision on the staging pods only; where it was before, else on the pod holding the fewest). A
-        revision no disk has room for is left to be fetched on its first request."""
+        """Every demand on at least ``min_replicas`` pods where disk caches have room, a revision with traffic on
+        ``traffic_holders`` while every pod stages (a second holder for the picker when the first has no GPU slot
+        free): fill up with the disk tier (an idle revision on the staging pods only; where it was before, else on
+        the pod holding the fewest). A revision no disk has room for is left to be fetched on its first request."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
+        every_pod_stages = len(self.staging) == len(self.pool.caps)
         for e in sorted(self.entries.values(), key=self.disk_order):
             placed = self.tiers(e)
-            missing = e.demand.min_replicas - len(placed)
+            wanted = e.demand.min_replicas
+            if wanted > 0 and e.rate > 0 and every_pod_stages:
+                wanted = max(wanted, self.config.traffic_holders)
+            missing = wanted - len(placed)
             if missing <= 0:
                 continue
             previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)))

@@ -29,6 +29,10 @@ from loraplane.controller.placement import (
 MB = 1 << 20
 
 
+#: one holder per revision with traffic (no extra disk copies: ``traffic_holders``), where a test checks every tier
+ONE_HOLDER = PlacementConfig(traffic_holders=1)
+
+
 def _pods(n: int, gpu: int = 4, cpu: int = 8, gpu_bytes: int | None = None) -> list[PodCapacity]:
     return [PodCapacity(f"pod-{i}", gpu_slots=gpu, cpu_slots=cpu, gpu_bytes=gpu_bytes) for i in range(n)]
 
@@ -273,7 +277,7 @@ def test_a_replica_pushed_off_the_gpu_is_demoted_to_cpu_not_dropped() -> None:
 def test_a_trickle_plans_like_an_idle_adapter_its_warm_policy_sets_the_floor() -> None:
     trickle = _demand("trickle@v1", 0.1, warm_policy=WarmPolicy.CPU)
     demands = [_demand("hot@v1", 5.0), trickle]
-    plan = place(_pods(2), demands)
+    plan = place(_pods(2), demands, config=ONE_HOLDER)
     assert "trickle@v1" not in plan.replicas(Tier.GPU)  # below gpu_min_rate: a planned load would be wasted
     assert list(plan.tiers_of("trickle@v1").values()) == [Tier.CPU]
     lower = place(_pods(2), demands, config=PlacementConfig(gpu_min_rate=0.05))
@@ -290,11 +294,11 @@ def test_a_replica_goes_to_the_pod_that_already_holds_the_revision() -> None:
     pods = _pods(4, gpu=2, cpu=1)
     held_on_disk = Placement(pods={"pod-0": {}, "pod-1": {}, "pod-2": {}, "pod-3": {"rare@v1": Tier.DISK}})
     rare = _demand("rare@v1", 0.1, warm_policy=WarmPolicy.CPU)
-    plan = place(pods, [rare], previous=held_on_disk)
+    plan = place(pods, [rare], previous=held_on_disk, config=ONE_HOLDER)
     assert plan.tiers_of("rare@v1") == {"pod-3": Tier.CPU}  # not pod-0, which would have to fetch it first
     # when its holder has no host-memory room it stays there on disk rather than being copied to another pod
     other = _demand("other@v1", 0.15, warm_policy=WarmPolicy.CPU, eligible=frozenset({"pod-3"}))
-    plan = place(pods, [rare, other], previous=held_on_disk)
+    plan = place(pods, [rare, other], previous=held_on_disk, config=ONE_HOLDER)
     assert plan.tiers_of("other@v1") == {"pod-3": Tier.CPU}
     assert plan.tiers_of("rare@v1") == {"pod-3": Tier.DISK}
     # a first GPU replica is promoted in place too
@@ -310,7 +314,7 @@ def test_a_burst_is_promoted_where_it_is_held_and_a_small_one_gets_no_gpu_slot()
     small = AdapterDemand("batch@v1", bytes=10 * MB, rates=Rates(m5=0.1, h1=0.001, h24=0.001),
                           warm_policy=WarmPolicy.CPU)
     assert is_burst(small.rates, PlacementConfig())
-    assert place(pods, [small], previous=previous).tiers_of("batch@v1") == {"pod-2": Tier.CPU}
+    assert place(pods, [small], previous=previous, config=ONE_HOLDER).tiers_of("batch@v1") == {"pod-2": Tier.CPU}
 
 
 def test_a_burst_without_a_holder_goes_where_gold_traffic_is_lightest() -> None:
@@ -590,3 +594,34 @@ def test_idle_revisions_wait_on_the_staging_pods_only_when_their_disks_fill() ->
     assert len(staging) == 2  # the other pods take none of the 60, though the staging pods hold only 40
     assert sum(n.startswith("sweep-") for pod in staging for n in plan.pods[pod]) <= 40
     assert any(note == "no disk room" for note in plan.notes.values())
+
+
+def test_floor_replicas_take_gpu_slots_only_while_every_trickle_has_one() -> None:
+    """A trickle's on-demand load evicts whatever floor replica sits in the slot it takes, and the next plan loads
+    that floor again: floors are planned only where the slots left hold every adapter with a trickle of traffic."""
+    pod = _pods(1, gpu=4)
+    config = PlacementConfig(burst_slots_per_pod=0)
+    hot = _demand("hot@v1", 1.0)
+    few = [hot] + [_demand(f"t{i}@v1", 0.05) for i in range(3)]
+    assert set(place(pod, few, config=config).replicas(Tier.GPU)) == {"hot@v1", "t0@v1", "t1@v1", "t2@v1"}
+    many = [hot, _demand("idle@v1")] + [_demand(f"t{i}@v1", 0.05) for i in range(4)]  # four trickles, three slots
+    plan = place(pod, many, config=config)
+    assert set(plan.replicas(Tier.GPU)) == {"hot@v1"}  # the hot adapter keeps its replica, no floor gets one
+    assert set(plan.replicas(Tier.CPU)) == {"idle@v1"} | {f"t{i}@v1" for i in range(4)}  # in host memory instead
+    pinned = _demand("pinned@v1", pinned=True)
+    assert "pinned@v1" in place(pod, [*many, pinned], config=config).replicas(Tier.GPU)
+
+
+def test_a_revision_with_traffic_is_held_on_traffic_holders_pods() -> None:
+    pods = _pods(4, gpu=1, cpu=1)
+    demands = [_demand("hot@v1", 1.0), _demand("trickle@v1", 0.05), _demand("idle@v1")]
+    plan = place(pods, demands)
+    assert len(plan.tiers_of("hot@v1")) == 3 and len(plan.tiers_of("trickle@v1")) == 3
+    assert len(plan.tiers_of("idle@v1")) == 1  # no traffic: its one floor
+    assert len(place(pods, demands, config=ONE_HOLDER).tiers_of("trickle@v1")) == 1
+    # as far as the disks hold them: 10 MB revisions on 25 MB disks
+    small = [PodCapacity(p.name, 1, 1, disk_bytes=25 * MB) for p in pods]
+    many = [_demand(f"t{i}@v1", 0.05) for i in range(4)]
+    held = place(small, many)
+    assert all(sum(1 for h in held.pods.values() if n in h) >= 1 for n in (d.served_name for d in many))
+    assert all(len(h) <= 2 for h in held.pods.values())
