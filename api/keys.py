@@ -48,9 +48,16 @@ def route_table(pool: str) -> str:
     return f"{_pool(pool)}:routes"
 
 
-def request_rates(pool: str) -> str:
-    """The picker's ``RequestRates`` for the pool."""
-    return f"{_pool(pool)}:rates"
+def request_rates(pool: str, replica: str) -> str:
+    """One picker replica's ``RequestRates`` (the requests it routed); the pool's rates are the sum over replicas
+    (``RequestRates.combine``). Each replica writes it with its ``picker_counters``, so a reader finds the replicas
+    by the counters keys."""
+    return f"{_pool(pool)}:rates:{_pod(replica)}"
+
+
+def request_rates_pattern(pool: str) -> str:
+    """A SCAN pattern matching every picker replica's rates key in the pool."""
+    return f"{_pool(pool)}:rates:*"
 
 
 def picker_counters(pool: str, replica: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Literal, Protocol
 
@@ -88,12 +89,28 @@ RateWindow = Literal["5m", "1h", "24h"]
 
 
 class RequestRates(PayloadModel):
-    """Per-served-revision request rates (requests/s) over rolling windows, published by the picker."""
+    """Per-served-revision request rates (requests/s) over rolling windows, published by each picker replica for the
+    requests it routed (``keys.request_rates(pool, replica)``); the pool's rates are their sum (``combine``)."""
 
     schema_version: int = SCHEMA_VERSION
     pool: str
+    replica: str | None = Field(default=None, description="the picker replica that counted them; None: a sum")
     published_at: float
     windows: dict[RateWindow, dict[str, float]] = Field(default_factory=dict)
+
+    @classmethod
+    def combine(cls, pool: str, parts: Sequence[RequestRates]) -> RequestRates | None:
+        """The pool's rates: every replica's summed per window and served name (None when there is none). Replicas
+        split the traffic between them (Envoy balances streams over them), so each sees its share."""
+        if not parts:
+            return None
+        windows: dict[RateWindow, dict[str, float]] = {}
+        for part in parts:
+            for window, rates in part.windows.items():
+                total = windows.setdefault(window, {})
+                for name, rate in rates.items():
+                    total[name] = total.get(name, 0.0) + rate
+        return cls(pool=pool, published_at=max(p.published_at for p in parts), windows=windows)
 
     @model_validator(mode="after")
     def _non_negative(self) -> RequestRates:

@@ -34,6 +34,7 @@ import redis.asyncio as aioredis
 from loraplane.api import (
     AdapterResidency,
     AdapterRevision,
+    PickerCounters,
     PodLoad,
     RequestRates,
     ResidencyReport,
@@ -104,7 +105,10 @@ async def _publish(client: aioredis.Redis, reports: list[ResidencyReport], rates
         for r in reports:
             pipe.set(keys.residency_report(POOL, r.pod), r.to_json())
             pipe.sadd(keys.residency_index(POOL), r.pod)
-        pipe.set(keys.request_rates(POOL), _request_rates(rates).to_json())
+        # one picker replica's rates, found (as the controller finds every replica) by its counters key
+        pipe.set(keys.request_rates(POOL, "bench"), _request_rates(rates).to_json())
+        pipe.set(keys.picker_counters(POOL, "bench"),
+                 PickerCounters(pool=POOL, replica="bench", published_at=time.time()).to_json())
         await pipe.execute()
 
 

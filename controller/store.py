@@ -39,8 +39,11 @@ class PoolReadings:
     """What Redis says about one pool right now."""
 
     reports: list[ResidencyReport] = field(default_factory=list)
+    #: the pool's rates: every picker replica's summed (``RequestRates.combine``)
     rates: RequestRates | None = None
     counters: list[PickerCounters] = field(default_factory=list)
+    #: each replica's own rates, as it published them
+    replica_rates: list[RequestRates] = field(default_factory=list)
 
 
 def _text(raw: bytes | str) -> str:
@@ -63,21 +66,28 @@ class RedisStore:
         self.repairs = 0
 
     async def read(self, pool: str) -> PoolReadings:
-        """Every report (stale ones included; the caller filters), the rates and every picker replica's counters."""
+        """Every report (stale ones included; the caller filters), the rates summed over every picker replica and
+        every replica's counters. The replicas are those with a counters key; each writes its rates with them."""
         pods = sorted(_text(p) for p in await self.client.smembers(keys.residency_index(pool)))
         pods = [p for p in pods if validation.is_pod_name(p)]
-        counter_keys = [k async for k in self.client.scan_iter(match=keys.picker_counters_pattern(pool), count=500)]
+        counter_keys = [_text(k) async for k in self.client.scan_iter(match=keys.picker_counters_pattern(pool),
+                                                                       count=500)]
+        prefix = keys.picker_counters_pattern(pool).removesuffix("*")
+        replicas = sorted(r for k in counter_keys if validation.is_pod_name(r := k.removeprefix(prefix)))
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.mget([keys.residency_report(pool, p) for p in pods] or [keys.residency_report(pool, "none")])
-            pipe.get(keys.request_rates(pool))
+            pipe.mget([keys.request_rates(pool, r) for r in replicas] or [keys.request_rates(pool, "none")])
             pipe.mget(counter_keys or [keys.picker_counters(pool, "none")])
             raw_reports, raw_rates, raw_counters = await pipe.execute()
         reports = [read_payload_or_none(ResidencyReport, raw, log) for raw in raw_reports]
+        rates = [read_payload_or_none(RequestRates, raw, log) for raw in raw_rates]
         counters = [read_payload_or_none(PickerCounters, raw, log) for raw in raw_counters]
+        replica_rates = [r for r in rates if r is not None and r.pool == pool]
         return PoolReadings(
             reports=[r for r in reports if r is not None and r.pool == pool],
-            rates=read_payload_or_none(RequestRates, raw_rates, log),
+            rates=RequestRates.combine(pool, replica_rates),
             counters=[c for c in counters if c is not None],
+            replica_rates=replica_rates,
         )
 
     async def load_written(self, pool: str) -> dict[str, TargetState]:

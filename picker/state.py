@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -243,12 +244,16 @@ class RedisSync:
             self.state.rebuild_if_expired()
 
     async def publish_once(self) -> None:
-        """Write this replica's ``RequestRates`` and ``PickerCounters``."""
-        pool = self.state.pool
+        """Write this replica's ``RequestRates`` and ``PickerCounters``, each under its own key: the controller sums
+        the replicas' rates (with one shared key the last writer won, and two replicas published half the traffic).
+        Rates live three periods (a replica that stopped leaves the sum soon, so a replacement under another name is
+        not counted twice for long), the cumulative counters six (at least a minute)."""
+        pool, replica = self.state.pool, self.replica
+        rates_ttl = max(10, math.ceil(self.publish_seconds * 3))
         ttl = max(60, int(self.publish_seconds * 6))
         async with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(keys.request_rates(pool), self.stats.rates(pool).to_json(), ex=ttl)
-            pipe.set(keys.picker_counters(pool, self.replica), self.stats.picker_counters(pool, self.replica).to_json(), ex=ttl)
+            pipe.set(keys.request_rates(pool, replica), self.stats.rates(pool, replica).to_json(), ex=rates_ttl)
+            pipe.set(keys.picker_counters(pool, replica), self.stats.picker_counters(pool, replica).to_json(), ex=ttl)
             await pipe.execute()
 
     async def publish_forever(self) -> None:

@@ -121,8 +121,8 @@ class RequestStats:
             counters = self.counters[served_name] = RevisionCounters()
         return counters
 
-    def rates(self, pool: str) -> RequestRates:
-        """Requests per second per served name for each window, as of now."""
+    def rates(self, pool: str, replica: str | None = None) -> RequestRates:
+        """Requests per second per served name for each window, as of now (counted by ``replica``)."""
         now = self.clock()
         minute = int(now // _BUCKET_SECONDS)
         windows: dict[RateWindow, dict[str, float]] = {}
@@ -135,7 +135,7 @@ class RequestStats:
                     total.update(counts)
             span = min(now - (first + 1) * _BUCKET_SECONDS, up)  # the buckets counted cover exactly this long
             windows[window] = {name: count / span for name, count in total.items()}
-        return RequestRates(pool=pool, published_at=now, windows=windows)
+        return RequestRates(pool=pool, replica=replica, published_at=now, windows=windows)
 
     def picker_counters(self, pool: str, replica: str) -> PickerCounters:
         """This replica's cumulative counters."""

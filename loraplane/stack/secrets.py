@@ -42,8 +42,8 @@ def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = (
         "controller": f"resetkeys %R~{prefix}:* %W~{keys.target_state_pattern(pool)} %W~{keys.route_table(pool)} "
         f"resetchannels &{keys.target_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
         f"-@all {_CONNECT} {_READ} +set +publish",
-        "picker": f"resetkeys %R~{prefix}:* %W~{keys.request_rates(pool)} "
-        + " ".join(f"%W~{keys.picker_counters(pool, r)}" for r in picker_replicas)
+        "picker": "resetkeys " + f"%R~{prefix}:* "
+        + " ".join(f"%W~{keys.request_rates(pool, r)} %W~{keys.picker_counters(pool, r)}" for r in picker_replicas)
         + f" resetchannels &{keys.residency_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
         f"&{keys.kv_blocks_changed_channel(pool)} -@all {_CONNECT} {_READ} {_SUBSCRIBE} +set",
         "observer": f"resetkeys %R~{prefix}:* resetchannels &{prefix}:* -@all {_CONNECT} {_READ} {_SUBSCRIBE}",

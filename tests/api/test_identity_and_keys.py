@@ -52,7 +52,7 @@ def test_keys_share_the_pool_hash_tag() -> None:
         keys.residency_report("pool-a", "pod-1"),
         keys.residency_index("pool-a"),
         keys.route_table("pool-a"),
-        keys.request_rates("pool-a"),
+        keys.request_rates("pool-a", "picker-0"),
         keys.picker_counters("pool-a", "picker-0"),
         keys.target_changed_channel("pool-a"),
         keys.residency_changed_channel("pool-a"),

@@ -59,7 +59,7 @@ def test_each_chart_user_writes_only_its_own_keys(chart_redis: tuple[int, dict[s
 
     controller, picker, sidecar, admin = (as_user(u) for u in ("controller", "picker", "sidecar", "admin"))
     for client, key in [(controller, keys.route_table(POOL)), (controller, keys.target_state(POOL, "pod-0")),
-                        (picker, keys.request_rates(POOL)), (picker, keys.picker_counters(POOL, "picker-abc")),
+                        (picker, keys.request_rates(POOL, "picker-abc")), (picker, keys.picker_counters(POOL, "picker-abc")),
                         (sidecar, keys.residency_report(POOL, "pod-0")), (admin, "anything")]:
         assert client.set(key, b"{}")
     for client, key in [(controller, keys.residency_report(POOL, "pod-0")), (picker, keys.route_table(POOL)),

@@ -10,7 +10,15 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import RedisServer
-from loraplane.api import RouteEntry, RouteTable, TargetState, WeightedRevision, keys
+from loraplane.api import (
+    PickerCounters,
+    RequestRates,
+    RouteEntry,
+    RouteTable,
+    TargetState,
+    WeightedRevision,
+    keys,
+)
 from loraplane.api.routing import supersedes
 from loraplane.controller.store import RedisStore
 
@@ -93,3 +101,28 @@ async def test_the_staging_pods_alone_rewrite_the_route_table(redis_srv: RedisSe
     assert await store.write_routes(POOL, ROUTES, "tiny")  # staging over: every pod again
     assert RouteTable.from_json(await client.get(keys.route_table(POOL))).staging_pods == []
     await client.aclose()
+
+
+async def test_the_pools_rates_are_every_picker_replicas_summed(redis_srv: RedisServer) -> None:
+    """Issue 31, item 1: each picker replica publishes the rates of the requests it routed under its own key; the
+    controller plans with their sum (one shared key kept the last writer's half: 12 req/s read as 6)."""
+    client = aioredis.Redis.from_url(redis_srv.url)
+    store = RedisStore(client, clock=lambda: 1000.0, writer="ctl@1")
+    try:
+        assert (await store.read(POOL)).rates is None
+        for replica, rate, at in (("picker-0", 6.02, 10.0), ("picker-1", 5.98, 11.0)):
+            rates = RequestRates(pool=POOL, replica=replica, published_at=at,
+                                 windows={"5m": {"claims@v1": rate}, "1h": {"claims@v1": rate / 2, "other@v1": 1.0}})
+            await client.set(keys.request_rates(POOL, replica), rates.to_json())
+            await client.set(keys.picker_counters(POOL, replica),
+                             PickerCounters(pool=POOL, replica=replica, published_at=at).to_json())
+        await client.set(keys.picker_counters(POOL, "picker-2"),  # a replica whose rates expired: counted as none
+                         PickerCounters(pool=POOL, replica="picker-2", published_at=9.0).to_json())
+        readings = await store.read(POOL)
+        assert readings.rates is not None and readings.rates.replica is None
+        assert readings.rates.windows["5m"] == {"claims@v1": 12.0}
+        assert readings.rates.windows["1h"] == {"claims@v1": 6.0, "other@v1": 2.0}
+        assert readings.rates.published_at == 11.0
+        assert sorted(r.replica or "" for r in readings.replica_rates) == ["picker-0", "picker-1"]
+    finally:
+        await client.aclose()

@@ -95,8 +95,8 @@ async def test_state_follows_redis_and_survives_outages(redis_srv: RedisServer) 
         stats.record_request("claims@v1")
         stats.record_response("claims@v1", 500, 0.25)
         await sync.publish_once()
-        rates = RequestRates.from_json(await client.get(keys.request_rates(POOL)))
-        assert rates.windows["5m"]["claims@v1"] > 0
+        rates = RequestRates.from_json(await client.get(keys.request_rates(POOL, "picker-0")))
+        assert rates.windows["5m"]["claims@v1"] > 0 and rates.replica == "picker-0"
         counters = PickerCounters.from_json(await client.get(keys.picker_counters(POOL, "picker-0")))
         assert counters.revisions["claims@v1"].errors == 1 and counters.revisions["claims@v1"].ttft_count == 1
     finally:
