@@ -30,6 +30,7 @@ class PlacementSettings(_Strict):
     balance_ratio: float = Field(default=PlacementConfig.balance_ratio, ge=1, alias="balanceRatio")
     host_copies: int = Field(default=PlacementConfig.host_copies, ge=0, alias="hostCopies")
     staging_share: float = Field(default=PlacementConfig.staging_share, ge=0, le=1, alias="stagingShare")
+    traffic_holders: int = Field(default=PlacementConfig.traffic_holders, ge=1, alias="trafficHolders")
 
 
 class BudgetSettings(_Strict):

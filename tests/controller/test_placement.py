@@ -625,3 +625,10 @@ def test_a_revision_with_traffic_is_held_on_traffic_holders_pods() -> None:
     held = place(small, many)
     assert all(sum(1 for h in held.pods.values() if n in h) >= 1 for n in (d.served_name for d in many))
     assert all(len(h) <= 2 for h in held.pods.values())
+
+
+def test_the_config_file_sets_traffic_holders() -> None:
+    from loraplane.controller.config import PlacementSettings
+
+    assert PlacementSettings.model_validate({"trafficHolders": 1}).traffic_holders == 1
+    assert PlacementSettings().traffic_holders == PlacementConfig().traffic_holders == 3
