@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import grpc
 import numpy as np
+import orjson
 from envoy.config.core.v3 import base_pb2 as core
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -70,6 +72,8 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
+#: the path the picker answers itself from the route table (the names a client may send; ``RouteResolver.model_cards``)
+MODELS_PATH = "/v1/models"
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = pm.ProcessingMode.BUFFERED
 STREAMED = pm.ProcessingMode.STREAMED
@@ -368,6 +372,13 @@ class Exchange:
         for header in message.headers.headers:
             if header.key in wanted:
                 self.headers[header.key] = _header_value(header)
+        if message.end_of_stream and self.headers.get(":path", "").partition("?")[0] == MODELS_PATH:
+            cards = self.ctx.resolver().model_cards(int(time.time()))
+            if cards is not None:  # without a route table (a peer's passthrough) a pod answers, as the reference's
+                self.close()
+                self.ended = True
+                return [immediate(200, [("content-type", "application/json")],
+                                  orjson.dumps({"object": "list", "data": cards}), "models")]
         mode = self.request_body_mode
         if message.end_of_stream or mode == NONE:
             return self._route_without_body()

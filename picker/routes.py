@@ -7,7 +7,9 @@ lands in the same percentile bucket, so one user does not flip between revisions
 from __future__ import annotations
 
 import hashlib
+import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -82,6 +84,29 @@ class RouteResolver:
                 return Resolution(model, served, digest, role, route.tenant, route.priority)
         _, served, digest, role = route.choices[-1]
         return Resolution(model, served, digest, role, route.tenant, route.priority)
+
+    def model_cards(self, created: int) -> list[dict[str, Any]] | None:
+        """What ``GET /v1/models`` lists through the gateway, in vLLM's shape (``ModelCard``): the base model, then
+        every logical name of the table (``parent``: the base model; ``root``: the served name of the revision
+        most of its traffic goes to) -- the names a client may send, not the pods' served names. None without a
+        table (the request then goes to a pod, as the reference picker sends it)."""
+        if self.table is None:
+            return None
+
+        def card(model_id: str, root: str, parent: str | None) -> dict[str, Any]:
+            permission = {"id": f"modelperm-{secrets.token_hex(8)}", "object": "model_permission", "created": created,
+                          "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                          "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                          "organization": "*", "group": None, "is_blocking": False}
+            return {"id": model_id, "object": "model", "created": created, "owned_by": "vllm", "root": root,
+                    "parent": parent, "max_model_len": None, "permission": [permission]}
+
+        base = self.base_model
+        cards = [card(base, base, None)] if base else []
+        for name, entry in sorted(self.table.models.items()):
+            top = max(entry.revisions, key=lambda rev: rev.weight)  # the first of the heaviest
+            cards.append(card(name, top.served_name, base))
+        return cards
 
 
 def sticky_bucket(model: str, session_key: str) -> float:

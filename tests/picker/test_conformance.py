@@ -176,8 +176,8 @@ CASES: dict[str, Case] = {
         [continue_headers(), no_endpoint()]),
     "subset/empty-list-is-503": Case(
         [with_subset(request_headers(BUFFERED), []), body(COMPLETION)], [continue_headers(), no_endpoint()]),
-    "subset/request-without-body": Case(
-        [with_subset(headers([(":method", "GET"), (":path", "/v1/models")], end_of_stream=True), [EMPTY])],
+    "subset/request-without-body": Case(  # (GET /v1/models the picker answers itself: test_extproc_protocol.py)
+        [with_subset(headers([(":method", "GET"), (":path", "/v1/responses")], end_of_stream=True), [EMPTY])],
         [routed_response("request_headers", EMPTY)]),
     # --- Destination Endpoint -----------------------------------------------------------------------------------
     "destination/ordered-fallbacks-in-header-and-metadata": Case(

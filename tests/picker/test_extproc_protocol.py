@@ -26,6 +26,7 @@ from tests.picker.conftest import (
     reports,
     response_body,
     response_headers,
+    route_table,
     serve_picker,
 )
 
@@ -73,9 +74,36 @@ async def test_full_duplex_streamed_body_is_reassembled_and_sent_back_in_chunks(
 
 
 async def test_request_without_body_goes_to_any_endpoint(picker: Picker) -> None:
-    (response,) = await picker.exchange(headers([(":method", "GET"), (":path", "/v1/models")], end_of_stream=True))
+    (response,) = await picker.exchange(headers([(":method", "GET"), (":path", "/v1/responses")], end_of_stream=True))
     assert response.WhichOneof("response") == "request_headers"
     assert routed_to(response)[0] in ADDRESSES
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models?limit=5"])
+async def test_models_lists_the_route_tables_names_in_vllms_shape(picker: Picker, path: str) -> None:
+    """A client (inference-perf checks every adapter of its ``lora_traffic_split`` here) gets the names it may send:
+    the base model and the logical names, not the served names of whichever pod the request would reach."""
+    before = time.time()
+    (response,) = await picker.exchange(headers([(":method", "GET"), (":path", path)], end_of_stream=True))
+    answer = response.immediate_response
+    assert answer.status.code == 200
+    assert header_map(answer.headers)["content-type"] == "application/json"
+    listing = orjson.loads(answer.body)
+    assert listing["object"] == "list"
+    assert [(m["id"], m["root"], m["parent"]) for m in listing["data"]] == [
+        ("base-llm", "base-llm", None), ("claims", "claims@v1", "base-llm")]
+    for card in listing["data"]:  # vLLM's ModelCard keys
+        assert set(card) == {"id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"}
+        assert card["object"] == "model" and before - 1 <= card["created"] <= time.time() + 1
+        assert card["permission"][0]["object"] == "model_permission"
+
+
+async def test_models_follows_the_route_table(picker: Picker) -> None:
+    picker.state.set_routes(route_table(canary_weight=60).model_copy(update={"generation": 2}))
+    picker.state.rebuild()
+    (response,) = await picker.exchange(headers([(":method", "GET"), (":path", "/v1/models")], end_of_stream=True))
+    cards = orjson.loads(response.immediate_response.body)["data"]
+    assert [(m["id"], m["root"]) for m in cards] == [("base-llm", "base-llm"), ("claims", "claims@v2")]
 
 
 async def test_subset_hint_is_honoured(picker: Picker) -> None:

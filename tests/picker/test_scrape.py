@@ -186,6 +186,12 @@ def test_passthrough_routes_names_as_given_and_the_base_model_as_base() -> None:
     assert resolver.priorities() == {} and resolver.staging_pods() == frozenset()
 
 
+def test_passthrough_has_no_model_list_so_a_pod_answers_v1_models() -> None:
+    """A peer's pool has no route table: ``GET /v1/models`` goes to a pod (its registered adapters), as the reference
+    picker sends it."""
+    assert PassthroughResolver(lambda: frozenset({"base-llm"})).model_cards(0) is None
+
+
 def test_scrape_mode_needs_endpoints() -> None:
     assert picker_main(["--pool", "p", "--data-source", "scrape"]) == 2
 
