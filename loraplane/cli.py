@@ -55,6 +55,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
              "through Envoy: the simulator's figures, measured"),
     "fidelity": ("loraplane.stack.fidelity:main", "one trace through the simulator and the twin per policy, and how "
                  "far they disagree"),
+    "inference-perf": ("loraplane.stack.iperf:main", "the field's benchmark client (inference-perf, from "
+                       "scripts/setup-inference-perf.sh) in a Poisson load sweep through the twin's gateway, per policy"),
 }
 
 
