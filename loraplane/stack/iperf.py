@@ -349,7 +349,7 @@ def sweep_options(args: argparse.Namespace) -> SweepOptions:
     """The ``SweepOptions`` of the flags; the length distributions scale with their means."""
     def scaled(base: Lengths, mean: float) -> Lengths:
         k = mean / base.mean
-        return Lengths(mean=mean, std_dev=base.std_dev * k, min=max(1, round(base.min * k)),
+        return Lengths(mean=mean, std_dev=round(base.std_dev * k, 1), min=max(1, round(base.min * k)),
                        max=max(2, round(base.max * k)), type=base.type)
 
     return SweepOptions(rates=args.rates, stage_seconds=args.stage_seconds, interval_s=args.interval,
