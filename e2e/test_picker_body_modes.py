@@ -17,7 +17,7 @@ import httpx
 import pytest
 import redis
 
-from e2e.fixtures.picker import Gateway, gateway
+from e2e.fixtures.picker import STATIC_REPORT_TTL_S, Gateway, gateway
 from e2e.fixtures.processes import LOOPBACK, ManagedProcess, free_port, start_redis, wait_for_port
 from e2e.fixtures.waiting import wait_until
 from loraplane.api import (
@@ -72,8 +72,8 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             wait_for_port(port, proc=proc.proc)
             address = f"{LOOPBACK}:{port}"
             pods[address] = pod
-            report = ResidencyReport(pool=POOL, pod=pod, address=address, heartbeat_at=time.time() + 3600,
-                                     adapters=[AdapterResidency(served_name="claims@v1", tier=tier, digest=DIGEST)])
+            report = ResidencyReport(pool=POOL, pod=pod, address=address, heartbeat_at=time.time(),
+                                     ttl_seconds=STATIC_REPORT_TTL_S, adapters=[AdapterResidency(served_name="claims@v1", tier=tier, digest=DIGEST)])
             client.set(keys.residency_report(POOL, pod), report.to_json())
             client.sadd(keys.residency_index(POOL), pod)
         modes = ExtProcModes(request_body_mode=request.param, response_body_mode=request.param,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import redis
 
-from e2e.fixtures.picker import gateway
+from e2e.fixtures.picker import STATIC_REPORT_TTL_S, gateway
 from e2e.fixtures.processes import LOOPBACK, ManagedProcess, free_port, start_redis, wait_for_port
 from loraplane.api import (
     AdapterResidency,
@@ -54,8 +54,8 @@ def test_envoy_opens_more_connections_instead_of_failing_at_the_stream_limit(tmp
         client.set(keys.route_table(POOL), RouteTable(pool=POOL, generation=1, updated_at=time.time(), models={
             "claims": RouteEntry(revisions=[WeightedRevision(revision="v1", served_name="claims@v1", digest=DIGEST,
                                                              weight=100)])}).to_json())
-        report = ResidencyReport(pool=POOL, pod="pod-a", address=f"{LOOPBACK}:{port}", heartbeat_at=time.time() + 3600,
-                                 adapters=[AdapterResidency(served_name="claims@v1", tier=Tier.GPU, digest=DIGEST)])
+        report = ResidencyReport(pool=POOL, pod="pod-a", address=f"{LOOPBACK}:{port}", heartbeat_at=time.time(),
+                                 ttl_seconds=STATIC_REPORT_TTL_S, adapters=[AdapterResidency(served_name="claims@v1", tier=Tier.GPU, digest=DIGEST)])
         client.set(keys.residency_report(POOL, "pod-a"), report.to_json())
         client.sadd(keys.residency_index(POOL), "pod-a")
         gateways = gateway(tmp_path, POOL, redis_server.url, max_concurrent_streams=4)

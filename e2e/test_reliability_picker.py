@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -25,7 +28,7 @@ import pytest
 import redis
 import yaml
 
-from loraplane.api import SERVED_ADAPTER_HEADER, RequestRates, TargetState, keys, served_name
+from loraplane.api import SERVED_ADAPTER_HEADER, RequestRates, ResidencyReport, TargetState, keys, served_name
 from loraplane.credentials import redis_options
 from loraplane.picker.envoy import UPSTREAM_HEADER
 from loraplane.processes import ManagedProcess
@@ -213,3 +216,193 @@ def test_two_picker_replicas_publish_the_rate_the_pool_gets(world: World) -> Non
     assert len(holders) == expected
     assert sum(by_picker.values()) >= (expected - 1) * REPLICA_RATE  # what the controller plans with
     assert traffic.failed() == []
+
+
+# --- 2: a pool that never vanishes while its pods are healthy ------------------------------------------------------
+
+def _engine_404s(traffic: Traffic) -> list[dict[str, Any]]:
+    """Answers from a model server that did not hold the revision it was sent (its own 404)."""
+    return [r for r in traffic.records if r.get("status") == 404 and "does not exist" in r.get("error", "")]
+
+
+def _sample_states(world: World, out: list[tuple[float, dict[str, float]]], stop: threading.Event,
+                   started: float) -> None:
+    while not stop.wait(1.0):
+        try:
+            out.append((round(time.monotonic() - started, 1), world.endpoint_states()))
+        except httpx.HTTPError:
+            continue
+
+
+def _silence(world: World, name: str, silence: Callable[[], None], restore: Callable[[], None],
+             seconds: float = 45.0) -> dict[str, Any]:
+    """Traffic at 20 req/s on both adapters; ``silence`` for ``seconds``, then ``restore``; every request must be
+    served. Returns the figures."""
+    states: list[tuple[float, dict[str, float]]] = []
+    stop = threading.Event()
+    with Traffic(world, rate=20.0) as traffic:
+        time.sleep(3)
+        silenced = time.monotonic()
+        sampler = threading.Thread(target=_sample_states, args=(world, states, stop, silenced), daemon=True)
+        sampler.start()
+        silence()
+        try:
+            time.sleep(seconds)
+        finally:
+            restore()
+        restored = time.monotonic()
+        _wait(lambda: world.endpoint_states().get("fresh") == len(world.stack.engines), within=60)
+        back = time.monotonic() - restored
+        time.sleep(3)
+        stop.set()
+        sampler.join(5)
+    seen = {f"{s}:{int(v)}" for _, st in states for s, v in st.items() if v}
+    figures = {"requests": len(traffic.records), "silent_s": seconds, "failed": len(traffic.failed()),
+               "failed_while_silent": len(traffic.failed(silenced, restored)),
+               "failed_after": len(traffic.failed(restored)), "engine_404s": len(_engine_404s(traffic)),
+               "failures": traffic.failures(), "all_fresh_again_after_s": round(back, 1),
+               "picker_endpoint_states_seen": sorted(seen),
+               "states_at": {f"{mark}s": next((st for t, st in states if t >= mark), None) for mark in (5, 20, 40)}}
+    _report(name, figures)
+    assert traffic.failed() == [], traffic.failures()
+    return figures
+
+
+def test_every_sidecar_stopped_45_s_under_traffic_fails_no_request(world: World) -> None:
+    """Every sidecar SIGSTOPped for 45 s (stalled: no report is written, Redis answers): the picker keeps the pods as
+    last heard, then as stale members whose last reports say what they hold, and routes there (before: ~33 s in,
+    the reports 30 s past their TTL were dropped, the pool was empty and every request got 503 no-endpoint). The
+    ``fresh`` gauge leaves the silent pods at once (before: fresh until the cliff)."""
+    sidecars = [world.sidecar(e.pod) for e in world.stack.engines]
+
+    def send(sig: int) -> None:
+        for sidecar in sidecars:
+            os.kill(sidecar.pid, sig)
+
+    figures = _silence(world, "every-sidecar-stopped-45s", lambda: send(signal.SIGSTOP), lambda: send(signal.SIGCONT))
+    assert {"in-grace:3", "stale:3"} <= set(figures["picker_endpoint_states_seen"])
+
+
+def test_redis_refusing_every_write_45_s_fails_no_request_and_sidecars_say_refused(world: World) -> None:
+    """Redis at ``maxmemory`` with ``noeviction`` for 45 s: every report, target and rates write is refused (OOM)
+    while reads work. No request fails, none reaches a pod without its revision around the recovery (before: 220 of
+    845 failed, then 11 engine 404s), and the sidecars log the refusal, not "redis unreachable"."""
+    admin = world.admin()
+    logs = {e.pod: world.sidecar(e.pod).log_path for e in world.stack.engines}
+    sizes = {pod: path.stat().st_size for pod, path in logs.items()}
+    policy = admin.config_get("maxmemory-policy")["maxmemory-policy"]
+
+    def full() -> None:
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", 1)  # every write command refused with OOM; reads answered
+
+    def freed() -> None:
+        admin.config_set("maxmemory", 0)
+        admin.config_set("maxmemory-policy", policy)
+
+    try:
+        figures = _silence(world, "redis-refusing-writes-45s", full, freed)
+    finally:
+        freed()
+    said = {}
+    for pod, path in logs.items():
+        with path.open() as log:
+            log.seek(sizes[pod])
+            text = log.read()
+        said[pod] = {"refused": text.count("redis refused the write"), "unreachable": text.count("unreachable")}
+    _report("redis-refusing-writes-45s-sidecar-logs", said)
+    assert figures["engine_404s"] == 0
+    assert all(s["refused"] >= 1 and s["unreachable"] == 0 for s in said.values()), said
+
+
+# --- 5: reports aged by the picker's receive time ------------------------------------------------------------------
+
+SKEWED = ("import runpy, sys, time; real = time.time; time.time = lambda: real() + {skew}; "
+          "sys.argv = ['loraplane.sidecar', *sys.argv[1:]]; runpy.run_module('loraplane.sidecar', run_name='__main__')")
+
+
+def _skew_sidecar(world: World, pod: str, skew: float) -> ManagedProcess:
+    """Replace ``pod``'s sidecar with the same one whose wall clock runs ``skew`` seconds off (its heartbeats)."""
+    engine = next(e for e in world.stack.engines if e.pod == pod)
+    old = engine.sidecar
+    assert old is not None
+    old.stop()
+    module = list(old.args).index("loraplane.sidecar")
+    args = [sys.executable, "-c", SKEWED.format(skew=skew), *list(old.args)[module + 1:]]
+    engine.sidecar = ManagedProcess(args, old.log_path.with_name(f"sidecar-{pod}-skewed.log"), env=old.env).start()
+    return engine.sidecar
+
+
+def _restore_sidecar(world: World, pod: str, original: ManagedProcess) -> None:
+    engine = next(e for e in world.stack.engines if e.pod == pod)
+    if engine.sidecar is not None:
+        engine.sidecar.stop()
+    engine.sidecar = original.start()
+
+
+def _heartbeat(world: World, pod: str) -> float:
+    raw = world.admin().get(keys.residency_report(POOL, pod))
+    return ResidencyReport.from_json(raw).heartbeat_at if raw else math.nan
+
+
+def test_a_sidecar_clock_120_s_behind_is_fresh(world: World) -> None:
+    """Aged by the sidecar's clock, a pod whose clock runs 120 s behind was stale on arrival: excluded from
+    routing while it served. By the picker's receive time it is fresh, and takes its share of the traffic."""
+    pod = world.stack.engines[1].pod
+    original = world.sidecar(pod)
+    _skew_sidecar(world, pod, -120.0)
+    try:
+        _wait(lambda: _heartbeat(world, pod) < time.time() - 100, within=30)
+        time.sleep(2)
+        states = [world.endpoint_states(i) for i in range(2)]
+        with Traffic(world, rate=20.0) as traffic:
+            time.sleep(8)
+        served = Counter(r.get("pod") for r in traffic.records if r.get("status") == 200)
+        _report("sidecar-clock-120s-behind", {"heartbeat_behind_s": round(time.time() - _heartbeat(world, pod), 1),
+                                              "picker_endpoint_states": states, "served_by_pod": dict(served),
+                                              "failed": len(traffic.failed())})
+        assert all(s.get("fresh") == len(world.stack.engines) for s in states), states
+        assert served[pod] > 0
+    finally:
+        _restore_sidecar(world, pod, original)
+        _wait(lambda: abs(_heartbeat(world, pod) - time.time()) < 5, within=30)
+
+
+def test_a_pod_whose_clock_runs_600_s_ahead_leaves_when_it_dies(world: World) -> None:
+    """A pod whose sidecar's clock runs 600 s ahead dies (engine and sidecar SIGKILLed): by its heartbeat its last
+    report is fresh for ten more minutes, and the picker sent it traffic all that time (Envoy retried what it
+    could). By the picker's receive time it leaves the fresh count after its TTL and the routing after the grace;
+    the report-age histogram observed at decision time shows no chosen report older than TTL + grace."""
+    engine = world.stack.engines[2]
+    original = world.sidecar(engine.pod)
+    _skew_sidecar(world, engine.pod, 600.0)
+    try:
+        _wait(lambda: _heartbeat(world, engine.pod) > time.time() + 500, within=30)
+        time.sleep(2)
+        with Traffic(world, rate=10.0) as traffic:
+            time.sleep(2)
+            assert engine.sidecar is not None
+            engine.sidecar.stop(sig=signal.SIGKILL)
+            engine.engine.stop(sig=signal.SIGKILL)
+            killed = time.monotonic()
+            _wait(lambda: all(world.endpoint_states(i).get("fresh") == 2 for i in range(2)), within=60)
+            not_fresh = time.monotonic() - killed
+            _wait(lambda: all(world.endpoint_states(i).get("stale") == 1 for i in range(2)), within=90)
+            left = time.monotonic() - killed
+            time.sleep(5)
+        after = [r for r in traffic.records if r["sent_at"] >= killed + left]
+        ages = {}
+        for line in world.picker_metrics().splitlines():
+            if line.startswith("loraplane_picker_report_age_seconds_bucket"):
+                ages[line.split('le="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        _report("sidecar-clock-600s-ahead-pod-killed", {
+            "heartbeat_ahead_s": 600, "not_fresh_after_s": round(not_fresh, 1), "stale_after_s": round(left, 1),
+            "requests": len(traffic.records), "failed_before_stale": len(traffic.failed(killed, killed + left)),
+            "requests_after_stale": len(after), "failed_after_stale": len([r for r in after if r.get("status") != 200]),
+            "report_age_buckets": ages})
+        assert after and all(r.get("status") == 200 and r.get("pod") != engine.pod for r in after)
+        assert ages["+Inf"] == ages["60.0"]  # every chosen report younger than TTL + grace
+    finally:
+        engine.engine.start()
+        _restore_sidecar(world, engine.pod, original)
+        _wait(lambda: world.endpoint_states().get("fresh") == len(world.stack.engines), within=120)

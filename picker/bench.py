@@ -65,6 +65,8 @@ from loraplane.processes import ManagedProcess, envoy_binary, free_port, start_r
 LOOPBACK = "127.0.0.1"
 POOL = "bench"
 DIGEST = "sha256:" + "d" * 64
+#: the reports are written once (no sidecars): the picker is told to count them with this TTL (two days)
+REPORT_TTL_S = 172_800.0
 
 
 # --- scoring ------------------------------------------------------------------------------------------------------
@@ -315,7 +317,7 @@ class _Stack:
             args = [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
                     "--grpc-address", f"{LOOPBACK}:{port}", "--health-address", "", "--metrics-address", "",
                     "--no-destination-fallbacks", "--no-response-rewrite", "--log-level", "WARNING",
-                    "--transport", transport]
+                    "--transport", transport, "--max-report-ttl-seconds", str(REPORT_TTL_S)]
             config = EndpointPickerConfig.load().with_parameters("flow-control", enabled=self.args.flow_control)
             if not self.args.prefix_scorer:
                 config = without_prefix_scorer(config)
@@ -355,7 +357,7 @@ def _fill_redis(url: str, backends: Sequence[int]) -> None:
     for i, backend in enumerate(backends):
         tier = Tier.GPU if i == 0 else Tier.CPU
         report = ResidencyReport(pool=POOL, pod=f"nginx-{i}", address=f"{LOOPBACK}:{backend}",
-                                 heartbeat_at=time.time() + 86_400, ttl_seconds=86_400 * 2,
+                                 heartbeat_at=time.time(), ttl_seconds=REPORT_TTL_S,
                                  adapters=[AdapterResidency(served_name="claims@v1", tier=tier, digest=DIGEST)])
         client.set(keys.residency_report(POOL, report.pod), report.to_json())
         client.sadd(keys.residency_index(POOL), report.pod)

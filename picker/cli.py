@@ -17,6 +17,7 @@ from loraplane.helptext import HelpFormatter
 from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED, PickerSettings
 from loraplane.picker.peers import PEER_PREFIX, peer_configs
 from loraplane.picker.server import ServerOptions, serve
+from loraplane.picker.state import FORGET_S, MAX_REPORT_TTL_S
 from loraplane.picker.transport import TransportLimits
 
 BODY_MODES = {"buffered": BUFFERED, "streamed": STREAMED, "full-duplex-streamed": FULL_DUPLEX}
@@ -111,7 +112,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--publish-seconds", type=float, default=10.0, help="seconds between request-rate publications")
     p.add_argument("--stale-grace-seconds", type=float, default=30.0,
                    help="how long past its TTL a pod's last report still counts (routing stays on the pods last known "
-                        "to hold a revision while Redis or a sidecar is silent); after it the pod is unknown")
+                        "to hold a revision while Redis or a sidecar is silent); after it the pod is stale, and what "
+                        "it held is used only where no fresh pod holds the revision")
+    p.add_argument("--max-report-ttl-seconds", type=_seconds, default=MAX_REPORT_TTL_S,
+                   help="the longest TTL a report counts with (reports are aged by the time the picker received them, "
+                        "never by the sidecar's clock)")
+    p.add_argument("--forget-seconds", type=_seconds, default=FORGET_S,
+                   help="without --inference-pool: seconds after its last report a pod leaves the pool, once another "
+                        "pod reports (while none does, every member stays)")
     scrape = p.add_argument_group(
         "data source", "where the pool's state comes from: the sidecars' reports and the controller's route table in "
         "Redis, or each endpoint's vLLM /metrics as the peers' pickers read them (llm-d-router's metrics-data-source)")
@@ -174,6 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         resync_seconds=args.resync_seconds,
         publish_seconds=args.publish_seconds,
         stale_grace_seconds=args.stale_grace_seconds,
+        max_report_ttl_seconds=args.max_report_ttl_seconds,
+        forget_seconds=args.forget_seconds,
         data_source=args.data_source,
         scrape_interval=args.scrape_interval,
         scrape_timeout=args.scrape_timeout,

@@ -138,6 +138,9 @@ class PickerContext:
     objectives: Callable[[], Mapping[str, int]] = dict
     #: the request plugins (in-flight accounting first); None: those the scheduler's profile names
     lifecycle: Lifecycle | None = None
+    #: the clock the snapshot's ``received_at`` reads (the pool state's): the chosen endpoint's report age is
+    #: observed at each decision (``loraplane_picker_report_age_seconds``); None: not observed
+    report_clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
         if self.lifecycle is None:
@@ -524,6 +527,11 @@ class Exchange:
         ctx.plugins.pre_request(inflight)
         if route is not None and route.served_name is not None:
             ctx.stats.record_request(route.served_name)
+        if ctx.report_clock is not None and decision.indices:
+            snapshot = ctx.snapshot()
+            index = decision.indices[0]
+            if index < snapshot.size and (received := float(snapshot.received_at[index])) == received:  # not NaN
+                ctx.metrics.report_age.observe(ctx.report_clock() - received)
         return decision
 
     def _destination_value(self, decision: Decision) -> str:

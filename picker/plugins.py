@@ -100,8 +100,8 @@ class SaturationThresholds(ApiModel):
 def reported_utilisation(pool: PoolSnapshot, thresholds: SaturationThresholds) -> FloatArray:
     """The part of utilisation that comes from the sidecars' reports (fixed for a snapshot's lifetime)."""
     util = np.maximum(pool.queue_depth / thresholds.queue_threshold, pool.kv_utilization / thresholds.kv_threshold)
-    if pool.any_stale:
-        util[pool.stale] = np.maximum(util[pool.stale], 1.0)
+    if pool.any_unknown:  # stale without a report kept: unknown load counts as saturated (last-heard: as heard)
+        util[pool.unknown] = np.maximum(util[pool.unknown], 1.0)
     return util
 
 
@@ -151,22 +151,43 @@ def ready_filter(_params: FilterParameters) -> Filter:
 
 
 def staleness_filter(_params: FilterParameters) -> Filter:
-    """Drop endpoints whose report is older than its TTL (pair with ``failOpen: true``)."""
-    return lambda _request, pool, _cycle: pool.fresh if pool.any_stale else None
+    """Drop endpoints whose report is older than its TTL plus the grace (pair with ``failOpen: true``), except
+    those whose last report held the request's revision when no fresh endpoint holds it: a pod whose sidecar went
+    silent (stalled, or unable to write to Redis) still serves what it held, where a fresh pod without the revision
+    would answer 404."""
+    token = object()
+
+    def run(request: SchedulingRequest, pool: PoolSnapshot, _cycle: Cycle) -> BoolArray | None:
+        if not pool.any_stale:
+            return None
+        heard = pool.last_heard_holders(request.served_name, request.digest)
+        if heard is None or pool.lookup(request.served_name, request.digest) is not None:
+            return pool.fresh
+
+        def fresh_or_heard() -> BoolArray:
+            mask = pool.fresh.copy()
+            mask[heard] = True
+            return mask
+
+        return pool.memo((token, request.served_name, request.digest), fresh_or_heard)
+
+    return run
 
 
 def residency_filter(_params: FilterParameters) -> Filter:
     """Keep endpoints holding the exact revision at some tier (GPU, CPU or disk): the ones that can serve it.
 
     Runtimes serve only adapters they have registered, so a pod where the revision is absent would answer 404.
-    Pods draining the revision (their sidecar is about to unload it) are kept only when no remaining candidate holds
-    it otherwise: they still serve it for a moment, which beats a pod that does not have it at all. A revision no
-    candidate holds at all goes to the pool's staging pods (``RouteTable.staging_pods``) where the controller names
-    some: the pods it keeps a sweep of new revisions on, away from the gold replicas.
+    Where no candidate's fresh report holds it, the stale candidates whose last report did (``last_heard``: their
+    sidecars went silent) are kept. Pods draining the revision (their sidecar is about to unload it) are kept only
+    when no remaining candidate holds it otherwise: they still serve it for a moment, which beats a pod that does
+    not have it at all. A revision no candidate holds at all goes to the pool's staging pods
+    (``RouteTable.staging_pods``) where the controller names some: the pods it keeps a sweep of new revisions on,
+    away from the gold replicas.
     Base-model requests keep all endpoints. Pair with ``failOpen: true`` for runtimes that load on demand.
     """
 
-    holding, holding_or_draining = object(), object()
+    holding, holding_or_draining, last_heard = object(), object(), object()
 
     def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> BoolArray | None:
         if request.served_name is None:
@@ -180,6 +201,17 @@ def residency_filter(_params: FilterParameters) -> Filter:
             return mask
 
         mask = pool.memo((holding, request.served_name, request.digest), holders)
+        heard = pool.last_heard_holders(request.served_name, request.digest)
+        if heard is not None and not np.count_nonzero(mask & cycle.candidates):
+
+            def heard_mask() -> BoolArray:
+                found = np.zeros(pool.size, dtype=np.bool_)
+                found[heard] = True
+                return found
+
+            fallback = pool.memo((last_heard, request.served_name, request.digest), heard_mask)
+            if np.count_nonzero(fallback & cycle.candidates):
+                return fallback
         draining = pool.draining_holders(request.served_name, request.digest)
         staging = pool.staging
         if (draining is None and staging is None) or np.count_nonzero(mask & cycle.candidates):

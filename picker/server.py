@@ -28,7 +28,7 @@ from loraplane.picker.lifecycle import FairShareParameters, FairSharePlugin
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.scrape import MetricsScraper, ScrapedPool
 from loraplane.picker.snapshot import InFlightTracker
-from loraplane.picker.state import PoolState, RedisSync
+from loraplane.picker.state import FORGET_S, MAX_REPORT_TTL_S, PoolState, RedisSync
 from loraplane.picker.telemetry import NoRequestStats, PickerMetrics, RequestStats
 from loraplane.picker.transport import FrameLayer, GrpcStatusError, Routes, TransportLimits, start_server
 from loraplane.waits import sleep_or_stop
@@ -69,8 +69,12 @@ class ServerOptions:
     limits: TransportLimits = field(default_factory=TransportLimits)
     resync_seconds: float = 5.0
     publish_seconds: float = 10.0
-    #: seconds past its TTL a report still counts as last heard (then the pod is unknown)
+    #: seconds past its TTL a report still counts as last heard (then the pod is stale: a fallback for what it held)
     stale_grace_seconds: float = 30.0
+    #: the longest TTL a report counts with (reports are aged by the picker's receive time)
+    max_report_ttl_seconds: float = MAX_REPORT_TTL_S
+    #: seconds after its last report a silent member leaves the pool, once another member reports
+    forget_seconds: float = FORGET_S
     #: where the pool's state comes from: ``redis`` (the sidecars' reports and the controller's route table) or
     #: ``scrape`` (each endpoint's vLLM /metrics, as the peers' pickers read them; no Redis, model names as given)
     data_source: str = "redis"
@@ -164,7 +168,8 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         state = ScrapedPool(tracker, time.monotonic, options.endpoints, metrics, options.metrics_staleness_threshold,
                             options.base_models)
     else:
-        state = PoolState(options.pool, tracker, time.time, options.endpoints, metrics, options.stale_grace_seconds)
+        state = PoolState(options.pool, tracker, time.monotonic, options.endpoints, metrics,
+                          options.stale_grace_seconds, options.max_report_ttl_seconds, options.forget_seconds)
     stats = NoRequestStats(time.time) if isinstance(state, ScrapedPool) else RequestStats(time.time)
     scheduler = Scheduler(EndpointPickerConfig.load(options.config_path))
     ctx = PickerContext(
@@ -177,6 +182,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         stats=stats,
         clock=time.monotonic,
         settings=options.settings,
+        report_clock=state.clock if isinstance(state, PoolState) else None,
     )
     if options.fair_share_factor:
         ctx.plugins.add(FairSharePlugin(FairShareParameters(factor=options.fair_share_factor)))

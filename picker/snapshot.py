@@ -10,7 +10,9 @@ be unloaded from its pod) are indexed apart: never warm, and routed to only when
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -41,6 +43,12 @@ class EndpointState:
     address: str
     ready: bool = True
     stale: bool = False
+    #: stale, but its last report is kept (``from_reports``): where it held a revision is a fallback (routed to only
+    #: when no fresh endpoint holds the revision: its sidecar went silent, the runtime kept what it held) and its load
+    #: counts as last heard, not as saturated. False on a stale endpoint: unknown (no report at all)
+    last_heard: bool = False
+    #: when the picker received the report this state comes from (its own clock, not the sidecar's); NaN: none
+    received_at: float = NAN
     queue_depth: int = 0
     running: int = 0
     active_tokens: int = 0
@@ -114,6 +122,9 @@ class PoolSnapshot:
         self.all_indices: IntArray = np.arange(n, dtype=np.intp)
         self.ready: BoolArray = np.fromiter((e.ready for e in self.endpoints), np.bool_, n)
         self.stale: BoolArray = np.fromiter((e.stale for e in self.endpoints), np.bool_, n)
+        self.last_heard: BoolArray = np.fromiter((e.stale and e.last_heard for e in self.endpoints), np.bool_, n)
+        #: when the picker received each endpoint's report (its own clock); NaN where it has none
+        self.received_at: FloatArray = np.fromiter((e.received_at for e in self.endpoints), np.float64, n)
         self.queue_depth: FloatArray = np.fromiter((e.queue_depth for e in self.endpoints), np.float64, n)
         self.running: FloatArray = np.fromiter((e.running for e in self.endpoints), np.float64, n)
         self.active_tokens: FloatArray = np.fromiter((e.active_tokens for e in self.endpoints), np.float64, n)
@@ -147,12 +158,15 @@ class PoolSnapshot:
         self._priorities = priorities
         holders: dict[tuple[str, str], dict[int, int]] = {}
         leaving: dict[tuple[str, str], list[int]] = {}
+        heard: dict[tuple[str, str], list[int]] = {}
         for i, endpoint in enumerate(self.endpoints):
             for key, level, draining in _resident_rows(endpoint):
                 if draining:
                     leaving.setdefault(key, []).append(i)
                 else:
                     holders.setdefault(key, {})[i] = level
+            for key in _last_heard_rows(endpoint):
+                heard.setdefault(key, []).append(i)
             self.protected_warm[i] = self._protected_count(endpoint)
         self.residency: dict[tuple[str, str], ResidencyEntry] = {
             key: ResidencyEntry.of(level_of) for key, level_of in holders.items()
@@ -160,6 +174,10 @@ class PoolSnapshot:
         #: (served name, digest) -> endpoints that still hold it but are draining it (leaving soon)
         self.draining: dict[tuple[str, str], IntArray] = {
             key: np.asarray(idx, dtype=np.intp) for key, idx in leaving.items()
+        }
+        #: (served name, digest) -> stale endpoints whose last report held it (not draining): the fallback
+        self.last_heard_residency: dict[tuple[str, str], IntArray] = {
+            key: np.asarray(idx, dtype=np.intp) for key, idx in heard.items()
         }
         self._memo: dict[Hashable, Any] = {}
         self._memo_entries = max(64, MEMO_BYTES // (8 * max(1, n)))
@@ -171,6 +189,9 @@ class PoolSnapshot:
     def _derive_flags(self) -> None:
         self.all_ready = bool(self.ready.all())
         self.any_stale = bool(self.stale.any())
+        #: stale endpoints without a report kept: their load is unknown (counted as saturated)
+        self.unknown: BoolArray = self.stale & ~self.last_heard
+        self.any_unknown = bool(self.unknown.any())
         self.has_protected = bool(self.protected_warm.any())
         #: 1.0 where no gold revision is GPU-resident
         self.unprotected: FloatArray = (self.protected_warm == 0).astype(np.float64)
@@ -209,13 +230,15 @@ class PoolSnapshot:
 
     def _update_arrays(self, index: int, old: EndpointState, state: EndpointState) -> None:
         self.ready[index], self.stale[index] = state.ready, state.stale
+        self.last_heard[index], self.received_at[index] = state.stale and state.last_heard, state.received_at
         self.queue_depth[index], self.running[index] = state.queue_depth, state.running
         self.active_tokens[index], self.kv_utilization[index] = state.active_tokens, state.kv_utilization
         self.recent_evictions[index] = state.recent_evictions
         self.load_seconds[index, 1:] = state.load_seconds
         self.slot_limit[index] = state.gpu_slots or np.inf
         self._count_fetching(index)
-        if (old.stale, old.residency, old.draining) != (state.stale, state.residency, state.draining):
+        if ((old.stale, old.last_heard, old.residency, old.draining)
+                != (state.stale, state.last_heard, state.residency, state.draining)):
             self._reindex(index, old, state)
 
     def _reindex(self, index: int, old: EndpointState, new: EndpointState) -> None:
@@ -236,6 +259,15 @@ class PoolSnapshot:
                 else:
                     level_of[index] = level
             self._set_holders(key, level_of, leaving)
+        heard_before, heard_after = set(_last_heard_rows(old)), set(_last_heard_rows(new))
+        for key in heard_before ^ heard_after:
+            others = [i for i in self.last_heard_residency.get(key, ()) if i != index]
+            if key in heard_after:
+                others.append(index)
+            if others:
+                self.last_heard_residency[key] = np.asarray(sorted(others), dtype=np.intp)
+            else:
+                self.last_heard_residency.pop(key, None)
         self.protected_warm[index] = self._protected_count(new)
         self._memo.clear()
 
@@ -276,6 +308,12 @@ class PoolSnapshot:
         if served_name is None or digest is None:
             return None
         return self.residency.get((served_name, digest))
+
+    def last_heard_holders(self, served_name: str | None, digest: str | None) -> IntArray | None:
+        """Stale endpoints whose last report held this exact revision (not draining), or None."""
+        if served_name is None or digest is None or not self.last_heard_residency:
+            return None
+        return self.last_heard_residency.get((served_name, digest))
 
     def draining_holders(self, served_name: str | None, digest: str | None) -> IntArray | None:
         """Endpoints that still hold this exact revision but are draining it, or None."""
@@ -376,26 +414,37 @@ class PoolSnapshot:
         endpoints: Sequence[tuple[str, str]] | None = None,
         stale_grace_s: float = 0.0,
         staging: Collection[str] = (),
+        received: Mapping[str, float] | None = None,
+        max_ttl_s: float = math.inf,
     ) -> PoolSnapshot:
-        """Build from sidecar reports; reports older than their TTL plus ``stale_grace_s`` become stale (unknown).
+        """Build from sidecar reports; a report older than its TTL plus ``stale_grace_s`` makes its endpoint stale.
+
+        A report's age is ``now`` less when the picker received it (``received``: pod -> time on the clock ``now``
+        reads), never the sidecar's ``heartbeat_at``: a pod whose clock runs ahead would stay fresh long after it
+        died, one whose clock runs behind would never be. Without ``received`` (the simulator, whose clock is the
+        pods' clock) the heartbeat is the receive time. Its TTL counts up to ``max_ttl_s``.
 
         Within the grace a report past its TTL still counts as it was last heard (its residency and load): while
         Redis or a sidecar is briefly silent, requests keep going to the pods last known to hold their revision
-        instead of to pods without it. ``endpoints`` ((pod name, address) pairs from discovery) fixes the
-        membership: pods without a report are stale, reports of pods outside it are ignored. Without it every
-        reporting pod is a member.
+        instead of to pods without it. Past the grace the endpoint is stale but last heard (``last_heard``): the
+        staleness filter keeps it only where no fresh endpoint holds the request's revision. ``endpoints`` ((pod
+        name, address) pairs from discovery) fixes the membership: pods without a report are stale and unknown,
+        reports of pods outside it are ignored. Without it every reporting pod is a member.
         """
         by_pod = {r.pod: r for r in reports}
         members = endpoints if endpoints is not None else [(r.pod, r.address) for r in by_pod.values()]
         states = []
         for pod, address in members:
             report = by_pod.get(pod)
-            if report is None or now - report.heartbeat_at > report.ttl_seconds + stale_grace_s:
+            if report is None:
                 states.append(EndpointState(name=pod, address=address, ready=True, stale=True))
-            else:
-                states.append(endpoint_from_report(report, address))
+                continue
+            received_at = received.get(pod, report.heartbeat_at) if received is not None else report.heartbeat_at
+            state = endpoint_from_report(report, address, received_at)
+            if now - received_at > min(report.ttl_seconds, max_ttl_s) + stale_grace_s:
+                state = dataclasses.replace(state, stale=True, last_heard=True)
+            states.append(state)
         return cls(states, priorities, staging)
-
 
 def _resident_rows(endpoint: EndpointState) -> Iterator[tuple[tuple[str, str], int, bool]]:
     """((served name, digest), tier level, draining) for each residency row that counts (none when stale)."""
@@ -406,18 +455,29 @@ def _resident_rows(endpoint: EndpointState) -> Iterator[tuple[tuple[str, str], i
             yield (name, digest), tier.level, name in endpoint.draining
 
 
+def _last_heard_rows(endpoint: EndpointState) -> Iterator[tuple[str, str]]:
+    """(served name, digest) of each revision a stale endpoint's last report held servable (not draining)."""
+    if not endpoint.last_heard or not endpoint.stale:
+        return
+    for name, (tier, digest) in endpoint.residency.items():
+        if digest is not None and tier is not Tier.ABSENT and name not in endpoint.draining:
+            yield name, digest
+
+
 def _holds(row: tuple[Tier, str | None] | None) -> bool:
     return row is not None and row[1] is not None and row[0] is not Tier.ABSENT
 
 
-def endpoint_from_report(report: ResidencyReport, address: str | None = None) -> EndpointState:
-    """The ``EndpointState`` a fresh report describes."""
+def endpoint_from_report(report: ResidencyReport, address: str | None = None,
+                         received_at: float = NAN) -> EndpointState:
+    """The ``EndpointState`` a fresh report describes (received at ``received_at`` on the picker's clock)."""
     load = report.load
     return EndpointState(
         name=report.pod,
         address=address or report.address,
         ready=report.ready,
         stale=False,
+        received_at=received_at,
         queue_depth=load.queue_depth,
         running=load.running,
         active_tokens=load.active_tokens,

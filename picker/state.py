@@ -2,8 +2,9 @@
 
 ``PoolState`` holds the current ``PoolSnapshot`` and ``RouteResolver``; requests read them as plain attributes.
 ``RedisSync`` fills it: a full load at start, then the sidecars' and controller's change notices (pub/sub), a full
-resync every few seconds to cover missed notices, and a rebuild whenever a report passes its TTL. When Redis is
-unreachable the last snapshot stays in use and reports age into "stale" on schedule.
+resync every few seconds to cover missed notices, and a rebuild whenever a report passes its TTL. Reports age by
+the picker's own receive time. When Redis is unreachable, or answers without a pod's report, the last reports stay
+in use and age into "stale" on schedule; the pool keeps its members.
 """
 
 from __future__ import annotations
@@ -43,8 +44,24 @@ class NotLoadedResolver(RouteResolver):
         raise ClientError(503, "the picker has not read the pool's route table yet", "not-ready")
 
 
+#: The longest TTL a report counts with (``--max-report-ttl-seconds``): a sidecar asking for more (a typo, or one
+#: that wants to look alive for long) is aged as if it had asked for this.
+MAX_REPORT_TTL_S = 60.0
+#: How long a member whose reports stopped stays in the pool (``--forget-seconds``), once another member is fresh.
+FORGET_S = 300.0
+
+
 class PoolState:
-    """Current snapshot + resolver, rebuilt from the latest reports and route table."""
+    """Current snapshot + resolver, rebuilt from the latest reports and route table.
+
+    Reports are aged by the time this picker received them, on its own clock (``clock``), never by the sidecar's
+    ``heartbeat_at``; their TTL counts up to ``max_ttl_s``. A report is fresh for its TTL, then last heard for
+    ``stale_grace_s`` (routed to as heard), then stale but kept: its pod stays a member, and the revisions its last
+    report held stay a fallback where no fresh pod holds them. Whether Redis is unreachable or answers without the
+    pod's report (expired: the sidecar stalled, crashed or could not write), the pool keeps its members. A member
+    leaves (without ``endpoints`` from discovery) only ``forget_s`` after its last report, and only while another
+    member is fresh: a pool whose reports all stopped is a bus or sidecar fault, not every pod gone.
+    """
 
     def __init__(
         self,
@@ -54,16 +71,22 @@ class PoolState:
         endpoints: Sequence[tuple[str, str]] | None = None,
         metrics: PickerMetrics | None = None,
         stale_grace_s: float = 0.0,
+        max_ttl_s: float = MAX_REPORT_TTL_S,
+        forget_s: float = FORGET_S,
     ) -> None:
         """``endpoints`` ((pod, address) pairs) fixes membership; without it the reporting pods are the pool.
         ``stale_grace_s``: how long past its TTL a report still counts as last heard (``PoolSnapshot.from_reports``)."""
         self.pool = pool
         self.stale_grace_s = stale_grace_s
+        self.max_ttl_s = max_ttl_s
+        self.forget_s = forget_s
         self.tracker = tracker
         self.clock = clock
         self.endpoints = endpoints
         self.metrics = metrics
         self.reports: dict[str, ResidencyReport] = {}
+        #: pod -> when this picker received its report (``clock``)
+        self.received: dict[str, float] = {}
         self.resolver: RouteResolver = NotLoadedResolver()
         self.snapshot = PoolSnapshot([])
         self.synced = False
@@ -80,31 +103,70 @@ class PoolState:
         self.rebuild()
 
     def set_report(self, report: ResidencyReport) -> None:
-        """Store a pod's latest report."""
+        """Store a pod's latest report; a new one (another heartbeat) is received now, the one already held (read
+        again by a resync) keeps its receive time."""
+        old = self.reports.get(report.pod)
+        if old is None or old.heartbeat_at != report.heartbeat_at or report.pod not in self.received:
+            self.received[report.pod] = self.clock()
+            if report.ttl_seconds > self.max_ttl_s and self.metrics is not None:
+                self.metrics.reports_ttl_capped.inc()
         self.reports[report.pod] = report
+
+    def ttl(self, report: ResidencyReport) -> float:
+        """The TTL ``report`` counts with: its own, up to ``max_ttl_s``."""
+        return min(report.ttl_seconds, self.max_ttl_s)
+
+    def age(self, pod: str, now: float | None = None) -> float:
+        """Seconds since this picker received ``pod``'s report (inf: none)."""
+        received = self.received.get(pod)
+        return float("inf") if received is None else (self.clock() if now is None else now) - received
+
+    def _forget(self, now: float) -> None:
+        """Drop the reports of members silent for ``forget_s`` while another member is fresh."""
+        silent = [pod for pod in self.reports if self.age(pod, now) > self.forget_s]
+        if not silent:
+            return
+        if not any(self.age(pod, now) <= self.ttl(r) for pod, r in self.reports.items()):
+            return  # every report stopped: Redis or the sidecars, not every pod gone; keep them all
+        for pod in silent:
+            log.warning("forgetting pod %s: no report for %.0f s while others report", pod, self.age(pod, now))
+            del self.reports[pod]
+            self.received.pop(pod, None)
 
     def rebuild(self) -> None:
         """Build a fresh snapshot from what is stored now."""
         now = self.clock()
+        self._forget(now)
         grace = self.stale_grace_s
         resolver = self.resolver
         snapshot = PoolSnapshot.from_reports(self.reports.values(), now, resolver.priorities(), self.endpoints, grace,
-                                             resolver.staging_pods())
+                                             resolver.staging_pods(), self.received, self.max_ttl_s)
         self.tracker.attach(snapshot)
         self.snapshot = snapshot
-        expiries = [r.heartbeat_at + r.ttl_seconds + grace for r in self.reports.values()
-                    if now - r.heartbeat_at <= r.ttl_seconds + grace]
-        self.next_expiry = min(expiries, default=float("inf"))
+        # the next time a report changes state: fresh -> last heard -> stale -> forgotten
+        edges = []
+        for pod, report in self.reports.items():
+            received, ttl = self.received[pod], self.ttl(report)
+            edges += [t for t in (received + ttl, received + ttl + grace, received + self.forget_s) if t >= now]
+        self.next_expiry = min(edges, default=float("inf"))
         if self.metrics is not None:
             self.metrics.snapshot_rebuilds.inc()
-            stale = int(snapshot.stale.sum())
-            not_ready = int((~snapshot.ready & ~snapshot.stale).sum())
-            self.metrics.endpoints.labels("fresh").set(len(snapshot) - stale - not_ready)
-            self.metrics.endpoints.labels("stale").set(stale)
-            self.metrics.endpoints.labels("not-ready").set(not_ready)
+            counts = dict.fromkeys(("fresh", "in-grace", "stale", "not-ready"), 0)
+            for endpoint in snapshot.endpoints:
+                heard = self.reports.get(endpoint.name)
+                if endpoint.stale or heard is None:
+                    counts["stale"] += 1
+                elif not endpoint.ready:
+                    counts["not-ready"] += 1
+                elif self.age(endpoint.name, now) > self.ttl(heard):
+                    counts["in-grace"] += 1  # routed to as last heard, but not heard from: not fresh
+                else:
+                    counts["fresh"] += 1
+            for name, count in counts.items():
+                self.metrics.endpoints.labels(name).set(count)
 
     def rebuild_if_expired(self) -> bool:
-        """Rebuild when a report has passed its TTL since the last build."""
+        """Rebuild when a report has changed state (past its TTL, its grace, ...) since the last build."""
         if self.clock() > self.next_expiry:
             self.rebuild()
             return True
@@ -154,12 +216,11 @@ class RedisSync:
         pods = sorted(p.decode() if isinstance(p, bytes) else p for p in await self.client.smembers(keys.residency_index(pool)))
         valid = [p for p in pods if validation.is_pod_name(p)]
         raws = await self.client.mget([keys.residency_report(pool, p) for p in valid]) if valid else []
-        stored = {r.pod: r for r in (_parse_report(raw, pool) for raw in raws) if r is not None}
-        # a pod missing from Redis (emptied by a restart, its key expired) keeps its last report within the grace
-        now, grace = self.state.clock(), self.state.stale_grace_s
-        kept = {pod: r for pod, r in self.state.reports.items()
-                if pod not in stored and now - r.heartbeat_at <= r.ttl_seconds + grace}
-        self.state.reports = {**kept, **stored}
+        # a pod missing from Redis (emptied by a restart, its key expired: its sidecar stalled or cannot write) keeps
+        # its last report, aged on this picker's clock: stale in time, never dropped for Redis's silence alone
+        for report in (_parse_report(raw, pool) for raw in raws):
+            if report is not None:
+                self.state.set_report(report)
         self.state.rebuild()
         if self.block_sets is not None:
             await self.block_sets.refresh(self.client, pool, valid)

@@ -41,7 +41,21 @@ class PickerMetrics:
         )
         self._request_children: dict[tuple[str, int], PromCounter] = {}
         self.endpoints = Gauge(
-            "loraplane_picker_endpoints", "Endpoints in the current snapshot by state", ["state"], registry=self.registry
+            "loraplane_picker_endpoints",
+            "Endpoints in the current snapshot by state: fresh (report within its TTL, by the picker's receive time), "
+            "in-grace (past its TTL, still routed to as last heard), stale, not-ready",
+            ["state"], registry=self.registry,
+        )
+        self.report_age = Histogram(
+            "loraplane_picker_report_age_seconds",
+            "Age of the chosen endpoint's residency report at decision time, since the picker received it",
+            buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+            registry=self.registry,
+        )
+        self.reports_ttl_capped = PromCounter(
+            "loraplane_picker_reports_ttl_capped_total",
+            "Reports whose ttlSeconds exceeded --max-report-ttl-seconds (aged with that bound instead)",
+            registry=self.registry,
         )
         self.snapshot_rebuilds = PromCounter(
             "loraplane_picker_snapshot_rebuilds_total", "Pool snapshot rebuilds", registry=self.registry

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from loraplane.api import KvBlockSet, PayloadError, ResidencyReport, TargetState, keys, read_payload
 from loraplane.credentials import async_redis
@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 
 class RedisUnavailable(Exception):
     """Redis did not answer (or is in its backoff window)."""
+
+
+class RedisRefused(RedisUnavailable):
+    """Redis answered but refused the command (an error reply: out of memory under ``noeviction``, no permission):
+    the write did not land, as if Redis were down, but Redis is reachable and the next attempt is not held back."""
 
 
 class InvalidTarget(ValueError):
@@ -55,6 +60,10 @@ class RedisBus:
         self._failures = 0
         self._not_before = 0.0
         self.connected = False
+        #: the last refusal logged (one warning per kind of refusal in a row, not one per heartbeat)
+        self._refusal: str | None = None
+        #: commands Redis refused since start
+        self.refusals = 0
 
     def _check_window(self) -> None:
         if self._failures and self._clock() < self._not_before:
@@ -63,9 +72,19 @@ class RedisBus:
     def _ok(self) -> None:
         if self._failures:
             log.info("redis reachable again")
-        self._failures, self.connected = 0, True
+        elif self._refusal is not None:
+            log.info("redis accepts writes again")
+        self._failures, self.connected, self._refusal = 0, True, None
 
     def _failed(self, exc: Exception) -> RedisUnavailable:
+        if isinstance(exc, ResponseError):  # an answer, not a dead connection: say what Redis said
+            self.refusals += 1
+            kind = str(exc).rsplit(": ", 1)[-1]
+            if kind != self._refusal:
+                log.warning("redis refused the write (%s: %s); it is reachable, retrying every heartbeat and keeping "
+                            "the last good target", type(exc).__name__, exc)
+            self._refusal = kind
+            return RedisRefused(str(exc))
         self._failures += 1
         self._not_before = self._clock() + self._backoff.delay(self._failures)
         if self.connected:

@@ -186,18 +186,28 @@ def report(pod_name: str, port: int, heartbeat_at: float, adapters: list[Adapter
     )
 
 
-def test_stale_reports_are_unknown_and_dropped_unless_nothing_else(scheduler: Scheduler) -> None:
+def test_stale_reports_are_dropped_unless_they_last_held_what_no_fresh_pod_holds(scheduler: Scheduler) -> None:
+    """A stale endpoint is never warm; it is kept (last heard) only for a revision no fresh endpoint holds, which a
+    fresh pod without it would answer 404 (issue 31, item 2)."""
     warm = [AdapterResidency(served_name=ADAPTER, tier=Tier.GPU, digest=DIGEST_A)]
     reports = [report("a", 1, heartbeat_at=100.0, adapters=warm), report("b", 2, heartbeat_at=104.0)]
     fresh = PoolSnapshot.from_reports(reports, now=104.5)
     assert scheduler.schedule(request(), fresh, np.random.default_rng(0)).endpoints[0] == "127.0.0.1:1"
     later = PoolSnapshot.from_reports(reports, now=106.0)  # a's report is older than its TTL
     assert later.stale.tolist() == [True, False] and later.lookup(ADAPTER, DIGEST_A) is None
-    assert scheduler.schedule(request(), later, np.random.default_rng(0)).endpoints == ("127.0.0.1:2",)
+    assert later.last_heard.tolist() == [True, False] and later.last_heard_holders(ADAPTER, DIGEST_A).tolist() == [0]
+    decision = scheduler.schedule(request(), later, np.random.default_rng(0))
+    assert decision.endpoints == ("127.0.0.1:1",) and decision.outcome is Outcome.COLD
+    b_holds = [report("a", 1, heartbeat_at=100.0, adapters=warm), report("b", 2, heartbeat_at=104.0, adapters=warm)]
+    both = PoolSnapshot.from_reports(b_holds, now=106.0)
+    assert scheduler.schedule(request(), both, np.random.default_rng(0)).endpoints == ("127.0.0.1:2",)
     all_stale = PoolSnapshot.from_reports(reports, now=200.0)
-    assert scheduler.schedule(request(), all_stale, np.random.default_rng(0)).endpoints  # fail open
+    assert scheduler.schedule(request(), all_stale, np.random.default_rng(0)).endpoints == ("127.0.0.1:1",)
+    other = SchedulingRequest(served_name="other@v1", digest=DIGEST_A)
+    assert scheduler.schedule(other, all_stale, np.random.default_rng(0)).endpoints  # held nowhere: fail open
     discovered = PoolSnapshot.from_reports(reports, now=104.5, endpoints=[("b", "127.0.0.1:2"), ("c", "127.0.0.1:3")])
     assert discovered.addresses == ("127.0.0.1:2", "127.0.0.1:3") and discovered.stale.tolist() == [False, True]
+    assert discovered.last_heard.tolist() == [False, False]  # c has no report: unknown
 
 
 def test_in_flight_counts_survive_snapshot_rebuilds() -> None:

@@ -24,7 +24,7 @@ def endpoint_states(draw: st.DrawFn, i: int) -> EndpointState:
     draining = draw(st.frozensets(st.sampled_from(sorted(residency)), max_size=2)) if residency else frozenset()
     return EndpointState(
         name=f"pod-{i}", address=f"10.0.0.{i}:8000", ready=draw(st.booleans()), stale=draw(st.booleans()),
-        queue_depth=draw(st.integers(0, 9)), active_tokens=draw(st.integers(0, 5000)),
+        last_heard=draw(st.booleans()), received_at=draw(st.floats(0, 100)), queue_depth=draw(st.integers(0, 9)), active_tokens=draw(st.integers(0, 5000)),
         kv_utilization=draw(st.floats(0, 1)), recent_evictions=draw(st.integers(0, 3)),
         residency=residency, draining=draining,
     )
@@ -34,9 +34,12 @@ def indexed(pool: PoolSnapshot) -> tuple[object, ...]:
     """Everything a snapshot derives from its endpoints, in comparable form."""
     residency = {key: (e.indices.tolist(), e.levels.tolist(), e.level_of) for key, e in pool.residency.items()}
     draining = {key: idx.tolist() for key, idx in pool.draining.items()}
+    heard = {key: idx.tolist() for key, idx in pool.last_heard_residency.items()}
     arrays = [a.tolist() for a in (pool.ready, pool.stale, pool.fresh, pool.queue_depth, pool.running, pool.active_tokens,
-                                    pool.kv_utilization, pool.recent_evictions, pool.protected_warm, pool.unprotected)]
-    return pool.endpoints, residency, draining, arrays, pool.all_ready, pool.any_stale, pool.has_protected
+                                    pool.kv_utilization, pool.recent_evictions, pool.protected_warm, pool.unprotected,
+                                    pool.last_heard, pool.unknown, pool.received_at)]
+    return (pool.endpoints, residency, draining, heard, arrays, pool.all_ready, pool.any_stale, pool.any_unknown,
+            pool.has_protected)
 
 
 @settings(max_examples=60, deadline=None)

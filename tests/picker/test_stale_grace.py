@@ -1,5 +1,6 @@
-"""Stale means unknown, not absent everywhere: while reports are briefly past their TTL (Redis paused, a sidecar
-silent), requests keep going to the pods last known to hold their revision, up to a staleness limit."""
+"""Stale means not heard from, not absent everywhere: while reports are past their TTL (Redis paused or refusing
+writes, a sidecar silent), requests keep going to the pods last known to hold their revision: as last heard within
+the grace, and as a fallback (where no fresh pod holds the revision) after it."""
 
 from __future__ import annotations
 
@@ -48,8 +49,7 @@ def _destinations(grace: float, at: float) -> set[str]:
         decision = scheduler.schedule(SchedulingRequest(served_name=ADAPTER, digest=DIGEST), state.snapshot,
                                       np.random.default_rng(seed))
         picks.add(decision.endpoints[0])
-        if at < 3.0 + grace:
-            assert decision.outcome is Outcome.WARM_GPU
+        assert decision.outcome is (Outcome.WARM_GPU if at < 3.0 + grace else Outcome.COLD)
     return picks
 
 
@@ -58,9 +58,11 @@ def test_within_the_grace_the_last_known_holder_keeps_the_traffic() -> None:
     assert _destinations(grace=30.0, at=13.0) == {"10.0.0.1:8000"}  # 10 s past the TTL: still the holder
 
 
-def test_without_a_grace_or_past_it_the_pods_are_unknown() -> None:
-    assert len(_destinations(grace=0.0, at=13.0)) > 1  # the old behaviour: any pod, most without the adapter
-    assert len(_destinations(grace=30.0, at=40.0)) > 1  # past the limit: unknown again
+def test_past_the_grace_the_last_known_holder_is_the_fallback() -> None:
+    """Every sidecar silent for longer than the grace: the pods still serve what they held (before issue 31 any pod
+    was picked, most without the adapter: 404s)."""
+    assert _destinations(grace=0.0, at=13.0) == {"10.0.0.1:8000"}
+    assert _destinations(grace=30.0, at=40.0) == {"10.0.0.1:8000"}
 
 
 async def test_an_emptied_redis_does_not_erase_what_the_picker_last_heard(redis_srv: RedisServer) -> None:
@@ -83,7 +85,16 @@ async def test_an_emptied_redis_does_not_erase_what_the_picker_last_heard(redis_
     assert state.snapshot.lookup(ADAPTER, DIGEST) is not None
     clock.now = 40.0
     await sync.load_all()
-    assert state.reports == {}  # past the grace and still not back in Redis: gone
+    assert sorted(state.reports) == ["pod-0", "pod-1"]  # past the grace, still not back in Redis: stale, kept
+    assert state.snapshot.stale.all() and state.snapshot.last_heard_holders(ADAPTER, DIGEST) is not None
+    clock.now = 1000.0
+    await sync.load_all()
+    assert sorted(state.reports) == ["pod-0", "pod-1"]  # nobody reports: never forgotten (issue 31, item 2)
+    back = _report(1, holds=True).model_copy(update={"heartbeat_at": 1.0})
+    await client.set(keys.residency_report("pool", back.pod), back.to_json())
+    await client.sadd(keys.residency_index("pool"), back.pod)
+    await sync.load_all()
+    assert sorted(state.reports) == ["pod-1"]  # another pod reports again: the one silent for 1000 s is forgotten
     await client.aclose()
 
 

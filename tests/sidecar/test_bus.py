@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import wait_for_port
 from loraplane.api import ResidencyReport, TargetState, keys
-from loraplane.sidecar.bus import InvalidTarget, RedisBus, RedisUnavailable
+from loraplane.sidecar.bus import InvalidTarget, RedisBus, RedisRefused, RedisUnavailable
 from loraplane.sidecar.reconcile import Backoff
 
 
@@ -99,4 +99,31 @@ async def test_outage_fails_fast_then_backs_off_and_recovers(redis_srv) -> None:
         await bus.publish(report())
         assert bus.connected
     finally:
+        await bus.close()
+
+
+async def test_a_full_redis_refusing_the_report_is_a_refusal_not_an_outage(redis_srv, caplog) -> None:
+    """Redis at ``maxmemory`` with ``noeviction`` answers every write with OOM: the sidecar says Redis refused it
+    (issue 31: it logged "redis unreachable"), holds no backoff against the next heartbeat, and says so once."""
+    bus = RedisBus(redis_srv.url, "pool-a", "pod-0")
+    client = aioredis.Redis.from_url(redis_srv.url)
+    try:
+        await bus.publish(report())
+        used = (await client.info("memory"))["used_memory"]
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", max(1, used - 4096))
+        caplog.set_level("INFO", logger="loraplane.sidecar.bus")
+        for _ in range(3):
+            with pytest.raises(RedisRefused):
+                await bus.publish(report())
+        assert bus.refusals == 3 and bus.connected  # reachable: only the writes fail
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "redis refused the write (OutOfMemoryError" in warnings[0]
+        assert not any("unreachable" in r.getMessage() for r in caplog.records)
+        await client.config_set("maxmemory", 0)
+        await bus.publish(report())  # no backoff window to wait out
+        assert any("accepts writes again" in r.getMessage() for r in caplog.records)
+    finally:
+        await client.config_set("maxmemory", 0)
+        await client.aclose()
         await bus.close()
