@@ -76,11 +76,12 @@ class Lengths:
 
 
 #: prompt lengths in the client tokenizer's tokens: the tiny model's byte-level tokenizer, so bytes of
-#: inference-perf's Shakespeare corpus; the emulator counts words (about one in 5.5 bytes): ~6,000 tokens on the pods,
-#: 0.6 s of prefill on the A100 profile, so the 16-pod pool saturates at a rate this machine can send
-INPUT = Lengths(mean=33_000, std_dev=8_000, min=8_000, max=60_000)
+#: inference-perf's Shakespeare corpus; the emulator counts words (about one in 5.3 bytes): ~380 tokens on the pods.
+#: Kept short because inference-perf makes every prompt with that tokenizer, ~24 us of its CPU a byte
+#: (docs/inference-perf.md, "The lengths")
+INPUT = Lengths(mean=2_000, std_dev=500, min=500, max=4_000)
 #: output lengths: ``max_tokens``, which the emulator produces exactly (``ignore_eos``), so in the pods' tokens
-OUTPUT = Lengths(mean=128, std_dev=32, min=32, max=256)
+OUTPUT = Lengths(mean=256, std_dev=64, min=64, max=512)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class SweepOptions:
     """The load inference-perf sends."""
 
     #: requests/s of each Poisson stage
-    rates: tuple[float, ...] = (8.0, 16.0, 24.0, 32.0)
+    rates: tuple[float, ...] = (4.0, 8.0, 16.0, 24.0)
     stage_seconds: int = 60
     #: seconds between stages (inference-perf's ``load.interval``)
     interval_s: float = 5.0
@@ -312,7 +313,7 @@ def _rates(text: str) -> tuple[float, ...]:
     except ValueError:
         rates = ()
     if not rates or min(rates) <= 0:
-        raise argparse.ArgumentTypeError("comma-separated positive requests/s, e.g. 8,16,24,32")
+        raise argparse.ArgumentTypeError("comma-separated positive requests/s, e.g. 4,8,16,24")
     return rates
 
 
@@ -335,7 +336,7 @@ def parser() -> argparse.ArgumentParser:
                    help="adapters applied and named in the lora_traffic_split")
     p.add_argument("--zipf", type=float, default=defaults.zipf_s, help="the split's Zipf exponent")
     p.add_argument("--input-mean", type=float, default=defaults.input.mean,
-                   help="mean prompt length in client (byte) tokens; the pods see about one word in 5.5 bytes")
+                   help="mean prompt length in client (byte) tokens; the pods see about one word in 5.3 bytes")
     p.add_argument("--output-mean", type=float, default=defaults.output.mean,
                    help="mean max_tokens (the emulated pods' tokens, produced exactly)")
     p.add_argument("--seed", type=int, default=defaults.seed, help="inference-perf's base_seed")
