@@ -373,6 +373,9 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
         "control_plane": {
             "picker_decision": histogram_quantiles(before.picker, after.picker,
                                                    "loraplane_picker_decision_duration_seconds"),
+            # how old the chosen pod's residency report was when the picker decided (loraplane's policy only)
+            "report_age_at_decision": histogram_quantiles(before.picker, after.picker,
+                                                          "loraplane_picker_report_age_seconds"),
             "controller_reconcile": histogram_quantiles(before.controller, after.controller,
                                                         "loraplane_controller_reconcile_seconds"),
         },
