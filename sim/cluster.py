@@ -1,26 +1,30 @@
 """The discrete-event simulator of one InferencePool.
 
-Each pod runs vLLM-style continuous batching: at every step boundary it admits waiting requests in the order of
-vLLM's request queue -- the order they reached the pod (``fcfs``), or ``(priority, that order)`` for pods run with
-``--scheduling-policy priority`` -- skipping one whose adapter cannot get a GPU slot, as vLLM's scheduler does;
-it loads admitted requests' adapters *inside* that step (a load stalls the whole batch, as in vLLM), runs the prefill
-of new requests and one decode token for every running one. A running request is never preempted: its KV is
-reserved at admission, so the KV shortage that makes vLLM preempt (under ``priority``, its lowest-priority running
-request) never arises here. A request's first token comes at the end of the step that admitted it, so
+Each pod runs vLLM v1's continuous batching as the emulator (``loraplane.emulator.engine``, held to real vLLM)
+reproduces it, and ``tests/emulator/test_against_simulator.py`` holds the two equal request by request: at every
+step the running requests, in admission order, take their tokens of the step's budget (a decode one, a chunked
+prefill its next chunk) and the KV blocks those tokens start -- a request finding none free preempts the most
+recently admitted running request (under ``--scheduling-policy priority`` the lowest-priority one), which goes back
+to the front of the waiting queue and is prefilled again -- then waiting requests are admitted in vLLM's queue order
+(the order they reached the pod, or ``(priority, that order)``), the whole queue scanned, skipping one whose adapter
+cannot get a GPU slot, while their prompt's blocks are free. Admitted requests' adapters load *inside* the step (a
+load stalls the whole batch, as in vLLM). A request's first token comes at the end of the step that prefilled the
+last of its prompt, so
 
     TTFT = queue wait + load stall (by tier) + prefill + decode of the co-scheduled batch + step overhead,
 
 where prefill covers the prompt tokens the pod's prefix cache does not hold (traces with prefix structure only:
 ``loraplane.sim.prefix``).
 
-Between two events that change a pod's batch (an arrival it could admit, a request finishing, a download finishing)
-every step costs the same, so the simulator jumps over the steps in between in one event: the work is O(events),
-not O(tokens). Adapters absent from a pod are downloaded to its disk asynchronously (the request waits; the batch
-does not).
+Between two events that change a pod's batch (an arrival it could admit, a request finishing, a download finishing,
+a step whose new KV blocks are not all free) every step costs the same, so the simulator jumps over the steps in
+between in one event: the work is O(events), not O(tokens). Adapters absent from a pod are downloaded to its disk
+asynchronously (the request waits; the batch does not).
 
 Tiers per pod, with vLLM's meanings: ``gpu`` (``max_loras`` slots), ``cpu`` (the registered cache of
-``max_cpu_loras`` adapters, a superset of ``gpu``), ``disk`` (unbounded), absent. An adapter with running requests
-is never evicted; pinned ones neither.
+``max_cpu_loras`` adapters, a superset of ``gpu``), ``disk`` (unbounded), absent; both caches rank adapters by the
+last step that ran them, as vLLM's worker touches the batch's adapters at every step. An adapter with running
+requests is never evicted; pinned ones neither.
 """
 
 from __future__ import annotations
@@ -28,16 +32,15 @@ from __future__ import annotations
 import heapq
 import math
 from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Protocol
 
 from loraplane.api import Tier
 from loraplane.controller.placement import PlacementConfig
-from loraplane.sim.prefix import PodPrefixCaches
+from loraplane.sim.prefix import BLOCK_TOKENS, PodPrefixCaches
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
 
@@ -50,8 +53,6 @@ _TIER_OF_CODE = (Tier.GPU, Tier.CPU, Tier.DISK, Tier.ABSENT)
 THRASH_WINDOW_S = 60.0
 #: idle pods with blocked waiting requests re-check this often (e.g. a minimum residency time ran out)
 RETRY_S = 0.05
-#: how many waiting requests a step boundary looks at (bounds the cost of a long queue)
-SCAN_LIMIT = 128
 
 _STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE, _GATE_RETRY = 0, 1, 2, 3, 4, 5
 #: while the admission gate holds requests it is also asked to dispatch this often (besides on every finish), so
@@ -177,7 +178,27 @@ class Pod:
         self.prefilling: list[list[int]] = []
         #: adapter -> its waiting requests, in queue order (``waiting`` is in queue order too: ``Simulator._enqueue``)
         self.waiting_adapters: dict[int, deque[int]] = {}
-        self.kv_reserved = 0
+        #: KV blocks the pod's requests hold (``BLOCK_TOKENS`` tokens each) and how many it has
+        self.kv_blocks = 0
+        self.kv_capacity_blocks = 0
+        #: per step residue ``r``: running (decoding) requests that take a new KV block at every step ``t`` with
+        #: ``(t - 1) % BLOCK_TOKENS == r`` (the step whose token starts a block)
+        self.block_phase = [0] * BLOCK_TOKENS
+        #: vLLM's free-block queue as positions: blocks ``[queue_head, queue_tail)`` are free, the head is handed out
+        #: first, freed blocks join at the tail; ``queue_taken``: ranges inside it taken back by a prefix hit
+        self.queue_head = 0
+        self.queue_tail = 0
+        self.queue_taken: list[tuple[int, int]] = []
+        #: adapter -> its place in vLLM's LoRA LRU order (higher: used more recently): the worker touches every
+        #: adapter of the batch at every step, in batch order, and a load puts an adapter last
+        self.recency: dict[int, int] = {}
+        self.recency_clock = 0
+        #: adapters whose last request left the batch at the last boundary, the requests that left it then
+        #: (finished or preempted: their admission order is their adapters' order in the last step's batch), and
+        #: when that last step began
+        self.departing: list[int] = []
+        self.left_batch: list[int] = []
+        self.departed_at = 0.0
         self.eviction_times: deque[float] = deque()
         self.evicted_at: dict[int, float] = {}
         #: adapters a placement asked to bring to the GPU at the next step (no request needs them yet)
@@ -194,6 +215,19 @@ class Pod:
         self.run_admitted = 0
         self.event_time = math.inf
         self.version = 0
+
+    @property
+    def kv_reserved(self) -> int:
+        """KV tokens the pod's requests hold, in whole blocks (``vllm:kv_cache_usage_perc`` x capacity)."""
+        return self.kv_blocks * BLOCK_TOKENS
+
+    def touch(self, adapter: int, now: float | None = None) -> None:
+        """``adapter`` is now the most recently used here (vLLM's LRU caches); ``now``: a step that ran it began
+        then (``last_use``)."""
+        self.recency_clock += 1
+        self.recency[adapter] = self.recency_clock
+        if now is not None:
+            self.last_use[adapter] = now
 
     @property
     def queue_depth(self) -> int:
@@ -228,9 +262,15 @@ class Pod:
         return len(times)
 
     def evictable(self, tier_set: set[int], keep: int) -> list[int]:
-        """Adapters of ``tier_set`` that may leave it: not running, not pinned, not ``keep``."""
+        """Adapters of ``tier_set`` that may leave it: not running, not pinned, not ``keep``; least recently used
+        first (by ``last_use``, else since they came, then by vLLM's LRU order: a policy's first of equals is
+        vLLM's choice)."""
         running, pinned = self.running_adapters, self.pinned
-        return [a for a in tier_set if a not in running and a not in pinned and a != keep]
+        last, since, rank = self.last_use.get, self.loaded_at.get, self.recency.get
+        found = [a for a in tier_set if a not in running and a not in pinned and a != keep]
+        if len(found) > 1:
+            found.sort(key=lambda a: (last(a, since(a, 0.0)), rank(a, 0)))
+        return found
 
 
 @dataclass
@@ -277,6 +317,8 @@ class SimResult:
     load_times: list[float] = field(default_factory=list)
     gpu_evictions: int = 0
     thrash_reloads: int = 0
+    #: running requests preempted for KV blocks (recomputed later, as vLLM does)
+    preemptions: int = 0
     slot_busy_s: float = 0.0
     sim_seconds: float = 0.0
     events: int = 0
@@ -358,8 +400,24 @@ class Simulator:
             [p.load_ms(tier, a.nbytes) / 1e3 for tier in (Tier.GPU, Tier.CPU, Tier.DISK)] for a in trace.adapters
         ]
         self._download_s = [p.download_ms(a.nbytes) / 1e3 for a in trace.adapters]
-        #: the largest KV reservation of any request (a bound for skipping a scan's checks)
-        self._max_kv = max(map(sum, zip(trace.input_tokens, trace.output_tokens, strict=True)), default=0)
+        #: per request: when its pod last admitted it (a count over all pods: its place in vLLM's running list),
+        #: its computed tokens less its pod's step count while it decodes, the output tokens it had when last
+        #: admitted (a preempted request is prefilled again with them) and, once preempted, the free-queue position
+        #: just past its first block and how many of its blocks were full (vLLM finds those again until reused)
+        self._admitted_at = array("q", bytes(8 * n))
+        self._offset = array("q", bytes(8 * n))
+        self._output_done = array("i", bytes(4 * n))
+        self._freed_end = array("q", [-1]) * n
+        self._freed_full = array("i", bytes(4 * n))
+        self._admissions = 0
+        #: per request, the blocks it holds when it finishes (its prompt and every output token but the last)
+        self._final_blocks = array("i", [-(-(i + o - 1) // BLOCK_TOKENS) for i, o in
+                                         zip(trace.input_tokens, trace.output_tokens, strict=True)])
+        #: fcfs: a preempted request goes back to the front of its pod's queue (a key below every one handed out)
+        self._front_key = 0
+        blocks = p.kv_capacity_tokens // BLOCK_TOKENS
+        for pod in self.pods:
+            pod.kv_capacity_blocks = pod.queue_tail = blocks
 
     # -- events ---------------------------------------------------------------------------------------------
     def _push(self, when: float, kind: int, pod: int, arg: int) -> None:
@@ -523,21 +581,41 @@ class Simulator:
         """End of a run of steps: account it, retire finished requests, start the next step."""
         res = self.result
         res.slot_busy_s += pod.run_distinct * (now - pod.run_t0)
-        pod.steps += pod.run_steps
-        running, out_tokens, in_tokens = pod.running, self.trace.output_tokens, self.trace.input_tokens
-        adapters = self.trace.adapter
-        finished = bool(running) and running[0][0] <= pod.steps
-        while running and running[0][0] <= pod.steps:
-            _, rid = heapq.heappop(running)
-            a = adapters[rid]
-            left = pod.running_adapters[a] - 1
-            if left:
-                pod.running_adapters[a] = left
-            else:
-                del pod.running_adapters[a]
-            pod.kv_reserved -= in_tokens[rid] + out_tokens[rid]
-            if self.prefix is not None:
-                self.prefix.finished(pod.index, rid, pod.kv_reserved)
+        steps = pod.run_steps
+        if steps > 1:  # the decodes of the run's later steps took their new blocks
+            grown = _blocks_taken(pod.block_phase, pod.steps + 1, steps - 1)
+            if grown:
+                pod.kv_blocks += grown
+                _take(pod, grown)
+        pod.steps += steps
+        #: the last step of the run (vLLM's worker touched its adapters then)
+        pod.departed_at = now - pod.run_step_s if steps > 1 else pod.run_t0
+        running, adapters = pod.running, self.trace.adapter
+        step_now = pod.steps
+        finished = bool(running) and running[0][0] <= step_now
+        left_batch = pod.left_batch
+        left_batch.clear()
+        if finished:
+            phase, offset, final_blocks = pod.block_phase, self._offset, self._final_blocks
+            running_adapters, departing, prefix = pod.running_adapters, pod.departing, self.prefix
+            freed = 0
+            while running and running[0][0] <= step_now:
+                rid = heapq.heappop(running)[1]
+                left_batch.append(rid)
+                a = adapters[rid]
+                left = running_adapters[a] - 1
+                if left:
+                    running_adapters[a] = left
+                else:
+                    del running_adapters[a]
+                    departing.append(a)
+                blocks = final_blocks[rid]
+                freed += blocks
+                phase[-offset[rid] % BLOCK_TOKENS] -= 1
+                if prefix is not None:
+                    prefix.finished(pod.index, rid, (pod.kv_blocks - freed) * BLOCK_TOKENS)
+            pod.kv_blocks -= freed
+            pod.queue_tail += freed
         pod.busy = False
         pod.event_time = math.inf
         self._begin(pod, now)
@@ -547,17 +625,16 @@ class Simulator:
             self._arm_gate()
 
     def _begin(self, pod: Pod, now: float) -> None:
-        """Admit what fits, then schedule the end of the run of steps that follows."""
-        stall, prefill_tokens, first_tokens, budget_hit = self._admit(pod, now)
+        """Schedule a step (vLLM's ``Scheduler.schedule``), then the end of the run of identical steps that follows:
+        until the next finish, or the last step before one whose new KV blocks are not all free."""
+        stall, prefill_tokens, first_tokens, single, batch, distinct = self._admit(pod, now)
         running = pod.running
-        if not running and not pod.prefilling:
+        if not batch:
             pod.busy = False
-            if pod.waiting and any(a not in pod.downloading for a in pod.waiting_adapters):
+            if (pod.waiting and any(a not in pod.downloading for a in pod.waiting_adapters)) or running:
                 pod.version += 1
                 self._push(now + RETRY_S, _RETRY, pod.index, pod.version)
             return
-        distinct = len(pod.running_adapters)
-        batch = pod.num_running
         lora = self._lora_base + self._lora_per * distinct if distinct else 0.0
         step = self._overhead + self._decode_base + self._per_seq * batch + lora
         first = step + stall + self._prefill * prefill_tokens
@@ -571,81 +648,114 @@ class Simulator:
         pod.run_admitted = len(first_tokens)
         pod.run_step_s = step
         pod.run_distinct = distinct
-        if budget_hit or pod.prefilling:
+        if single or pod.prefilling:
             self._schedule(pod, first_end, 1)
-        else:
-            k = running[0][0] - pod.steps  # steps until the next finish (>= 1)
-            self._schedule(pod, first_end + (k - 1) * step, k)
+            return
+        k = running[0][0] - pod.steps  # steps until the next finish (>= 1)
+        n = len(running)
+        # a request alone may use every block (vLLM would preempt it for good); each takes one block per cycle
+        if k > 1 and n > 1 and (k + BLOCK_TOKENS - 2) // BLOCK_TOKENS * n > pod.kv_capacity_blocks - pod.kv_blocks:
+            k = min(k, _steps_with_blocks(pod))
+        self._schedule(pod, first_end + (k - 1) * step, k)
 
-    def _admit(self, pod: Pod, now: float) -> tuple[float, int, list[int], bool]:
-        """vLLM's scheduler with LoRA and chunked prefill: the chunked prefills under way take their next chunks of
-        the step's token budget first (in admission order), then waiting requests are admitted in queue order,
-        skipping those whose adapter cannot get a slot this step, each prefilling as much of its prompt as the
-        budget left allows (at most ``long_prefill_token_threshold`` tokens per step, when set and more than one
-        request is eligible). Returns the load stall, the tokens prefilled, the requests whose prefill ends in this
-        step (their first token comes at its end) and whether the budget ran out with requests still waiting.
+    def _admit(self, pod: Pod, now: float) -> tuple[float, int, list[int], bool, int, int]:
+        """One step of vLLM's scheduler with LoRA and chunked prefill (``vllm.v1.core.sched.scheduler``; the
+        emulator's ``Engine._schedule``, which real vLLM is held to). The running requests, in the order they were
+        admitted, take their tokens of the step's budget first -- one for each decode, the next chunk of each
+        prefill under way (at most ``long_prefill_token_threshold`` when set and more than one request is
+        eligible) -- and the KV blocks those tokens start; a request that finds no free block preempts the most
+        recently admitted running request (``priority``: the lowest priority, then the latest), which goes back to
+        the front of the waiting queue and is prefilled again later. Then, unless something was preempted, waiting
+        requests are admitted in queue order, skipping those whose adapter cannot get a slot this step, until
+        ``max_num_seqs`` run, the budget is spent or a prompt's blocks do not all fit the free ones; each prefills
+        as much of its prompt as the budget left allows. A waiting request of an adapter not in a GPU slot loads it
+        inside the step.
 
-        The scan looks at up to ``SCAN_LIMIT`` waiting requests in order. Runs of requests that would be skipped
-        (``_next_admissible``) are passed over in one move, after checking that none of them ends the scan on the
-        free KV capacity, as looking at each in turn would."""
+        Returns the load stall, the tokens prefilled, the requests whose first token ends this step, whether the
+        next step may differ (the budget ran out with requests waiting, a running request got nothing, or one was
+        preempted), the requests scheduled and their distinct adapters.
+
+        The waiting queue is scanned whole, as vLLM does; runs of requests it would skip (``_next_admissible``) are
+        passed over in one move."""
         prof = self.profile
-        tr = self.trace
-        adapters, in_tokens, out_tokens = tr.adapter, tr.input_tokens, tr.output_tokens
-        res = self.result
-        tiers, admitted_log = res.tier, res.admitted
-        waiting, running = pod.waiting, pod.running
-        running_adapters, waiting_adapters = pod.running_adapters, pod.waiting_adapters
-        gpu, downloading, max_loras = pod.gpu, pod.downloading, pod.max_loras
-        stall = 0.0
-        for a in pod.prefetch_queue:
-            stall += self._load(pod, a, now, demand=False)
-        pod.prefetch_queue.clear()
+        waiting, running, prefilling = pod.waiting, pod.running, pod.prefilling
         budget = prof.max_batched_tokens
-        kv_free = prof.kv_capacity_tokens - pod.kv_reserved
-        max_seqs = prof.max_num_seqs
-        prefilling = pod.prefilling
         # vLLM applies the threshold only when more than one request is eligible (running or waiting)
         threshold = prof.long_prefill_token_threshold if len(running) + len(prefilling) + len(waiting) > 1 else 0
         first_tokens: list[int] = []
         prefill_tokens = 0
-        for entry in prefilling:
-            if budget <= 0:
-                break
-            chunk = min(entry[1], budget, threshold or budget)
-            budget -= chunk
-            prefill_tokens += chunk
-            entry[1] -= chunk
-            if not entry[1]:
-                heapq.heappush(running, (pod.steps + out_tokens[entry[0]], entry[0]))
-                first_tokens.append(entry[0])
-        if first_tokens:
-            prefilling[:] = [entry for entry in prefilling if entry[1]]
-        admitted = False
+        # the running requests' tokens and new blocks, if they all fit
+        demand = batch = len(running)
+        grow = pod.block_phase[pod.steps % BLOCK_TOKENS] if running else 0
+        if prefilling:
+            in_tokens, done = self.trace.input_tokens, self._output_done
+            for rid, left in prefilling:
+                chunk = min(left, threshold or left)
+                computed = in_tokens[rid] + done[rid] - left
+                demand += chunk
+                grow += -(-(computed + chunk) // BLOCK_TOKENS) - -(-computed // BLOCK_TOKENS)
+            batch += len(prefilling)
+        preempted = single = False
+        distinct = -1
+        if demand <= budget and (grow <= pod.kv_capacity_blocks - pod.kv_blocks or batch == 1):
+            budget -= demand
+            if grow:
+                pod.kv_blocks += grow
+                if pod.queue_taken:
+                    _take(pod, grow)
+                else:
+                    pod.queue_head += grow
+            if prefilling:
+                for entry in prefilling:
+                    chunk = min(entry[1], threshold or entry[1])
+                    prefill_tokens += chunk
+                    entry[1] -= chunk
+                    if not entry[1]:
+                        self._decoding(pod, entry[0], first_tokens)
+                prefilling[:] = [entry for entry in prefilling if entry[1]]
+        elif batch:
+            budget, batch, prefill_tokens, distinct, preempted, every = self._scarce(pod, budget, threshold,
+                                                                                     first_tokens)
+            single = preempted or not every
+        running_adapters = pod.running_adapters
+        if distinct < 0:
+            distinct = len(running_adapters)
+        if pod.departing:
+            self._departed(pod)
+        stall = 0.0
+        if pod.prefetch_queue:
+            for a in pod.prefetch_queue:
+                stall += max(0.0, self._load(pod, a, now, demand=False))
+            pod.prefetch_queue.clear()
+        if preempted or budget <= 0 or not waiting:
+            return stall, prefill_tokens, first_tokens, single or bool(waiting), batch, distinct
+        tr, res = self.trace, self.result
+        adapters, in_tokens, done, waiting_adapters = tr.adapter, tr.input_tokens, self._output_done, pod.waiting_adapters
         prefix = self.prefix
+        tiers, admitted_log = res.tier, res.admitted
+        gpu, downloading, max_loras, pinned = pod.gpu, pod.downloading, pod.max_loras, pod.pinned
+        max_seqs = prof.max_num_seqs
+        freed_end, freed_full, order = self._freed_end, self._freed_full, self._queue_key
+        out_tokens, offsets, phase, stamps = tr.output_tokens, self._offset, pod.block_phase, self._admitted_at
+        step_next = pod.steps + 1
+        free = pod.kv_capacity_blocks - pod.kv_blocks
+        admitted = False
         pos = 0  # waiting[:pos] were looked at in this step and skipped
-        left = SCAN_LIMIT  # how many more the scan may look at
-        while budget > 0 and pos < len(waiting) and left and len(running) + len(prefilling) < max_seqs:
-            stop = min(len(waiting), pos + left)
-            jump = _next_admissible(pod, pos, stop, self._queue_key)
-            if jump > pos:
-                if self._scan_ends_on_kv(pod, pos, jump, kv_free, admitted or bool(running) or bool(prefilling)):
-                    break
-                left -= jump - pos
-                pos = jump
-                continue
-            rid = waiting[pos]
-            n_in = in_tokens[rid]
-            need_kv = n_in + out_tokens[rid]
-            cached = prefix.match(pod.index, rid) if prefix is not None else 0
-            n_new = n_in - cached  # tokens to prefill
-            if need_kv > kv_free and (admitted or running or prefilling):
-                break
-            left -= 1
-            a = adapters[rid]
-            if a not in gpu:
-                if (a not in running_adapters and len(running_adapters) >= max_loras) or a in downloading:
-                    pos += 1
+        while budget > 0 and pos < len(waiting) and len(running) + len(prefilling) < max_seqs:
+            if downloading or len(running_adapters) + len(pinned) >= min(max_loras, len(gpu)):
+                jump = _next_admissible(pod, pos, len(waiting), order)  # a run of requests may be skipped
+                if jump > pos:
+                    pos = jump
                     continue
+            rid = waiting[pos]
+            a = adapters[rid]
+            if a not in gpu and ((a not in running_adapters and len(running_adapters) >= max_loras) or a in downloading):
+                pos += 1
+                continue
+            total = in_tokens[rid] + done[rid]  # a preempted request computes its output so far again
+            if -(-total // BLOCK_TOKENS) > free and (admitted or running or prefilling):
+                break  # the whole prompt's blocks must be free (a lone request is let in)
+            if a not in gpu:
                 tier = L1 if a in pod.cpu else L2
                 cost = self._load(pod, a, now, demand=True)
                 if cost < 0:
@@ -660,62 +770,230 @@ class Simulator:
             queued.popleft()  # its oldest: an adapter's earlier requests were admitted or it would be skipped too
             if not queued:
                 del waiting_adapters[a]
+            fresh = freed_end[rid] < 0
+            own = 0  # blocks of its own found again (a preempted request: those not handed out since)
+            if fresh:
+                cached = prefix.match(pod.index, rid) if prefix is not None else 0
+            else:
+                end = freed_end[rid]
+                own = max(0, min(freed_full[rid], (total - 1) // BLOCK_TOKENS, end - pod.queue_head))
+                if own:
+                    insort(pod.queue_taken, (end - own, end))
+                cached = own * BLOCK_TOKENS
+            n_new = total - cached  # tokens to prefill
             chunk = min(n_new, budget, threshold or budget)
             budget -= chunk
-            kv_free -= need_kv
-            pod.kv_reserved += need_kv
             prefill_tokens += chunk
-            if prefix is not None:
-                res.cached_tokens[rid] = cached
-                prefix.admitted(pod.index, rid, pod.kv_reserved)
+            blocks = -(-(cached + chunk) // BLOCK_TOKENS)
+            pod.kv_blocks += blocks
+            free -= blocks
+            if pod.queue_taken:
+                _take(pod, blocks - own)
+            else:
+                pod.queue_head += blocks - own
+            self._admissions += 1
+            stamps[rid] = self._admissions
+            if fresh:
+                if prefix is not None:
+                    res.cached_tokens[rid] = cached
+                    prefix.admitted(pod.index, rid, pod.kv_reserved)
+                admitted_log.append(rid)
+                pod.uses[a] = pod.uses.get(a, 0) + 1
             admitted = True
-            admitted_log.append(rid)
+            batch += 1
             running_adapters[a] = running_adapters.get(a, 0) + 1
-            pod.last_use[a] = now
-            pod.uses[a] = pod.uses.get(a, 0) + 1
             if chunk < n_new:
                 prefilling.append([rid, n_new - chunk])
-            else:
-                heapq.heappush(running, (pod.steps + out_tokens[rid], rid))
+                continue
+            # decoding from the next step (``_decoding``)
+            if fresh:
+                offset = total - step_next
+                heapq.heappush(running, (step_next - 1 + out_tokens[rid], rid))
                 first_tokens.append(rid)
-        return stall, prefill_tokens, first_tokens, budget <= 0 and pos < len(waiting)
+            else:
+                offset = total - step_next
+                heapq.heappush(running, (step_next - 1 + out_tokens[rid] - done[rid], rid))
+                if not done[rid]:
+                    first_tokens.append(rid)
+            offsets[rid] = offset
+            phase[-offset % BLOCK_TOKENS] += 1
+        if admitted:
+            distinct = len(running_adapters)
+        return stall, prefill_tokens, first_tokens, single or (budget <= 0 and pos < len(waiting)), batch, distinct
 
-    def _scan_ends_on_kv(self, pod: Pod, start: int, stop: int, kv_free: int, kv_binds: bool) -> bool:
-        """Whether one of ``pod.waiting[start:stop]``, looked at in order, ends the scan on the free KV capacity
-        (only when ``kv_binds``: something runs or was admitted)."""
-        if not kv_binds or self._max_kv <= kv_free:
-            return False
-        in_tokens, out_tokens = self.trace.input_tokens, self.trace.output_tokens
-        return any(in_tokens[rid] + out_tokens[rid] > kv_free for rid in islice(pod.waiting, start, stop))
+    def _departed(self, pod: Pod) -> None:
+        """Adapters whose last request left the batch at this boundary: the last step ran them, so they are the most
+        recently used now, in that step's batch order (the running list's: by admission)."""
+        departing = pod.departing
+        if len(departing) > 1:
+            adapters, stamp = self.trace.adapter, self._admitted_at
+            first: dict[int, int] = {}
+            for rid in pod.left_batch:
+                a = adapters[rid]
+                if a not in first or stamp[rid] < first[a]:
+                    first[a] = stamp[rid]
+            departing.sort(key=first.__getitem__)
+        for a in departing:
+            pod.touch(a, pod.departed_at)
+        departing.clear()
+
+    def _decoding(self, pod: Pod, rid: int, first_tokens: list[int]) -> None:
+        """``rid``'s prefill ends in the step now scheduled: it decodes from the next step until its last token."""
+        done = self._output_done[rid]
+        offset = self.trace.input_tokens[rid] + done - pod.steps - 1  # computed tokens less the step count
+        self._offset[rid] = offset
+        pod.block_phase[-offset % BLOCK_TOKENS] += 1
+        heapq.heappush(pod.running, (pod.steps + self.trace.output_tokens[rid] - done, rid))
+        if not done:
+            first_tokens.append(rid)
+
+    def _scarce(self, pod: Pod, budget: int, threshold: int,
+                first_tokens: list[int]) -> tuple[int, int, int, int, bool, bool]:
+        """The running requests' pass when their tokens exceed the step's budget or their new blocks the free ones,
+        request by request in admission order as vLLM's scheduler goes (requests the budget does not reach get
+        nothing this step; a decode that gets nothing makes no token). Returns the budget left, the requests
+        scheduled, their prefill tokens and distinct adapters, whether one was preempted and whether every running
+        request got its tokens."""
+        in_tokens, adapters = self.trace.input_tokens, self.trace.adapter
+        done, offset, stamp = self._output_done, self._offset, self._admitted_at
+        steps = pod.steps
+        chunked = {entry[0]: entry for entry in pod.prefilling}
+        order = sorted([rid for _, rid in pod.running] + list(chunked), key=stamp.__getitem__)
+        free = pod.kv_capacity_blocks - pod.kv_blocks
+        scheduled: dict[int, int] = {}
+        grown: dict[int, int] = {}
+        preempted: set[int] = set()
+        key = self._queue_key
+        index = 0
+        stopped = False
+        while index < len(order) and budget > 0:
+            rid = order[index]
+            entry = chunked.get(rid)
+            if entry is None:
+                computed, n = offset[rid] + steps, 1
+            else:
+                computed = in_tokens[rid] + done[rid] - entry[1]
+                n = min(entry[1], threshold or entry[1], budget)
+            need = -(-(computed + n) // BLOCK_TOKENS) - -(-computed // BLOCK_TOKENS)
+            while need > free and len(order) > 1:
+                victim = max(order, key=key.__getitem__) if self.priority is not None else order[-1]
+                where = order.index(victim)
+                del order[where]
+                if where < index:
+                    index -= 1
+                n_victim = scheduled.pop(victim, 0)
+                budget += n_victim
+                free += self._preempt(pod, victim, chunked.pop(victim, None), n_victim, grown.pop(victim, 0))
+                preempted.add(victim)
+                if victim == rid:
+                    stopped = True
+                    break
+            if stopped:
+                break
+            free -= need
+            if need:
+                pod.kv_blocks += need
+                _take(pod, need)
+                grown[rid] = need
+            scheduled[rid] = n
+            budget -= n
+            index += 1
+        # decodes the budget did not reach make no token this step: their finish and next blocks come a step later
+        phase = pod.block_phase
+        if preempted or len(scheduled) < len(order):
+            kept = []
+            for finish, rid in pod.running:
+                if rid in preempted:
+                    continue
+                if rid not in scheduled:
+                    phase[-offset[rid] % BLOCK_TOKENS] -= 1
+                    offset[rid] -= 1
+                    phase[-offset[rid] % BLOCK_TOKENS] += 1
+                    finish += 1
+                kept.append((finish, rid))
+            heapq.heapify(kept)
+            pod.running[:] = kept
+        prefill_tokens = 0
+        for rid, entry in chunked.items():
+            n = scheduled.get(rid, 0)
+            prefill_tokens += n
+            entry[1] -= n
+            if not entry[1]:
+                self._decoding(pod, rid, first_tokens)
+        pod.prefilling[:] = [entry for entry in pod.prefilling if entry[1]]
+        distinct = len({adapters[rid] for rid in scheduled})
+        return budget, len(scheduled), prefill_tokens, distinct, bool(preempted), not preempted and index == len(order)
+
+    def _preempt(self, pod: Pod, rid: int, entry: list[int] | None, scheduled: int, grown: int) -> int:
+        """Recompute preemption of running request ``rid`` (``entry``: its chunked prefill, if under way): its
+        blocks go back to the free queue, tail first, and it waits at the front of the queue (``priority``: at its
+        place) to be prefilled again with the output it has. Returns the blocks freed."""
+        in_tokens, a = self.trace.input_tokens[rid], self.trace.adapter[rid]
+        if entry is None:
+            computed = self._offset[rid] + pod.steps
+            pod.block_phase[-self._offset[rid] % BLOCK_TOKENS] -= 1
+            tokens = computed + 1
+            self._output_done[rid] = tokens - in_tokens
+        else:
+            tokens = in_tokens + self._output_done[rid]
+            computed = tokens - entry[1]
+            pod.prefilling.remove(entry)
+        blocks = -(-computed // BLOCK_TOKENS) + grown
+        pod.kv_blocks -= blocks
+        pod.queue_tail += blocks
+        self._freed_end[rid] = pod.queue_tail
+        self._freed_full[rid] = min(computed + scheduled, tokens) // BLOCK_TOKENS  # full blocks it had hashed
+        left = pod.running_adapters[a] - 1
+        if left:
+            pod.running_adapters[a] = left
+        else:
+            del pod.running_adapters[a]
+            pod.departing.append(a)
+        pod.left_batch.append(rid)
+        order = self._queue_key
+        if self.priority is None:
+            self._front_key -= 1
+            order[rid] = self._front_key
+        _insert(pod.waiting, rid, order[rid], order)
+        queued = pod.waiting_adapters.get(a)
+        if queued is None:
+            pod.waiting_adapters[a] = deque((rid,))
+        else:
+            _insert(queued, rid, order[rid], order)
+        self.result.preemptions += 1
+        return blocks
 
     def _load(self, pod: Pod, a: int, now: float, demand: bool) -> float:
-        """Bring ``a`` into a GPU slot of ``pod``, evicting if needed. Returns the stall in seconds, or -1 when the
-        eviction policy refuses (nothing changes then)."""
+        """Bring ``a`` into a GPU slot of ``pod`` as vLLM's worker does: a read from disk first makes room in the
+        host cache (its victim leaves its GPU slot too), then the activation takes a free slot or evicts. Returns
+        the stall in seconds, or -1 when the eviction policy refuses (nothing changes then)."""
         if a in pod.gpu:
             return 0.0
         from_cpu = a in pod.cpu
         if not from_cpu and a not in pod.disk:
             return -1.0
         gpu_victim = cpu_victim = -1
-        if len(pod.gpu) >= pod.max_loras:
-            v = self.eviction.victim(now, pod, Tier.GPU, pod.evictable(pod.gpu, a), a)
-            if v is None:
-                return -1.0
-            gpu_victim = v
         if not from_cpu and len(pod.cpu) >= pod.max_cpu_loras:
             v = self.eviction.victim(now, pod, Tier.CPU, pod.evictable(pod.cpu, a), a)
             if v is None:
                 return -1.0
             cpu_victim = v
+        if len(pod.gpu) - (cpu_victim in pod.gpu) >= pod.max_loras:
+            candidates = [c for c in pod.evictable(pod.gpu, a) if c != cpu_victim]
+            v = self.eviction.victim(now, pod, Tier.GPU, candidates, a)
+            if v is None:
+                return -1.0
+            gpu_victim = v
         res = self.result
         if cpu_victim >= 0:
             pod.cpu.discard(cpu_victim)
-            if cpu_victim in pod.gpu and cpu_victim != gpu_victim:
+            if cpu_victim in pod.gpu:
                 self._evict_gpu(pod, cpu_victim, now)
         if gpu_victim >= 0:
             self._evict_gpu(pod, gpu_victim, now)
         pod.cpu.add(a)
         pod.gpu.add(a)
+        pod.touch(a)
         pod.loaded_at[a] = now
         pod.residency_version += 1
         res.gpu_loads += 1
@@ -784,6 +1062,7 @@ class Simulator:
                 return
             pod.cpu.discard(victim)
         pod.cpu.add(adapter)
+        pod.touch(adapter)
         pod.loaded_at.setdefault(adapter, self.now)
         pod.residency_version += 1
 
@@ -808,13 +1087,81 @@ def _insert(queue: deque[int], rid: int, key: int, order: array) -> None:
 
 def _next_admissible(pod: Pod, start: int, stop: int, order: array) -> int:
     """The position of the first of ``pod.waiting[start:stop]`` that the scan could admit (``stop`` if none); those
-    before it would all be skipped. When the batch runs ``max_loras`` adapters (then they fill every GPU slot) only
-    their requests can join; otherwise only requests of adapters still downloading are sure to be skipped."""
+    before it would all be skipped. When no GPU slot can be had -- the batch runs ``max_loras`` adapters, or every
+    slot holds a running or pinned adapter -- only the requests of adapters in a slot can join; otherwise requests
+    of adapters still downloading are skipped (found by counting them: the waiting keys are sorted)."""
     waiting = pod.waiting_adapters
-    if len(pod.running_adapters) >= pod.max_loras:
-        heads = [order[queued[0]] for a in pod.gpu if (queued := waiting.get(a))]
+    running, gpu = pod.running_adapters, pod.gpu
+    if len(running) >= pod.max_loras or (
+        len(gpu) >= pod.max_loras
+        and len(running) + len(pod.pinned) >= len(gpu)
+        and all(a in running or a in pod.pinned for a in gpu)
+    ):
+        heads = [order[queued[0]] for a in gpu if (queued := waiting.get(a))]
         return bisect_left(pod.waiting, min(heads), start, stop, key=order.__getitem__) if heads else stop
-    downloading = pod.downloading
-    if len(waiting) <= len(downloading) and all(a in downloading for a in waiting):
-        return stop
-    return start
+    if not pod.downloading:
+        return start
+    queues = [queued for a in pod.downloading if (queued := waiting.get(a))]
+    if not queues:
+        return start
+    queue, key = pod.waiting, order.__getitem__
+    first = order[queue[start]]
+    before = [bisect_left(q, first, key=key) for q in queues]
+
+    def skipped_through(i: int) -> bool:  # queue[start..i] are all requests of downloading adapters
+        last = order[queue[i]]
+        return sum(bisect_right(q, last, key=key) for q in queues) - sum(before) == i - start + 1
+
+    if not skipped_through(start):
+        return start
+    low, high = start, stop - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if skipped_through(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low + 1
+
+
+def _blocks_taken(phase: list[int], start: int, count: int) -> int:
+    """New KV blocks the decodes take over ``count`` steps whose residues (step - 1) run from ``start``."""
+    cycles, rest = divmod(count, BLOCK_TOKENS)
+    taken = cycles * sum(phase) if cycles else 0
+    if rest:
+        first = start % BLOCK_TOKENS
+        end = first + rest
+        taken += sum(phase[first:end]) if end <= BLOCK_TOKENS else sum(phase[first:]) + sum(phase[:end - BLOCK_TOKENS])
+    return taken
+
+
+def _steps_with_blocks(pod: Pod) -> int:
+    """The most steps (the one scheduled now included) the decoding batch runs before a step whose new blocks are
+    not all free (that step preempts)."""
+    free = pod.kv_capacity_blocks - pod.kv_blocks
+    if free < 0:
+        return 1
+    phase, start = pod.block_phase, pod.steps + 1
+    cycles, rest = divmod(free, len(pod.running))  # every request takes one block per cycle of BLOCK_TOKENS steps
+    r = 0
+    while r < BLOCK_TOKENS - 1:
+        taken = phase[(start + r) % BLOCK_TOKENS]
+        if taken > rest:
+            break
+        rest -= taken
+        r += 1
+    return cycles * BLOCK_TOKENS + r + 1
+
+
+def _take(pod: Pod, count: int) -> None:
+    """``count`` blocks are handed out from the head of ``pod``'s free queue (skipping ranges a prefix hit took)."""
+    head, taken = pod.queue_head, pod.queue_taken
+    while count > 0:
+        if taken and taken[0][0] <= head:
+            head = max(head, taken[0][1])
+            del taken[0]
+            continue
+        step = min(count, taken[0][0] - head) if taken else count
+        head += step
+        count -= step
+    pod.queue_head = head

@@ -3,12 +3,14 @@ one big enough pod never reloads; no policy beats the Belady bound."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from loraplane.sim.bound import belady_misses
-from loraplane.sim.cluster import L0, SimConfig
-from loraplane.sim.policies import POLICY_NAMES
+from loraplane.sim.cluster import L0, Pod, SimConfig, Simulator
+from loraplane.sim.policies import POLICY_NAMES, build_policy
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import simulate
 from loraplane.sim.trace import Trace, scenario
@@ -107,3 +109,35 @@ def test_running_adapters_are_never_evicted_and_batches_respect_max_loras() -> N
     result = sim.run()
     assert checked > 0 and result.gpu_evictions > 0
     assert all(t > 0 for t in result.ttft)
+
+
+@pytest.mark.parametrize("policy", ["loraplane", "gie-lora-affinity"])
+def test_kv_blocks_are_accounted_under_preemption(policy: str) -> None:
+    """KV for 24,000 tokens a pod: requests are preempted and prefilled again, every one is served once, the blocks
+    held never pass the capacity and the free queue always holds the rest; all are free at the end."""
+    profile = replace(LARGE_GPU, kv_capacity_tokens=24_000)
+    trace = scenario("hot-plus-burst", 3000, seed=5, adapter_bytes=ADAPTER_BYTES)
+    built = build_policy(policy, 5, trace, profile, SMALL_POOL, flow_control=NO_QUEUE)
+    sim = Simulator(trace, SMALL_POOL, built.pod_profile or profile, built.router, built.eviction, built.placement,
+                    admission=built.admission, priority=built.priority, scraper=built.scraper)
+    checked = 0
+
+    def free_queue(pod: Pod) -> int:
+        return pod.queue_tail - pod.queue_head - sum(end - max(start, pod.queue_head)
+                                                     for start, end in pod.queue_taken if end > pod.queue_head)
+
+    def check(_done: int) -> None:
+        nonlocal checked
+        for pod in sim.pods:
+            assert 0 <= pod.kv_blocks <= pod.kv_capacity_blocks
+            assert free_queue(pod) == pod.kv_capacity_blocks - pod.kv_blocks
+            assert sum(pod.block_phase) == len(pod.running)
+            checked += 1
+
+    sim.progress = check
+    result = sim.run()
+    assert checked > 0 and result.preemptions > 50
+    assert sorted(result.admitted) == list(range(len(trace)))
+    assert all(t > 0 for t in result.ttft)
+    for pod in sim.pods:
+        assert pod.kv_blocks == 0 and free_queue(pod) == pod.kv_capacity_blocks and not any(pod.block_phase)

@@ -130,10 +130,11 @@ def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_over_several_ste
 def test_a_second_request_takes_what_the_first_left_of_the_budget() -> None:
     short, first, second = ttfts(one_adapter_requests([700, 700], behind_a_short_one=True), max_batched_tokens=1000)
     assert short == pytest.approx(step_s(1) + 16 * PREFILL_S)
-    # the next step: all 700 of the first and 300 of the second (vLLM chunks a waiting request into the budget
-    # left rather than keep it for a step of its own); the step after: the second's other 400
-    assert first == pytest.approx(short - 1e-4 + step_s(3) + 1000 * PREFILL_S)
-    assert second == pytest.approx(first + step_s(3) + 400 * PREFILL_S)
+    # the next step: the short one's decode token, all 700 of the first and 299 of the second (vLLM counts every
+    # decode token against the budget and chunks a waiting request into what is left rather than keep it for a
+    # step of its own); the step after: two decode tokens and the second's other 401
+    assert first == pytest.approx(short - 1e-4 + step_s(3) + 999 * PREFILL_S)
+    assert second == pytest.approx(first + step_s(3) + 401 * PREFILL_S)
 
 
 def test_long_prefill_token_threshold_caps_each_request_per_step_only_when_another_is_eligible() -> None:
