@@ -75,11 +75,12 @@ class NoEndpointError(SchedulingError):
     """No candidate endpoint is left (empty pool, subset hint matching nothing, nothing ready)."""
 
     status = 503
-    reason = "no-endpoint"
+    reason = "rejected-no-endpoints"
 
 
 class PoolSaturatedError(SchedulingError):
-    """A sheddable request while every candidate endpoint is saturated."""
+    """A sheddable request while the pool is saturated (flow control off: the pool's mean utilisation reached 1.0;
+    on: every candidate is saturated, and the request waits instead)."""
 
     status = 429
     reason = "rejected-saturated"
@@ -174,7 +175,17 @@ def staleness_filter(_params: FilterParameters) -> Filter:
     return run
 
 
-def residency_filter(_params: FilterParameters) -> Filter:
+class ResidencyFilterParameters(FilterParameters):
+    """The residency filter's parameters."""
+
+    #: when no holder of the revision has room for it (``PoolSnapshot.has_room``: every holder's GPU slots are taken
+    #: by other revisions in flight, or it fetches another), also keep the pods that have room, which load it on
+    #: demand, as for a revision no pod holds; never while the pool has staging pods (a sweep of new revisions: its
+    #: traffic waits for the staging pods rather than load next to the gold replicas)
+    spill_without_room: bool = False
+
+
+def residency_filter(params: ResidencyFilterParameters) -> Filter:
     """Keep endpoints holding the exact revision at some tier (GPU, CPU or disk): the ones that can serve it.
 
     Runtimes serve only adapters they have registered, so a pod where the revision is absent would answer 404.
@@ -185,6 +196,7 @@ def residency_filter(_params: FilterParameters) -> Filter:
     (``RouteTable.staging_pods``) where the controller names some: the pods it keeps a sweep of new revisions on,
     away from the gold replicas.
     Base-model requests keep all endpoints. Pair with ``failOpen: true`` for runtimes that load on demand.
+    ``spillWithoutRoom`` widens the holders to the pods with room when none of them has any (see its parameter).
     """
 
     holding, holding_or_draining, last_heard = object(), object(), object()
@@ -214,7 +226,9 @@ def residency_filter(_params: FilterParameters) -> Filter:
                 return fallback
         draining = pool.draining_holders(request.served_name, request.digest)
         staging = pool.staging
-        if (draining is None and staging is None) or np.count_nonzero(mask & cycle.candidates):
+        if np.count_nonzero(mask & cycle.candidates):
+            return spill(request, pool, cycle, mask) if params.spill_without_room and staging is None else mask
+        if draining is None and staging is None:
             return mask
         if draining is None:
             return staging
@@ -225,6 +239,12 @@ def residency_filter(_params: FilterParameters) -> Filter:
             return wider
 
         return pool.memo((holding_or_draining, request.served_name, request.digest), holders_or_draining)
+
+    def spill(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle, mask: BoolArray) -> BoolArray:
+        room = pool.has_room(request.served_name, request.digest)
+        if room is None or np.count_nonzero(mask & cycle.candidates & room):
+            return mask
+        return mask | room
 
     return run
 
@@ -529,7 +549,7 @@ _BUILT_IN_FILTERS: list[tuple[str, type[FilterParameters], Callable[..., Filter]
     ("subset-hint-filter", FilterParameters, subset_hint_filter),
     ("ready-filter", FilterParameters, ready_filter),
     ("staleness-filter", FilterParameters, staleness_filter),
-    ("residency-filter", FilterParameters, residency_filter),
+    ("residency-filter", ResidencyFilterParameters, residency_filter),
     ("saturation-filter", SaturationFilterParameters, saturation_filter),
     ("adapter-room-filter", FilterParameters, adapter_room_filter),
 ]

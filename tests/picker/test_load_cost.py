@@ -78,3 +78,36 @@ def test_the_default_config_runs_the_load_cost_mode() -> None:
 def test_load_cost_needs_a_capacity_and_excludes_warm_only(params: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         PrefillQueueParameters.model_validate(params)
+
+
+def busy_holder_pool(staging: set[str] | None = None) -> PoolSnapshot:
+    """Pod 1 holds the revision but runs its one GPU slot's worth of another revision; pods 2 and 3 lack it, pod 2
+    with a free slot, pod 3 running another revision too."""
+    one_slot = {"gpu_slots": 1}
+    pool = PoolSnapshot([pod(1, Tier.DISK, **one_slot), pod(2, **one_slot), pod(3, **one_slot)],
+                        staging=staging or ())  # fmt: skip
+    pool.set_in_flight([{"other@v1": 2}, {}, {"third@v1": 1}])
+    return pool
+
+
+def test_a_request_whose_holders_have_no_room_may_go_to_a_pod_that_has() -> None:
+    from loraplane.picker.plugins import ResidencyFilterParameters, residency_filter
+
+    def kept(pool: PoolSnapshot, spill: bool) -> list[bool]:
+        keep = residency_filter(ResidencyFilterParameters(spill_without_room=spill))
+        n = pool.size
+        got = keep(REQUEST, pool, Cycle(np.ones(n, dtype=np.bool_), np.zeros(n), np.ones(n, dtype=np.bool_)))
+        assert got is not None
+        return got.tolist()
+
+    assert kept(busy_holder_pool(), spill=False) == [True, False, False]
+    assert kept(busy_holder_pool(), spill=True) == [True, True, False]
+    # a staging pool keeps its cold traffic waiting for the holders
+    assert kept(busy_holder_pool({"pod-1"}), spill=True) == [True, False, False]
+    # a holder with room: nothing widens
+    roomy = busy_holder_pool()
+    roomy.set_in_flight([{}, {}, {"third@v1": 1}])
+    assert kept(roomy, spill=True) == [True, False, False]
+    # the default config routes it to the pod with room instead of holding it for flow control
+    decision = Scheduler.default().schedule(REQUEST, busy_holder_pool(), np.random.default_rng(0))
+    assert decision.endpoints[0] == "10.0.0.2:8000" and decision.room
