@@ -75,12 +75,11 @@ class NoEndpointError(SchedulingError):
     """No candidate endpoint is left (empty pool, subset hint matching nothing, nothing ready)."""
 
     status = 503
-    reason = "rejected-no-endpoints"
+    reason = "no-endpoint"
 
 
 class PoolSaturatedError(SchedulingError):
-    """A sheddable request while the pool is saturated (flow control off: the pool's mean utilisation reached 1.0;
-    on: every candidate is saturated, and the request waits instead)."""
+    """A sheddable request while every candidate endpoint is saturated."""
 
     status = 429
     reason = "rejected-saturated"
