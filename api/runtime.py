@@ -201,6 +201,13 @@ class ResidencyReport(PayloadModel):
         "memory, still registered: a request reads it back from local disk) instead of unloading it, so it stays "
         "servable (the engine); false: a disk target drains and unloads it (vLLM, and sidecars before this field)",
     )
+    loads_activate: bool = Field(
+        default=False,
+        description="a load puts the adapter into a GPU slot (vLLM: activation into its LRU slots): while the pod has "
+        "host-tier targets its sidecar keeps one GPU slot free of GPU-tier targets for those loads (the landing "
+        "slot), so at most max_gpu_slots - 1 GPU-tier targets stay at GPU; false: the engine, and sidecars before "
+        "this field",
+    )
     base_model_digest: str | None = None
     max_lora_rank: int | None = None
     target_generation: int | None = Field(default=None, description="the TargetState generation last applied")

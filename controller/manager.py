@@ -362,6 +362,7 @@ class Controller:
         now = self.wall_clock()
         plan = await self._plan(pool, [rev for _, rev in revisions], now)
         if plan is not None:
+            self._forget_probes(pool, plan)
             await self._write(pool, plan, {object_key(o): o for o, _ in revisions}, revisions, stored)
         self.reconciles += 1
         if self.metrics:
@@ -488,6 +489,16 @@ class Controller:
                     log.warning("posting event %s on %s failed: %s", event.reason, obj["metadata"]["name"], exc)
 
         self._events_posted = asyncio.ensure_future(post())
+
+    def _forget_probes(self, pool: str, plan: PoolPlan) -> None:
+        """Drop the probe results the rollout found judged nothing (a 404 from a pod that was unloading the
+        revision), unless a newer result replaced one meanwhile: the revision is probed again once its pod holds it."""
+        results = self.probe_results.get(pool, {})
+        for key, result in plan.discarded_probes:
+            if results.get(key) == result:
+                del results[key]
+                log.info("probe of %s on %s discarded: %s while the pod was not holding it", key[0], key[1],
+                         result.message)
 
     def _start_probe(self, pool: str, rev: AdapterRevision, request: ProbeRequest) -> None:
         key = (request.served_name, request.pod)

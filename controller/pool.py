@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 
 from loraplane.api import (
     AdapterRevision,
@@ -91,6 +91,8 @@ class PoolPlan:
     probes: list[tuple[Key, ProbeRequest]] = field(default_factory=list)
     #: the earliest time a timed gate of the pool is due (reconcile again then)
     next_due: datetime | None = None
+    #: probe results to forget, keyed (served name, pod) (``AdapterPlan.discarded_probes``)
+    discarded_probes: list[tuple[tuple[str, str], ProbeResult]] = field(default_factory=list)
 
 
 def summed_counters(counters: Sequence[PickerCounters]) -> dict[str, RevisionCounters]:
@@ -128,7 +130,8 @@ def _observation(inputs: PoolInputs) -> Observation:
             base_model_digest=r.base_model_digest,
             max_lora_rank=r.max_lora_rank,
             adapters=r.by_name(),
-            gpu_slots=r.load.max_gpu_slots,
+            gpu_slots=canary_gpu_slots(r),
+            reported_at=datetime.fromtimestamp(r.heartbeat_at, UTC),
         )
         for r in inputs.reports
     ]
@@ -189,6 +192,76 @@ def pod_capacity(report: ResidencyReport) -> PodCapacity:
                        load.max_disk_bytes)
 
 
+def canary_gpu_slots(report: ResidencyReport) -> int:
+    """GPU slots the revisions between Activating and Canary may hold on a pod (admission into Activating): its
+    runtime's, less the landing slot a sidecar whose loads activate keeps free of GPU-tier targets (vLLM: every load
+    takes a GPU slot, so only ``max_loras - 1`` GPU-tier targets are kept from LRU), at least one."""
+    slots = report.load.max_gpu_slots
+    return max(1, slots - 1) if report.loads_activate and slots > 1 else slots
+
+
+def fit_to_sidecars(placement: Placement, planned: Placement, reports: Sequence[ResidencyReport],
+                    demands: Sequence[AdapterDemand], serving: Mapping[str, set[str]]) -> Placement:
+    """Each pod's targets cut to what its sidecar holds, choosing here what gives way, so that the sidecar never
+    clips them by its own order (pinned, priority, name), which knows nothing of rollout gates.
+
+    ``placement`` is ``planned`` (``place``'s plan, which fits the slots ``pod_capacity`` gives) after
+    ``keep_until_replaced``, whose make-before-break holds take host slots beyond it on a pod whose runtime unloads
+    a disk-tier revision (vLLM). There the sidecar would clip the extra ones to disk, i.e. unload them, by its own
+    order: a canary between its activation and its probe among them (its probe then gets the runtime's 404). Here:
+
+    - GPU, on a pod whose loads activate (``loads_activate``) and that has host-tier targets: at most
+      ``max_gpu_slots - 1`` GPU-tier targets (the sidecar keeps the last slot free for loads); the last the plan
+      placed that no rollout requires go to CPU.
+    - Host (GPU + CPU tiers, ``max(max_cpu_slots, max_gpu_slots)`` as the sidecar counts them), on a pod that does
+      not keep disk-tier revisions registered: no rollout requirement gives way. First to go (to disk) are the
+      plan's entries the pod does not serve yet (a load not made: nothing routed there is lost), then those whose
+      revision another pod serves now and keeps serving in the plan, then the make-before-break holds (the latest
+      first: their revision's traffic has no pod until its new one serves it), then the plan's other entries;
+      within each, the last placed first.
+    """
+    required = {d.served_name: d.required for d in demands}
+    pods = {pod: dict(held) for pod, held in placement.pods.items()}
+    notes = dict(placement.notes)
+    warm = (Tier.GPU, Tier.CPU)
+    for report in reports:
+        held = pods.get(report.pod)
+        if held is None:
+            continue
+        pod, load = report.pod, report.load
+        before = planned.pods.get(pod, {})
+        kept = [n for n, t in held.items() if t in warm and before.get(n) is not t]
+
+        def needed(name: str, pod: str = pod) -> bool:
+            return pod in required.get(name, {})
+
+        gpu = [n for n, t in held.items() if t is Tier.GPU]
+        excess = len(gpu) - (load.max_gpu_slots - 1)
+        if report.loads_activate and excess > 0 and any(t is Tier.CPU for t in held.values()):
+            for name in [n for n in reversed(gpu) if not needed(n)][:excess]:
+                held[name] = Tier.CPU
+                notes.setdefault(name, f"pod {pod} keeps a GPU slot free for loads (its runtime's loads activate)")
+        if report.demotes_to_disk:
+            continue
+        host = [n for n, t in held.items() if t in warm]
+        over = len(host) - max(load.max_cpu_slots, load.max_gpu_slots)
+        if over <= 0:
+            continue
+
+        def served_elsewhere(name: str, pod: str = pod) -> bool:
+            return any(p != pod and pods[p].get(name) in warm for p in serving.get(name, ()) if p in pods)
+
+        own = [n for n in reversed(host) if n not in kept and not needed(n)]
+        new = [n for n in own if pod not in serving.get(n, ())]
+        elsewhere = [n for n in own if n not in new and served_elsewhere(n)]
+        rest = [n for n in own if n not in new and n not in elsewhere]
+        for name in [*new, *elsewhere, *reversed(kept), *rest][:over]:
+            held[name] = Tier.DISK
+            if name not in kept:
+                notes.setdefault(name, f"pod {pod} has no host slot left for it")
+    return Placement(pods=pods, notes=notes, staging=placement.staging)
+
+
 def plan_pool(inputs: PoolInputs) -> PoolPlan:
     """Reconcile one pool (pure; see the module docstring)."""
     observation = _observation(inputs)
@@ -229,8 +302,10 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
 
     pods = [pod_capacity(r) for r in inputs.reports if r.ready]
     previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
-    placement = keep_until_replaced(place(pods, demands, previous, inputs.budgets, inputs.placement), demands,
-                                    serving_holders(inputs.reports), {r.pod for r in inputs.reports if r.demotes_to_disk})
+    planned = place(pods, demands, previous, inputs.budgets, inputs.placement)
+    serving = serving_holders(inputs.reports)
+    placement = keep_until_replaced(planned, demands, serving, {r.pod for r in inputs.reports if r.demotes_to_disk})
+    placement = fit_to_sidecars(placement, planned, [r for r in inputs.reports if r.ready], demands, serving)
     for reconcile in reconciles.values():
         reconcile.finish(placement.notes)
     targets = {
@@ -246,5 +321,6 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
         plan.events.extend(((namespace, e.object_name), e) for e in outcome.events)
         name_of = {rp.served_name: name for name, rp in outcome.revisions.items()}
         plan.probes.extend(((namespace, name_of[p.served_name]), p) for p in outcome.probes)
+        plan.discarded_probes.extend(outcome.discarded_probes)
     plan.next_due = min((o.next_due for o in adapters.values() if o.next_due is not None), default=None)
     return plan

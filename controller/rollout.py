@@ -56,6 +56,8 @@ GATE_CONDITIONS = {
 _GATE_TIERS = {Phase.VERIFYING: Tier.DISK, Phase.PREWARMING: Tier.CPU, Phase.ACTIVATING: Tier.GPU}
 #: Phases whose revision holds a GPU slot on each of its canary pods (admitted at the end of Prewarming).
 SLOT_PHASES = (Phase.ACTIVATING, Phase.PROBING, Phase.CANARY)
+#: the runtime's answer to a request naming a model it has not registered (vLLM, the engine)
+HTTP_NOT_FOUND = 404
 
 
 @dataclass(frozen=True)
@@ -68,8 +70,11 @@ class PodObservation:
     base_model_digest: str | None = None
     max_lora_rank: int | None = None
     adapters: Mapping[str, AdapterResidency] = field(default_factory=dict)
-    #: GPU adapter slots of its runtime (``PodLoad.max_gpu_slots``); None: not bounded (admission off)
+    #: GPU slots its canaries may hold (``canary_gpu_slots``: the runtime's, less the landing slot a runtime whose
+    #: loads activate keeps free); None: not bounded (admission off)
     gpu_slots: int | None = None
+    #: when its sidecar published the report (``heartbeat_at``); None: unknown
+    reported_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class ProbeResult:
     ok: bool
     message: str
     ttft_ms: float | None = None
+    #: the HTTP status the pod answered with; None: no answer (or a result from before this field)
+    status: int | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,9 @@ class AdapterPlan:
     probes: list[ProbeRequest]
     #: the earliest time a timed gate (a canary pause, a retiring revision's window) changes its verdict
     next_due: datetime | None = None
+    #: probe results that judged nothing (a 404 from a pod whose sidecar no longer held the revision), keyed
+    #: (served name, pod): the caller forgets them, so the revision is probed again once the pod holds it
+    discarded_probes: list[tuple[tuple[str, str], ProbeResult]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -296,6 +306,7 @@ class AdapterReconcile:
                        for r in self.revs}
         self.events: list[Event] = []
         self.probes: list[ProbeRequest] = []
+        self.discarded: list[tuple[tuple[str, str], ProbeResult]] = []
         self.plans: dict[str, RevisionPlan] = {}
         self.due: datetime | None = None
         self.route_entry: RouteEntry | None = None
@@ -419,14 +430,32 @@ class AdapterReconcile:
         return prewarmed
 
     def gate_probe(self, rev: AdapterRevision) -> _Verdict:
+        """Each canary pod's probe, sent while the pod's report holds the revision at GPU (digest verified, not
+        draining). A 404 (the runtime has not registered the name) is the revision's failure only while the pod's
+        sidecar still says it holds it: judged on the first report published after the probe; when that report
+        (or the latest one) says it is draining or gone, the result is discarded and the revision probed again once
+        the pod holds it (a canary the pod was unloading when the probe came is not a broken revision)."""
         since = self.status[rev.metadata.name].phase_since
         pending = []
         for pod in canary_pods(rev, self.eligible[rev.metadata.name]):
-            result = self.obs.probes.get((rev.served_name, pod.name))
-            if result is None or (since is not None and result.at < since):
+            key = (rev.served_name, pod.name)
+            result = self.obs.probes.get(key)
+            if result is not None and since is not None and result.at < since:
+                result = None
+            held = pod.adapters.get(rev.served_name)
+            holds = (held is not None and held.tier is Tier.GPU and held.digest == rev.spec.artifact.digest
+                     and not held.draining)
+            if result is not None and not result.ok and result.status == HTTP_NOT_FOUND:
+                if not holds:
+                    self.discarded.append((key, result))
+                    result = None
+                elif pod.reported_at is not None and pod.reported_at <= result.at:
+                    pending.append(f"{pod.name} (answered {HTTP_NOT_FOUND}: judged on its next report)")
+                    continue
+            if result is None:
                 pending.append(pod.name)
-                held = pod.adapters.get(rev.served_name)
-                if held is not None and held.tier is Tier.GPU and held.digest == rev.spec.artifact.digest:
+                if holds:
+                    assert held is not None
                     self.probes.append(ProbeRequest(rev.served_name, pod.name, pod.address, held.adapter_digest))
             elif not result.ok:
                 return _fail(Phase.ROLLED_BACK, "ProbeFailed", f"{pod.name}: {result.message}")
@@ -478,7 +507,7 @@ class AdapterReconcile:
         self.route_entry = self.route(live, stable, candidate)
         for rev in self.revs:
             self.plan(rev)
-        return AdapterPlan(self.plans, self.route_entry, self.events, self.probes, self.due)
+        return AdapterPlan(self.plans, self.route_entry, self.events, self.probes, self.due, self.discarded)
 
     def finish(self, placement_notes: Mapping[str, str]) -> None:
         """Write the ``Ready`` condition, and ``Placed`` on every placed revision: False with placement's note (served

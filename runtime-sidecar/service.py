@@ -200,6 +200,7 @@ class Sidecar:
             runtime=self.config.runtime,
             residency_inferred=not self.driver.capabilities.reports_residency,
             demotes_to_disk=self.driver.capabilities.demote,
+            loads_activate=self.driver.capabilities.load_activates,
             base_model_digest=info.base_model_digest,
             max_lora_rank=info.max_lora_rank,
             target_generation=self.target.generation if self.target else None,

@@ -11,11 +11,15 @@ from __future__ import annotations
 import random
 from datetime import timedelta
 
+import pytest
+
 from loraplane.api import AdapterRevision, Phase, PodLoad, ResidencyReport, TargetState
 from loraplane.api.runtime import AdapterResidency, Tier
 from loraplane.controller.placement import PlacementConfig
 from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
 from loraplane.controller.rollout import ProbeResult
+from loraplane.sidecar.drivers.base import RuntimeInfo
+from loraplane.sidecar.reconcile import Reconciler
 from tests.controller.world import BASE_DIGEST, T0, revision
 
 PODS = ("pod-0", "pod-1", "pod-2")
@@ -39,13 +43,22 @@ class Pool:
         #: the most revisions that held a canary requirement at GPU on one pod in one plan
         self.required_gpu_peak = 0
 
+    def clip(self, state: TargetState) -> dict[str, Tier]:
+        """The target as the pod's sidecar applies it (the engine's: as written)."""
+        return {t.served_name: t.tier for t in state.adapters}
+
+    def serves(self, pod: str, served_name: str) -> bool:
+        """True when a request for ``served_name`` is served on ``pod`` (the engine: registered at any tier)."""
+        tier = self.held[pod].get(served_name)
+        return tier is not None and tier is not Tier.ABSENT
+
     def digest(self, served_name: str) -> str:
         return next(r.spec.artifact.digest for r in self.revisions if r.served_name == served_name)
 
     def report(self, pod: str, i: int) -> ResidencyReport:
         return ResidencyReport(
             pool="pool", pod=pod, address=f"10.0.0.{i}:8000", base_model_digest=BASE_DIGEST, max_lora_rank=64,
-            heartbeat_at=0.0, demotes_to_disk=True,
+            heartbeat_at=self.now.timestamp(), demotes_to_disk=True,
             adapters=[AdapterResidency(served_name=n, tier=t, digest=self.digest(n), bytes=1 << 20, registered=True)
                       for n, t in sorted(self.held[pod].items())],
             load=PodLoad(max_gpu_slots=self.gpu_slots, max_cpu_slots=self.cpu_slots + self.gpu_slots),
@@ -68,7 +81,7 @@ class Pool:
         # the sidecars apply the new targets: removals and demotions at once, each load or promotion in its own
         # time (a fetch, a load, an activation: some passes each) ...
         for pod, state in self.targets.items():
-            wanted = {t.served_name: t.tier for t in state.adapters}
+            wanted = self.clip(state)
             held = self.held[pod]
             for name in [n for n in held if n not in wanted]:
                 del held[name]
@@ -80,12 +93,35 @@ class Pool:
                     held[name] = tier
         # ... and only then does each probe of this pass arrive at its pod
         for _, request in plan.probes if self.answering else ():
-            tier = self.held[request.pod].get(request.served_name)
-            ok = tier is not None and tier is not Tier.ABSENT
+            ok = self.serves(request.pod, request.served_name)
             self.probes[(request.served_name, request.pod)] = ProbeResult(
-                at=self.now, ok=ok, message="200" if ok else "HTTP 404", ttft_ms=5.0)
+                at=self.now, ok=ok, message="200" if ok else "HTTP 404", ttft_ms=5.0, status=200 if ok else 404)
         self.now += timedelta(seconds=0.5)
         return plan
+
+
+class VllmPool(Pool):
+    """Pods whose runtime is vLLM, as their sidecars drive it: a load activates (the sidecar keeps one GPU slot free
+    of GPU-tier targets while it has host-tier ones), the host cache holds ``max(max_cpu_loras, max_loras)`` copies,
+    and a disk-tier target is unloaded (vLLM cannot demote). Each sidecar cuts its target to those limits by its own
+    order (``Reconciler.within_capacity``: pinned, priority, name) before applying it; a probe gets vLLM's 404 when
+    the name is not registered (held at GPU or CPU)."""
+
+    def report(self, pod: str, i: int) -> ResidencyReport:
+        report = super().report(pod, i)
+        report.demotes_to_disk, report.loads_activate = False, True
+        report.load.max_cpu_slots = max(self.cpu_slots, self.gpu_slots)
+        for row in report.adapters:
+            row.registered = row.tier in (Tier.GPU, Tier.CPU)
+        return report
+
+    def clip(self, state: TargetState) -> dict[str, Tier]:
+        info = RuntimeInfo(base_model="base", max_loras=self.gpu_slots, max_cpu_loras=self.cpu_slots)
+        wanted, _ = Reconciler.within_capacity(state, info, landing_slot=True)
+        return {name: t.tier for name, t in wanted.items()}
+
+    def serves(self, pod: str, served_name: str) -> bool:
+        return self.held[pod].get(served_name) in (Tier.GPU, Tier.CPU)
 
 
 def _phases(revisions: list[AdapterRevision]) -> dict[str, int]:
@@ -147,3 +183,26 @@ def test_admission_into_activating_is_first_come_first_served_and_says_why_it_wa
     assert order == ["z-v1", "m-v1"]
     assert all(r.status.phase is Phase.STABLE for r in pool.revisions)
     assert pool.required_gpu_peak == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_sweep_into_vllm_pods_ends_all_stable(seed: int) -> None:
+    """The twin's failure, in small: vLLM pods (4 GPU slots, 16 host copies) and 120 first revisions. Promoted
+    revisions move off their canary pod (its GPU slots go to the next canaries) and make-before-break keeps them
+    there at CPU until their new pod serves them: beyond the pod's host copies, where its sidecar cut the target by
+    its own order and unloaded a canary between its activation and its probe (RolledBack ProbeFailed HTTP 404, or
+    a canary left in Probing for good). Now the controller cuts each pod's target itself and no canary gives way."""
+    revisions = [revision("v1", adapter=f"a{(i * 37) % 120:03d}", n=i + 1, warmPolicy="gpu-preferred",
+                          priorityClass=("gold", "standard", "sheddable")[i % 3]) for i in range(120)]
+    pool = VllmPool(revisions, gpu_slots=4, cpu_slots=16, seed=seed)
+    for _ in range(600):
+        pool.step()
+        if all(r.status.phase in (Phase.STABLE, Phase.ROLLED_BACK, Phase.FAILED) for r in revisions):
+            break
+    print(f"ONBOARDING-VLLM {{'seed': {seed}, 'phases': {_phases(revisions)}, "
+          f"'required_gpu_peak': {pool.required_gpu_peak}}}")
+    stranded = {r.metadata.name: f"{r.status.phase.value} {r.status.reason}: {r.status.message}"
+                for r in revisions if r.status.phase is not Phase.STABLE}
+    assert stranded == {}
+    # admission left the landing slot: at most 3 canaries hold GPU on a pod at once
+    assert pool.required_gpu_peak <= pool.gpu_slots - 1

@@ -14,8 +14,14 @@ from loraplane.api import (
     RevisionCounters,
 )
 from loraplane.api.runtime import AdapterResidency, Tier
-from loraplane.controller.placement import TenantBudget
-from loraplane.controller.pool import PoolInputs, plan_pool, summed_counters
+from loraplane.controller.placement import AdapterDemand, Placement, TenantBudget
+from loraplane.controller.pool import (
+    PoolInputs,
+    canary_gpu_slots,
+    fit_to_sidecars,
+    plan_pool,
+    summed_counters,
+)
 from tests.controller.world import BASE_DIGEST, T0, revision
 
 
@@ -71,3 +77,42 @@ def test_a_budget_that_keeps_a_revision_cold_is_visible_in_its_conditions() -> N
                                 budgets={"greedy": TenantBudget(gpu_bytes=0)}))
     conditions = {c.type: c for c in plan.adapters[("default", "a0")].revisions["a0-v1"].status.conditions}
     assert conditions["Placed"].status == "False" and "budget" in conditions["Placed"].message
+
+
+def _vllm_report(pod: str, gpu: int = 4, host: int = 6) -> ResidencyReport:
+    """A vLLM pod's report: loads activate, a disk-tier target is unloaded, ``host`` copies in all."""
+    return ResidencyReport(pool="pool", pod=pod, address="10.0.0.9:8000", heartbeat_at=0.0, loads_activate=True,
+                           load=PodLoad(max_gpu_slots=gpu, max_cpu_slots=host))
+
+
+def test_a_vllm_pods_targets_are_cut_by_the_controller_never_a_canary() -> None:
+    """Make-before-break holds beyond a vLLM pod's host copies, and GPU-tier targets in its landing slot: the
+    controller cuts them (the sidecar would by name and priority, a canary among them), canaries first in line."""
+    canaries = {f"c{i}@v1": Tier.GPU for i in range(3)}
+    planned = Placement(pods={"pod-0": {**canaries, "hot@v1": Tier.GPU, "old@v1": Tier.CPU, "twin@v1": Tier.CPU,
+                                        "fresh@v1": Tier.CPU},
+                              "pod-1": {"twin@v1": Tier.GPU, "moved@v1": Tier.GPU, "moved2@v1": Tier.GPU}})
+    kept = Placement(pods={"pod-0": {**planned.pods["pod-0"], "moved@v1": Tier.CPU, "moved2@v1": Tier.CPU},
+                           "pod-1": dict(planned.pods["pod-1"])})
+    demands = [AdapterDemand(name, 1, required={"pod-0": Tier.GPU}) for name in canaries]
+    serving = {"hot@v1": {"pod-0"}, "old@v1": {"pod-0"}, "twin@v1": {"pod-0", "pod-1"}, "moved@v1": {"pod-0"},
+               "moved2@v1": {"pod-0"}, **{name: {"pod-0"} for name in canaries}}
+    fitted = fit_to_sidecars(kept, planned, [_vllm_report("pod-0"), _vllm_report("pod-1")], demands, serving)
+    pod0 = fitted.pods["pod-0"]
+    # GPU: 3 canaries fill the slots the sidecar keeps (4 less the landing slot); the hot replica goes to CPU
+    assert [n for n, t in pod0.items() if t is Tier.GPU] == list(canaries)
+    assert pod0["hot@v1"] is Tier.CPU and "GPU slot free" in fitted.notes["hot@v1"]
+    # host (6 copies, 9 asked): the load not made yet, the copy another pod serves, the latest make-before-break hold
+    assert {n for n, t in pod0.items() if t is Tier.DISK} == {"fresh@v1", "twin@v1", "moved2@v1"}
+    assert (pod0["hot@v1"], pod0["old@v1"], pod0["moved@v1"]) == (Tier.CPU, Tier.CPU, Tier.CPU)
+    assert "no host slot" in fitted.notes["fresh@v1"] and "moved2@v1" not in fitted.notes
+    assert fitted.pods["pod-1"] == planned.pods["pod-1"]  # within its limits: as planned
+    # an engine pod (disk-tier revisions stay registered) and a pod whose loads do not activate are left alone
+    engine = _vllm_report("pod-0").model_copy(update={"loads_activate": False, "demotes_to_disk": True})
+    assert fit_to_sidecars(kept, planned, [engine], demands, serving).pods["pod-0"] == kept.pods["pod-0"]
+
+
+def test_admission_leaves_the_landing_slot_of_a_pod_whose_loads_activate() -> None:
+    assert canary_gpu_slots(_vllm_report("p", gpu=4)) == 3
+    assert canary_gpu_slots(_vllm_report("p", gpu=1)) == 1  # at least one: a canary activates by its own load
+    assert canary_gpu_slots(_report("pod-0", gpu=4)) == 4  # the engine: every slot

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import struct
 from collections.abc import AsyncIterator
 
 import httpx
@@ -15,7 +18,7 @@ from starlette.routing import Route
 
 from e2e.fixtures.processes import free_port
 from loraplane.api import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
-from loraplane.controller.probe import HealthProber
+from loraplane.controller.probe import ATTEMPTS, HealthProber
 from tests.controller.world import digest, revision
 
 CONTENT = digest(777)
@@ -97,3 +100,83 @@ async def test_unreachable_pod_fails_the_probe() -> None:
     async with httpx.AsyncClient() as client:
         result = await HealthProber(client).probe(rev, f"127.0.0.1:{free_port()}", CONTENT)
     assert not result.ok and "request failed" in result.message
+
+
+class _ClosesReusedConnections:
+    """An HTTP/1.1 server that answers the first request on each connection (vLLM's stream, kept alive) and resets
+    the connection when a second one comes on it: what a client sees when it reuses a kept-alive connection just as
+    the server's idle timeout closes it (uvicorn's 5 s under vLLM, httpx's own 5 s keep-alive)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        answered = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = json.loads(await reader.readexactly(length))
+                self.requests += 1
+                if answered:
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, no FIN
+                    writer.transport.abort()
+                    return
+                event = f'data: {{"model": "{body["model"]}", "choices": [{{"text": "ok"}}]}}\n\ndata: [DONE]\n\n'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(event), event.encode()))
+                await writer.drain()
+                answered += 1
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+async def test_a_kept_alive_connection_closed_under_the_probe_is_not_a_failed_probe() -> None:
+    """The pod's server resets the kept-alive connection the second probe reuses, before any response byte: the
+    probe goes again on a new connection and passes (it used to fail the gate: ``request failed: ReadError``)."""
+    server = _ClosesReusedConnections()
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", 0)
+    address = f"127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    rev = revision("v1", n=1)
+    try:
+        async with httpx.AsyncClient() as client:
+            prober = HealthProber(client)
+            first = await prober.probe(rev, address, None)
+            second = await prober.probe(rev, address, None)
+    finally:
+        listener.close()
+        await listener.wait_closed()
+    assert first.ok and first.status == 200, first
+    assert second.ok, second
+    # the second probe: its reused connection reset, then one more send on a connection of its own
+    assert (server.requests, server.connections) == (3, 2)
+
+
+async def test_a_pod_that_never_answers_fails_after_the_bounded_resends() -> None:
+    rev = revision("v1", n=1, rollout={"healthProbe": {"timeoutSeconds": 30}})
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    async with httpx.AsyncClient() as client:
+        result = await HealthProber(client, sleep=sleep).probe(rev, f"127.0.0.1:{free_port()}", CONTENT)
+    assert not result.ok and result.status is None
+    assert f"request failed ({ATTEMPTS} attempts): ConnectError" in result.message, result
+    assert slept == [0.1, 0.2]
+
+
+async def test_an_answer_is_never_sent_again(address: str) -> None:
+    """A response that began (here a 500) is the probe's verdict: no resend."""
+    rev = revision("v1", n=1)
+    async with httpx.AsyncClient(headers={"x-test-mode": "error"}) as client:
+        result = await HealthProber(client, sleep=_no_sleep).probe(rev, address, CONTENT)
+    assert not result.ok and result.status == 500 and result.message == "HTTP 500"
+
+
+async def _no_sleep(seconds: float) -> None:
+    raise AssertionError(f"no resend expected, slept {seconds}")

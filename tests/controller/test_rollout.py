@@ -253,6 +253,53 @@ def test_probe_results_from_before_the_phase_do_not_count() -> None:
     assert revs[0].status.phase is Phase.PROBING and [p.pod for p in plan.probes] == [pod]
 
 
+def _probing_v1() -> tuple[World, list[AdapterRevision], str]:
+    world = World()
+    revs = [revision("v1", n=1)]
+    _drive(world, revs, Phase.PROBING, "claims-v1")
+    return world, revs, canary_pods(revs[0], world.observe().pods)[0].name
+
+
+def test_a_404_from_a_pod_that_was_unloading_the_canary_is_not_its_failure() -> None:
+    """The probe raced an unload (the report after it says draining, then gone): the 404 is discarded and the
+    revision probed again once the pod holds it at GPU again; it was the revision's failure before."""
+    world, revs, pod = _probing_v1()
+    plan = step(world, revs, apply=False)
+    world.tick(1)
+    world.answer_probes(plan, ok=False, message="HTTP 404", status=404)
+    world.hold(pod, revs[0], Tier.GPU, draining=True)
+    world.reported_at[pod] = world.now + timedelta(seconds=1)
+    plan = step(world, revs, apply=False)
+    assert revs[0].status.phase is Phase.PROBING and plan.probes == []  # a draining row is not probed either
+    assert [key for key, _ in plan.discarded_probes] == [("claims@v1", pod)]
+    world.forget(plan)
+    del world.residency[pod]["claims@v1"]
+    plan = step(world, revs, apply=False)
+    assert revs[0].status.phase is Phase.PROBING and revs[0].status.reason == "WaitingForProbe"
+    assert plan.probes == [] and plan.discarded_probes == []
+    world.hold(pod, revs[0], Tier.GPU)
+    plan = step(world, revs, apply=False)
+    assert [p.pod for p in plan.probes] == [pod]
+    world.answer_probes(plan)
+    step(world, revs, apply=False)
+    assert revs[0].status.phase is Phase.STABLE
+
+
+def test_a_404_while_the_pod_still_holds_the_canary_fails_it_on_the_next_report() -> None:
+    world, revs, pod = _probing_v1()
+    plan = step(world, revs, apply=False)
+    world.reported_at[pod] = world.now
+    world.tick(1)
+    world.answer_probes(plan, ok=False, message="HTTP 404", status=404)
+    plan = step(world, revs, apply=False)  # the report is older than the probe: judged on the next one
+    assert revs[0].status.phase is Phase.PROBING and "judged on its next report" in (revs[0].status.message or "")
+    assert plan.probes == [] and plan.discarded_probes == []
+    world.reported_at[pod] = world.now + timedelta(seconds=1)  # a report after the probe still holds it at GPU
+    step(world, revs, apply=False)
+    assert (revs[0].status.phase, revs[0].status.reason) == (Phase.ROLLED_BACK, "ProbeFailed")
+    assert "HTTP 404" in (revs[0].status.message or "")
+
+
 def test_manual_rollback_during_canary_returns_all_traffic_in_one_reconcile() -> None:
     world, revs = _v2_at(Phase.CANARY)
     revs[1].spec.rollback = True

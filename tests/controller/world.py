@@ -71,13 +71,16 @@ class World:
     base_digest: str = BASE_DIGEST
     #: served name -> the digest sidecars compute for it (default: the spec's digest)
     actual_digest: dict[str, str] = field(default_factory=dict)
+    #: pod -> when its sidecar published the report observed (default: unknown)
+    reported_at: dict[str, datetime] = field(default_factory=dict)
 
     def observe(self) -> Observation:
         return Observation(
             now=self.now,
             pods=[
                 PodObservation(name=p, address=f"10.0.0.{i}:8000", base_model_digest=self.base_digest,
-                               max_lora_rank=self.max_lora_rank, adapters=dict(self.residency.get(p, {})))
+                               max_lora_rank=self.max_lora_rank, adapters=dict(self.residency.get(p, {})),
+                               reported_at=self.reported_at.get(p))
                 for i, p in enumerate(self.pods)
             ],
             counters=dict(self.counters),
@@ -102,9 +105,17 @@ class World:
                 for held in self.residency.values():
                     held.pop(rp.served_name, None)
 
-    def answer_probes(self, plan: AdapterPlan, ok: bool = True, message: str = "200 OK") -> None:
+    def answer_probes(self, plan: AdapterPlan, ok: bool = True, message: str = "200 OK",
+                      status: int | None = None) -> None:
         for req in plan.probes:
-            self.probes[(req.served_name, req.pod)] = ProbeResult(at=self.now, ok=ok, message=message, ttft_ms=12.0)
+            self.probes[(req.served_name, req.pod)] = ProbeResult(at=self.now, ok=ok, message=message, ttft_ms=12.0,
+                                                                  status=status)
+
+    def forget(self, plan: AdapterPlan) -> None:
+        """The controller: drop the probe results the rollout discarded."""
+        for key, result in plan.discarded_probes:
+            if self.probes.get(key) == result:
+                del self.probes[key]
 
 
 def step(world: World, revs: list[AdapterRevision], *, apply: bool = True) -> AdapterPlan:
