@@ -158,3 +158,33 @@ def test_the_report_says_what_the_pods_run_and_vllm_defaults_turn_loraplanes_to_
     assert plain["pods"] == {"loraplane": defaults, "baselines": defaults}
     built = build_policy("loraplane", 0, trace, LARGE_GPU, SimConfig(pods=2), chart_pods=False)
     assert built.priority is None and built.pod_profile is None
+
+
+class PrefetchAt:
+    """A placement that asks pod 0 to bring ``adapter`` to a GPU slot at ``when``."""
+
+    period_s = 0.5
+
+    def __init__(self, adapter: int, when: float) -> None:
+        self.adapter, self.when = adapter, when
+
+    def apply(self, now: float, sim: Simulator) -> None:
+        if now >= self.when:
+            sim.prefetch(sim.pods[0], self.adapter)
+
+
+def test_a_prefetch_the_eviction_policy_refuses_costs_nothing() -> None:
+    """Adapter 0 runs in the pod's only slot, so a placement's prefetch of adapter 1 is refused: the step goes on as
+    if none was asked (it once took a second off the step)."""
+    config = SimConfig(pods=1, max_loras=1, max_cpu_loras=2)
+    trace = Trace(name="prefetch", tenants=[Tenant("t")],
+                  adapters=[Adapter("a@v1", 0, ADAPTER_BYTES), Adapter("b@v1", 0, ADAPTER_BYTES)],
+                  arrival=[0.0, 1.0], adapter=[0, 0], tenant=[0, 0], input_tokens=[64, 64],
+                  output_tokens=[500, 4])  # fmt: skip
+    profile = free_loads()
+
+    def run(placement: PrefetchAt | None) -> list[float]:
+        policy = build_policy("round-robin", 0, trace, profile, config)
+        return list(Simulator(trace, config, profile, policy.router, policy.eviction, placement).run().ttft)
+
+    assert run(PrefetchAt(1, 0.5)) == pytest.approx(run(None), abs=1e-12)
