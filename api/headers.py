@@ -8,3 +8,13 @@ SERVED_ADAPTER_HEADER = "x-loraplane-served-adapter"
 #: On every completion response: the digest of the weights that answered (``loraplane.api.adapter_digest`` for an
 #: adapter, the base model digest for base requests).
 ADAPTER_DIGEST_HEADER = "x-loraplane-adapter-digest"
+
+#: llm-d-router's request headers, the current name first, then the deprecated Gateway API Inference Extension alias.
+#: A gateway may send either; when both come the current name wins, even with an empty value (llm-d-router v0.10's
+#: ``metadata.GetLowerCaseHeaderValue``). Names are matched case-insensitively.
+FAIRNESS_ID_HEADERS = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
+OBJECTIVE_HEADERS = ("x-llm-d-inference-objective", "x-gateway-inference-objective")
+MODEL_NAME_REWRITE_HEADERS = ("x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite")
+
+#: On every refusal the picker answers itself: why (llm-d-router's header; its flow-control values where it has them).
+DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"

@@ -44,10 +44,12 @@ class Setup:
     gateway: Gateway
     pods: dict[str, str]  # address -> pod
 
-    def post(self, body: bytes | dict[str, object], path: str = "/v1/completions", subset: str | None = None) -> httpx.Response:
+    def post(self, body: bytes | dict[str, object], path: str = "/v1/completions", subset: str | None = None,
+             headers: dict[str, str] | None = None) -> httpx.Response:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        headers = {"content-type": "application/json", **({SUBSET_HEADER: subset} if subset is not None else {})}
-        return httpx.post(f"{self.gateway.url}{path}", content=content, headers=headers, timeout=30)
+        sent = {"content-type": "application/json", **({SUBSET_HEADER: subset} if subset is not None else {}),
+                **(headers or {})}
+        return httpx.post(f"{self.gateway.url}{path}", content=content, headers=sent, timeout=30)
 
     def address_of(self, pod: str) -> str:
         return next(address for address, name in self.pods.items() if name == pod)
@@ -118,6 +120,9 @@ def test_sse_is_streamed_through_with_the_model_rewritten_back(setup: Setup) -> 
      (b'{"prompt": "no model"}', "/v1/completions", 400, "BadRequest"),
      (b'{"model": "claims"}', "/v1/completions", 400, "BadRequest"),  # a completion needs a prompt
      (b'{"model": "claims", "messages": []}', "/v1/chat/completions", 400, "BadRequest"),
+     # llm-d-router v0.10's parser: a message's role must be a string; an image generation needs a prompt
+     (b'{"model": "claims", "messages": [{"role": 1, "content": "hi"}]}', "/v1/chat/completions", 400, "BadRequest"),
+     (b'{"model": "claims", "n": 1}', "/v1/images/generations", 400, "BadRequest"),
      (json.dumps({"model": "claims", "prompt": "y" * (MAX_BODY + 1)}).encode(), "/v1/completions", 413, "PayloadTooLarge")],
 )
 def test_client_errors_come_back_as_http_statuses(setup: Setup, body: bytes, path: str, status: int, code: str) -> None:
@@ -168,3 +173,27 @@ def test_the_first_streamed_token_through_envoy_ends_the_wait_for_it(setup: Setu
             wait_until(lambda: _picker_gauges(setup) == (1, 0), 0.8, "the first token to end the wait")  # before the 2nd
         assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
     wait_until(lambda: _picker_gauges(setup) == (0, 0), 5, "the request to end", setup.gateway.picker)
+
+
+@pytest.mark.parametrize("name", ["x-llm-d-model-name-rewrite", "X-LLM-D-Model-Name-Rewrite",
+                                  "x-gateway-model-name-rewrite", "X-Gateway-Model-Name-Rewrite"])
+def test_the_model_name_rewrite_header_names_what_the_server_gets(setup: Setup, name: str) -> None:
+    """llm-d-router v0.10's rewrite, current and deprecated header names in any case: the body's model has no route,
+    so the header's value is what the server gets (a served revision, routed with its affinity), and the response
+    says the client's name; a header naming a logical name is not resolved (404); a route for the body's model beats
+    the header."""
+    response = setup.post({"model": "my-alias", "prompt": "hi"}, headers={name: "claims@v1"})
+    assert response.status_code == 200, response.text
+    assert response.json()["received"] == "claims@v1" and response.json()["model"] == "my-alias"
+    assert setup.pods[response.headers[UPSTREAM_HEADER]] == "pod-a"  # the GPU-warm pod of that revision
+    logical = setup.post({"model": "my-alias", "prompt": "hi"}, headers={name: "claims"})
+    assert logical.status_code == 404 and logical.text.startswith("inference error: NotFound - "), logical.text
+    routed = setup.post({"model": "claims", "prompt": "hi"}, headers={name: "something-else"})
+    assert routed.status_code == 200 and routed.json()["received"] == "claims@v1", routed.text
+
+
+def test_the_current_rewrite_header_wins_over_the_deprecated_one(setup: Setup) -> None:
+    response = setup.post({"model": "my-alias", "prompt": "hi"},
+                          headers={"x-gateway-model-name-rewrite": "nothing-served",
+                                   "X-LLM-D-Model-Name-Rewrite": "claims@v1"})
+    assert response.status_code == 200 and response.json()["received"] == "claims@v1", response.text

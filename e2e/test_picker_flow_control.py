@@ -1,5 +1,9 @@
 """Flow control through a real Envoy: saturated requests wait in the picker, go out in band order and fair turns,
-are refused 429 / 503 at their deadline, and a picker stopped (or killed) with requests waiting leaves none hanging.
+are refused with llm-d-router v0.10's statuses and ``x-llm-d-request-dropped-reason`` values (429
+``rejected-ttl-expired`` at their deadline in every band, 429 ``rejected-saturated`` when their band is full, 503
+``rejected-no-endpoints`` / ``rejected-shutting-down``), and a picker stopped (or killed) with requests waiting leaves
+none hanging. A second picker with flow control off sheds sheddable requests 429 ``rejected-saturated`` while the
+pool is saturated, as llm-d-router does without its flowControl feature gate.
 
 Real Redis (reports and routes as the sidecars and the controller write them), one real HTTP backend that echoes
 and can hold a request open (``sleep_s``), the real picker CLI with its flow-control plugin on, and Envoy. The
@@ -41,9 +45,10 @@ REASON = "x-llm-d-request-dropped-reason"
 DEADLINES = {"gold": 4.0, "standard": 3.0, "sheddable": 0.8}  # below Envoy's 5 s ext_proc message timeout
 
 
-def picker_config() -> str:
+def picker_config(flow_control: bool = True) -> str:
     config = EndpointPickerConfig.load().with_parameters(
-        "flow-control", enabled=True, deadlineSeconds=DEADLINES, queueLimit={"gold": 8, "standard": 8, "sheddable": 2})
+        "flow-control", enabled=flow_control, deadlineSeconds=DEADLINES,
+        queueLimit={"gold": 8, "standard": 8, "sheddable": 2})
     data = config.model_dump(by_alias=True)
     data["saturationDetector"]["inFlightThreshold"] = 1
     return EndpointPickerConfig.model_validate(data).to_yaml()
@@ -54,6 +59,8 @@ class Setup:
     gateway: Gateway
     health_port: int
     heartbeats: Heartbeats
+    #: the same pool behind a picker with flow control off
+    shedding: Gateway
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +85,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         gateways = gateway(work, POOL, redis_server.url, config_yaml=picker_config())
         gw = next(gateways)
         health_port = int(gw.picker.args[gw.picker.args.index("--health-address") + 1].rpartition(":")[2])
+        (work / "shedding").mkdir()
+        shedding = gateway(work / "shedding", POOL, redis_server.url, config_yaml=picker_config(flow_control=False))
         try:
-            yield Setup(gw, health_port, heartbeats)
+            yield Setup(gw, health_port, heartbeats, next(shedding))
         finally:
+            shedding.close()
             gateways.close()
             heartbeats.stop()
     finally:
@@ -98,10 +108,11 @@ class Result:
 
 
 async def post(client: httpx.AsyncClient, setup: Setup, name: str, model: str = "claims", sleep_s: float = 0.2,
-               delay: float = 0.0, **headers: str) -> Result:
+               delay: float = 0.0, via: Gateway | None = None, **headers: str) -> Result:
+    """POST a completion through ``via`` (default: the flow-control gateway); ``headers`` with ``_`` for ``-``."""
     await asyncio.sleep(delay)
     body = {"model": model, "prompt": name, "sleep_s": sleep_s}
-    response = await client.post(f"{setup.gateway.url}/v1/completions", json=body, timeout=30,
+    response = await client.post(f"{(via or setup.gateway).url}/v1/completions", json=body, timeout=30,
                                  headers={k.replace("_", "-"): v for k, v in headers.items()})
     return Result(name, response.status_code, response.headers.get(REASON), time.monotonic())
 
@@ -112,13 +123,15 @@ async def run(*calls: object) -> list[Result]:
 
 
 def test_waiting_requests_go_out_gold_first_then_tenants_in_turn(setup: Setup) -> None:
-    fair = "x_gateway_inference_fairness_id"
+    fair = "x_gateway_inference_fairness_id"  # the deprecated name
+    # b1 also sends the current name, in mixed case (Envoy lower-cases it): it wins, so b1 is tenant-b's, not a's
+    current = {fair: "tenant-a", "X_LLM_D_Inference_Fairness_Id": "tenant-b"}
     results = asyncio.run(run(
         lambda c: post(c, setup, "blocker", sleep_s=1.5),
         lambda c: post(c, setup, "a1", delay=0.3, **{fair: "tenant-a"}),
         lambda c: post(c, setup, "a2", delay=0.4, **{fair: "tenant-a"}),
         lambda c: post(c, setup, "a3", delay=0.5, **{fair: "tenant-a"}),
-        lambda c: post(c, setup, "b1", delay=0.6, **{fair: "tenant-b"}),
+        lambda c: post(c, setup, "b1", delay=0.6, **current),
         lambda c: post(c, setup, "gold", model="vip", delay=0.8),
     ))
     assert all(r.status == 200 for r in results), results
@@ -127,16 +140,18 @@ def test_waiting_requests_go_out_gold_first_then_tenants_in_turn(setup: Setup) -
     assert order == ["blocker", "gold", "a1", "b1", "a2", "a3"], order
 
 
-def test_a_request_that_outwaits_its_deadline_gets_429_sheddable_or_503(setup: Setup) -> None:
+def test_a_request_that_outwaits_its_deadline_gets_429_ttl_expired_in_every_band(setup: Setup) -> None:
+    """llm-d-router v0.10: a queue deadline is backpressure while the pool has endpoints, 429 whatever the band
+    (before: 503 for a standard request). The sheddable objective comes in ``X-LLM-D-Inference-Objective``."""
     started = time.monotonic()
     blocker, shed, standard = asyncio.run(run(
         lambda c: post(c, setup, "blocker", sleep_s=DEADLINES["standard"] + 1.0),
-        lambda c: post(c, setup, "shed", delay=0.2, x_gateway_inference_objective="sheddable"),
+        lambda c: post(c, setup, "shed", delay=0.2, X_LLM_D_Inference_Objective="sheddable"),
         lambda c: post(c, setup, "standard", delay=0.2),
     ))
     assert blocker.status == 200
-    assert (shed.status, shed.reason) == (429, "queue-deadline")
-    assert (standard.status, standard.reason) == (503, "queue-deadline")
+    assert (shed.status, shed.reason) == (429, "rejected-ttl-expired")
+    assert (standard.status, standard.reason) == (429, "rejected-ttl-expired")
     assert shed.done_at - started < DEADLINES["standard"] < standard.done_at - started  # each at its own deadline
 
 
@@ -147,14 +162,15 @@ def test_a_full_band_refuses_at_once(setup: Setup) -> None:
           for i in range(3)),
     ))
     by_name = {r.name: r for r in results}
-    assert (by_name["shed-2"].status, by_name["shed-2"].reason) == (429, "queue-full")  # the sheddable limit is 2
+    # the sheddable limit is 2: the third is refused on capacity
+    assert (by_name["shed-2"].status, by_name["shed-2"].reason) == (429, "rejected-saturated")
 
 
 def test_requests_waiting_when_their_pod_turns_not_ready_are_each_answered_at_the_next_round(setup: Setup) -> None:
     """Issue 31, item 4: four requests wait behind a blocker; the pod then reports not ready, so the scheduler
-    refuses each one at its next dispatch round (503 no-endpoint). Before, the first refusal raised ``KeyError`` in
+    refuses each one at its next dispatch round (503 rejected-no-endpoints). Before, the first refusal raised ``KeyError`` in
     ``FlowControl.dispatch`` (the refused request left the queue twice), the round ended there and armed no next one:
-    the others waited for another arrival or a completion, or for their deadline (503 queue-deadline)."""
+    the others waited for another arrival or a completion, or for their deadline."""
     ready = setup.heartbeats.reports["pod-a"]
     log_size = setup.gateway.picker.log_path.stat().st_size
 
@@ -177,7 +193,7 @@ def test_requests_waiting_when_their_pod_turns_not_ready_are_each_answered_at_th
     answers = [(r.status, r.reason) for r in waited]
     print(f"FLOW-CONTROL-REFUSAL {{'answers': {answers}, 'answered_within_s': "
           f"{round(waited[-1].done_at - waited[0].done_at, 3)}, 'key_errors_logged': {tracebacks}}}")
-    assert answers == [(503, "no-endpoint")] * 4, answers
+    assert answers == [(503, "rejected-no-endpoints")] * 4, answers
     assert tracebacks == 0
     assert results[0].status == 200  # the blocker was on its way already
 
@@ -199,10 +215,28 @@ def test_a_picker_restart_with_requests_waiting_answers_each_with_a_retryable_er
     waited = [r for r in results if r.name != "blocker"]
     assert all(r.done_at - started < 3.0 for r in waited), waited  # answered when the picker went, not at a timeout
     if sig == signal.SIGTERM:  # a graceful stop answers every waiting request itself
-        assert [(r.status, r.reason) for r in waited] == [(503, "picker-stopping")] * 3
+        assert [(r.status, r.reason) for r in waited] == [(503, "rejected-shutting-down")] * 3
     else:  # a killed picker's streams break: Envoy answers them with a server error
         assert all(500 <= r.status < 600 for r in waited), waited
     picker.start()
     wait_picker_ready(setup.health_port, picker)
     (again,) = asyncio.run(run(lambda c: post(c, setup, "retry", sleep_s=0.0)))
     assert again.status == 200  # the retried request is served
+
+
+def test_without_flow_control_a_sheddable_request_is_shed_while_the_pool_is_saturated(setup: Setup) -> None:
+    """Flow control off: the blocker in flight saturates the only pod (in-flight threshold 1), so the pool's mean
+    utilisation is 1.0: a sheddable request gets 429 ``rejected-saturated`` at once, a standard one is routed; once
+    the pool is idle the sheddable one is routed too."""
+    via = setup.shedding
+    blocker, shed, standard = asyncio.run(run(
+        lambda c: post(c, setup, "blocker", sleep_s=1.5, via=via),
+        lambda c: post(c, setup, "shed", delay=0.3, via=via, x_llm_d_inference_objective="sheddable"),
+        lambda c: post(c, setup, "standard", delay=0.3, via=via),
+    ))
+    assert (shed.status, shed.reason) == (429, "rejected-saturated")
+    assert shed.done_at < blocker.done_at  # refused at once, not held
+    assert blocker.status == standard.status == 200
+    (later,) = asyncio.run(run(lambda c: post(c, setup, "shed-idle", sleep_s=0.0, via=via,
+                                              x_gateway_inference_objective="sheddable")))
+    assert later.status == 200

@@ -8,7 +8,7 @@ unambiguously, so numbers, key order and whitespace reach the model server untou
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -39,8 +39,12 @@ class ParsedBody:
     document: dict[str, Any]
 
 
-def parse_body(body: bytes, limit: int) -> ParsedBody:
-    """Parse a JSON request body; ``ClientError`` (400/413) for anything unusable."""
+def parse_body(body: bytes, limit: int, model_optional: bool = False) -> ParsedBody:
+    """Parse a JSON request body; ``ClientError`` (400/413) for anything unusable.
+
+    ``model_optional``: a body without a string ``model`` is accepted (``ParsedBody.model`` is then ``""``): the
+    gateway names the model in a model-name rewrite header, as llm-d-router accepts it.
+    """
     if len(body) > limit:
         raise ClientError(413, f"request body of {len(body)} bytes exceeds the limit of {limit}", "body-too-large")
     if not body:
@@ -53,51 +57,194 @@ def parse_body(body: bytes, limit: int) -> ParsedBody:
         raise ClientError(400, "request body must be a JSON object")
     model = document.get("model")
     if not isinstance(model, str) or not model:
-        raise ClientError(400, "request body has no string field 'model'")
+        if not model_optional:
+            raise ClientError(400, "request body has no string field 'model'")
+        model = ""
     if len(model) > _MAX_MODEL_NAME:
         raise ClientError(400, f"model name longer than {_MAX_MODEL_NAME} characters")
     return ParsedBody(model, document.get("stream") is True, document)
 
 
-def _listed(value: object) -> bool:
-    return isinstance(value, list) and bool(value)
+#: the request headers the API type is read from, in order (llm-d-router v0.10's ``GetRequestPath``)
+PATH_HEADERS = (":path", "x-original-path", "x-forwarded-path")
 
 
-def _given(value: object) -> bool:
-    return isinstance(value, (str, list)) and bool(value)
+def request_path(headers: Mapping[str, str]) -> str | None:
+    """The request's path: ``:path``, else ``x-original-path``, else ``x-forwarded-path`` (the first non-empty)."""
+    for name in PATH_HEADERS:
+        if value := headers.get(name):
+            return value
+    return None
 
 
-def _present(value: object) -> bool:
-    return value is not None
+# --- the API types' fields, checked as llm-d-router v0.10's OpenAI parser decodes them into Go structs ----------------
+# A check returns None when the value is acceptable, else what is wrong with it (appended to the field's name).
+Check = Callable[[object], str | None]
 
 
-#: ``:path`` suffix -> (API name, the field a request of that type must carry, the check of that field)
-_API_FIELDS = (
-    ("/chat/completions", "chat completions", "messages", _listed),
-    ("/completions", "completions", "prompt", _given),
-    ("/embeddings", "embeddings", "input", _given),
-    ("/responses", "responses", "input", _present),
-    ("/conversations", "conversations", "items", _listed),
+def _optional(check: Check) -> Check:
+    """``check``, or absent / null (Go leaves the field at its zero value)."""
+    return lambda value: None if value is None else check(value)
+
+
+def _string(value: object) -> str | None:
+    return None if isinstance(value, str) else "must be a string"
+
+
+def _boolean(value: object) -> str | None:
+    return None if isinstance(value, bool) else "must be a boolean"
+
+
+def _integer(value: object) -> str | None:
+    return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+
+
+def _array(value: object) -> str | None:
+    return None if isinstance(value, list) else "must be an array"
+
+
+def _mapping(value: object) -> str | None:
+    return None if isinstance(value, dict) else "must be an object"
+
+
+def _fields(**checks: Check) -> Check:
+    """An object whose listed fields, where present and not null, pass their checks (others are not looked at)."""
+
+    def check(value: object) -> str | None:
+        if not isinstance(value, dict):
+            return "must be an object"
+        for name, field_check in checks.items():
+            field = value.get(name)
+            if field is not None and (problem := field_check(field)) is not None:
+                return f"{name} {problem}"
+        return None
+
+    return check
+
+
+def _items(item: Check) -> Check:
+    """An array whose every element passes ``item``."""
+
+    def check(value: object) -> str | None:
+        if not isinstance(value, list):
+            return "must be an array"
+        for index, element in enumerate(value):
+            if (problem := item(element)) is not None:
+                return f"[{index}] {problem}"
+        return None
+
+    return check
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
+
+
+def _text_or_tokens(batched: bool) -> Check:
+    """A non-empty string, or a non-empty array of strings only or of token ids only (and, with ``batched``, of
+    token-id arrays only: vLLM's batched prompts)."""
+
+    def check(value: object) -> str | None:
+        if isinstance(value, str):
+            return None if value else "must not be empty"
+        if not isinstance(value, list) or not value:
+            return "must be a non-empty string or array"
+        if all(isinstance(v, str) for v in value) or all(_token_id(v) for v in value):
+            return None
+        if batched and all(isinstance(v, list) and v and all(_token_id(t) for t in v) for v in value):
+            return None
+        return "must hold strings only or token ids only"
+
+    return check
+
+
+def _not_null(value: object) -> str | None:
+    return None
+
+
+_CONTENT_BLOCK = _fields(type=_string, text=_string, image_url=_fields(url=_string),
+                         input_audio=_fields(data=_string, format=_string), video_url=_fields(url=_string))
+
+
+def _content(value: object) -> str | None:
+    """A chat message's ``content``: a string or an array of content blocks."""
+    if isinstance(value, str):
+        return None
+    if isinstance(value, list):
+        return _items(_CONTENT_BLOCK)(value)
+    return "must be a string or an array of content parts"
+
+
+_MESSAGE = _fields(role=_string, content=_content, tool_calls=_array)
+_CACHE_SALT = {"cache_salt": _string}
+
+
+@dataclass(frozen=True, slots=True)
+class ApiType:
+    """One API the picker checks: its name in messages, the field it must carry and how, the other typed fields."""
+
+    name: str
+    #: the field the request must carry (present and not null) and what it must be
+    required: str
+    check: Check
+    others: dict[str, Check]
+
+
+_CHAT = ApiType("chat completions", "messages", lambda v: "must be a non-empty array" if not isinstance(v, list) or not v
+                else _items(_MESSAGE)(v),
+                {"tools": _array, "documents": _array, "chat_template": _string,
+                 "return_assistant_tokens_mask": _boolean, "continue_final_message": _boolean,
+                 "add_generation_prompt": _boolean, "chat_template_kwargs": _mapping, **_CACHE_SALT})
+_COMPLETIONS = ApiType("completions", "prompt", _text_or_tokens(batched=True), dict(_CACHE_SALT))
+
+#: ``:path`` suffix -> its API type, first match wins (llm-d-router v0.10's ``determineAPITypeFromPath`` order)
+_API_TYPES: tuple[tuple[str, ApiType], ...] = (
+    ("/conversations", ApiType("conversations", "items", lambda v: "must be a non-empty array"
+                               if not isinstance(v, list) or not v else _items(_fields(type=_string, role=_string))(v),
+                               {"metadata": _mapping, **_CACHE_SALT})),
+    ("/responses", ApiType("responses", "input", _not_null, dict(_CACHE_SALT))),
+    ("/chat/completions", _CHAT),
+    ("/chat/completions/render", _CHAT),
+    ("/completions", _COMPLETIONS),
+    ("/completions/render", _COMPLETIONS),
+    ("/embeddings", ApiType("embeddings", "input", _text_or_tokens(batched=False), dict(_CACHE_SALT))),
+    ("/images/generations", ApiType("images generations", "prompt",
+                                    lambda v: None if isinstance(v, str) and v else "must be a non-empty string",
+                                    {"n": _integer, "size": _string, "num_inference_steps": _integer})),
 )
 
 
 def validate_api_fields(document: dict[str, Any], path: str | None) -> None:
-    """Refuse (400) a request missing the field its API type needs; the type comes from the ``:path`` suffix.
+    """Refuse (400) a request whose fields do not fit its API type; the type comes from the path's suffix.
 
-    Completions need a non-empty ``prompt``, chat completions a non-empty ``messages`` list, embeddings a non-empty
-    ``input``, responses an ``input``, conversations a non-empty ``items`` list. Other paths are not checked.
+    The required field: completions a ``prompt`` (a non-empty string or array), chat completions a non-empty
+    ``messages`` array of message objects (``role`` a string, ``content`` a string or content parts), embeddings an
+    ``input``, responses an ``input``, conversations a non-empty ``items`` array, image generations a non-empty
+    ``prompt`` string; the other fields llm-d-router decodes must have its types when present (``cache_salt`` a
+    string, chat ``tools`` an array, ...). Other paths, and requests without a path, are not checked.
     """
-    rule = _api_rule(path) if path else None
-    if rule is not None:
-        api, name, check = rule
-        if not check(document.get(name)):
-            raise ClientError(400, f"invalid {api} request: must have a non-empty {name!r} field")
+    api = _api_type(path) if path else None
+    if api is None:
+        return
+    value = document.get(api.required)
+    if value is None:
+        raise ClientError(400, f"invalid {api.name} request: must have a non-empty {api.required!r} field")
+    if (problem := api.check(value)) is not None:
+        raise ClientError(400, f"invalid {api.name} request: {api.required}{_join(problem)}")
+    for name, check in api.others.items():
+        field = document.get(name)
+        if field is not None and (problem := check(field)) is not None:
+            raise ClientError(400, f"invalid {api.name} request: {name}{_join(problem)}")
+
+
+def _join(problem: str) -> str:
+    return problem if problem.startswith("[") else f" {problem}"
 
 
 @lru_cache(maxsize=256)
-def _api_rule(path: str) -> tuple[str, str, Callable[[object], bool]] | None:
+def _api_type(path: str) -> ApiType | None:
     path = path.partition("?")[0].rstrip("/")
-    return next(((api, name, check) for suffix, api, name, check in _API_FIELDS if path.endswith(suffix)), None)
+    return next((api for suffix, api in _API_TYPES if path.endswith(suffix)), None)
 
 
 def _decode_json_string(raw: bytes) -> str | None:

@@ -86,8 +86,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--body-mode", choices=sorted(BODY_MODES), default="full-duplex-streamed",
                    help="body processing mode assumed when Envoy sends no protocol_config (Envoy's own is used when it does)")
     p.add_argument("--unknown-models-to-base", action="store_true",
-                   help="route model names the route table does not know like the base model, unchanged (the reference "
-                        "EPP's behaviour) instead of refusing them with 404")
+                   help="route model names the route table does not know (in the body, or in a model-name rewrite "
+                        "header naming no revision) like the base model, unchanged (the reference EPP's behaviour) "
+                        "instead of refusing them with 404")
     p.add_argument("--passthrough-parser", action="store_true",
                    help="do not parse request bodies (not OpenAI JSON): forward them untouched to any endpoint")
     p.add_argument("--fair-share-factor", type=float,

@@ -27,10 +27,18 @@ from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
 
 from loraplane.api import PriorityClass, validation
+from loraplane.api.headers import (
+    DROPPED_REASON_HEADER,
+    FAIRNESS_ID_HEADERS,
+    MODEL_NAME_REWRITE_HEADERS,
+    OBJECTIVE_HEADERS,
+)
 from loraplane.picker.body import (
+    PATH_HEADERS,
     ClientError,
     ParsedBody,
     parse_body,
+    request_path,
     rewrite_request_model,
     rewrite_response_model,
     set_request_field,
@@ -67,11 +75,7 @@ log = logging.getLogger(__name__)
 
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
-MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
-DROPPED_REASON_HEADER = "x-llm-d-request-dropped-reason"
 #: the path the picker answers itself from the route table (the names a client may send; ``RouteResolver.model_cards``)
 MODELS_PATH = "/v1/models"
 FULL_DUPLEX = pm.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -115,9 +119,9 @@ class PickerSettings:
 
     @cached_property
     def control_headers(self) -> frozenset[str]:
-        """The request headers the picker reads (Envoy sends names in lower case)."""
-        return frozenset({self.session_header.lower(), FAIRNESS_HEADER, OBJECTIVE_HEADER, MODEL_REWRITE_HEADER,
-                          ":path"})
+        """The request headers the picker reads, in lower case (names are compared case-insensitively)."""
+        return frozenset({self.session_header.lower(), *FAIRNESS_ID_HEADERS, *OBJECTIVE_HEADERS,
+                          *MODEL_NAME_REWRITE_HEADERS, *PATH_HEADERS})
 
 
 @dataclass
@@ -144,7 +148,8 @@ class PickerContext:
 
     def __post_init__(self) -> None:
         if self.lifecycle is None:
-            runtime = PluginRuntime(self.tracker, self.clock, registry=self.metrics.registry)
+            runtime = PluginRuntime(self.tracker, self.clock, registry=self.metrics.registry,
+                                    pool_size=lambda: self.snapshot().size)
             self.lifecycle = self.scheduler.lifecycle(runtime)
 
     @property
@@ -373,9 +378,11 @@ class Exchange:
     def _on_request_headers(self, message: pb.HttpHeaders) -> list[Wire]:
         wanted = self.ctx.settings.control_headers
         for header in message.headers.headers:
-            if header.key in wanted:
-                self.headers[header.key] = _header_value(header)
-        if message.end_of_stream and self.headers.get(":path", "").partition("?")[0] == MODELS_PATH:
+            key = header.key
+            # Envoy sends names in lower case; another gateway may not (llm-d-router lower-cases every name)
+            if key in wanted or (not key.islower() and (key := key.lower()) in wanted):
+                self.headers[key] = _header_value(header)
+        if message.end_of_stream and (request_path(self.headers) or "").partition("?")[0] == MODELS_PATH:
             cards = self.ctx.resolver().model_cards(int(time.time()))
             if cards is not None:  # without a route table (a peer's passthrough) a pod answers, as the reference's
                 self.close()
@@ -427,13 +434,14 @@ class Exchange:
         if self.ctx.settings.passthrough_parser:
             request, route, new_body = SchedulingRequest(subset=self.subset), None, body
         else:
-            parsed = parse_body(body, self.ctx.settings.max_body_bytes)
-            validate_api_fields(parsed.document, self.headers.get(":path"))
-            route = self._resolve(parsed)
+            rewrite = self._header(MODEL_NAME_REWRITE_HEADERS) or None
+            parsed = parse_body(body, self.ctx.settings.max_body_bytes, model_optional=rewrite is not None)
+            validate_api_fields(parsed.document, request_path(self.headers))
+            route = self._resolve(parsed, rewrite)
             request = self._scheduling_request(route, parsed)
             target = route.served_name or route.logical
             new_body = body if target == parsed.model else rewrite_request_model(body, parsed, target)
-            if target != parsed.model and self.ctx.settings.rewrite_response_model:
+            if target != parsed.model and parsed.model and self.ctx.settings.rewrite_response_model:
                 self.response_names = (target, parsed.model)
             if self.ctx.settings.runtime_priority:
                 new_body = set_request_field(new_body, "priority", -request.priority)
@@ -447,27 +455,52 @@ class Exchange:
             return [routed("request_body", destination)]
         return [routed("request_body", destination, len(new_body), new_body)]
 
-    def _resolve(self, parsed: ParsedBody) -> Resolution:
+    def _header(self, names: tuple[str, ...]) -> str | None:
+        """The first of ``names`` the request carries (the current llm-d name before its deprecated alias), as
+        llm-d-router reads them: a present name wins even when its value is empty."""
         headers = self.headers
+        for name in names:
+            if name in headers:
+                return headers[name]
+        return None
+
+    def _resolve(self, parsed: ParsedBody, rewrite: str | None) -> Resolution:
+        """The revision the request goes to.
+
+        As llm-d-router applies its model-name rewrite: a route for the body's ``model`` (the route table is
+        loraplane's rewrite rules) beats the gateway's rewrite header; without one, the header's value is the model
+        name sent to the server and is never resolved as a logical name. It names a served revision of the table
+        (routed with that revision's affinity, tenant and priority), the base model, or else nothing this pool
+        serves (404, or as given with ``--unknown-models-to-base``).
+        """
         model = self.client_model = parsed.model
-        rewrite = headers.get(MODEL_REWRITE_HEADER)
-        if rewrite and rewrite != model:  # the gateway renames the model before resolution
-            model = rewrite
-            self.ctx.metrics.model_rewrites.inc()
-        session = headers.get(self.ctx.settings.session_header.lower()) or headers.get(FAIRNESS_HEADER)
-        try:
-            route = self.ctx.resolver().resolve(model, session, self.ctx.rng)
-        except UnknownModelError as exc:
-            if not self.ctx.settings.unknown_models_to_base:
-                raise ClientError(404, str(exc), "model-not-found") from None
-            route = Resolution(model, None, None, None, "default", 0)
+        resolver = self.ctx.resolver()
+        if rewrite is None or resolver.has_route(model):
+            session = self.headers.get(self.ctx.settings.session_header.lower()) or self._header(FAIRNESS_ID_HEADERS)
+            try:
+                route = resolver.resolve(model, session, self.ctx.rng)
+            except UnknownModelError as exc:
+                if not self.ctx.settings.unknown_models_to_base:
+                    raise ClientError(404, str(exc), "model-not-found") from None
+                route = Resolution(model, None, None, None, "default", 0)
+        else:
+            if rewrite != model:
+                self.ctx.metrics.model_rewrites.inc()
+            found = resolver.served(rewrite)
+            if found is not None:
+                route = found
+            elif rewrite == resolver.base_model or self.ctx.settings.unknown_models_to_base:
+                route = Resolution(rewrite, None, None, None, "default", 0)
+            else:
+                raise ClientError(404, f"model {rewrite!r} (the model-name rewrite header's) is not served by this "
+                                  "pool", "model-not-found")
         self.route = route
         self.tenant = route.tenant
         return route
 
     def _scheduling_request(self, route: Resolution, parsed: ParsedBody) -> SchedulingRequest:
         priority = route.priority
-        name = self.headers.get(OBJECTIVE_HEADER)
+        name = self._header(OBJECTIVE_HEADERS)
         if name:
             objective = self.ctx.objectives().get(name)
             if objective is None:
@@ -497,7 +530,7 @@ class Exchange:
         return then(self._send(request, route, decision))
 
     def _fairness_key(self, request: SchedulingRequest) -> str:
-        return self.headers.get(FAIRNESS_HEADER) or request.tenant
+        return self._header(FAIRNESS_ID_HEADERS) or request.tenant
 
     def _decide(self, request: SchedulingRequest, may_wait: bool) -> Decision | None:
         """The scheduler's decision; ``may_wait``: None instead when it should wait (every candidate saturated, or

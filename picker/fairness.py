@@ -1,4 +1,5 @@
-"""Per-tenant fairness under pressure, keyed by ``x-gateway-inference-fairness-id``.
+"""Per-tenant fairness under pressure, keyed by ``x-llm-d-inference-fairness-id`` (or its deprecated alias
+``x-gateway-inference-fairness-id``).
 
 The picker never queues requests, so fairness is a refusal rule: while every candidate endpoint is saturated, a
 non-gold request whose fairness key already holds more than ``factor`` times the average in-flight count of the

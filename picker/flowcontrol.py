@@ -7,10 +7,13 @@ rounds go band by band, key by key, asking the scheduler again: a head request g
 candidates has room (the scheduler prefers a pod where its revision is warm), else that key's turn passes. A round
 runs when a request completes (``response_complete``), every ``retryIntervalSeconds`` while anything waits
 (fresher reports), and on arrival. Bounded: a band holds at most ``queueLimit`` requests and each waits at most
-``deadlineSeconds``; then 429 (sheddable) or 503, with ``x-llm-d-request-dropped-reason`` ``queue-full`` or
-``queue-deadline``. When the picker stops, every held request is answered 503 ``picker-stopping`` (Envoy and
-clients may retry it); nothing is left hanging. Clock and wake-ups come from ``PluginRuntime`` (the event loop in
-the picker, a fake clock in tests, the simulator's clock behind its admission seam).
+``deadlineSeconds``; then, in every band as llm-d-router v0.10 answers its flow control's refusals, 429 with
+``x-llm-d-request-dropped-reason`` ``rejected-saturated`` (the band is full) or ``rejected-ttl-expired`` (the
+deadline passed), or 503 ``rejected-no-endpoints`` when the deadline passes while the pool has no endpoints at all.
+When the picker stops, every held request is answered 503 ``rejected-shutting-down`` (Envoy and clients may retry
+it); nothing is left hanging. A request whose stream goes away while it waits leaves the queue, counted as
+``rejected-context-cancelled`` (nobody is left to answer). Clock and wake-ups come from ``PluginRuntime`` (the event
+loop in the picker, a fake clock in tests, the simulator's clock behind its admission seam).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pydantic import Field
 
 from loraplane.api import ApiModel
 from loraplane.picker.lifecycle import Cancellable, InFlightRequest, PluginRuntime, RequestPlugin
-from loraplane.picker.plugins import PluginKind, PluginType, SchedulingError, register
+from loraplane.picker.plugins import NoEndpointError, PluginKind, PluginType, SchedulingError, register
 
 
 class Band(IntEnum):
@@ -42,8 +45,9 @@ class Band(IntEnum):
 
     @property
     def refusal_status(self) -> int:
-        """What a refused request of this band gets: 429 sheddable, else 503."""
-        return 429 if self is Band.SHEDDABLE else 503
+        """What a request of this band refused by the queue (full, or past its deadline) gets while the pool has
+        endpoints: 429 in every band, llm-d-router's backpressure (503 is for a pool with none)."""
+        return 429
 
     @property
     def label(self) -> str:
@@ -95,22 +99,28 @@ class Waiter(Protocol):
 
 
 class QueueFullError(SchedulingError):
-    """The request's band already holds its limit."""
+    """The request's band already holds its limit (llm-d-router: rejected on capacity)."""
 
-    reason = "queue-full"
+    status = 429
+    reason = "rejected-saturated"
 
 
 class QueueDeadlineError(SchedulingError):
-    """The request waited its band's deadline and no candidate had room."""
+    """The request waited its band's deadline and no candidate had room (llm-d-router: its TTL expired)."""
 
-    reason = "queue-deadline"
+    status = 429
+    reason = "rejected-ttl-expired"
 
 
 class PickerStoppingError(SchedulingError):
     """The picker stopped while the request waited (retryable: another picker replica, or this one restarted)."""
 
     status = 503
-    reason = "picker-stopping"
+    reason = "rejected-shutting-down"
+
+
+#: the reason a request that went away while it waited is counted under (it gets no answer: its stream is gone)
+CANCELLED_REASON = "rejected-context-cancelled"
 
 
 def _refusal(error_type: type[SchedulingError], band: Band, message: str) -> SchedulingError:
@@ -136,6 +146,7 @@ class FlowControl(RequestPlugin):
         self.params = params
         self.clock = runtime.clock
         self.call_later = runtime.call_later
+        self.pool_size = runtime.pool_size
         #: per band: fairness key -> its held requests in arrival order; dict order is the keys' turn
         self._bands: list[dict[str, deque[_Held]]] = [{} for _ in Band]
         self._sizes = [0, 0, 0]
@@ -198,7 +209,10 @@ class FlowControl(RequestPlugin):
         """``waiter`` went away (its stream ended, or the scheduler refused it while it was tried): forget it."""
         held = self._held.get(waiter)
         if held is not None:
-            self._remove(held, "refused" if held is self._trying else "cancelled")
+            refused = held is self._trying
+            self._remove(held, "refused" if refused else "cancelled")
+            if not refused:
+                self.refused.labels(held.band.label, CANCELLED_REASON).inc()
 
     def response_complete(self, request: InFlightRequest) -> None:
         """A request finished somewhere: a dispatch round soon."""
@@ -238,13 +252,14 @@ class FlowControl(RequestPlugin):
                 self._wake_after(self.params.retry_interval_seconds)
 
     def stop(self) -> None:
-        """The picker is stopping: answer every waiting request 503 ``picker-stopping`` and take no more."""
+        """The picker is stopping: answer every waiting request 503 ``rejected-shutting-down``, take no more."""
         self.stopped = True
         if self._wake is not None:
             self._wake.cancel()
             self._wake = None
         for held in list(self._held.values()):
             self._remove(held, "stopped")
+            self.refused.labels(held.band.label, PickerStoppingError.reason).inc()
             held.waiter.refuse(PickerStoppingError("the endpoint picker stopped while the request waited"))
 
     def _expire(self, held: _Held) -> None:
@@ -253,9 +268,15 @@ class FlowControl(RequestPlugin):
         held.timer = None
         self._remove(held, "expired")
         band = held.band
-        self.refused.labels(band.label, QueueDeadlineError.reason).inc()
-        held.waiter.refuse(_refusal(QueueDeadlineError, band, f"no endpoint had room within the {band.label} "
-                                    f"deadline of {self.deadlines[band]} s"))
+        error: SchedulingError
+        if self.pool_size is not None and self.pool_size() == 0:  # no capacity at all: unavailable, not backpressure
+            error = NoEndpointError(f"the pool has no endpoints (waited the {band.label} deadline of "
+                                    f"{self.deadlines[band]} s)")
+        else:
+            error = _refusal(QueueDeadlineError, band, f"no endpoint had room within the {band.label} deadline of "
+                             f"{self.deadlines[band]} s")
+        self.refused.labels(band.label, error.reason).inc()
+        held.waiter.refuse(error)
 
     def _remove(self, held: _Held, outcome: str) -> None:
         del self._held[held.waiter]

@@ -119,6 +119,8 @@ class PluginRuntime:
     call_later: CallLater = loop_call_later
     #: where plugins register their Prometheus metrics
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    #: how many endpoints the pool has now (flow control tells a full pool from an empty one); None: not known
+    pool_size: Callable[[], int] | None = None
 
 
 @dataclass(slots=True)
@@ -126,7 +128,7 @@ class InFlightRequest:
     """One request as request plugins see it."""
 
     scheduling: SchedulingRequest
-    #: ``x-gateway-inference-fairness-id``, else the route's tenant
+    #: ``x-llm-d-inference-fairness-id`` (or its alias ``x-gateway-inference-fairness-id``), else the route's tenant
     fairness_key: str
     #: where it was sent (None until ``pre_request``)
     endpoint: str | None = None

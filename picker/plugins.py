@@ -75,11 +75,12 @@ class NoEndpointError(SchedulingError):
     """No candidate endpoint is left (empty pool, subset hint matching nothing, nothing ready)."""
 
     status = 503
-    reason = "no-endpoint"
+    reason = "rejected-no-endpoints"
 
 
 class PoolSaturatedError(SchedulingError):
-    """A sheddable request while every candidate endpoint is saturated."""
+    """A sheddable request while the pool is saturated (flow control off: the pool's mean utilisation reached 1.0;
+    on: every candidate is saturated, and the request waits instead)."""
 
     status = 429
     reason = "rejected-saturated"

@@ -49,9 +49,13 @@ class RouteResolver:
         self.table = table
         self.base_model = table.base_model if table else None
         self._routes: dict[str, _Route] = {}
+        #: served name -> what a request naming that revision directly resolves to (the model-name rewrite header)
+        self._served: dict[str, Resolution] = {}
         for name, entry in (table.models if table else {}).items():
             total, choices = 0, []
             for rev in entry.revisions:
+                self._served.setdefault(rev.served_name, Resolution(name, rev.served_name, rev.digest, rev.role,
+                                                                    entry.tenant, entry.priority))
                 if rev.weight == 0:
                     continue
                 total += rev.weight
@@ -70,6 +74,15 @@ class RouteResolver:
     def staging_pods(self) -> frozenset[str]:
         """The pods that take a revision no pod holds yet (the table's ``staging_pods``; empty: any pod)."""
         return frozenset(self.table.staging_pods) if self.table else frozenset()
+
+    def has_route(self, model: str) -> bool:
+        """Does the table route ``model`` (a logical name: llm-d-router's rewrite rule for it)?"""
+        return model in self._routes
+
+    def served(self, served_name: str) -> Resolution | None:
+        """The revision the table serves as ``served_name`` (any weight, 0 too: it is named directly), with its
+        logical name's tenant and priority; None when no revision is served under that name."""
+        return self._served.get(served_name)
 
     def resolve(self, model: str, session_key: str | None, rng: np.random.Generator) -> Resolution:
         """The revision ``model`` goes to for this session; ``UnknownModelError`` for unregistered names."""

@@ -30,7 +30,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from loraplane.api import ApiModel, Tier
-from loraplane.picker import flowcontrol, lifecycle, peers  # noqa: F401  (register the plugins configs may name)
+from loraplane.picker import flowcontrol, lifecycle, peers  # importing them registers their plugins
 from loraplane.picker.plugins import (
     REGISTRY,
     SMALL_POOL,
@@ -237,6 +237,10 @@ class Scheduler:
         #: the profile's ``prefix-cache-scorer`` (at any weight: weight 0 only feeds the cost model), else None
         self.prefix: PrefixCacheScorer | None = None
         self._in_flight_scale = 1.0 / self.thresholds.in_flight_threshold
+        #: flow control off: a sheddable request is refused when the mean utilisation of the pool (or of the gateway's
+        #: subset) reaches 1.0, as llm-d-router's admission without its flowControl feature gate; on: it waits in
+        #: the queue while every candidate is saturated, like any other request
+        self.sheds_on_pool_mean = True
         self.filters.append(_FilterStep(SUBSET_FILTER_TYPE, REGISTRY[SUBSET_FILTER_TYPE].factory(FilterParameters()), False))
         for ref in chosen.plugins:
             spec = specs[ref.plugin_ref]
@@ -258,6 +262,8 @@ class Scheduler:
                 self.max_endpoints = kind.factory(params)
             else:  # request plugins run around the cycle: see loraplane.picker.lifecycle
                 self.request_plugins.append((spec.type, spec.parameters))
+                if spec.type == "flow-control" and flowcontrol.FlowControlParameters.model_validate(spec.parameters).enabled:
+                    self.sheds_on_pool_mean = False
 
     def lifecycle(self, runtime: lifecycle.PluginRuntime) -> lifecycle.Lifecycle:
         """The profile's request plugins (in-flight accounting first), and the prefix scorer's routing hook."""
@@ -288,18 +294,25 @@ class Scheduler:
         np.maximum(util, cache.reported_utilisation, out=util)
         np.less(util, 1.0, out=unsaturated)
         cycle = Cycle(cache.everyone, util, unsaturated, rng=rng)
+        region = cache.everyone  # the endpoints the gateway allows (its subset hint), for the pool's saturation
+        subset_step = self.filters[0]
         for step in self.filters:
             keep = step.run(request, pool, cycle)
-            if keep is None:
-                continue
-            narrowed = keep if cycle.candidates is cache.everyone else cycle.candidates & keep
-            if np.count_nonzero(narrowed):
-                cycle.candidates = narrowed
-            elif not step.fail_open:
-                raise NoEndpointError(f"no endpoint left after {step.name}")
+            if keep is not None:
+                narrowed = keep if cycle.candidates is cache.everyone else cycle.candidates & keep
+                if np.count_nonzero(narrowed):
+                    cycle.candidates = narrowed
+                elif not step.fail_open:
+                    raise NoEndpointError(f"no endpoint left after {step.name}")
+            if step is subset_step:
+                region = cycle.candidates
         saturated = not np.count_nonzero(unsaturated & cycle.candidates)
-        if saturated and request.priority < 0:
-            raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
+        if request.priority < 0:
+            if not self.sheds_on_pool_mean:
+                if saturated:
+                    raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
+            elif pool_saturation(pool, util, region) >= 1.0:
+                raise PoolSaturatedError("the pool is saturated and the request is sheddable")
         if self.prefix is not None and request.prefix is not None:
             self.prefix.cycle_match(request.prefix, pool, cycle)
         scored = [(score, weight) for _name, scorer, weight in self.scorers
@@ -361,6 +374,16 @@ class Scheduler:
 _TIER_OF_LEVEL = {t.level: t for t in Tier}
 #: what the snapshot-only scorers are called with (they ignore the request)
 _NO_REQUEST = SchedulingRequest()
+
+
+def pool_saturation(pool: PoolSnapshot, utilisation: FloatArray, region: BoolArray) -> float:
+    """The mean utilisation of the ready endpoints in ``region`` (1.0 when there are none): llm-d-router's
+    utilization detector (its ``Saturation``: the mean over the candidates of max(queue / queueThreshold,
+    kv / kvThreshold), stale endpoints counting 1.0), on loraplane's utilisation, which adds the picker's own
+    in-flight count / ``inFlightThreshold`` and counts unknown endpoints as at least 1.0."""
+    members = region & pool.ready if not pool.all_ready else region
+    count = int(np.count_nonzero(members))
+    return float(utilisation[members].sum()) / count if count else 1.0
 
 
 def pick_top(scores: FloatArray, candidates: BoolArray, k: int, rng: np.random.Generator) -> tuple[int, ...]:

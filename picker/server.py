@@ -232,7 +232,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
             with contextlib.suppress(Exception):
                 await sync.publish_once()
         if (flow := ctx.flow_control) is not None:
-            flow.stop()  # every waiting request gets 503 picker-stopping before the connections close
+            flow.stop()  # every waiting request gets 503 rejected-shutting-down before the connections close
         await stop_serving()
         if client is not None:
             await client.aclose()

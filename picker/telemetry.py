@@ -62,7 +62,8 @@ class PickerMetrics:
         )
         self.model_rewrites = PromCounter(
             "loraplane_picker_model_rewrites_total",
-            "Requests whose model name the gateway replaced (x-gateway-model-name-rewrite) before resolution",
+            "Requests sent to the server under the model name of the gateway's x-llm-d-model-name-rewrite header "
+            "(or x-gateway-model-name-rewrite), the body's model having no route",
             registry=self.registry,
         )
         self.destination_overrides = PromCounter(

@@ -3,9 +3,9 @@
 ``SimFlowControl`` implements the simulator's ``Admission`` seam (``loraplane.sim.cluster``) the way the picker's
 flow-control layer is specified: a request whose best endpoint is saturated waits in priority bands (gold,
 standard, sheddable) with round-robin fair queuing over tenants inside a band, bounded by a per-band queue limit and
-a deadline, then is refused (429 sheddable, 503 otherwise). Held requests are dispatched when requests finish, by
-asking the router again (loraplane's picker prefers a pod where the revision is warm). It is the simulator's own
-model, not the picker's code. ``PickerFlowControl`` runs the picker's own queue (``loraplane.picker.flowcontrol``)
+a deadline, then is refused (429 in every band, as the picker answers while the pool has endpoints). Held
+requests are dispatched when requests finish, by asking the router again (loraplane's picker prefers a pod where
+the revision is warm). It is the simulator's own model, not the picker's code. ``PickerFlowControl`` runs the picker's own queue (``loraplane.picker.flowcontrol``)
 behind the same seam, on the simulator's clock; ``FlowControlConfig.queue`` chooses.
 """
 

@@ -159,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
                    help="TTFT a served request must meet for slo_attainment")  # fmt: skip
     p.add_argument("--flow-control", nargs="?", const="sim", choices=["sim", "picker", "off"],
                    help="loraplane only: the queue holding requests whose endpoints are saturated or have no room "
-                   "(bands, per-tenant fairness, deadline, then 429/503): the simulator's model (sim, the value "
+                   "(bands, per-tenant fairness, deadline, then 429): the simulator's model (sim, the value "
                    "when given alone), the picker's plugin with the simulator's bounds (picker) or none (off); "
                    "default: the picker config's own flow-control plugin (the packaged config ships it on)")  # fmt: skip
     p.add_argument("--loraplane-pods", choices=["chart", "vllm-defaults"], default="chart",

@@ -100,7 +100,7 @@ def refused(status: int, code: str, message: str, reason: str) -> pb.ProcessingR
 
 
 def no_endpoint(detail: str = "no endpoint left after subset-hint-filter") -> pb.ProcessingResponse:
-    return refused(503, "ServiceUnavailable", detail, "no-endpoint")
+    return refused(503, "ServiceUnavailable", detail, "rejected-no-endpoints")
 
 
 REMOVE_LENGTH = pb.ProcessingResponse(response_headers=pb.HeadersResponse(
@@ -122,6 +122,19 @@ def empty_pool(picker: Picker) -> None:
 def saturated_with_objectives(picker: Picker) -> None:
     picker.ctx.objectives = lambda: {"batch-jobs": -3}  # as the InferenceObjective watch provides them
     saturate(picker)
+
+
+def queues(empty: int, gpu: int, cpu: int) -> Callable[[Picker], None]:
+    """Each pod's reported queue (the saturation detector's queue threshold is 5: a queue of 5 is utilisation 1.0)."""
+
+    def setup(picker: Picker) -> None:
+        now = time.time()
+        for report, depth in zip(reports(now), (empty, gpu, cpu), strict=True):
+            picker.state.set_report(report.model_copy(update={"load": report.load.model_copy(
+                update={"queue_depth": depth})}))
+        picker.state.rebuild()
+
+    return setup
 
 
 @dataclass
@@ -148,8 +161,20 @@ def scheduler_for(case: Case) -> Scheduler:
 
 
 def queue_deadline(band: str) -> pb.ProcessingResponse:
-    status, code = (429, "ResourceExhausted") if band == "sheddable" else (503, "ServiceUnavailable")
-    return refused(status, code, f"no endpoint had room within the {band} deadline of {DEADLINE_S} s", "queue-deadline")
+    """Every band's deadline is 429 ``rejected-ttl-expired`` while the pool has endpoints (llm-d-router v0.10)."""
+    return refused(429, "ResourceExhausted", f"no endpoint had room within the {band} deadline of {DEADLINE_S} s",
+                   "rejected-ttl-expired")
+
+
+SHED = refused(429, "ResourceExhausted", "the pool is saturated and the request is sheddable", "rejected-saturated")
+
+
+def chat(data: bytes) -> list[pb.ProcessingRequest]:
+    return [request_headers(BUFFERED, path="/v1/chat/completions"), body(data)]
+
+
+def bad_request(message: str) -> list[pb.ProcessingResponse]:
+    return [continue_headers(), refused(400, "BadRequest", message, "bad-request")]
 
 
 JSON_REPLY = b'{"id":"c1","object":"text_completion","model":"claims@v1","choices":[{"text":"hi"}]}'
@@ -235,25 +260,142 @@ CASES: dict[str, Case] = {
         PickerSettings(max_body_bytes=1000)),
     "errors/no-endpoint-is-503": Case(
         [request_headers(BUFFERED), body(COMPLETION)],
-        [continue_headers(), refused(503, "ServiceUnavailable", "the pool has no endpoints", "no-endpoint")],
+        [continue_headers(), refused(503, "ServiceUnavailable", "the pool has no endpoints", "rejected-no-endpoints")],
         setup=empty_pool),
     "errors/sheddable-under-saturation-is-429": Case(
         [request_headers(BUFFERED, ("x-gateway-inference-objective", "sheddable")), body(COMPLETION)],
-        [continue_headers(), refused(429, "ResourceExhausted",
-                                     "every candidate endpoint is saturated and the request is sheddable",
-                                     "rejected-saturated")], setup=saturate, flow_control=False),
+        [continue_headers(), SHED], setup=saturate, flow_control=False),
+    # flow control off (llm-d-router's admission without its flowControl gate): a sheddable request is shed when the
+    # mean utilisation of the pool, or of the gateway's subset, reaches 1.0, whatever its own candidates are
+    "errors/sheddable-is-shed-when-the-pool-mean-reaches-1-though-its-warm-pod-has-room": Case(
+        [request_headers(BUFFERED, ("x-llm-d-inference-objective", "sheddable")), body(COMPLETION)],
+        [continue_headers(), SHED], setup=queues(empty=9, gpu=0, cpu=9), flow_control=False),
+    "errors/sheddable-is-routed-while-the-pool-mean-is-below-1-though-its-candidates-are-saturated": Case(
+        [request_headers(BUFFERED, ("x-llm-d-inference-objective", "sheddable")), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)],
+        setup=queues(empty=0, gpu=5, cpu=6), flow_control=False),
+    "errors/sheddable-saturation-is-the-mean-over-the-subset": Case(
+        [with_subset(request_headers(BUFFERED, ("x-llm-d-inference-objective", "sheddable")), [GPU]), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", GPU, len(REWRITTEN), REWRITTEN)],
+        setup=queues(empty=9, gpu=0, cpu=9), flow_control=False),
+    "errors/standard-is-never-shed-when-the-pool-mean-reaches-1": Case(
+        [with_subset(request_headers(BUFFERED), [GPU]), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", GPU, len(REWRITTEN), REWRITTEN)],
+        setup=saturate, flow_control=False),
     "flow-control/sheddable-under-saturation-waits-its-deadline-then-429": Case(
         [request_headers(BUFFERED, ("x-gateway-inference-objective", "sheddable")), body(COMPLETION)],
         [continue_headers(), queue_deadline("sheddable")], setup=saturate, held=True),
-    "flow-control/standard-under-saturation-waits-its-deadline-then-503": Case(
+    "flow-control/standard-under-saturation-waits-its-deadline-then-429-while-the-pool-has-endpoints": Case(
         [with_subset(request_headers(BUFFERED), [GPU]), body(COMPLETION)],
         [continue_headers(), queue_deadline("standard")], setup=saturate, held=True),
     # --- Request features -------------------------------------------------------------------------------------------
-    "request/model-name-rewrite-before-resolution-and-back-in-the-response": Case(
-        [request_headers(BUFFERED, ("x-gateway-model-name-rewrite", "claims")), body(b'{"model":"alias","prompt":"p"}'),
+    # --- model-name rewrite (llm-d-router v0.10): the header names the model the server gets, never resolved; a
+    # route for the body's model beats it; the response's model is rewritten back to the client's name
+    "rewrite/header-names-the-served-revision-the-body-model-has-no-route": Case(
+        [request_headers(BUFFERED, ("x-llm-d-model-name-rewrite", "claims@v1")), body(b'{"model":"alias","prompt":"p"}'),
          response_headers(200), response_body(b'{"model":"claims@v1"}', True)],
         [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"model":"claims@v1","prompt":"p"}')),
          CONTINUE_RESPONSE_HEADERS, replaced_response_body(b'{"model":"alias"}', True)]),
+    "rewrite/deprecated-header-name-alone": Case(
+        [request_headers(BUFFERED, ("x-gateway-model-name-rewrite", "claims@v1")), body(b'{"model":"alias","prompt":"p"}')],
+        [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"model":"claims@v1","prompt":"p"}'))]),
+    "rewrite/header-names-in-any-case": Case(
+        [request_headers(BUFFERED, ("X-LLM-D-Model-Name-Rewrite", "claims@v1")), body(b'{"model":"alias","prompt":"p"}')],
+        [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"model":"claims@v1","prompt":"p"}'))]),
+    "rewrite/deprecated-header-name-in-any-case": Case(
+        [request_headers(BUFFERED, ("X-Gateway-Model-Name-Rewrite", "claims@v1")), body(b'{"model":"alias","prompt":"p"}')],
+        [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"model":"claims@v1","prompt":"p"}'))]),
+    "rewrite/the-current-header-name-wins-over-the-deprecated-one": Case(
+        [request_headers(BUFFERED, ("x-gateway-model-name-rewrite", "nothing-served"),
+                         ("x-llm-d-model-name-rewrite", "claims@v1")), body(b'{"model":"alias","prompt":"p"}')],
+        [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"model":"claims@v1","prompt":"p"}'))]),
+    "rewrite/the-current-header-name-wins-even-empty": Case(
+        [request_headers(BUFFERED, ("x-llm-d-model-name-rewrite", ""), ("x-gateway-model-name-rewrite", "claims@v1")),
+         body(b'{"model":"alias","prompt":"p"}')],
+        [continue_headers(), refused(404, "NotFound", "model 'alias' is not served by this pool", "model-not-found")]),
+    "rewrite/a-route-for-the-body-model-beats-the-header": Case(
+        [request_headers(BUFFERED, ("x-llm-d-model-name-rewrite", "base-llm")), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
+    "rewrite/the-header-is-never-resolved-as-a-logical-name": Case(
+        [request_headers(BUFFERED, ("x-llm-d-model-name-rewrite", "claims")), body(b'{"model":"alias","prompt":"p"}')],
+        [continue_headers(), refused(404, "NotFound", "model 'claims' (the model-name rewrite header's) is not served "
+                                     "by this pool", "model-not-found")]),
+    "rewrite/header-names-the-base-model": Case(
+        [with_subset(request_headers(BUFFERED, ("x-llm-d-model-name-rewrite", "base-llm")), [EMPTY]),
+         body(b'{"model":"alias","prompt":"p"}'), response_headers(200), response_body(b'{"model":"base-llm"}', True)],
+        [continue_headers(), routed_response("request_body", EMPTY, *sized(b'{"model":"base-llm","prompt":"p"}')),
+         CONTINUE_RESPONSE_HEADERS, replaced_response_body(b'{"model":"alias"}', True)]),
+    "rewrite/header-with-a-body-without-model": Case(
+        [request_headers(BUFFERED, ("x-llm-d-model-name-rewrite", "claims@v1")), body(b'{"prompt":"p"}'),
+         response_headers(200), response_body(b'{"model":"claims@v1"}', True)],
+        [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"prompt":"p","model":"claims@v1"}')),
+         CONTINUE_RESPONSE_HEADERS, pb.ProcessingResponse(response_body=pb.BodyResponse())]),  # nothing to rewrite back
+    "rewrite/header-naming-nothing-served-passes-with-unknown-models-to-base": Case(
+        [with_subset(request_headers(BUFFERED, ("x-llm-d-model-name-rewrite", "their-name")), [EMPTY]),
+         body(b'{"model":"alias","prompt":"p"}')],
+        [continue_headers(), routed_response("request_body", EMPTY, *sized(b'{"model":"their-name","prompt":"p"}'))],
+        PickerSettings(unknown_models_to_base=True)),
+    # --- objective and fairness headers by their current names, in any case ----------------------------------------
+    "request/inference-objective-current-header-name": Case(
+        [request_headers(BUFFERED, ("X-LLM-D-Inference-Objective", "batch-jobs")), body(COMPLETION)],
+        [continue_headers(), SHED], setup=saturated_with_objectives, flow_control=False),
+    "request/inference-objective-the-current-header-name-wins": Case(
+        [with_subset(request_headers(BUFFERED, ("x-gateway-inference-objective", "sheddable"),
+                                     ("x-llm-d-inference-objective", "standard")), [GPU]), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", GPU, len(REWRITTEN), REWRITTEN)], setup=saturate,
+        flow_control=False),
+    # --- body checks (llm-d-router v0.10's OpenAI parser) ------------------------------------------------------------
+    "body/chat-message-role-not-a-string-is-400": Case(
+        chat(b'{"model":"claims","messages":[{"role":123,"content":"hi"}]}'),
+        bad_request("invalid chat completions request: messages[0] role must be a string")),
+    "body/chat-message-content-not-text-or-parts-is-400": Case(
+        chat(b'{"model":"claims","messages":[{"role":"user","content":7}]}'),
+        bad_request("invalid chat completions request: messages[0] content must be a string or an array of "
+                    "content parts")),
+    "body/chat-message-not-an-object-is-400": Case(
+        chat(b'{"model":"claims","messages":["hi"]}'),
+        bad_request("invalid chat completions request: messages[0] must be an object")),
+    "body/chat-tools-not-an-array-is-400": Case(
+        chat(b'{"model":"claims","messages":[{"role":"user","content":"hi"}],"tools":"all"}'),
+        bad_request("invalid chat completions request: tools must be an array")),
+    "body/chat-template-kwargs-not-an-object-is-400": Case(
+        chat(b'{"model":"claims","messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":[1]}'),
+        bad_request("invalid chat completions request: chat_template_kwargs must be an object")),
+    "body/chat-with-content-parts-and-a-tool-call-message-is-routed": Case(
+        chat(b'{"model":"claims","messages":[{"role":"user","content":[{"type":"text","text":"hi"},'
+             b'{"type":"image_url","image_url":{"url":"u"}}]},{"role":"assistant","content":null,"tool_calls":[]}]}'),
+        [continue_headers(), routed_response("request_body", BOTH, *sized(
+            b'{"model":"claims@v1","messages":[{"role":"user","content":[{"type":"text","text":"hi"},'
+            b'{"type":"image_url","image_url":{"url":"u"}}]},{"role":"assistant","content":null,"tool_calls":[]}]}'))]),
+    "body/completion-prompt-of-mixed-types-is-400": Case(
+        [request_headers(BUFFERED), body(b'{"model":"claims","prompt":["a",1]}')],
+        bad_request("invalid completions request: prompt must hold strings only or token ids only")),
+    "body/cache-salt-not-a-string-is-400": Case(
+        [request_headers(BUFFERED), body(b'{"model":"claims","prompt":"p","cache_salt":5}')],
+        bad_request("invalid completions request: cache_salt must be a string")),
+    "body/images-generations-without-prompt-is-400": Case(
+        [request_headers(BUFFERED, path="/v1/images/generations"), body(b'{"model":"claims","n":1}')],
+        bad_request("invalid images generations request: must have a non-empty 'prompt' field")),
+    "body/images-generations-with-an-empty-prompt-is-400": Case(
+        [request_headers(BUFFERED, path="/openai/v1/images/generations"), body(b'{"model":"claims","prompt":""}')],
+        bad_request("invalid images generations request: prompt must be a non-empty string")),
+    "body/images-generations-with-a-prompt-is-routed": Case(
+        [request_headers(BUFFERED, path="/v1/images/generations"), body(b'{"model":"claims","prompt":"a cat"}')],
+        [continue_headers(), routed_response("request_body", BOTH, *sized(b'{"model":"claims@v1","prompt":"a cat"}'))]),
+    "body/chat-render-sub-path-is-checked-as-chat": Case(
+        [request_headers(BUFFERED, path="/v1/chat/completions/render"), body(b'{"model":"claims","prompt":"p"}')],
+        bad_request("invalid chat completions request: must have a non-empty 'messages' field")),
+    "body/api-type-from-x-original-path-without-path": Case(
+        [headers([(":method", "POST"), ("x-original-path", "/v1/chat/completions")], body_mode=BUFFERED),
+         body(b'{"model":"claims","prompt":"p"}')],
+        bad_request("invalid chat completions request: must have a non-empty 'messages' field")),
+    "body/api-type-from-x-forwarded-path-without-the-others": Case(
+        [headers([(":method", "POST"), ("x-forwarded-path", "/v1/embeddings?x=1")], body_mode=BUFFERED),
+         body(b'{"model":"claims","prompt":"p"}')],
+        bad_request("invalid embeddings request: must have a non-empty 'input' field")),
+    "body/path-wins-over-x-original-path": Case(
+        [request_headers(BUFFERED, ("x-original-path", "/v1/chat/completions")), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),
     "request/completion-without-prompt-is-400": Case(
         [request_headers(BUFFERED), body(b'{"model":"claims"}')],
         [continue_headers(), refused(400, "BadRequest", "invalid completions request: must have a non-empty 'prompt' field",
@@ -266,7 +408,7 @@ CASES: dict[str, Case] = {
     "request/chat-with-empty-messages-is-400": Case(
         [request_headers(BUFFERED, path="/v1/chat/completions"), body(b'{"model":"claims","messages":[]}')],
         [continue_headers(), refused(400, "BadRequest",
-                                     "invalid chat completions request: must have a non-empty 'messages' field",
+                                     "invalid chat completions request: messages must be a non-empty array",
                                      "bad-request")]),
     "request/embeddings-without-input-is-400": Case(
         [request_headers(BUFFERED, path="/v1/embeddings"), body(b'{"model":"claims"}')],
@@ -287,10 +429,7 @@ CASES: dict[str, Case] = {
         [continue_headers(), routed_response("request_body", EMPTY)], PickerSettings(unknown_models_to_base=True)),
     "request/inference-objective-by-name": Case(
         [request_headers(BUFFERED, ("x-gateway-inference-objective", "batch-jobs")), body(COMPLETION)],
-        [continue_headers(), refused(429, "ResourceExhausted",
-                                     "every candidate endpoint is saturated and the request is sheddable",
-                                     "rejected-saturated")],
-        setup=saturated_with_objectives, flow_control=False),
+        [continue_headers(), SHED], setup=saturated_with_objectives, flow_control=False),
     "request/inference-objective-by-name-with-flow-control": Case(
         [request_headers(BUFFERED, ("x-gateway-inference-objective", "batch-jobs")), body(COMPLETION)],
         [continue_headers(), queue_deadline("sheddable")], setup=saturated_with_objectives, held=True),
@@ -395,10 +534,13 @@ async def test_served_endpoint_moves_the_in_flight_count(transport: str) -> None
 @pytest.mark.parametrize("transport", ["h2", "grpcio"])
 async def test_model_name_rewrites_are_counted(transport: str) -> None:
     async with serve_picker(transport, PickerSettings(body_mode=BUFFERED)) as picker:
-        await picker.exchange(request_headers(None, ("x-gateway-model-name-rewrite", "claims")),
+        await picker.exchange(request_headers(None, ("x-llm-d-model-name-rewrite", "claims@v1")),
                               body(b'{"model":"alias","prompt":"p"}'))
-        await picker.exchange(request_headers(None, ("x-gateway-model-name-rewrite", "claims")), body(COMPLETION))
-        assert picker.ctx.metrics.model_rewrites._value.get() == 1  # the second named the same model: no rewrite
+        await picker.exchange(request_headers(None, ("x-gateway-model-name-rewrite", "claims@v1")), body(COMPLETION))
+        await picker.exchange(request_headers(None, ("x-gateway-model-name-rewrite", "claims@v1")),
+                              body(b'{"model":"claims@v1","prompt":"p"}'))
+        # the second's body model has a route (it beats the header), the third names the header's model already
+        assert picker.ctx.metrics.model_rewrites._value.get() == 1
 
 
 @pytest.mark.parametrize("transport", ["h2", "grpcio"])

@@ -67,10 +67,18 @@ class Request:
         self.refused.append((self.name, error.status, error.reason))
 
 
-def make_queue(**params: object) -> tuple[FlowControl, FakeLoop]:
+def make_queue(pool_size: list[int] | None = None, **params: object) -> tuple[FlowControl, FakeLoop]:
+    """A queue on a fake clock; ``pool_size``: the pool's endpoint count it reads (``[n]``, changed by the test)."""
     loop = FakeLoop()
-    runtime = PluginRuntime(InFlightTracker(), loop.clock, loop.call_later)
+    runtime = PluginRuntime(InFlightTracker(), loop.clock, loop.call_later,
+                            pool_size=None if pool_size is None else lambda: pool_size[0])
     return FlowControl(FlowControlParameters.model_validate(params), runtime), loop
+
+
+def refusals(queue: FlowControl) -> dict[tuple[str, str], float]:
+    """``loraplane_picker_queue_refusals_total`` by (band, reason)."""
+    return {(s.labels["band"], s.labels["reason"]): s.value for m in queue.refused.collect() for s in m.samples
+            if s.name.endswith("_total")}
 
 
 def test_bands_go_in_priority_order_and_keys_take_turns_inside_a_band() -> None:
@@ -100,21 +108,42 @@ def test_one_slot_at_a_time_goes_to_the_highest_band_then_the_next_key() -> None
     assert log == ["g1", "a1", "b1", "a2"]
 
 
-def test_a_request_that_outwaits_its_deadline_is_refused_429_sheddable_503_otherwise() -> None:
-    queue, loop = make_queue(deadlineSeconds={"standard": 1.0, "sheddable": 0.5})
+def test_a_request_that_outwaits_its_deadline_is_refused_429_ttl_expired_in_every_band() -> None:
+    """llm-d-router v0.10: a queue TTL eviction is backpressure (429 ``rejected-ttl-expired``) whatever the priority,
+    while the pool has endpoints (before, a non-sheddable request got 503)."""
+    queue, loop = make_queue([3], deadlineSeconds={"gold": 1.2, "standard": 1.0, "sheddable": 0.5})
     room, log = [0], []
-    standard, sheddable = Request("s", room, log), Request("x", room, log)
+    gold, standard, sheddable = Request("g", room, log), Request("s", room, log), Request("x", room, log)
+    queue.hold(gold, 5, "a")
     queue.hold(standard, 0, "a")
     queue.hold(sheddable, -1, "a")
     loop.advance(0.49)
     assert not sheddable.refused
     loop.advance(0.02)
-    assert sheddable.refused == [("x", 429, "queue-deadline")] and queue.size == 1
+    assert sheddable.refused == [("x", 429, "rejected-ttl-expired")] and queue.size == 2
     loop.advance(0.5)
-    assert standard.refused == [("s", 503, "queue-deadline")] and queue.size == 0
+    assert standard.refused == [("s", 429, "rejected-ttl-expired")] and queue.size == 1
+    loop.advance(0.2)
+    assert gold.refused == [("g", 429, "rejected-ttl-expired")] and queue.size == 0
     room[0] = 5
     loop.advance(1.0)
     assert log == []  # refused requests are never dispatched
+    assert refusals(queue) == {(band, "rejected-ttl-expired"): 1.0 for band in ("gold", "standard", "sheddable")}
+
+
+def test_a_deadline_that_passes_while_the_pool_has_no_endpoints_is_503_no_endpoints() -> None:
+    """No serving capacity at all is unavailability, not backpressure: 503 ``rejected-no-endpoints``."""
+    pool = [2]
+    queue, loop = make_queue(pool, deadlineSeconds={"standard": 1.0, "sheddable": 0.5})
+    room, log = [0], []
+    standard, sheddable = Request("s", room, log), Request("x", room, log)
+    queue.hold(standard, 0, "a")
+    queue.hold(sheddable, -1, "a")
+    pool[0] = 0
+    loop.advance(1.0)
+    assert standard.refused == [("s", 503, "rejected-no-endpoints")]
+    assert sheddable.refused == [("x", 503, "rejected-no-endpoints")]
+    assert refusals(queue) == {("standard", "rejected-no-endpoints"): 1.0, ("sheddable", "rejected-no-endpoints"): 1.0}
 
 
 def test_each_band_is_bounded() -> None:
@@ -124,11 +153,12 @@ def test_each_band_is_bounded() -> None:
     queue.hold(Request("s2", room, log), 0, "b")
     with pytest.raises(QueueFullError) as full:
         queue.hold(Request("s3", room, log), 0, "c")
-    assert (full.value.status, full.value.reason) == (503, "queue-full")
+    # llm-d-router v0.10: a queue at capacity refuses 429 rejected-saturated in every band (before: 503 queue-full)
+    assert (full.value.status, full.value.reason) == (429, "rejected-saturated")
     queue.hold(Request("x1", room, log), -1, "a")
     with pytest.raises(QueueFullError) as shed:
         queue.hold(Request("x2", room, log), -1, "a")
-    assert shed.value.status == 429
+    assert (shed.value.status, shed.value.reason) == (429, "rejected-saturated")
     queue.hold(Request("g1", room, log), 1, "a")  # gold has its own room
     assert queue.size == 4
 
@@ -140,7 +170,8 @@ def test_stopping_answers_every_waiting_request_and_takes_no_more() -> None:
     for i, request in enumerate(waiting):
         queue.hold(request, i - 1, "a")
     queue.stop()
-    assert [r.refused for r in waiting] == [[(f"r{i}", 503, "picker-stopping")] for i in range(3)]
+    assert [r.refused for r in waiting] == [[(f"r{i}", 503, "rejected-shutting-down")] for i in range(3)]
+    assert refusals(queue) == {(band, "rejected-shutting-down"): 1.0 for band in ("gold", "standard", "sheddable")}
     with pytest.raises(PickerStoppingError):
         queue.hold(Request("late", room, log), 0, "a")
     room[0] = 10
@@ -158,6 +189,7 @@ def test_a_cancelled_request_leaves_the_queue() -> None:
     room[0] = 5
     loop.advance(0.1)
     assert log == ["stays"] and not gone.refused
+    assert refusals(queue) == {("standard", "rejected-context-cancelled"): 1.0}  # nobody left to answer
 
 
 @dataclass(eq=False)
@@ -243,7 +275,7 @@ def test_a_held_sheddable_request_is_refused_429_at_its_deadline() -> None:
     loop.advance(0.31)
     (refusal,) = replies
     assert refusal.immediate_response.status.code == 429
-    assert header_map(refusal.immediate_response.headers)["x-llm-d-request-dropped-reason"] == "queue-deadline"
+    assert header_map(refusal.immediate_response.headers)["x-llm-d-request-dropped-reason"] == "rejected-ttl-expired"
 
 
 def test_without_a_transport_that_can_answer_later_or_with_the_switch_off_nothing_waits() -> None:
@@ -354,8 +386,8 @@ async def test_a_held_request_whose_client_half_closed_still_gets_its_answer(tra
             assert answer.WhichOneof("response") == "request_body"
             assert header_map(answer.request_body.response.header_mutation)["x-gateway-destination-endpoint"]
         else:
-            reason = "queue-deadline" if fate == "deadline" else "picker-stopping"
-            assert answer.immediate_response.status.code == 503
+            status, reason = (429, "rejected-ttl-expired") if fate == "deadline" else (503, "rejected-shutting-down")
+            assert answer.immediate_response.status.code == status
             assert header_map(answer.immediate_response.headers)["x-llm-d-request-dropped-reason"] == reason
         assert flow_of(picker).size == 0 and queue_length(picker) == 0
         assert not picker.ctx.tracker.counts
@@ -397,7 +429,7 @@ async def test_a_held_request_whose_client_goes_away_leaves_the_queue(transport:
 
 
 def test_held_requests_the_pool_can_no_longer_take_are_all_answered_in_one_round() -> None:
-    """Every pod turns not ready while three requests wait: the next round answers all three 503 no-endpoint
+    """Every pod turns not ready while three requests wait: the next round answers all three 503 no-endpoints
     (before: the first refusal raised KeyError in the round, the others waited for another arrival or their
     deadline)."""
     ctx, state = make_context(scheduler=Scheduler(EndpointPickerConfig.model_validate(ONE_IN_FLIGHT)))
@@ -415,5 +447,15 @@ def test_held_requests_the_pool_can_no_longer_take_are_all_answered_in_one_round
     answers = [[(r.immediate_response.status.code,
                  header_map(r.immediate_response.headers)["x-llm-d-request-dropped-reason"]) for r in replies]
                for _, replies in held]
-    assert answers == [[(503, "no-endpoint")]] * 3
+    assert answers == [[(503, "rejected-no-endpoints")]] * 3
     assert ctx.flow_control is not None and ctx.flow_control.size == 0
+
+
+def test_the_pickers_queue_reads_the_pools_endpoint_count() -> None:
+    """What tells a queue deadline in a full pool (429) from one in an empty pool (503) in the picker process."""
+    ctx, state = make_context()
+    flow = ctx.flow_control
+    assert flow is not None and flow.pool_size is not None and flow.pool_size() == 3
+    state.reports.clear()
+    state.rebuild()
+    assert flow.pool_size() == 0
