@@ -39,7 +39,9 @@ from loraplane.api.base import ApiModel
 from loraplane.api.headers import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER
 from loraplane.api.identity import RUNTIME_COMPAT_VERSION, cache_key, parse_served_name, served_name
 from loraplane.api.objective import (
+    LEGACY_OBJECTIVE_GROUP,
     OBJECTIVE_GROUP,
+    OBJECTIVE_GROUPS,
     OBJECTIVE_PLURAL,
     OBJECTIVE_VERSION,
     InferenceObjective,
@@ -90,8 +92,10 @@ __all__ = [
     "FINAL_ERROR_REASONS",
     "GROUP",
     "KIND",
+    "LEGACY_OBJECTIVE_GROUP",
     "MAX_PUBLISHED_BLOCKS",
     "OBJECTIVE_GROUP",
+    "OBJECTIVE_GROUPS",
     "OBJECTIVE_PLURAL",
     "OBJECTIVE_VERSION",
     "PLURAL",

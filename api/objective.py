@@ -1,8 +1,10 @@
-"""GIE's ``InferenceObjective`` (``inference.networking.x-k8s.io/v1alpha2``): a named priority for requests.
+"""``InferenceObjective``: a named priority for requests.
 
-A request names its objective in ``x-gateway-inference-objective``; the picker watches these resources (like the
-``InferencePool``) and schedules the request with the objective's priority. Only the fields loraplane reads are
-modelled; the rest of the object passes through.
+llm-d-router serves it as ``llm-d.ai/v1alpha2`` (since v0.10, when the endpoint picker left the Gateway API Inference
+Extension); GIE's ``inference.networking.x-k8s.io/v1alpha2`` is the deprecated group of the same schema. A request
+names its objective in ``x-llm-d-inference-objective`` (or ``x-gateway-inference-objective``); the picker watches
+these resources in both groups (like the ``InferencePool``; the new group wins for a name both hold) and schedules the
+request with the objective's priority. Only the fields loraplane reads are modelled; the rest passes through.
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from pydantic import ConfigDict, Field
 from loraplane.api.adapterrevision import ObjectMeta
 from loraplane.api.base import ApiModel
 
-OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
+#: llm-d-router's group (preferred)
+OBJECTIVE_GROUP = "llm-d.ai"
+#: GIE's group before v1.6 (deprecated, still watched)
+LEGACY_OBJECTIVE_GROUP = "inference.networking.x-k8s.io"
+#: the groups watched, preferred first
+OBJECTIVE_GROUPS = (OBJECTIVE_GROUP, LEGACY_OBJECTIVE_GROUP)
 OBJECTIVE_VERSION = "v1alpha2"
 OBJECTIVE_PLURAL = "inferenceobjectives"
 
@@ -47,7 +54,7 @@ class InferenceObjective(ApiModel):
     group: ClassVar[str] = OBJECTIVE_GROUP
     version: ClassVar[str] = OBJECTIVE_VERSION
 
-    api_version: Literal["inference.networking.x-k8s.io/v1alpha2"] = "inference.networking.x-k8s.io/v1alpha2"
+    api_version: Literal["llm-d.ai/v1alpha2", "inference.networking.x-k8s.io/v1alpha2"] = "llm-d.ai/v1alpha2"
     kind: Literal["InferenceObjective"] = "InferenceObjective"
     metadata: ObjectMeta
     spec: InferenceObjectiveSpec

@@ -125,8 +125,9 @@ def inference_pool_crd() -> dict[str, Any]:
         short_names=["infpool"], description="InferencePool is the Schema for the InferencePools API.")
 
 
-def inference_objective_crd() -> dict[str, Any]:
-    """GIE's ``InferenceObjective`` (``inference.networking.x-k8s.io/v1alpha2``) CRD: a named request priority."""
+def inference_objective_crd(group: str = "llm-d.ai") -> dict[str, Any]:
+    """The ``InferenceObjective`` CRD (``<group>/v1alpha2``): a named request priority. llm-d-router serves it as
+    ``llm-d.ai`` (the default); ``inference.networking.x-k8s.io`` is GIE's deprecated group of the same schema."""
     spec_schema = {
         "type": "object",
         "required": ["poolRef"],
@@ -141,9 +142,7 @@ def inference_objective_crd() -> dict[str, Any]:
     }
     status_schema = {"type": "object", "properties": {
         "conditions": {"type": "array", "maxItems": 8, "items": _CONDITION}}}
-    return _namespaced_crd(
-        "inference.networking.x-k8s.io", "v1alpha2", "InferenceObjective", "inferenceobjectives", spec_schema,
-        status_schema)
+    return _namespaced_crd(group, "v1alpha2", "InferenceObjective", "inferenceobjectives", spec_schema, status_schema)
 
 
 def _namespaced_crd(group: str, version: str, kind: str, plural: str, spec_schema: dict[str, Any],
@@ -181,8 +180,9 @@ def _namespaced_crd(group: str, version: str, kind: str, plural: str, spec_schem
 
 
 def default_crds() -> list[dict[str, Any]]:
-    """AdapterRevision (generated from ``loraplane.api``), InferencePool and InferenceObjective."""
-    return [adapter_revision_crd(), inference_pool_crd(), inference_objective_crd()]
+    """AdapterRevision (generated from ``loraplane.api``), InferencePool and InferenceObjective in both its groups."""
+    return [adapter_revision_crd(), inference_pool_crd(), inference_objective_crd("llm-d.ai"),
+            inference_objective_crd("inference.networking.x-k8s.io")]
 
 
 def load_crds(folder: Path) -> list[dict[str, Any]]:

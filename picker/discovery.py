@@ -4,8 +4,9 @@ Two list + watch informers (``loraplane.kube.Informer``: resourceVersion, bookma
 pool object and the namespace's pods current; every change recomputes the members and hands them to the picker's
 ``PoolState`` when they differ. Members follow ``loraplane.kube.pool_members`` (the rule the controller uses too:
 the pool's namespace, ``spec.selector.matchLabels``, ready pods with an IP), addressed at
-``spec.targetPorts[0].number``. A third informer follows the
-namespace's GIE ``InferenceObjective``s for the pool: their priorities by name (``ObjectiveWatch``).
+``spec.targetPorts[0].number``. Two more informers follow the
+namespace's ``InferenceObjective``s for the pool, in llm-d-router's group (``llm-d.ai``) and GIE's deprecated one
+(``inference.networking.x-k8s.io``): their priorities by name, the new group's winning (``ObjectiveWatch``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from kubernetes import client as k8s
 from pydantic import ValidationError
 
-from loraplane.api import OBJECTIVE_GROUP, OBJECTIVE_PLURAL, OBJECTIVE_VERSION, InferenceObjective
+from loraplane.api import OBJECTIVE_GROUPS, OBJECTIVE_PLURAL, OBJECTIVE_VERSION, InferenceObjective
 from loraplane.kube import POOL_GROUP, POOL_PLURAL, POOL_VERSION, Informer, Key, SelectorError, pool_members
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,9 @@ def objective_priorities(objectives: Mapping[Key, Mapping[str, Any]], namespace:
 
 
 class ObjectiveWatch:
-    """Follows the namespace's ``InferenceObjective``s (list + watch); ``priorities`` is the current name -> priority."""
+    """Follows the namespace's ``InferenceObjective``s in every group of ``OBJECTIVE_GROUPS`` (list + watch each; a
+    group whose CRD is not installed lists nothing); ``priorities`` is the current name -> priority, an objective of
+    the preferred group (``llm-d.ai``) winning over one of the same name in the deprecated group."""
 
     def __init__(self, api_client: k8s.ApiClient, namespace: str, pool: str) -> None:
         """Watch ``namespace`` for objectives of ``pool``."""
@@ -118,16 +121,22 @@ class ObjectiveWatch:
         self.namespace = namespace
         self.pool = pool
         self.priorities: dict[str, int] = {}
-        self.informer = Informer("inferenceobjectives", custom.list_namespaced_custom_object,
-                                 (OBJECTIVE_GROUP, OBJECTIVE_VERSION, namespace, OBJECTIVE_PLURAL), self._changed)
+        self.informers = [Informer(f"inferenceobjectives.{group}", custom.list_namespaced_custom_object,
+                                   (group, OBJECTIVE_VERSION, namespace, OBJECTIVE_PLURAL), self._changed)
+                          for group in OBJECTIVE_GROUPS]
 
     def start(self) -> None:
-        """Start the informer (call on the event loop)."""
-        self.informer.start()
+        """Start the informers (call on the event loop)."""
+        for informer in self.informers:
+            informer.start()
 
     def stop(self) -> None:
         """Stop watching."""
-        self.informer.stop()
+        for informer in self.informers:
+            informer.stop()
 
     def _changed(self, kind: str, obj: Mapping[str, Any] | None) -> None:
-        self.priorities = objective_priorities(self.informer.items, self.namespace, self.pool)
+        priorities: dict[str, int] = {}
+        for informer in reversed(self.informers):  # the preferred group last: its names win
+            priorities |= objective_priorities(informer.items, self.namespace, self.pool)
+        self.priorities = priorities

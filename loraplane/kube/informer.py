@@ -115,6 +115,7 @@ class Informer:
     def _run(self) -> None:
         backoff = 0.2
         resource_version: str | None = None
+        last_status: int | None = None
         while not self._stop.is_set():
             try:
                 if resource_version is None:
@@ -123,12 +124,16 @@ class Informer:
                     resource_version = listing["metadata"]["resourceVersion"]
                     self._post(self._replace, listing.get("items", []))
                 resource_version = self._watch_from(resource_version)
-                backoff = 0.2
+                backoff, last_status = 0.2, None
             except ApiException as exc:
                 if exc.status == 410:
                     resource_version = None
                     continue
-                log.warning("%s watch failed (%s); relisting in %.1fs", self.name, exc.status, backoff)
+                # a resource whose CRD is not installed (404) is said once, then retried quietly
+                quiet = exc.status == 404 and exc.status == last_status
+                last_status = exc.status
+                log.log(logging.DEBUG if quiet else logging.WARNING, "%s watch failed (%s); relisting in %.1fs",
+                        self.name, exc.status, backoff)
                 resource_version = None
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 10.0)

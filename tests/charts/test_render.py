@@ -323,6 +323,9 @@ def _check_rbac(rendered: Rendered, values: dict[str, Any]) -> None:
         picker_role = rendered.get("Role", name_of("picker"))
         assert {v for r in picker_role["rules"] for v in r["verbs"]} == {"list", "watch"}
         assert {res for r in picker_role["rules"] for res in r["resources"]} == {"inferencepools", "inferenceobjectives", "pods"}
+        # InferenceObjectives in llm-d-router's group and GIE's deprecated one (the picker watches both)
+        assert {g for r in picker_role["rules"] if "inferenceobjectives" in r["resources"] for g in r["apiGroups"]} == {
+            "llm-d.ai", "inference.networking.x-k8s.io"}
     else:
         assert "--inference-pool" not in picker_args
     controller = rendered.get("Role", name_of("controller"))

@@ -72,31 +72,58 @@ def test_pool_endpoints_is_pure() -> None:
     assert pool_endpoints(pools, pods, "ns", "missing") is None
 
 
-def objective(name: str, pool: str, priority: int | None = None) -> dict[str, Any]:
+LLMD, LEGACY = "llm-d.ai", "inference.networking.x-k8s.io"
+
+
+def objective(name: str, pool: str, priority: int | None = None, group: str = LLMD) -> dict[str, Any]:
     spec: dict[str, Any] = {"poolRef": {"name": pool}}
     if priority is not None:
         spec["priority"] = priority
-    return {"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
-            "metadata": {"name": name}, "spec": spec}
+    return {"apiVersion": f"{group}/v1alpha2", "kind": "InferenceObjective", "metadata": {"name": name}, "spec": spec}
 
 
 @pytest.mark.slow
-async def test_inference_objectives_are_watched_by_name(devcluster: DevCluster) -> None:
+@pytest.mark.parametrize("group", [LLMD, LEGACY])
+async def test_inference_objectives_are_watched_by_name(devcluster: DevCluster, group: str) -> None:
+    """In llm-d-router's group (``llm-d.ai``, what v0.10 serves) and GIE's deprecated one alike."""
     api = kube_config.new_client_from_config(str(devcluster.kubeconfig))
     custom = k8s.CustomObjectsApi(api)
-    group = ("inference.networking.x-k8s.io", "v1alpha2", "default", "inferenceobjectives")
-    custom.create_namespaced_custom_object(*group, objective("batch", "pool-a", -2))
-    custom.create_namespaced_custom_object(*group, objective("other-pool", "pool-b", 5))
+    where = (group, "v1alpha2", "default", "inferenceobjectives")
+    custom.create_namespaced_custom_object(*where, objective("batch", "pool-a", -2, group))
+    custom.create_namespaced_custom_object(*where, objective("other-pool", "pool-b", 5, group))
     discovery = PoolDiscovery(api, "default", "pool-a", lambda _members: None)
     discovery.start()
     try:
         await eventually(lambda: discovery.objective_priorities() == {"batch": -2})
-        custom.create_namespaced_custom_object(*group, objective("interactive", "pool-a"))  # unset priority: 0
+        custom.create_namespaced_custom_object(*where, objective("interactive", "pool-a", group=group))  # unset: 0
         await eventually(lambda: discovery.objective_priorities() == {"batch": -2, "interactive": 0})
-        custom.patch_namespaced_custom_object(*group, "batch", {"spec": {"priority": 3}})
+        custom.patch_namespaced_custom_object(*where, "batch", {"spec": {"priority": 3}})
         await eventually(lambda: discovery.objective_priorities() == {"batch": 3, "interactive": 0})
-        custom.delete_namespaced_custom_object(*group, "batch")
+        custom.delete_namespaced_custom_object(*where, "batch")
         await eventually(lambda: discovery.objective_priorities() == {"interactive": 0})
+    finally:
+        discovery.stop()
+        api.close()
+
+
+@pytest.mark.slow
+async def test_an_objective_in_the_llm_d_group_wins_over_the_deprecated_groups_of_the_same_name(
+        devcluster: DevCluster) -> None:
+    api = kube_config.new_client_from_config(str(devcluster.kubeconfig))
+    custom = k8s.CustomObjectsApi(api)
+    new, old = ((g, "v1alpha2", "default", "inferenceobjectives") for g in (LLMD, LEGACY))
+    custom.create_namespaced_custom_object(*old, objective("batch", "pool-a", -5, LEGACY))
+    custom.create_namespaced_custom_object(*old, objective("legacy-only", "pool-a", 2, LEGACY))
+    custom.create_namespaced_custom_object(*new, objective("batch", "pool-a", -1))
+    discovery = PoolDiscovery(api, "default", "pool-a", lambda _members: None)
+    discovery.start()
+    try:
+        await eventually(lambda: discovery.objective_priorities() == {"batch": -1, "legacy-only": 2})
+        custom.delete_namespaced_custom_object(*new, "batch")  # the deprecated group's object is what is left
+        await eventually(lambda: discovery.objective_priorities() == {"batch": -5, "legacy-only": 2})
+        custom.create_namespaced_custom_object(*new, objective("batch", "pool-b", 7))  # another pool's: not ours
+        await asyncio.sleep(0.3)
+        assert discovery.objective_priorities() == {"batch": -5, "legacy-only": 2}
     finally:
         discovery.stop()
         api.close()
