@@ -187,6 +187,9 @@ CASES: dict[str, Case] = {
     "subset/list-with-unknown-entries-picks-only-the-known-member": Case(
         [with_subset(request_headers(BUFFERED), [CPU, "9.9.9.9:8000", 7]), body(COMPLETION)],
         [continue_headers(), routed_response("request_body", CPU, len(REWRITTEN), REWRITTEN)]),
+    "subset/list-entries-holding-comma-separated-addresses": Case(  # GIE v1.6's lightweight picker splits them too
+        [with_subset(request_headers(BUFFERED), [f"9.9.9.9:8000, {CPU}"]), body(COMPLETION)],
+        [continue_headers(), routed_response("request_body", CPU, len(REWRITTEN), REWRITTEN)]),
     "subset/comma-separated-string": Case(
         [with_subset(request_headers(BUFFERED), f"{CPU}, {GPU}"), body(COMPLETION)],
         [continue_headers(), routed_response("request_body", BOTH, len(REWRITTEN), REWRITTEN)]),

@@ -459,3 +459,20 @@ def test_the_pickers_queue_reads_the_pools_endpoint_count() -> None:
     state.reports.clear()
     state.rebuild()
     assert flow.pool_size() == 0
+
+
+@pytest.mark.parametrize(("pairs", "key"), [
+    ((), "acme"),  # no fairness id: the route's tenant
+    ((("x-gateway-inference-fairness-id", "old"),), "old"),  # the deprecated name alone
+    ((("x-gateway-inference-fairness-id", "old"), ("x-llm-d-inference-fairness-id", "new")), "new"),
+    ((("X-LLM-D-Inference-Fairness-Id", "new"),), "new"),  # any case
+    ((("x-llm-d-inference-fairness-id", ""), ("x-gateway-inference-fairness-id", "old")), "acme"),  # empty wins: unset
+])
+def test_the_fairness_key_reads_the_current_header_name_first(pairs: tuple[tuple[str, str], ...], key: str) -> None:
+    """llm-d-router v0.10's ``x-llm-d-inference-fairness-id``, its deprecated alias after it (the current name wins
+    when both come, even empty), names in any case."""
+    ctx, _ = make_context()
+    exchange = Exchange(ctx)
+    exchange.handle(headers([*REQUEST_HEADERS, *pairs], body_mode=BUFFERED))
+    exchange.handle(body(COMPLETION))
+    assert exchange.inflight is not None and exchange.inflight.fairness_key == key
