@@ -55,9 +55,13 @@ class PassthroughResolver(RouteResolver):
 
     def resolve(self, model: str, session_key: str | None, rng: np.random.Generator) -> Resolution:
         """``model`` unchanged."""
-        if model in self._base_models():
-            return Resolution(model, None, None, None, "default", 0)
-        return Resolution(model, model, None, None, "default", 0)
+        return self.served(model)
+
+    def served(self, served_name: str) -> Resolution:
+        """Any name is served as given: a model-name rewrite header's too (there are no routes to beat it)."""
+        if served_name in self._base_models():
+            return Resolution(served_name, None, None, None, "default", 0)
+        return Resolution(served_name, served_name, None, None, "default", 0)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import grpc
 import orjson
 import pytest
 from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -184,6 +185,25 @@ def test_passthrough_routes_names_as_given_and_the_base_model_as_base() -> None:
     assert (adapter.served_name, adapter.digest, adapter.priority) == ("tenant-a/sql", None, 0)
     assert resolver.resolve("base-llm", None, rng).served_name is None  # type: ignore[arg-type]
     assert resolver.priorities() == {} and resolver.staging_pods() == frozenset()
+
+
+def test_passthrough_sends_a_model_name_rewrite_headers_name_as_given() -> None:
+    """A peer's pool has no routes, so the header always applies (llm-d-router: no rewrite rule for the body's
+    model): the server gets the header's name, scheduled as that adapter, and the response says the client's."""
+    from loraplane.picker.extproc import Exchange, PickerSettings
+    from tests.picker.conftest import make_context
+
+    ctx, _ = make_context(PickerSettings(body_mode=BUFFERED))
+    resolver = PassthroughResolver(lambda: frozenset({"base-llm"}))
+    ctx.resolver = lambda: resolver
+    for name, served in (("their-adapter", "their-adapter"), ("base-llm", None)):
+        exchange = Exchange(ctx)
+        exchange.handle(headers([*REQUEST_HEADERS, ("x-llm-d-model-name-rewrite", name)], body_mode=BUFFERED))
+        (reply,) = exchange.handle(body(b'{"model": "alias", "prompt": "p"}'))
+        sent = orjson.loads(pb.ProcessingResponse.FromString(reply).request_body.response.body_mutation.body)
+        assert sent["model"] == name and exchange.response_names == (name, "alias")
+        assert exchange.route is not None and exchange.route.served_name == served
+        exchange.close()
 
 
 def test_passthrough_has_no_model_list_so_a_pod_answers_v1_models() -> None:
