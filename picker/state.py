@@ -43,6 +43,10 @@ class NotLoadedResolver(RouteResolver):
         """Always ``ClientError(503)``."""
         raise ClientError(503, "the picker has not read the pool's route table yet", "not-ready")
 
+    def served(self, served_name: str) -> Resolution | None:
+        """Always ``ClientError(503)`` (a model-name rewrite header's revision is not known yet either)."""
+        raise ClientError(503, "the picker has not read the pool's route table yet", "not-ready")
+
 
 #: The longest TTL a report counts with (``--max-report-ttl-seconds``): a sidecar asking for more (a typo, or one
 #: that wants to look alive for long) is aged as if it had asked for this.

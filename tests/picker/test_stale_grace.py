@@ -105,6 +105,9 @@ async def test_a_picker_that_has_not_read_redis_yet_answers_503_not_404(redis_sr
     with pytest.raises(ClientError) as refused:
         state.resolver.resolve("claims", None, rng)
     assert (refused.value.status, refused.value.reason) == (503, "not-ready")
+    with pytest.raises(ClientError) as refused:  # a model-name rewrite header's revision is not known yet either
+        state.resolver.served("claims@v1")
+    assert (refused.value.status, refused.value.reason) == (503, "not-ready")
     client = aioredis.Redis.from_url(redis_srv.url)
     await RedisSync(state, client, RequestStats(Clock()), "picker-0").load_all()  # Redis holds no table
     with pytest.raises(UnknownModelError):
