@@ -65,7 +65,7 @@ SERVED = 0
 
 
 class Refused(Exception):
-    """A router's refusal of a request: the client gets ``status`` (429 sheddable, 503 otherwise)."""
+    """A router's refusal of a request: the client gets ``status`` (429 saturated or queue-refused, 503 no endpoint)."""
 
     def __init__(self, status: int, reason: str) -> None:
         super().__init__(reason)
