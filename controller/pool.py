@@ -210,15 +210,19 @@ def fit_to_sidecars(placement: Placement, planned: Placement, reports: Sequence[
     a disk-tier revision (vLLM). There the sidecar would clip the extra ones to disk, i.e. unload them, by its own
     order: a canary between its activation and its probe among them (its probe then gets the runtime's 404). Here:
 
-    - GPU, on a pod whose loads activate (``loads_activate``) and that has host-tier targets: at most
-      ``max_gpu_slots - 1`` GPU-tier targets (the sidecar keeps the last slot free for loads); the last the plan
-      placed that no rollout requires go to CPU.
+    - GPU, on a pod whose loads activate (``loads_activate``) and that has host-tier targets (or disk-tier ones its
+      runtime keeps registered, ``demotes_to_disk``: vLLM's sidecar registers them, and loading or serving one takes
+      a GPU slot too): at most ``max_gpu_slots - 1`` GPU-tier targets (the sidecar keeps the last slot free for
+      loads); the last the plan placed that no rollout requires go to CPU.
     - Host (GPU + CPU tiers, ``max(max_cpu_slots, max_gpu_slots)`` as the sidecar counts them), on a pod that does
-      not keep disk-tier revisions registered: no rollout requirement gives way. First to go (to disk) are the
+      not keep disk-tier revisions registered, and one fewer on a pod whose loads activate and that registers its
+      disk-tier targets, while it has any (each load of one, and each request for one, makes a host copy: the
+      sidecar leaves one copy free of host-tier targets for it; disk-tier registrations take no host slot
+      themselves): no rollout requirement gives way. First to go (to disk) are the
       plan's entries the pod does not serve yet (a load not made: nothing routed there is lost), then those whose
       revision another pod serves now and keeps serving in the plan, then the make-before-break holds (the latest
       first: their revision's traffic has no pod until its new one serves it), then the plan's other entries;
-      within each, the last placed first.
+      within each, the last placed first. (Both cuts are ``Reconciler.within_capacity``'s, in the plan's order.)
     """
     required = {d.served_name: d.required for d in demands}
     pods = {pod: dict(held) for pod, held in placement.pods.items()}
@@ -237,14 +241,16 @@ def fit_to_sidecars(placement: Placement, planned: Placement, reports: Sequence[
 
         gpu = [n for n, t in held.items() if t is Tier.GPU]
         excess = len(gpu) - (load.max_gpu_slots - 1)
-        if report.loads_activate and excess > 0 and any(t is Tier.CPU for t in held.values()):
+        # disk-tier targets its sidecar registers (vLLM): they load and are served through the landing slot too
+        on_disk = report.loads_activate and report.demotes_to_disk and any(t is Tier.DISK for t in held.values())
+        if report.loads_activate and excess > 0 and (on_disk or any(t is Tier.CPU for t in held.values())):
             for name in [n for n in reversed(gpu) if not needed(n)][:excess]:
                 held[name] = Tier.CPU
                 notes.setdefault(name, f"pod {pod} keeps a GPU slot free for loads (its runtime's loads activate)")
-        if report.demotes_to_disk:
+        if report.demotes_to_disk and not on_disk:
             continue
         host = [n for n, t in held.items() if t in warm]
-        over = len(host) - max(load.max_cpu_slots, load.max_gpu_slots)
+        over = len(host) - (max(load.max_cpu_slots, load.max_gpu_slots) - (1 if on_disk else 0))
         if over <= 0:
             continue
 

@@ -10,7 +10,10 @@ An adapter leaving the runtime (out of the target, or demoted to disk on a runti
 there) is drained first: its report row says ``draining`` (routers stop sending it new requests), and only when that
 report was published, ``drain_grace_s`` has passed since, and its requests in flight are done, is it unloaded. On a
 runtime that can (``Capabilities.demote``), a disk-tier target demotes a registered adapter instead: it stays
-servable (the runtime reads it back from local disk when a request needs it), so it is not drained.
+servable (the runtime reads it back from local disk when a request needs it), so it is not drained. On a runtime that
+keeps registered adapters servable from their path but cannot evict one (``Capabilities.disk_registered``: vLLM), a
+disk-tier target is registered and not kept resident: loaded when it is not (after every warmer target, one at a
+time), never unloaded for being disk-tier, and left to the runtime's LRU.
 """
 
 from __future__ import annotations
@@ -246,6 +249,9 @@ class Reconciler:
         if target.tier is Tier.DISK:
             if held is not None and held.pinned and caps.pin:
                 return Action.UNPIN
+            if caps.disk_registered:  # registered, not kept resident: the runtime's LRU ages its copy out
+                registered = held is not None and held.tier is not Tier.ABSENT
+                return None if registered else Action.LOAD if cached else Action.FETCH
             if in_runtime:
                 return Action.DEMOTE if caps.demote else Action.UNLOAD
             return None if cached else Action.FETCH
@@ -265,19 +271,28 @@ class Reconciler:
         return None
 
     @staticmethod
-    def within_capacity(target: TargetState, info: RuntimeInfo,
-                        landing_slot: bool = False) -> tuple[dict[str, AdapterTarget], dict[str, str]]:
+    def within_capacity(target: TargetState, info: RuntimeInfo, landing_slot: bool = False,
+                        registers_disk: bool = False) -> tuple[dict[str, AdapterTarget], dict[str, str]]:
         """The target clipped to the runtime's slots, and why each clipped adapter was moved down.
 
         Asking for more GPU (or host) adapters than the runtime has slots would make every activation evict another
         wanted adapter, forever. Pinned adapters first, then higher priority, then by name, get the slots; the rest
         are kept one tier lower (GPU -> CPU -> disk). With ``landing_slot`` (a runtime whose loads activate) and
         host-tier targets, one GPU slot is left for loading and serving those (else each would evict a GPU target).
+
+        With ``registers_disk`` too (disk-tier targets stay registered: ``Capabilities.disk_registered``), loading or
+        serving a disk-tier target also lands in that GPU slot, and makes a copy in the host cache: while there are
+        disk-tier targets, one host copy is left free of host-tier targets as well (else each such load or request
+        would push a kept copy out). Disk-tier targets take no host slot themselves.
         """
+        on_disk = registers_disk and any(t.tier is Tier.DISK for t in target.adapters)
+        landing = landing_slot and (on_disk or any(t.tier is Tier.CPU for t in target.adapters))
         gpu_free = info.max_loras
-        if landing_slot and gpu_free is not None and any(t.tier is Tier.CPU for t in target.adapters):
+        if landing and gpu_free is not None:
             gpu_free -= 1
         host_free = None if info.max_cpu_loras is None else max(info.max_cpu_loras, info.max_loras or 0)
+        if landing_slot and on_disk and host_free is not None:
+            host_free -= 1
         clipped: dict[str, AdapterTarget] = {}
         why: dict[str, str] = {}
         for t in sorted(target.adapters, key=lambda t: (not t.pinned, -t.priority, t.served_name)):
@@ -296,7 +311,7 @@ class Reconciler:
 
     def plan(self, target: TargetState, observation: Observation) -> dict[str, tuple[Action, AdapterTarget | None]]:
         """The next action of every adapter that needs one (target adapters and unwanted runtime adapters)."""
-        wanted, _ = self.within_capacity(target, observation.info, self.driver.capabilities.load_activates)
+        wanted, _ = self._within_capacity(target, observation.info)
         actions: dict[str, tuple[Action, AdapterTarget | None]] = {}
         for name, t in wanted.items():
             action = self.next_action(t, observation.adapters.get(name))
@@ -309,11 +324,17 @@ class Reconciler:
             actions[name] = (Action.UNPIN if pin else Action.UNLOAD, None)
         return actions
 
+    def _within_capacity(self, target: TargetState,
+                         info: RuntimeInfo) -> tuple[dict[str, AdapterTarget], dict[str, str]]:
+        caps = self.driver.capabilities
+        return self.within_capacity(target, info, caps.load_activates, caps.disk_registered)
+
     def leaving(self, wanted: dict[str, AdapterTarget], observation: Observation) -> set[str]:
         """Adapters the runtime serves that the (clipped) target takes out of it: they are drained, then unloaded.
 
-        A disk-tier target takes an adapter out only on a runtime that cannot demote it (it stays servable else)."""
-        unloads_for_disk = not self.driver.capabilities.demote
+        A disk-tier target takes an adapter out only on a runtime that cannot keep it registered on disk (it stays
+        servable else: ``demote``, ``disk_registered``)."""
+        unloads_for_disk = not self.driver.capabilities.serves_disk_tier
         out = set()
         for name, held in observation.adapters.items():
             t = wanted.get(name)
@@ -355,7 +376,7 @@ class Reconciler:
         now = self._clock()
         self._forget_stale_status(target, observation)
         planned = self.plan(target, observation)
-        wanted_tiers, clipped = self.within_capacity(target, observation.info, self.driver.capabilities.load_activates)
+        wanted_tiers, clipped = self._within_capacity(target, observation.info)
         self.driver.keep_resident({n for n, t in wanted_tiers.items() if t.tier is Tier.GPU},
                                   {n for n, t in wanted_tiers.items() if t.tier in (Tier.GPU, Tier.CPU)})
         if self.drain_grace_s > 0:
@@ -384,10 +405,26 @@ class Reconciler:
         # targets before GPU-tier ones, so the GPU-tier ones are the most recently used when all are in
         serial = self.driver.capabilities.load_activates
         placing = serial and any(self._task_action[n] in _PLACING for n in busy)
+        # disk-tier registrations (``disk_registered``) are the lowest priority: each waits until no warmer target
+        # is being placed or due to be, and one at a time (each load takes the landing slot and a host copy)
 
-        def order(item: tuple[str, tuple[Action, AdapterTarget | None]]) -> tuple[bool, bool]:
+        def registration(name: str, action: Action) -> bool:
+            t = wanted_tiers.get(name)
+            return action in _PLACING and t is not None and t.tier is Tier.DISK
+
+        def warm_placement(name: str, action: Action) -> bool:
+            t = wanted_tiers.get(name)
+            return action in _PLACING and t is not None and t.tier is not Tier.DISK
+
+        registering = any(registration(n, self._task_action[n]) for n in busy)
+        warming = any(warm_placement(n, self._task_action[n]) for n in busy) or any(
+            warm_placement(n, a) and self.status.get(n, AdapterStatus()).not_before <= now
+            for n, (a, _) in planned.items())
+
+        def order(item: tuple[str, tuple[Action, AdapterTarget | None]]) -> tuple[bool, int]:
             action, t = item[1]
-            return not action.removes, t is not None and t.tier is Tier.GPU
+            rank = 0 if t is None or t.tier is Tier.CPU else 1 if t.tier is Tier.GPU else 2
+            return not action.removes, rank
 
         # removals first: an activation waits while an unload or offload is freeing a slot
         for name, (action, t) in sorted(planned.items(), key=order):
@@ -405,6 +442,10 @@ class Reconciler:
                 continue
             if action is Action.ACTIVATE and removing:
                 continue
+            if registration(name, action):
+                if warming or registering:
+                    continue
+                registering = True
             if serial and action in _PLACING:
                 if placing:
                     continue

@@ -199,7 +199,7 @@ class Sidecar:
             ready=self.ready,
             runtime=self.config.runtime,
             residency_inferred=not self.driver.capabilities.reports_residency,
-            demotes_to_disk=self.driver.capabilities.demote,
+            demotes_to_disk=self.driver.capabilities.serves_disk_tier,
             loads_activate=self.driver.capabilities.load_activates,
             base_model_digest=info.base_model_digest,
             max_lora_rank=info.max_lora_rank,

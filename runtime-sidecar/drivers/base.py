@@ -34,9 +34,13 @@ class Capabilities:
     evicting the least recently used active one (vLLM): the reconciler loads one at a time, host-tier targets first,
     and keeps one GPU slot free of GPU-tier targets for those loads.
     ``demote``: an adapter can leave GPU and host memory while staying registered (``demote``), and a request for
-    it reads it back from local disk: a disk-tier target demotes it, and it stays servable (the engine). Without it
-    a disk-tier target drains and unloads it (vLLM reloads a registered adapter its CPU cache evicted, but cannot be
-    told to evict one).
+    it reads it back from local disk: a disk-tier target demotes it, and it stays servable (the engine).
+    ``disk_registered``: a registered adapter whose copy left the runtime's host cache stays servable (the runtime
+    reads it back from its path on the next request), but the runtime cannot be told to evict one (vLLM): a
+    disk-tier target means *registered, not kept resident*. It is loaded (registered) when it is not, after every
+    GPU- and host-tier target and one at a time, never unloaded for being disk-tier, and left out of
+    ``keep_resident``, so the runtime's LRU ages its copy out (the demote is "stop keeping it").
+    With neither, a disk-tier target drains and unloads a registered adapter and only keeps it in the disk cache.
     """
 
     tier_control: bool
@@ -46,6 +50,12 @@ class Capabilities:
     priority: bool = False
     load_activates: bool = False
     demote: bool = False
+    disk_registered: bool = False
+
+    @property
+    def serves_disk_tier(self) -> bool:
+        """A disk-tier target stays (``demote``) or becomes (``disk_registered``) servable, registered on disk."""
+        return self.demote or self.disk_registered
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,11 @@ a copy of vLLM's LRU order. Before a load or a warm-up that would push a kept ad
 touches (one-token completions) the kept adapters that would otherwise be the least recently used, so the copy that
 goes is an unwanted or unloaded one.
 
+A registered name whose copy LRU pushed out is still served (from its path): so a disk-tier target is *registered,
+not kept resident* (``Capabilities.disk_registered``): the reconciler loads it when it is not registered (after the
+GPU- and host-tier targets, one at a time), never unloads it for being disk-tier, and leaves it out of
+``keep_resident``, so its copy is the one LRU pushes out.
+
 ``load_inplace`` is not used: in vLLM 0.32 the flag stays on the stored request and every later engine step that
 serves the adapter reloads it from disk (and the prefix cache keeps blocks computed with the old weights).
 """
@@ -290,7 +295,7 @@ class VllmDriver(VllmApiDriver):
 
     kind = "vllm"
     capabilities = Capabilities(tier_control=False, pin=False, reports_residency=False,
-                                exports_residency_metrics=False, load_activates=True)
+                                exports_residency_metrics=False, load_activates=True, disk_registered=True)
 
     def __init__(
         self,

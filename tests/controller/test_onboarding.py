@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -102,26 +103,36 @@ class Pool:
 
 class VllmPool(Pool):
     """Pods whose runtime is vLLM, as their sidecars drive it: a load activates (the sidecar keeps one GPU slot free
-    of GPU-tier targets while it has host-tier ones), the host cache holds ``max(max_cpu_loras, max_loras)`` copies,
-    and a disk-tier target is unloaded (vLLM cannot demote). Each sidecar cuts its target to those limits by its own
-    order (``Reconciler.within_capacity``: pinned, priority, name) before applying it; a probe gets vLLM's 404 when
-    the name is not registered (held at GPU or CPU)."""
+    of GPU-tier targets while it has host-tier ones), the host cache holds ``max(max_cpu_loras, max_loras)`` copies.
+    With ``registers_disk`` (sidecars now) a disk-tier target is registered, not kept resident: it is served from
+    disk, and the sidecar keeps the landing slot and one host copy for loading and serving those; without (sidecars
+    before), a disk-tier target is unloaded. Each sidecar cuts its target to those limits by its own order
+    (``Reconciler.within_capacity``: pinned, priority, name) before applying it; a probe gets vLLM's 404 when the
+    name is not registered."""
+
+    def __init__(self, *args: Any, registers_disk: bool = True, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.registers_disk = registers_disk
+        #: the most targets one sidecar had to cut by its own order in one pass (the controller's cut leaves none)
+        self.clipped_peak = 0
 
     def report(self, pod: str, i: int) -> ResidencyReport:
         report = super().report(pod, i)
-        report.demotes_to_disk, report.loads_activate = False, True
+        report.demotes_to_disk, report.loads_activate = self.registers_disk, True
         report.load.max_cpu_slots = max(self.cpu_slots, self.gpu_slots)
         for row in report.adapters:
-            row.registered = row.tier in (Tier.GPU, Tier.CPU)
+            row.registered = self.serves(pod, row.served_name)
         return report
 
     def clip(self, state: TargetState) -> dict[str, Tier]:
         info = RuntimeInfo(base_model="base", max_loras=self.gpu_slots, max_cpu_loras=self.cpu_slots)
-        wanted, _ = Reconciler.within_capacity(state, info, landing_slot=True)
+        wanted, why = Reconciler.within_capacity(state, info, landing_slot=True, registers_disk=self.registers_disk)
+        self.clipped_peak = max(self.clipped_peak, len(why))
         return {name: t.tier for name, t in wanted.items()}
 
     def serves(self, pod: str, served_name: str) -> bool:
-        return self.held[pod].get(served_name) in (Tier.GPU, Tier.CPU)
+        tier = self.held[pod].get(served_name)
+        return tier in (Tier.GPU, Tier.CPU) or (self.registers_disk and tier is Tier.DISK)
 
 
 def _phases(revisions: list[AdapterRevision]) -> dict[str, int]:
@@ -185,24 +196,33 @@ def test_admission_into_activating_is_first_come_first_served_and_says_why_it_wa
     assert pool.required_gpu_peak == 1
 
 
+@pytest.mark.parametrize("registers_disk", [True, False], ids=["disk-registered", "disk-unloaded"])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_sweep_into_vllm_pods_ends_all_stable(seed: int) -> None:
+def test_a_sweep_into_vllm_pods_ends_all_stable(seed: int, registers_disk: bool) -> None:
     """The twin's failure, in small: vLLM pods (4 GPU slots, 16 host copies) and 120 first revisions. Promoted
     revisions move off their canary pod (its GPU slots go to the next canaries) and make-before-break keeps them
     there at CPU until their new pod serves them: beyond the pod's host copies, where its sidecar cut the target by
     its own order and unloaded a canary between its activation and its probe (RolledBack ProbeFailed HTTP 404, or
-    a canary left in Probing for good). Now the controller cuts each pod's target itself and no canary gives way."""
+    a canary left in Probing for good). Now the controller cuts each pod's target itself and no canary gives way:
+    with sidecars that unload disk-tier targets (before) and with sidecars that register them (now)."""
     revisions = [revision("v1", adapter=f"a{(i * 37) % 120:03d}", n=i + 1, warmPolicy="gpu-preferred",
                           priorityClass=("gold", "standard", "sheddable")[i % 3]) for i in range(120)]
-    pool = VllmPool(revisions, gpu_slots=4, cpu_slots=16, seed=seed)
+    pool = VllmPool(revisions, gpu_slots=4, cpu_slots=16, seed=seed, registers_disk=registers_disk)
     for _ in range(600):
         pool.step()
         if all(r.status.phase in (Phase.STABLE, Phase.ROLLED_BACK, Phase.FAILED) for r in revisions):
             break
-    print(f"ONBOARDING-VLLM {{'seed': {seed}, 'phases': {_phases(revisions)}, "
-          f"'required_gpu_peak': {pool.required_gpu_peak}}}")
+    print(f"ONBOARDING-VLLM {{'seed': {seed}, 'registers_disk': {registers_disk}, 'phases': {_phases(revisions)}, "
+          f"'required_gpu_peak': {pool.required_gpu_peak}, 'clipped_peak': {pool.clipped_peak}}}")
     stranded = {r.metadata.name: f"{r.status.phase.value} {r.status.reason}: {r.status.message}"
                 for r in revisions if r.status.phase is not Phase.STABLE}
     assert stranded == {}
     # admission left the landing slot: at most 3 canaries hold GPU on a pod at once
     assert pool.required_gpu_peak <= pool.gpu_slots - 1
+    # the controller cut each pod's target to what its sidecar keeps (the landing slot, and with disk-tier
+    # registrations one host copy too): no sidecar had to cut one by its own order
+    assert pool.clipped_peak == 0
+    # sidecars that register disk-tier targets: every Stable revision is served somewhere (at disk at least), so no
+    # request gets vLLM's 404; sidecars that unloaded them left those beyond the pool's host copies nowhere
+    unserved = [r.served_name for r in revisions if not any(pool.serves(pod, r.served_name) for pod in pool.pods)]
+    assert len(unserved) == (0 if registers_disk else len(revisions) - len(PODS) * 16)

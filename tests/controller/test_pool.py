@@ -112,6 +112,46 @@ def test_a_vllm_pods_targets_are_cut_by_the_controller_never_a_canary() -> None:
     assert fit_to_sidecars(kept, planned, [engine], demands, serving).pods["pod-0"] == kept.pods["pod-0"]
 
 
+def test_a_vllm_pod_registering_disk_tier_targets_keeps_a_landing_slot_and_a_host_copy_for_them() -> None:
+    """A vLLM sidecar now registers disk-tier targets (``demotes_to_disk``): loading one, and each request for one,
+    takes a GPU slot and makes a host copy. So the controller keeps the landing slot for them (as for host-tier
+    targets) and, while the pod has any, one host copy free of host-tier targets: exactly what the sidecar keeps
+    (``Reconciler.within_capacity``), so it cuts nothing by its own order. Disk-tier entries take no host slot."""
+    from loraplane.api import TargetState
+    from loraplane.controller.pool import _target
+    from loraplane.sidecar.drivers.base import RuntimeInfo
+    from loraplane.sidecar.reconcile import Reconciler
+
+    report = _vllm_report("pod-0", gpu=4, host=6).model_copy(update={"demotes_to_disk": True})
+    canary = "c0@v1"
+    demands = [AdapterDemand(canary, 1, required={"pod-0": Tier.GPU})]
+    disk = {f"d{i}@v1": Tier.DISK for i in range(8)}
+
+    def fitted(held: dict[str, Tier]) -> dict[str, Tier]:
+        plan = Placement(pods={"pod-0": held})
+        pods = fit_to_sidecars(plan, plan, [report], demands, {}).pods["pod-0"]
+        # the sidecar applies it as it is
+        revisions = {n: _stable(revision("v1", adapter=n[:-3], n=i + 1)) for i, n in enumerate(pods)}
+        targets = [_target(revisions[n], revisions[n].status, t) for n, t in pods.items()]
+        state = TargetState(pool="pool", pod="pod-0", generation=1, updated_at=0.0, adapters=targets)
+        _, clipped = Reconciler.within_capacity(state, RuntimeInfo(base_model="m", max_loras=4, max_cpu_loras=6),
+                                                landing_slot=True, registers_disk=True)
+        assert clipped == {}, clipped
+        return pods
+
+    gpu = {canary: Tier.GPU, "g1@v1": Tier.GPU, "g2@v1": Tier.GPU, "g3@v1": Tier.GPU}
+    # GPU-tier and disk-tier targets only: the last GPU-tier one no rollout requires keeps the landing slot free
+    pods = fitted({**gpu, **disk})
+    assert [n for n, t in pods.items() if t is Tier.GPU] == [canary, "g1@v1", "g2@v1"] and pods["g3@v1"] is Tier.CPU
+    assert all(pods[n] is Tier.DISK for n in disk)  # eight registrations, no host slot taken
+    # a full host cache (6 copies): one copy is left for loading and serving the registrations
+    pods = fitted({**gpu, "h1@v1": Tier.CPU, "h2@v1": Tier.CPU, **disk})
+    assert sum(t in (Tier.GPU, Tier.CPU) for t in pods.values()) == 5 and pods[canary] is Tier.GPU
+    # without disk-tier targets a host cache may be full (nothing is loaded beside the kept copies)
+    pods = fitted({**gpu, "h1@v1": Tier.CPU, "h2@v1": Tier.CPU})
+    assert sum(t in (Tier.GPU, Tier.CPU) for t in pods.values()) == 6
+
+
 def test_admission_leaves_the_landing_slot_of_a_pod_whose_loads_activate() -> None:
     assert canary_gpu_slots(_vllm_report("p", gpu=4)) == 3
     assert canary_gpu_slots(_vllm_report("p", gpu=1)) == 1  # at least one: a canary activates by its own load

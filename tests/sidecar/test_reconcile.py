@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
 from loraplane.sidecar.cache import DiskCache, StageTimings
 from loraplane.sidecar.drivers import make_driver
 from loraplane.sidecar.drivers.base import Observation, RuntimeAdapter, RuntimeInfo
+from loraplane.sidecar.drivers.vllm import VllmDriver
 from loraplane.sidecar.metrics import SidecarMetrics
 from loraplane.sidecar.reconcile import Action, Backoff, LoadRecord, Reconciler
 from tests.sidecar.adapters import BASE_DIGEST, sha256_of, target_for, write_weights
@@ -31,6 +33,20 @@ def make_reconciler(tmp_path: Path, runtime: str = "engine", clock=None, drain_g
     kwargs = {"clock": clock} if clock else {}
     return Reconciler(driver, cache, SidecarMetrics(), backoff=Backoff(1.0, 8.0, random.Random(0)),
                       drain_grace_s=drain_grace_s, **kwargs)
+
+
+class UnregisteringDriver(VllmDriver):
+    """A runtime whose loads activate that can neither demote an adapter nor serve a registered one from disk: a
+    disk-tier target drains and unloads it (no runtime loraplane drives is so now; vLLM was before it was driven as
+    ``disk_registered``)."""
+
+    capabilities = dataclasses.replace(VllmDriver.capabilities, disk_registered=False)
+
+
+def unregistering(tmp_path: Path, **kw) -> Reconciler:
+    r = make_reconciler(tmp_path, runtime="vllm", **kw)
+    r.driver = UnregisteringDriver(f"http://127.0.0.1:{free_port()}", INFO, env={})
+    return r
 
 
 def observe(*held: RuntimeAdapter) -> Observation:
@@ -93,24 +109,34 @@ def test_vllm_cannot_offload_or_pin(tmp_path: Path, target) -> None:
     assert r.next_action(gpu, held(gpu, Tier.GPU, r)) is None
 
 
-def test_a_disk_target_drains_and_unloads_on_vllm_but_demotes_on_the_engine_without_draining(
+def test_a_disk_target_stays_registered_on_vllm_demotes_on_the_engine_and_drains_where_neither_can(
     tmp_path: Path, target
 ) -> None:
     now = [100.0]
 
     async def run() -> None:
         vllm = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0], drain_grace_s=1.0)
+        other = unregistering(tmp_path, clock=lambda: now[0], drain_grace_s=1.0)
         engine = make_reconciler(tmp_path, clock=lambda: now[0], drain_grace_s=1.0)
         disk = target(Tier.DISK)
-        for r in (vllm, engine):
+        assert vllm.next_action(disk, None) is Action.FETCH  # fetched first (not serialised with the loads) ...
+        for r in (vllm, other, engine):
             cached(r, disk)
+        assert vllm.next_action(disk, None) is Action.LOAD  # ... then registered
+        assert other.next_action(disk, None) is None and engine.next_action(disk, None) is None
+        # vLLM: registered, not kept resident: nothing to do at any tier, never drained, left out of keep_resident
         in_host = observe(held(disk, Tier.CPU, vllm))
-        assert vllm.next_action(disk, in_host.adapters[disk.served_name]) is Action.UNLOAD
-        assert vllm.step(state(disk), in_host) == []  # drained first: the row says draining, nothing unloaded yet
-        assert vllm.draining == {disk.served_name: None}
-        vllm.announced({disk.served_name})
+        for tier in (Tier.GPU, Tier.CPU, Tier.DISK):
+            assert vllm.next_action(disk, held(disk, tier, vllm)) is None
+        assert vllm.step(state(disk), in_host) == [] and vllm.draining == {}
+        assert vllm.driver._host_keep == frozenset()  # type: ignore[attr-defined]
+        # a runtime that can neither: drained first (the row says draining, nothing unloaded yet), then unloaded
+        assert other.next_action(disk, in_host.adapters[disk.served_name]) is Action.UNLOAD
+        assert other.step(state(disk), in_host) == []
+        assert other.draining == {disk.served_name: None}
+        other.announced({disk.served_name})
         now[0] += 1.5
-        assert vllm.step(state(disk), in_host) == [(disk.served_name, Action.UNLOAD)]
+        assert other.step(state(disk), in_host) == [(disk.served_name, Action.UNLOAD)]
         assert engine.step(state(disk), observe(held(disk, Tier.CPU, engine))) == [(disk.served_name, Action.DEMOTE)]
         assert engine.draining == {}  # it stays servable: routers keep sending it requests
         busy = observe(held(disk, Tier.GPU, engine, in_flight=2))
@@ -128,7 +154,7 @@ def test_a_disk_target_drains_and_unloads_on_vllm_but_demotes_on_the_engine_with
         assert started == [(crowd[4].served_name, Action.DEMOTE)]  # 4 host slots: the last by name goes to disk
         assert engine.draining == {}
         await engine.drain()
-        for r in (vllm, engine):
+        for r in (vllm, other, engine):
             await r.cancel()
 
     asyncio.run(run())
@@ -293,7 +319,7 @@ def test_a_leaving_adapter_is_unloaded_only_after_its_announced_grace_and_its_re
 
 def test_draining_covers_demotion_to_disk_and_ends_when_the_target_takes_it_back(tmp_path: Path, target) -> None:
     async def run() -> None:
-        r = make_reconciler(tmp_path, runtime="vllm", drain_grace_s=1.0)  # vLLM: a disk target unloads
+        r = unregistering(tmp_path, drain_grace_s=1.0)  # a disk target unloads
         disk, cpu = target(Tier.DISK), target(Tier.CPU)
         cached(r, disk)
         assert r.step(state(disk), observe(held(disk, Tier.CPU, r))) == []

@@ -3,14 +3,18 @@ loads activate. (The same behaviour against a real vLLM process: e2e/test_vllm_d
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from loraplane.api import AdapterTarget, Artifact, LoraSpec, TargetState, Tier
-from loraplane.sidecar.drivers.base import RuntimeInfo
+from loraplane.emulator.engine import EngineConfig
+from loraplane.sidecar.drivers.base import Observation, RuntimeInfo
 from loraplane.sidecar.drivers.vllm import (
     LoraCacheModel,
+    RuntimeResponse,
     VllmDriver,
     lora_last_served,
     lora_requests,
@@ -19,6 +23,9 @@ from loraplane.sidecar.drivers.vllm import (
 )
 from loraplane.sidecar.reconcile import Reconciler
 from loraplane.vllm_server import VllmOptions, start_vllm
+
+if TYPE_CHECKING:
+    from tests.emulator.conftest import Emulator
 
 METRICS = "\n".join([
     'vllm:num_requests_waiting{engine="0",model_name="m"} 3',
@@ -102,6 +109,27 @@ def test_a_runtime_whose_loads_activate_keeps_one_gpu_slot_for_host_tier_loads()
     assert all(t.tier is Tier.GPU for t in wanted.values())  # no host-tier loads: every slot is usable
 
 
+def test_disk_tier_registrations_land_in_the_landing_slot_and_a_host_copy_but_take_no_host_slot() -> None:
+    """On vLLM a disk-tier target is registered: loading it, and each request for it, takes the least recently used
+    GPU slot and makes a host copy. So with disk-tier targets the landing slot is kept (as for host-tier ones) and
+    one host copy is left free of host-tier targets; the registrations themselves take no host slot."""
+    info = RuntimeInfo(base_model="m", max_loras=2, max_cpu_loras=4)
+
+    def tiers(*targets: AdapterTarget, registers_disk: bool = True) -> dict[str, Tier]:
+        state = TargetState(pool="p", pod="q", generation=1, updated_at=0.0, adapters=list(targets))
+        wanted, _ = Reconciler.within_capacity(state, info, landing_slot=True, registers_disk=registers_disk)
+        return {name[:-3]: t.tier for name, t in wanted.items()}
+
+    gpu_and_disk = (_target("a", Tier.GPU), _target("b", Tier.GPU), _target("d", Tier.DISK))
+    assert tiers(*gpu_and_disk) == {"a": Tier.GPU, "b": Tier.CPU, "d": Tier.DISK}
+    assert tiers(*gpu_and_disk, registers_disk=False) == {"a": Tier.GPU, "b": Tier.GPU, "d": Tier.DISK}
+    full_host = (_target("a", Tier.GPU), *(_target(f"c{i}", Tier.CPU) for i in range(3)))
+    assert tiers(*full_host) == {"a": Tier.GPU, "c0": Tier.CPU, "c1": Tier.CPU, "c2": Tier.CPU}
+    assert tiers(*full_host, _target("d", Tier.DISK))["c2"] is Tier.DISK  # one host copy left for the registrations
+    many = tiers(_target("a", Tier.GPU), _target("c", Tier.CPU), *(_target(f"d{i}", Tier.DISK) for i in range(9)))
+    assert (many["a"], many["c"]) == (Tier.GPU, Tier.CPU)
+
+
 def test_a_vllm_with_a_lora_resolver_is_neither_driven_nor_started(tmp_path: Path) -> None:
     limits = RuntimeInfo(base_model="", max_loras=1)
     with pytest.raises(ValueError, match="VLLM_LORA_RESOLVER_CACHE_DIR"):
@@ -135,3 +163,96 @@ def test_a_restarted_sidecar_adopts_what_vllm_loaded_from_its_verified_entry(tmp
     other = RuntimeAdapter(served_name=target.served_name, tier=Tier.GPU, path=str(tmp_path / "elsewhere"))
     assert r.next_action(target, other) is Action.RELOAD
     assert r.verified_digests(target.served_name, other) is None
+
+
+class EmulatedVllm(VllmDriver):
+    """The vllm driver with its HTTP calls answered in process by loraplane's vLLM emulator (vLLM 0.32's adapter
+    semantics: loads activate, two LRU caches, 404 for names it has not registered), recording each call."""
+
+    def __init__(self, emu: Emulator, limits: RuntimeInfo) -> None:
+        super().__init__("http://emulator", limits, env={})
+        self.emu = emu
+        #: (path, lora_name or model) of every POST
+        self.calls: list[tuple[str, str]] = []
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> RuntimeResponse:
+        if method == "POST" and body is not None:
+            self.calls.append((path, str(body.get("lora_name") or body.get("model"))))
+        answer = await self.emu.http.request(method, path, json=body)
+        return RuntimeResponse(answer.status_code, answer.content)
+
+    def posted(self, path: str) -> list[str]:
+        return [name for p, name in self.calls if p == path]
+
+
+async def _converge(r: Reconciler, driver: EmulatedVllm, target: TargetState, passes: int = 60) -> Observation:
+    """Reconcile passes (observe, step, wait for the actions) until a pass starts nothing."""
+    for _ in range(passes):
+        observation = await driver.observe()
+        if not r.step(target, observation) and not r.busy():
+            return observation
+        await r.drain()
+    raise AssertionError(f"no convergence after {passes} passes: {r.status}")
+
+
+def test_a_disk_tier_target_on_vllm_ends_registered_and_is_never_unloaded_for_being_disk_tier(tmp_path: Path) -> None:
+    """vLLM serves a registered adapter whose copy LRU pushed out (it reads it back from its path), but cannot be
+    told to evict one: a disk-tier target is registered, not kept resident. It is loaded when it is not (after the
+    GPU- and host-tier targets), a registered one moved to disk is not unloaded, and its copy is left to LRU while
+    the kept adapters stay where the target wants them. Before, a disk-tier target was only fetched (vLLM's 404 for
+    every request routed to it) and a registered one moved to disk was unloaded."""
+    from tests.emulator.conftest import emulator
+    from tests.sidecar.adapters import sha256_of, target_for, write_weights
+    from tests.sidecar.test_reconcile import INFO, make_reconciler, state
+
+    (tmp_path / "artifacts").mkdir()
+
+    def published(adapter: str, tier: Tier, seed: int) -> AdapterTarget:
+        weights = write_weights(tmp_path / "artifacts" / f"{adapter}.safetensors", seed=seed)
+        return target_for(f"file://{weights}", sha256_of(weights), adapter=adapter, tier=tier)
+
+    hot, warm = published("hot", Tier.GPU, 0), published("warm", Tier.CPU, 1)
+    cold = [published(f"cold{i}", Tier.DISK, 2 + i) for i in range(3)]
+    names = [t.served_name for t in (hot, warm, *cold)]
+
+    async def run() -> None:
+        async with emulator(tmp_path / "emu", EngineConfig(max_loras=2, max_cpu_loras=4), shapes=None) as emu:
+            r = make_reconciler(tmp_path)
+            driver = r.driver = EmulatedVllm(emu, INFO)
+
+            def registered() -> set[str]:
+                return set(emu.engine.registered)
+
+            observation = await _converge(r, driver, state(hot, warm, *cold))
+            assert registered() == set(names)  # every disk-tier target registered: a request is served, not 404
+            loads = driver.posted("/v1/load_lora_adapter")
+            assert sorted(loads) == sorted(names)
+            assert set(loads[-3:]) == {t.served_name for t in cold}  # after the GPU- and host-tier targets
+            assert driver.posted("/v1/unload_lora_adapter") == []
+            rows = observation.adapters
+            assert rows[hot.served_name].tier is Tier.GPU and rows[warm.served_name].tier is not Tier.DISK
+            assert all(r.status[n].error is None for n in names), r.status
+            truth = emu.engine.cache
+            assert truth.tier(emu.engine.registered[hot.served_name].int_id) is Tier.GPU
+            assert truth.tier(emu.engine.registered[warm.served_name].int_id) is not Tier.DISK
+
+            # a request for a disk-tier revision is served (vLLM reads it from its path), and nothing is unloaded
+            answer = await emu.http.post("/v1/completions", json={"model": cold[0].served_name, "prompt": "hi",
+                                                                   "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+            # the GPU-tier target goes to disk: it stays registered (no drain, no unload), no longer kept resident
+            demoted = hot.model_copy(update={"tier": Tier.DISK})
+            await _converge(r, driver, state(demoted, warm, *cold))
+            assert driver.posted("/v1/unload_lora_adapter") == [] and r.draining == {}
+            assert registered() == set(names)
+            assert driver._gpu_keep == frozenset() and driver._host_keep == {warm.served_name}
+            # its copy ages out by LRU: requests for the other disk-tier revisions push it out of the GPU and host
+            for t in cold:
+                await emu.http.post("/v1/completions", json={"model": t.served_name, "prompt": "hi", "max_tokens": 2})
+            observation = await _converge(r, driver, state(demoted, warm, *cold))
+            assert truth.tier(emu.engine.registered[hot.served_name].int_id) is not Tier.GPU
+            assert observation.adapters[warm.served_name].tier is not Tier.DISK  # the kept copy is still in
+            assert driver.posted("/v1/unload_lora_adapter") == []
+            await r.cancel()
+
+    asyncio.run(run())
