@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(redis-server nginx-light wrk docker-registry gcc libc6-dev)
+APT_PACKAGES=(redis-server redis-sentinel nginx-light wrk docker-registry gcc libc6-dev)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

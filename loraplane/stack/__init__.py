@@ -50,6 +50,9 @@ def parser() -> argparse.ArgumentParser:
                    "down (default FailClose: 500s until it is back)")
     p.add_argument("--json", action="store_true",
                    help="with --demo: print the summary as one JSON object on stdout (progress goes to stderr)")
+    p.add_argument("--redis-sentinel", action="store_true",
+                   help="run Redis as a fleet does: a primary, a replica and three sentinels (Debian's redis-sentinel), "
+                   "every component connected through them (redis+sentinel://), following a failover")
     return p
 
 
@@ -115,7 +118,7 @@ def main(argv: Sequence[str]) -> int:
     stop = _StopSignal()
     model = "tiny" if args.runtime == "engine" else "tiny-hd32"
     options = StackOptions(workdir=workdir, engines=args.engines, failure_mode=args.failure_mode,
-                           runtime=args.runtime, model=model, profile=args.profile)
+                           runtime=args.runtime, model=model, profile=args.profile, redis_sentinel=args.redis_sentinel)
     if args.runtime == "emulated":  # as the chart streams bodies: clients see each token when the pod sends it
         options.body_mode = "FULL_DUPLEX_STREAMED"
     if args.demo and args.runtime == "engine":  # a small host cache, so tail adapters are served from disk

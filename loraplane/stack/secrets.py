@@ -11,6 +11,11 @@ Who may do what (``acl_rules``), by the key names of ``loraplane.api.keys``:
 - ``picker``: reads the pool's keys; writes only the request rates and its own counters;
 - ``observer``: reads the pool's keys (the demo and the tests watching the stack);
 - ``admin``: everything (an operator's ``redis-cli``; the tests that forge or delete keys on purpose).
+
+With Sentinel (``create(..., sentinel=True)``, ``loraplane up --redis-sentinel``) two more users, no key and no
+channel of the pool's: ``replication`` (a replica's link to its primary: ``PSYNC``, ``REPLCONF``) and ``sentinel``
+(what a sentinel sends a data node to watch and reconfigure it, per Redis's Sentinel ACL guide); and the sentinels'
+own password (``sentinel_password_file``), which every client presents to ask them for the primary.
 """
 
 from __future__ import annotations
@@ -23,7 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplane.api import keys
-from loraplane.credentials import REDIS_PASSWORD_FILE_ENV, REDIS_USERNAME_ENV
+from loraplane.credentials import (
+    REDIS_PASSWORD_FILE_ENV,
+    REDIS_SENTINEL_PASSWORD_FILE_ENV,
+    REDIS_USERNAME_ENV,
+)
 
 _CONNECT = "+ping +echo +client|setname +client|id +select"
 _READ = "+get +mget +smembers +scan +exists +ttl +pttl +type"
@@ -60,6 +69,14 @@ def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = (
     return rules
 
 
+#: ACL rules of the users a Sentinel deployment adds on the data nodes
+SENTINEL_ACL_RULES = {
+    "replication": "resetkeys resetchannels -@all +psync +replconf +ping",
+    "sentinel": "resetkeys allchannels -@all +multi +slaveof +replicaof +ping +exec +subscribe +config|rewrite "
+                "+role +publish +info +client|setname +client|kill +script|kill",
+}
+
+
 def sidecar_user(pod: str) -> str:
     """The Redis user of ``pod``'s sidecar."""
     return f"sidecar-{pod}"
@@ -91,10 +108,21 @@ class StackSecrets:
         """Redis's ACL file (password hashes only)."""
         return self.directory / "users.acl"
 
-    def create(self, pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = ("picker-0",)) -> None:
-        """Write a random password per Redis user, the ACL file, and a random admin token per pod."""
+    def sentinel_password_file(self) -> Path:
+        """The file holding the sentinels' own password (only with ``create(..., sentinel=True)``)."""
+        return self.directory / "sentinel-auth"
+
+    def create(self, pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = ("picker-0",),
+               sentinel: bool = False) -> None:
+        """Write a random password per Redis user, the ACL file, and a random admin token per pod; with
+        ``sentinel`` also the ``replication`` and ``sentinel`` users and the sentinels' own password."""
         lines = ["user default off resetkeys resetchannels -@all"]
-        for user, rules in acl_rules(pool, pods, picker_replicas).items():
+        rules_of = {**acl_rules(pool, pods, picker_replicas), **(SENTINEL_ACL_RULES if sentinel else {})}
+        if sentinel:
+            write_private(self.sentinel_password_file(), secrets.token_hex(24))
+        else:  # a workdir reused without Sentinel
+            self.sentinel_password_file().unlink(missing_ok=True)
+        for user, rules in rules_of.items():
             password = secrets.token_hex(24)
             write_private(self.password_file(user), password)
             lines.append(f"user {user} on #{hashlib.sha256(password.encode()).hexdigest()} {rules}")
@@ -103,8 +131,12 @@ class StackSecrets:
             write_private(self.token_file(pod), secrets.token_hex(24))
 
     def redis_env(self, user: str) -> dict[str, str]:
-        """The environment that makes a loraplane process connect to Redis as ``user``."""
-        return {REDIS_USERNAME_ENV: user, REDIS_PASSWORD_FILE_ENV: str(self.password_file(user))}
+        """The environment that makes a loraplane process connect to Redis as ``user`` (and, with Sentinel, present
+        the sentinels' password)."""
+        env = {REDIS_USERNAME_ENV: user, REDIS_PASSWORD_FILE_ENV: str(self.password_file(user))}
+        if self.sentinel_password_file().exists():
+            env[REDIS_SENTINEL_PASSWORD_FILE_ENV] = str(self.sentinel_password_file())
+        return env
 
     def redis_password(self, user: str) -> str:
         """``user``'s password (for in-process clients such as the demo's)."""

@@ -20,6 +20,7 @@ from typing import Any
 import redis.asyncio as aioredis
 import yaml
 
+from loraplane.credentials import async_redis
 from loraplane.engine.cli import ADMIN_TOKEN_FILE_ENV
 from loraplane.processes import (
     LOOPBACK,
@@ -31,6 +32,7 @@ from loraplane.processes import (
     wait_for_port,
 )
 from loraplane.stack.secrets import StackSecrets, sidecar_user, write_private
+from loraplane.stack.sentinel import SentinelRedis, start_sentinel_redis
 
 #: The InferencePool (and Redis key namespace) of the local stack.
 POOL = "local"
@@ -143,6 +145,9 @@ class StackOptions:
     body_mode: str = "BUFFERED"
     #: picker replicas (``picker-0`` ...), each listed in Envoy's picker cluster with its gRPC health port
     pickers: int = 1
+    #: Redis as a primary, a replica and three sentinels (``loraplane.stack.sentinel``); every component is given
+    #: the ``redis+sentinel://`` URL and follows a failover
+    redis_sentinel: bool = False
 
 
 @dataclass
@@ -169,6 +174,8 @@ class LocalStack:
     options: StackOptions
     cluster: DevCluster | None = None
     redis: RedisServer | None = None
+    #: with ``redis_sentinel``: the data nodes and the sentinels (``redis`` stays None)
+    sentinel_redis: SentinelRedis | None = None
     engines: list[Engine] = field(default_factory=list)
     #: the first picker replica (``pickers`` holds every one)
     picker: ManagedProcess | None = None
@@ -214,11 +221,13 @@ class LocalStack:
 
     def redis_client(self, user: str = "observer") -> aioredis.Redis:
         """An asyncio client of the stack's Redis as ``user`` (``observer`` reads; ``admin`` may do anything)."""
-        return aioredis.Redis.from_url(self.redis_url, username=user, password=self.secrets.redis_password(user))
+        return async_redis(self.redis_url, environ=self.secrets.redis_env(user))
 
     @property
     def redis_url(self) -> str:
-        """The bus every component shares."""
+        """The bus every component shares (``redis+sentinel://...`` with ``redis_sentinel``)."""
+        if self.sentinel_redis is not None:
+            return self.sentinel_redis.url
         assert self.redis is not None, "not started"
         return self.redis.url
 
@@ -226,6 +235,7 @@ class LocalStack:
         """Every child started so far, in start order."""
         started: list[ManagedProcess | None] = [
             self.cluster.process if self.cluster else None, self.redis.process if self.redis else None,
+            *(self.sentinel_redis.processes() if self.sentinel_redis else ()),
             *(e.engine for e in self.engines), *(e.sidecar for e in self.engines), *(self.pickers or (self.picker,)),
             self.envoy,
             self.controller,
@@ -289,8 +299,11 @@ class LocalStack:
         self.artifacts.mkdir(parents=True, exist_ok=True)
         self.cluster = start_devcluster(work / "cluster")
         self.secrets.create(POOL, [f"engine-{i}" for i in range(self.options.engines)],
-                            [f"picker-{i}" for i in range(self.options.pickers)])
-        self.redis = start_redis(self.logs, acl_file=self.secrets.acl_file())
+                            [f"picker-{i}" for i in range(self.options.pickers)], sentinel=self.options.redis_sentinel)
+        if self.options.redis_sentinel:
+            self.sentinel_redis = start_sentinel_redis(self.logs, self.secrets)
+        else:
+            self.redis = start_redis(self.logs, acl_file=self.secrets.acl_file())
         if self.options.runtime in VLLM_API_RUNTIMES:
             self._write_model()
         for i in range(self.options.engines):

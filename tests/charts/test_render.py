@@ -495,13 +495,20 @@ def test_picker_config_and_pool_settings_come_from_values(render: RenderFn) -> N
     ({"inferencePaths": ["/v1/completions", "/v1/load_lora_adapter"]}, "adapter admin endpoints"),
     ({"gateway": {"mode": "httproute", "clientPeers": [GATEWAY_PEER]}}, "parentRefs must name"),
     ({"gateway": {"mode": "none"}}, "set gateway.clientPeers"),
-    ({"redis": {"bundled": False}}, "redis.external.url is required"),
+    ({"redis": {"bundled": False}}, "redis.external.url (or redis.external.sentinel.addresses) is required"),
     ({"redis": {"bundled": False, "external": {"url": "redis://user:pw@redis:6379/0"}}}, "without a password"),
+    ({"redis": {"bundled": False, "external": {"sentinel": {"addresses": ["s0:26379"]}}}},
+     "sentinel.serviceName"),
+    ({"redis": {"bundled": False, "external": {"url": "redis://redis:6379/0", "sentinel": {
+        "addresses": ["s0:26379"], "serviceName": "m"}}}}, "set url or sentinel.addresses, not both"),
+    ({"redis": {"bundled": False, "external": {"sentinel": {"addresses": ["user:pw@s0:26379"],
+                                                             "serviceName": "m"}}}}, "does not match pattern"),
     ({"pool": {"failureMode": "Sometimes"}}, "pool/failureMode"),
     ({"replicas": 3}, "additional properties 'replicas' not allowed"),
     ({"modelServer": {"lora": {"maxLora": 2}}}, "additional properties 'maxLora' not allowed"),
 ], ids=["runtime", "vllm-model", "cpu-loras", "rank", "admin-path", "parent-refs", "peers", "redis-url",
-        "redis-password-in-url", "failure-mode", "typo", "nested-typo"])
+        "redis-password-in-url", "sentinel-service", "url-and-sentinel", "sentinel-credentials", "failure-mode",
+        "typo", "nested-typo"])
 def test_bad_values_fail_with_a_clear_message(helm_bin: str, tmp_path: Path, values: dict[str, Any],
                                               message: str) -> None:
     result = helm_template(helm_bin, values, tmp_path)
@@ -547,6 +554,43 @@ def test_redis_tls_reaches_redis_and_every_client(render: RenderFn) -> None:
             volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
             assert volume["secret"]["secretName"] == "redis-tls", name
     assert clients == 3
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_external_sentinel_reaches_every_component(render: RenderFn, tls: bool) -> None:
+    """A Sentinel-managed Redis: every component gets the same redis+sentinel:// URL, which loraplane's client
+    parses back to the sentinels, the service and the database; the sentinels' password and the data nodes' come
+    from their Secrets, never the command line."""
+    from loraplane.credentials import parse_sentinel_url
+
+    sentinel = {"addresses": ["redis-sentinel-0.data.svc:26379", "redis-sentinel-1.data.svc", "10.0.0.7:26380"],
+                "serviceName": "loraplane", "db": 2, "username": "watcher",
+                "passwordSecret": {"name": "sentinel-auth", "key": "password"}}
+    rendered = render({"redis": {"bundled": False, "tls": {"enabled": tls, "secretName": "redis-tls"},
+                                 "external": {"sentinel": sentinel, "username": "loraplane",
+                                              "passwordSecret": {"name": "redis-auth", "key": "password"}}}})
+    _validate_schemas(rendered)
+    assert not rendered.of_kind("StatefulSet")
+    urls, clients = set(), 0
+    for name, pod in _pod_specs(rendered).items():
+        for c in _containers(pod):
+            url = _flags(c.get("args", [])).get("--redis-url")
+            if url is None:
+                continue
+            clients += 1
+            urls.add(url)
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert env["LORAPLANE_REDIS_SENTINEL_USERNAME"]["value"] == "watcher", name
+            assert env["LORAPLANE_REDIS_SENTINEL_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+                "name": "sentinel-auth", "key": "password"}, name
+            assert env["LORAPLANE_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth", name
+            assert ("LORAPLANE_REDIS_CA_FILE" in env) == tls, name
+    assert clients == 3 and len(urls) == 1, urls
+    parsed = parse_sentinel_url(urls.pop())
+    assert parsed is not None and parsed.tls == tls
+    assert parsed.sentinels == (("redis-sentinel-0.data.svc", 26379), ("redis-sentinel-1.data.svc", 26379),
+                                ("10.0.0.7", 26380))
+    assert (parsed.service, parsed.db) == ("loraplane", 2)
 
 
 def test_placement_values_reach_their_pods_only(render: RenderFn) -> None:

@@ -132,6 +132,20 @@ CA bundle with TLS. */}}
       key: {{ include "loraplane.redisSecretKey" $root }}
 {{- end }}
 {{- end }}
+{{- with $root.Values.redis.external.sentinel }}
+{{- if and (not $root.Values.redis.bundled) .addresses }}
+{{- with .username }}
+- {name: LORAPLANE_REDIS_SENTINEL_USERNAME, value: {{ . | quote }}}
+{{- end }}
+{{- if .passwordSecret.name }}
+- name: LORAPLANE_REDIS_SENTINEL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .passwordSecret.name }}
+      key: {{ .passwordSecret.key }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- if $root.Values.redis.tls.enabled }}
 - {name: LORAPLANE_REDIS_CA_FILE, value: /etc/loraplane/redis-tls/ca.crt}
 {{- end }}
@@ -151,12 +165,22 @@ CA bundle with TLS. */}}
 {{- end }}
 {{- end -}}
 
-{{/* The --redis-url argument: no credentials in it (they come from the environment, see loraplane.redisEnv). */}}
+{{/* The --redis-url argument: no credentials in it (they come from the environment, see loraplane.redisEnv); for
+a Sentinel-managed Redis redis+sentinel://<addresses>/<serviceName>/<db> (loraplane.credentials). */}}
 {{- define "loraplane.redisUrl" -}}
 {{- if .Values.redis.bundled -}}
 {{- printf "%s://%s:%d/0" (ternary "rediss" "redis" .Values.redis.tls.enabled) (include "loraplane.redisHost" .) (int .Values.redis.port) -}}
+{{- else if .Values.redis.external.sentinel.addresses -}}
+{{- $s := .Values.redis.external.sentinel -}}
+{{- if .Values.redis.external.url -}}
+{{- fail "redis.external: set url or sentinel.addresses, not both" -}}
+{{- end -}}
+{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*$" $s.serviceName) -}}
+{{- fail (printf "redis.external.sentinel.serviceName %q: the name the sentinels monitor the primary under is required with sentinel.addresses" $s.serviceName) -}}
+{{- end -}}
+{{- printf "%s://%s/%s/%d" (ternary "rediss+sentinel" "redis+sentinel" .Values.redis.tls.enabled) (join "," $s.addresses) $s.serviceName (int $s.db) -}}
 {{- else -}}
-{{- $url := required "redis.external.url is required when redis.bundled is false" .Values.redis.external.url -}}
+{{- $url := required "redis.external.url (or redis.external.sentinel.addresses) is required when redis.bundled is false" .Values.redis.external.url -}}
 {{- if not (regexMatch "^rediss?://[^@/]+(/[0-9]+)?$" $url) -}}
 {{- fail (printf "redis.external.url %q must be redis://host:port[/db] or rediss://host:port[/db], without a password (use redis.external.passwordSecret)" $url) -}}
 {{- end -}}
