@@ -198,9 +198,6 @@ class Session:
     def prompt(self, tokens: int) -> tuple[int, ...]:
         return tuple(self.rng.randrange(VOCAB) for _ in range(tokens))
 
-        #: measurements taken again because their tokens were held up
-        self.retries = 0
-
     def send(self, models: Sequence[str], prompt_tokens: int, max_tokens: int) -> list[Timing]:
         """One request per entry of ``models``, all at once; fails on any error."""
         timings = burst(self.server.url, [TimedRequest(0.0, m, self.prompt(prompt_tokens), max_tokens)

@@ -62,7 +62,9 @@ def cluster_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     port = free_port()
     process = ManagedProcess([redis_server_binary(), "--port", str(port), "--bind", LOOPBACK, "--save", "",
                               "--appendonly", "no", "--dir", str(work), "--cluster-enabled", "yes",
-                              "--cluster-config-file", str(work / "nodes.conf")], work / "redis.log").start()
+                              "--cluster-config-file", str(work / "nodes.conf"),
+                              # the bus port defaults to port + 10,000, beyond 65,535 for a high free port
+                              "--cluster-port", str(free_port())], work / "redis.log").start()
     try:
         wait_for_port(port, proc=process.proc)
         admin = redis.Redis(port=port)
