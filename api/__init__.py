@@ -57,7 +57,9 @@ from loraplane.api.prefix import (
     prefix_root_hash,
 )
 from loraplane.api.routing import (
+    EndpointInFlight,
     PickerCounters,
+    PickerInFlight,
     RequestRates,
     RevisionCounters,
     RevisionRole,
@@ -116,6 +118,7 @@ __all__ = [
     "CanaryAnalysis",
     "CanaryTarget",
     "Condition",
+    "EndpointInFlight",
     "HealthProbe",
     "InferenceObjective",
     "InferenceObjectiveSpec",
@@ -128,6 +131,7 @@ __all__ = [
     "PayloadRefusal",
     "Phase",
     "PickerCounters",
+    "PickerInFlight",
     "PodLoad",
     "PoolRef",
     "PriorityClass",

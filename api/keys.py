@@ -70,6 +70,17 @@ def picker_counters_pattern(pool: str) -> str:
     return f"{_pool(pool)}:counters:*"
 
 
+def picker_in_flight(pool: str, replica: str) -> str:
+    """One picker replica's ``PickerInFlight`` (its requests in flight, per endpoint), with a TTL of a few periods:
+    the other replicas add it to their own counts."""
+    return f"{_pool(pool)}:in-flight:{_pod(replica)}"
+
+
+def picker_in_flight_pattern(pool: str) -> str:
+    """A SCAN pattern matching every picker replica's in-flight key in the pool."""
+    return f"{_pool(pool)}:in-flight:*"
+
+
 def target_changed_channel(pool: str) -> str:
     """Pub/sub channel: the message is the pod name whose target state changed."""
     return f"{_pool(pool)}:target-changed"

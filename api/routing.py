@@ -137,3 +137,30 @@ class PickerCounters(PayloadModel):
     replica: str
     published_at: float
     revisions: dict[str, RevisionCounters] = Field(default_factory=dict)
+
+
+class EndpointInFlight(PayloadModel):
+    """One replica's requests in flight at one endpoint: sent and not finished."""
+
+    requests: int = Field(default=0, ge=0)
+    prefilling: int = Field(default=0, ge=0, description="of which no response byte has come back yet")
+    by_name: dict[str, int] = Field(default_factory=dict, description="per served name (the base model is left out)")
+
+    @field_validator("by_name")
+    @classmethod
+    def _positive(cls, value: dict[str, int]) -> dict[str, int]:
+        if any(n <= 0 for n in value.values()):
+            raise ValueError("by_name counts must be positive")
+        return value
+
+
+class PickerInFlight(PayloadModel):
+    """One picker replica's requests in flight per endpoint address, published every share period
+    (``keys.picker_in_flight``): each replica routes on its own exact counts plus the others' last published ones,
+    so replicas behind one Envoy judge load, saturation and GPU-slot room on the whole pool's traffic."""
+
+    schema_version: int = SCHEMA_VERSION
+    pool: str
+    replica: str
+    published_at: float
+    endpoints: dict[str, EndpointInFlight] = Field(default_factory=dict, description="by endpoint address")

@@ -16,6 +16,7 @@ from loraplane.api import validation
 from loraplane.helptext import HelpFormatter
 from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED, PickerSettings
 from loraplane.picker.peers import PEER_PREFIX, peer_configs
+from loraplane.picker.replicas import SHARE_PERIOD_S
 from loraplane.picker.server import ServerOptions, serve
 from loraplane.picker.state import FORGET_S, MAX_REPORT_TTL_S
 from loraplane.picker.transport import TransportLimits
@@ -111,6 +112,9 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds a stream may stay silent before it is reset (h2 transport)")
     p.add_argument("--resync-seconds", type=float, default=5.0, help="full re-read of Redis besides the change notices")
     p.add_argument("--publish-seconds", type=float, default=10.0, help="seconds between request-rate publications")
+    p.add_argument("--share-in-flight-seconds", type=float, default=SHARE_PERIOD_S,
+                   help="seconds between publications of this replica's requests in flight and reads of the other "
+                        "replicas' (each replica routes on the pool's total; 0: on its own counts alone)")
     p.add_argument("--stale-grace-seconds", type=float, default=30.0,
                    help="how long past its TTL a pod's last report still counts (routing stays on the pods last known "
                         "to hold a revision while Redis or a sidecar is silent); after it the pod is stale, and what "
@@ -182,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kubeconfig=args.kubeconfig,
         resync_seconds=args.resync_seconds,
         publish_seconds=args.publish_seconds,
+        share_in_flight_seconds=args.share_in_flight_seconds,
         stale_grace_seconds=args.stale_grace_seconds,
         max_report_ttl_seconds=args.max_report_ttl_seconds,
         forget_seconds=args.forget_seconds,

@@ -25,6 +25,7 @@ from loraplane.credentials import async_redis
 from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
 from loraplane.picker.lifecycle import FairShareParameters, FairSharePlugin
+from loraplane.picker.replicas import SHARE_PERIOD_S, InFlightShare
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.scrape import MetricsScraper, ScrapedPool
 from loraplane.picker.snapshot import InFlightTracker
@@ -69,6 +70,8 @@ class ServerOptions:
     limits: TransportLimits = field(default_factory=TransportLimits)
     resync_seconds: float = 5.0
     publish_seconds: float = 10.0
+    #: seconds between sharing in-flight counts with the other replicas (0: not shared)
+    share_in_flight_seconds: float = SHARE_PERIOD_S
     #: seconds past its TTL a report still counts as last heard (then the pod is stale: a fallback for what it held)
     stale_grace_seconds: float = 30.0
     #: the longest TTL a report counts with (reports are aged by the picker's receive time)
@@ -199,6 +202,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         host, port = validation.parse_host_port(options.metrics_address)
         start_http_server(port, host, registry=metrics.registry)
     client = sync = None
+    share: InFlightShare | None = None
     if isinstance(state, ScrapedPool):
         scraper = MetricsScraper(state, options.scrape_interval, options.scrape_timeout, options.metrics_path,
                                  registry=metrics.registry)
@@ -212,6 +216,10 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
                          block_sets)
         log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)
         tasks = [asyncio.create_task(coro) for coro in (sync.run(stop), sync.expire_stale(), sync.publish_forever())]
+        if options.share_in_flight_seconds > 0:
+            share = InFlightShare(client, options.pool, options.replica, tracker, time.time,
+                                  options.share_in_flight_seconds)
+            tasks.append(asyncio.create_task(share.run(stop)))
     discovery = _start_discovery(options, state)
     if discovery is not None:
         ctx.objectives = discovery.objective_priorities
@@ -231,6 +239,9 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         if sync is not None:
             with contextlib.suppress(Exception):
                 await sync.publish_once()
+        if share is not None:
+            with contextlib.suppress(Exception):
+                await share.withdraw()
         if (flow := ctx.flow_control) is not None:
             flow.stop()  # every waiting request gets 503 rejected-shutting-down before the connections close
         await stop_serving()

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from loraplane.api import AdapterResidency, LoadCosts, ResidencyReport, Tier, validation
+from loraplane.api import AdapterResidency, EndpointInFlight, LoadCosts, ResidencyReport, Tier, validation
 from loraplane.api.vllm_metrics import LoadedAdapter
 
 FloatArray = npt.NDArray[np.float64]
@@ -508,7 +508,7 @@ def _servable(adapter: AdapterResidency) -> bool:
 
 class InFlightTracker:
     """The picker's own in-flight count per endpoint address (and per served name there), carried across snapshot
-    rebuilds."""
+    rebuilds, plus the other picker replicas' last published counts (``set_remote``): the snapshot holds the sum."""
 
     def __init__(self) -> None:
         """Start with nothing in flight."""
@@ -517,24 +517,47 @@ class InFlightTracker:
         self.prefilling: dict[str, int] = {}
         #: address -> served name -> requests in flight
         self.by_name: dict[str, dict[str, int]] = {}
+        #: address -> the other replicas' requests in flight there, summed
+        self.remote: dict[str, EndpointInFlight] = {}
         self._snapshot: PoolSnapshot | None = None
+
+    def own(self) -> dict[str, EndpointInFlight]:
+        """This replica's counts, per address, in the shape replicas publish."""
+        return {address: EndpointInFlight(requests=count, prefilling=self.prefilling.get(address, 0),
+                                          by_name=dict(self.by_name.get(address, {})))
+                for address, count in self.counts.items()}
 
     def attach(self, snapshot: PoolSnapshot) -> None:
         """Make ``snapshot.in_flight`` (and its per-name counts) reflect the current counts and keep them updated."""
-        for address, count in self.counts.items():
-            i = snapshot.index_by_address.get(address)
-            if i is not None:
-                snapshot.in_flight[i] = count
-        for address, count in self.prefilling.items():
-            i = snapshot.index_by_address.get(address)
-            if i is not None:
-                snapshot.prefilling[i] = count
-        for address, names in self.by_name.items():
-            i = snapshot.index_by_address.get(address)
-            if i is not None:
-                for name, count in names.items():
-                    snapshot.note_in_flight(i, name, count)
         self._snapshot = snapshot
+        for address in self.counts.keys() | self.prefilling.keys() | self.remote.keys():
+            if (i := snapshot.index_by_address.get(address)) is not None:
+                self._write(snapshot, i, address, self._names(address))
+
+    def set_remote(self, endpoints: Mapping[str, EndpointInFlight]) -> None:
+        """Replace the other replicas' counts (summed per address); the snapshot shows this replica's plus theirs."""
+        before, self.remote = self.remote, dict(endpoints)
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
+        for address in before.keys() | self.remote.keys():
+            old, new = before.get(address), self.remote.get(address)
+            if old != new and (i := snapshot.index_by_address.get(address)) is not None:
+                names = self._names(address) | (old.by_name.keys() if old is not None else set())
+                self._write(snapshot, i, address, names)
+
+    def _names(self, address: str) -> set[str]:
+        remote = self.remote.get(address)
+        return set(self.by_name.get(address, ())) | (set(remote.by_name) if remote is not None else set())
+
+    def _write(self, snapshot: PoolSnapshot, i: int, address: str, names: Iterable[str]) -> None:
+        """Endpoint ``i``'s counts in ``snapshot`` (total, prefilling, and the served names ``names``): own + remote."""
+        remote = self.remote.get(address)
+        snapshot.in_flight[i] = self.counts.get(address, 0) + (remote.requests if remote is not None else 0)
+        snapshot.prefilling[i] = self.prefilling.get(address, 0) + (remote.prefilling if remote is not None else 0)
+        own = self.by_name.get(address, {})
+        for name in names:
+            snapshot.note_in_flight(i, name, own.get(name, 0) + (remote.by_name.get(name, 0) if remote is not None else 0))
 
     def start(self, address: str, served_name: str | None = None, prefilling: bool = True) -> None:
         """A request (of ``served_name``; None: the base model) was sent to ``address``; ``prefilling``: its
@@ -562,7 +585,8 @@ class InFlightTracker:
             self.prefilling.pop(address, None)
         snapshot = self._snapshot
         if snapshot is not None and (i := snapshot.index_by_address.get(address)) is not None:
-            snapshot.prefilling[i] = count
+            remote = self.remote.get(address)
+            snapshot.prefilling[i] = count + (remote.prefilling if remote is not None else 0)
 
     def _add(self, address: str, served_name: str | None, delta: int) -> None:
         count = max(0, self.counts.get(address, 0) + delta)
@@ -583,6 +607,7 @@ class InFlightTracker:
                     del self.by_name[address]
         snapshot = self._snapshot
         if snapshot is not None and (i := snapshot.index_by_address.get(address)) is not None:
-            snapshot.in_flight[i] = count
+            remote = self.remote.get(address)
+            snapshot.in_flight[i] = count + (remote.requests if remote is not None else 0)
             if served_name is not None:
-                snapshot.note_in_flight(i, served_name, left)
+                snapshot.note_in_flight(i, served_name, left + (remote.by_name.get(served_name, 0) if remote is not None else 0))

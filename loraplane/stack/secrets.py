@@ -52,7 +52,8 @@ def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = (
         f"resetchannels &{keys.target_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
         f"-@all {_CONNECT} {_READ} +set +publish",
         "picker": "resetkeys " + f"%R~{prefix}:* "
-        + " ".join(f"%W~{keys.request_rates(pool, r)} %W~{keys.picker_counters(pool, r)}" for r in picker_replicas)
+        + " ".join(f"%W~{keys.request_rates(pool, r)} %W~{keys.picker_counters(pool, r)} "
+                   f"%W~{keys.picker_in_flight(pool, r)}" for r in picker_replicas)
         + f" resetchannels &{keys.residency_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
         f"&{keys.kv_blocks_changed_channel(pool)} -@all {_CONNECT} {_READ} {_SUBSCRIBE} +set",
         "observer": f"resetkeys %R~{prefix}:* resetchannels &{prefix}:* -@all {_CONNECT} {_READ} {_SUBSCRIBE}",
