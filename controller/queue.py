@@ -9,8 +9,7 @@
   count one more failure; ``forget(key)`` resets the count after a success.
 - ``get()`` waits for the next due key and marks it processing; ``done(key)`` ends that.
 
-The clock is injected (monotonic seconds); ``kick()`` makes waiting workers look at the clock again (a test that
-moves a fake clock calls it).
+The clock is injected (monotonic seconds).
 """
 
 from __future__ import annotations
@@ -125,10 +124,6 @@ class WorkQueue(Generic[K]):
         """When the earliest delayed key becomes due (clock seconds); None when none is delayed."""
         self._drop_stale()
         return self._heap[0][0] if self._heap else None
-
-    def kick(self) -> None:
-        """Wake waiting workers so they read the clock again."""
-        self._changed.set()
 
     def _drop_stale(self) -> None:
         while self._heap and self._due.get(self._heap[0][2]) != self._heap[0][0]:

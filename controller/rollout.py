@@ -41,8 +41,6 @@ from loraplane.api.runtime import AdapterResidency, Tier
 
 #: Phases a revision moves through before it is stable, in order.
 ROLLOUT_PHASES = (Phase.PENDING, Phase.VERIFYING, Phase.PREWARMING, Phase.ACTIVATING, Phase.PROBING, Phase.CANARY)
-#: Phases a revision never leaves.
-TERMINAL_PHASES = (Phase.FAILED, Phase.ROLLED_BACK, Phase.RETIRED)
 #: The condition each gate sets when it passes.
 GATE_CONDITIONS = {
     Phase.PENDING: "Compatible",
