@@ -10,6 +10,9 @@ Switch: ``LORAPLANE_VLLM_KERNELS`` (on unless it is ``0``/``false``/``no``/``off
 own ``VLLM_PLUGINS`` allow-list can exclude the plugin by its name, ``loraplane_kernels``, too. Only the CPU
 platform is changed. This module imports torch and ``loraplane.kernels`` only (vLLM lazily, in :func:`register`),
 so loraplane installed into vLLM's environment without its other dependencies is enough.
+
+The same hook also installs :mod:`loraplane.kernels.vllm_residency` (on every platform, its own switch
+``LORAPLANE_VLLM_RESIDENCY``): vLLM's LoRA caches exported on its ``/metrics``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ def register() -> None:
     On the CPU platform, and when :func:`enabled`: vLLM builds loraplane's punica wrapper, and an adapter's
     activation into a slot tells that wrapper which slot changed (:func:`_notify_slot_writes`).
     """
+    from loraplane.kernels import vllm_residency
+
+    vllm_residency.install()  # exact LoRA residency on /metrics (every platform; its own switch)
     if not enabled():
         log.info("loraplane kernels plugin off (%s)", ENABLE_ENV)
         return
