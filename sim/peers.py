@@ -12,13 +12,18 @@ tick) and schedules each request on it with the peer config's ``Scheduler``, exa
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
 import numpy as np
 
+from loraplane.api import Tier
 from loraplane.api.vllm_metrics import LoadedAdapter
 from loraplane.picker.peers import PEER_PREFIX, peer_configs
+from loraplane.picker.peers.dynamo import DynamoLoraFilter
+from loraplane.picker.peers.latency import PredictedLatencyFilter
 from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.scheduler import Decision, EndpointPickerConfig, Scheduler, SchedulingError
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
@@ -31,7 +36,12 @@ from loraplane.sim.trace import Trace
 SCRAPE_INTERVAL_S = 0.05
 #: the baselines that are packaged peer configs (``picker/peers/<name>.yaml``), by policy name, in report order
 PEER_POLICIES = tuple(n for n in ("least-request", "gie-default", "gie-lora-affinity", "gie-lora-filter",
-                                  "llmd-load-state", "llmd-prefix") if n in peer_configs())
+                                  "llmd-load-state", "llmd-prefix", "llmd-predicted-latency", "dynamo-lora")
+                      if n in peer_configs())
+#: waiting requests whose prompts the TTFT oracle sums one by one; beyond them it counts the trace's mean prompt
+ORACLE_EXACT_QUEUE = 256
+#: the oracle's wait, in steps, for a GPU slot on a pod whose running adapters all have requests waiting
+SLOT_STARVED_STEPS = 1000.0
 
 #: how ``lora_requests_info``'s two lists are filled: ``vllm`` as vLLM does (both name every adapter with a request
 #: waiting or running on the pod); ``split``: running adapters in one, waiting ones in the other (what the
@@ -109,6 +119,70 @@ def _address(index: int) -> str:
     return f"10.0.0.{index + 1}:8000"
 
 
+class TtftOracle:
+    """The simulator's own TTFT model of request ``rid`` on each pod as it is now: the prompt tokens ahead of it (the
+    whole waiting queue, ``fcfs``, and what chunked prefills have left) and its own, in steps of the pod's token
+    budget less one token per decoding request, each step costing the batch's decode step and LoRA launch, plus the
+    prefill itself and the load of its adapter from where the pod holds it (host copy, disk read, or a fetch then a
+    disk read). What the peer's predictor gets in the simulator: it knows each pod's exact queue and the adapter's
+    tier, which a learned predictor on scraped metrics does not."""
+
+    def __init__(self, trace: Trace, profile: Profile) -> None:
+        self._input = trace.input_tokens
+        self._adapter = trace.adapter
+        self._mean = sum(trace.input_tokens) / len(trace) if len(trace) else 0.0
+        p = profile
+        self._budget = p.max_batched_tokens
+        self._prefill = p.prefill_per_token_ms / 1e3
+        self._step = (p.step_overhead_ms + p.decode_base_ms) / 1e3
+        self._per_seq = p.decode_per_seq_ms / 1e3
+        self._lora = (p.lora_base_ms, p.lora_per_adapter_ms)
+        self._loads = {tier: [p.load_ms(tier, a.nbytes) / 1e3 for a in trace.adapters] for tier in (Tier.CPU, Tier.DISK)}
+        self._fetch = [p.download_ms(a.nbytes) / 1e3 for a in trace.adapters]
+
+    def predict(self, rid: int, pods: list[Pod]) -> np.ndarray:
+        """Seconds to the first token of ``rid`` on each pod."""
+        adapter, own = self._adapter[rid], self._input[rid]
+        inputs = self._input
+        out = np.empty(len(pods))
+        for i, pod in enumerate(pods):
+            waiting = pod.waiting
+            ahead: float
+            if len(waiting) <= ORACLE_EXACT_QUEUE:
+                ahead = sum(inputs[r] for r in waiting)
+            else:
+                ahead = sum(inputs[waiting[j]] for j in range(ORACLE_EXACT_QUEUE))
+                ahead += (len(waiting) - ORACLE_EXACT_QUEUE) * self._mean
+            ahead += sum(left for _, left in pod.prefilling)
+            tokens = ahead + own
+            decoding = len(pod.running)
+            steps = math.ceil(tokens / max(1, self._budget - decoding))
+            distinct = len(pod.running_adapters) + (adapter not in pod.running_adapters)
+            step = self._step + self._per_seq * (decoding + len(pod.prefilling) + 1) + (
+                self._lora[0] + self._lora[1] * distinct) / 1e3
+            tier = pod.tier_of(adapter)
+            load = 0.0 if tier is Tier.GPU else self._loads[Tier.CPU][adapter] if tier is Tier.CPU else (
+                self._loads[Tier.DISK][adapter] + (self._fetch[adapter] if tier is not Tier.DISK else 0.0))
+            out[i] = steps * step + tokens * self._prefill + load + self._slot_wait(pod, adapter) * step
+        return out
+
+    def _slot_wait(self, pod: Pod, adapter: int) -> float:
+        """Steps until a GPU slot frees for ``adapter`` where the batch already runs ``max_loras`` other adapters
+        (vLLM's scheduler skips its requests until then): the soonest a running adapter with nothing waiting
+        drains; ``SLOT_STARVED_STEPS`` where every one of them has requests waiting (it may never drain)."""
+        running = pod.running_adapters
+        if adapter in running or len(running) < pod.max_loras:
+            return 0.0
+        last: dict[int, int] = {}
+        adapters = self._adapter
+        for finish, rid in pod.running:
+            a = adapters[rid]
+            if finish > last.get(a, 0):
+                last[a] = finish
+        drains = [f for a, f in last.items() if a not in pod.waiting_adapters]
+        return float(min(drains) - pod.steps) if drains else SLOT_STARVED_STEPS
+
+
 class PeerRouter:
     """A peer's picker config, run by the picker's ``Scheduler`` over the pods' scraped vLLM metrics.
 
@@ -125,6 +199,18 @@ class PeerRouter:
         self.view = VllmView(trace, profile, lora_lists)
         self._rng = np.random.default_rng(seed)
         self._requests = [SchedulingRequest(served_name=a.name) for a in trace.adapters]
+        #: the plugins that ask the simulator: Dynamo's allocator reads its clock, predicted-latency routing its TTFT
+        #: model (and the tenant's priority, which its admitter reads)
+        self._rid = 0
+        self._pods: list[Pod] = []
+        self._by_priority: dict[tuple[int, int], SchedulingRequest] | None = None
+        self._priority = [trace.tenants[t].priority for t in trace.tenant] if len(trace) else []
+        for step in scheduler.filters:
+            if isinstance(step.run, DynamoLoraFilter):
+                step.run.clock = lambda: self._now
+            elif isinstance(step.run, PredictedLatencyFilter):
+                step.run.predictor = self._oracle_predictor(TtftOracle(trace, profile))
+                self._by_priority = {}
         self._scraped: list[Scraped] | None = None
         self._applied: list[Scraped] = []
         self._snapshot: PoolSnapshot | None = None
@@ -134,6 +220,10 @@ class PeerRouter:
         self._last: SchedulingRequest | None = None
         #: scrapes taken (for the report and the tests)
         self.scrapes = 0
+
+    def _oracle_predictor(self, oracle: TtftOracle) -> Callable[[SchedulingRequest, PoolSnapshot], np.ndarray]:
+        """``oracle``'s TTFTs of the request being decided on the live pods."""
+        return lambda _request, _pool: oracle.predict(self._rid, self._pods)
 
     def scrape(self, now: float, pods: list[Pod]) -> None:
         """Read every pod's metrics (the simulator calls this at each scrape tick)."""
@@ -160,8 +250,12 @@ class PeerRouter:
             self.scrape(now, pods)
         snapshot = self.snapshot()
         request = self._requests[trace.adapter[rid]]
+        self._now, self._rid, self._pods = now, rid, pods
+        if self._by_priority is not None and self._priority[rid]:
+            key = (trace.adapter[rid], self._priority[rid])
+            request = self._by_priority.get(key) or self._by_priority.setdefault(
+                key, replace(request, priority=self._priority[rid]))
         if self._prefix is not None:
-            self._now = now
             request = replace(request, prefix=self._prefix.request(rid))
         self._last = request
         return self.scheduler.schedule(request, snapshot, self._rng)

@@ -4,7 +4,7 @@
 
 from importlib import resources
 
-from loraplane.picker.peers import plugins  # noqa: F401  (registers the peer plugin types)
+from loraplane.picker.peers import dynamo, latency, plugins  # noqa: F401  (registers the peer plugin types)
 
 #: ``--config peer:<name>`` loads ``<name>.yaml`` of this package
 PEER_PREFIX = "peer:"

@@ -95,7 +95,7 @@ def test_vllm_names_every_busy_adapter_in_both_lists() -> None:
 
 def test_the_baselines_are_round_robin_and_the_packaged_peer_configs() -> None:
     assert BASELINES == ["round-robin", "least-request", "gie-default", "gie-lora-affinity", "gie-lora-filter",
-                         "llmd-load-state", "llmd-prefix"]
+                         "llmd-load-state", "llmd-prefix", "llmd-predicted-latency", "dynamo-lora"]
     assert POLICY_NAMES == ["loraplane", *BASELINES] and set(PEER_POLICIES) == set(BASELINES) - {"round-robin"}
     trace = scenario("gie-multilora", 50, 1, ADAPTER_BYTES)
     for name in PEER_POLICIES:
