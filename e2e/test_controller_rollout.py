@@ -231,9 +231,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         redis_server.stop()
 
 
-def test_rollouts_end_to_end(stack: Stack) -> None:
+def test_rollouts_end_to_end(stack: Stack, kubectl_bin: str) -> None:
     watch = subprocess.Popen(
-        ["kubectl", "--kubeconfig", str(stack.cluster.kubeconfig), "--cache-dir", str(stack.work / "kube-cache-w"),
+        [kubectl_bin, "--kubeconfig", str(stack.cluster.kubeconfig), "--cache-dir", str(stack.work / "kube-cache-w"),
          "get", "adapterrevisions", "-w", "--no-headers"],
         stdout=open(stack.work / "watch.txt", "w"), stderr=subprocess.STDOUT)
     try:

@@ -35,7 +35,7 @@ def _loraplane_up(workdir: Path, engines: int, **popen: Any) -> Iterator[subproc
             up.wait()
 
 
-def test_up_runs_until_ctrl_c_and_leaves_nothing_running(tmp_path: Path) -> None:
+def test_up_runs_until_ctrl_c_and_leaves_nothing_running(tmp_path: Path, kubectl_bin: str) -> None:
     workdir = tmp_path / "run"
     log = (tmp_path / "up.out").open("w+")
     with _loraplane_up(workdir, 2, stdout=log, stderr=subprocess.STDOUT) as up:
@@ -49,7 +49,7 @@ def test_up_runs_until_ctrl_c_and_leaves_nothing_running(tmp_path: Path) -> None
         gateway = re.search(r"gateway \(OpenAI API through Envoy\): (\S+)", text).group(1)  # type: ignore[union-attr]
 
         def kubectl(*args: str) -> str:
-            done = subprocess.run(["kubectl", "--cache-dir", str(tmp_path / "kube-cache"), *args], capture_output=True,
+            done = subprocess.run([kubectl_bin, "--cache-dir", str(tmp_path / "kube-cache"), *args], capture_output=True,
                                   text=True, timeout=30, env={**os.environ, "KUBECONFIG": kubeconfig})
             assert done.returncode == 0, done.stderr
             return done.stdout

@@ -16,6 +16,7 @@ from types import FrameType
 
 from loraplane.helptext import HelpFormatter
 from loraplane.stack.services import POOL, LocalStack, StackOptions, StartCancelled
+from loraplane.stack.tools import ToolMissing, kubectl
 
 __all__ = ["POOL", "LocalStack", "StackOptions", "main"]
 
@@ -81,7 +82,7 @@ def _serve(stack: LocalStack, stop: threading.Event) -> int:
     print(f"loraplane is up: {len(stack.engines)} {POD_KIND[stack.options.runtime]} in pool {POOL!r}\n"
           f"  gateway (OpenAI API through Envoy): {stack.gateway_url}\n"
           f"  kubeconfig: {stack.cluster.kubeconfig}\n"
-          f"    export KUBECONFIG={stack.cluster.kubeconfig}; kubectl get pods,inferencepools,adapterrevisions\n"
+          f"    export KUBECONFIG={stack.cluster.kubeconfig}; {kubectl()} get pods,inferencepools,adapterrevisions\n"
           f"  redis: {stack.redis_url} (ACL users; passwords in {stack.secrets.directory}/redis-<user>)\n"
           f"  picker metrics: http://127.0.0.1:{stack.picker_metrics_port}/metrics\n"
           f"  logs: {stack.logs}\n"
@@ -113,6 +114,11 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if args.json and not args.demo:
         print("loraplane up: --json needs --demo", file=sys.stderr)
+        return 2
+    try:  # every kubectl the stack runs (the demo's applies, the hint it prints) is the one setup installs
+        kubectl()
+    except ToolMissing as exc:
+        print(f"loraplane up: {exc}", file=sys.stderr)
         return 2
     workdir = args.workdir.resolve()
     stop = _StopSignal()

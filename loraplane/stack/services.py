@@ -33,6 +33,7 @@ from loraplane.processes import (
 )
 from loraplane.stack.secrets import StackSecrets, sidecar_user, write_private
 from loraplane.stack.sentinel import SentinelRedis, start_sentinel_redis
+from loraplane.stack.tools import kubectl
 
 #: The InferencePool (and Redis key namespace) of the local stack.
 POOL = "local"
@@ -66,7 +67,8 @@ class KubectlError(AssertionError):
 
 @dataclass
 class DevCluster:
-    """A running ``loraplane devcluster``: its URL, the kubeconfig it wrote, and the real kubectl configured for it."""
+    """A running ``loraplane devcluster``: its URL, the kubeconfig it wrote, and the real kubectl configured for it
+    (the one setup installs: ``loraplane.stack.tools``)."""
 
     url: str
     kubeconfig: Path
@@ -77,7 +79,7 @@ class DevCluster:
                 check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run kubectl against this cluster (its own discovery cache); raises ``KubectlError`` with ``check``."""
         result = subprocess.run(
-            ["kubectl", "--kubeconfig", str(self.kubeconfig), "--cache-dir", str(self.workdir / "kube-cache"), *args],
+            [kubectl(), "--kubeconfig", str(self.kubeconfig), "--cache-dir", str(self.workdir / "kube-cache"), *args],
             input=stdin, capture_output=True, text=True, timeout=timeout,
             env={**os.environ, "KUBECONFIG": str(self.kubeconfig)},
         )

@@ -100,12 +100,12 @@ def test_invalid_adapter_revision_is_refused_with_the_schema_message(devcluster:
     assert devcluster.kubectl("get", "ar", "-o", "name").stdout.split() == ["adapterrevision.loraplane.io/good"]
 
 
-def test_get_watch_shows_every_phase(devcluster: Namespaced, tmp_path: Path) -> None:
+def test_get_watch_shows_every_phase(devcluster: Namespaced, tmp_path: Path, kubectl_bin: str) -> None:
     _apply(devcluster, adapter_revision("claims-v2", revision="v2"))
     out = tmp_path / "watch.txt"
     with out.open("w") as sink:
         watcher = subprocess.Popen(
-            ["kubectl", "--kubeconfig", str(devcluster.kubeconfig), "--cache-dir", str(tmp_path / "cache"),
+            [kubectl_bin, "--kubeconfig", str(devcluster.kubeconfig), "--cache-dir", str(tmp_path / "cache"),
              "-n", devcluster.namespace, "get", "ar", "-w", "--request-timeout=30s"], stdout=sink, stderr=subprocess.STDOUT)
     try:
         _wait_for_lines(out, 2)
@@ -140,7 +140,8 @@ def test_delete_waits_for_finalizers(devcluster: Namespaced) -> None:
     held["metadata"]["finalizers"] = ["loraplane.io/unload"]
     _apply(devcluster, held)
     _apply(devcluster, adapter_revision("plain"))
-    assert devcluster.kubectl("delete", "ar", "plain").stdout.strip() == 'adapterrevision.loraplane.io "plain" deleted'
+    # kubectl >= 1.33 names the namespace after "deleted"
+    assert devcluster.kubectl("delete", "ar", "plain").stdout.startswith('adapterrevision.loraplane.io "plain" deleted')
     devcluster.kubectl("delete", "ar", "held", "--wait=false")
     marked = json.loads(devcluster.kubectl("get", "ar", "held", "-o", "json").stdout)
     assert marked["metadata"]["deletionTimestamp"]
