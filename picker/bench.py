@@ -20,6 +20,10 @@ Prints one JSON object. Sections:
 - ``frame_layers`` (``--frame-layers``): the picker's closed-loop CPU per request and max req/s on one core with its
   hand-written HTTP/2 frame layer (``hand``) and with the ``h2`` package's (``h2lib``), alternated in one run behind
   the same Envoy, each run's errors from a short open-loop check, and the medians' ratios.
+- ``replicas`` (``--replicas N``): 1 and N picker replicas behind one Envoy, sharing their requests in flight
+  through Redis (``loraplane.picker.replicas``), closed loop: CPU per request summed over the replicas, and
+  ``max_rps_a_core_each`` = N / that CPU (every replica pinned to ``--picker-cpu`` here: the achieved rate of N
+  replicas on one core cannot show scaling); ``max_rps_ratio`` = N replicas' over one's.
 
 Pinning: the picker (or the naive servicer) runs on ``--picker-cpu``; Envoy, nginx, wrk and this process's load
 generator on ``--load-cpu``.
@@ -54,7 +58,7 @@ from loraplane.api import (
     keys,
 )
 from loraplane.helptext import HelpFormatter
-from loraplane.picker.envoy import ExtProcModes, direct_config, picker_config
+from loraplane.picker.envoy import ExtProcModes, PickerEndpoint, direct_config, picker_config
 from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.prefix import bench_request_path, without_prefix_scorer
 from loraplane.picker.routes import RouteResolver
@@ -308,7 +312,7 @@ class _Stack:
         args = [envoy_binary(), "-c", str(path), "--concurrency", "1", "-l", "error", "--base-id", str(listen)]
         return self.start(args, name, listen, self.args.load_cpu), listen
 
-    def picker(self, naive: bool, transport: str = "h2") -> tuple[ManagedProcess, int]:
+    def picker(self, naive: bool, transport: str = "h2", replica: str = "picker-0") -> tuple[ManagedProcess, int]:
         port = free_port()
         if naive:
             args = [sys.executable, "-m", "loraplane.picker.naive", "--address", f"{LOOPBACK}:{port}",
@@ -317,14 +321,14 @@ class _Stack:
             args = [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
                     "--grpc-address", f"{LOOPBACK}:{port}", "--health-address", "", "--metrics-address", "",
                     "--no-destination-fallbacks", "--no-response-rewrite", "--log-level", "WARNING",
-                    "--transport", transport, "--max-report-ttl-seconds", str(REPORT_TTL_S)]
+                    "--transport", transport, "--max-report-ttl-seconds", str(REPORT_TTL_S), "--replica", replica]
             config = EndpointPickerConfig.load().with_parameters("flow-control", enabled=self.args.flow_control)
             if not self.args.prefix_scorer:
                 config = without_prefix_scorer(config)
             config_path = self.workdir / "picker-config.yaml"
             config_path.write_text(config.to_yaml())
             args += ["--config", str(config_path)]
-        proc = self.start(args, "naive" if naive else "picker", port, self.args.picker_cpu)
+        proc = self.start(args, "naive" if naive else replica, port, self.args.picker_cpu)
         time.sleep(1.0)  # first Redis sync
         return proc, port
 
@@ -439,6 +443,37 @@ def _frame_layers(stack: _Stack, modes: ExtProcModes) -> dict[str, Any]:
     return out
 
 
+def _replica_runs(stack: _Stack, modes: ExtProcModes) -> dict[str, Any]:
+    """1 and ``--replicas`` pickers behind one Envoy (sharing their requests in flight), closed loop, alternated
+    ``--closed-rounds`` times: the replicas' CPU per request summed, and the req/s they would reach with a core each
+    (replicas / CPU per request: on a machine with fewer cores than replicas the achieved rate cannot show it)."""
+    counts = sorted({1, stack.args.replicas})
+    runs: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
+    body_file = stack.workdir / "body-1k.json"
+    body_file.write_bytes(_body(1024))
+    seconds = stack.args.closed_seconds
+    for _ in range(stack.args.closed_rounds):
+        for n in counts:
+            pickers = [stack.picker(False, replica=f"picker-{i}") for i in range(n)]
+            envoy, listen = stack.envoy(picker_config(free_port(), [PickerEndpoint(port) for _, port in pickers],
+                                                      free_port(), modes), f"envoy-replicas-{n}")
+            _wrk(listen, body_file, 2, stack.args.connections, stack.args.load_cpu, stack.workdir)  # warm-up
+            cpu0 = [_cpu_seconds(proc.pid) for proc, _ in pickers]
+            requests = _wrk(listen, body_file, seconds, stack.args.connections, stack.args.load_cpu, stack.workdir)
+            cpu = sum(_cpu_seconds(proc.pid) - c for (proc, _), c in zip(pickers, cpu0, strict=True))
+            runs[n].append({"cpu_us_per_request": round(cpu / max(requests, 1) * 1e6, 1),
+                            "closed_loop_rps": round(requests / seconds, 1),
+                            "max_rps_a_core_each": round(n * max(requests, 1) / max(cpu, 1e-9), 1)})
+            envoy.stop()
+            for proc, _ in pickers:
+                proc.stop()
+    out: dict[str, Any] = {str(n): {key: round(float(np.median([r[key] for r in rows])), 1) for key in rows[0]}
+                           | {"runs": rows} for n, rows in runs.items()}
+    top = str(counts[-1])
+    out["max_rps_ratio"] = round(out[top]["max_rps_a_core_each"] / out["1"]["max_rps_a_core_each"], 2)
+    return out
+
+
 def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """The ``envoy``, ``cpu_us_per_request``, ``max_rps_one_core`` and ``naive`` parts."""
     with tempfile.TemporaryDirectory(prefix="loraplane-bench-picker-") as tmp:
@@ -467,6 +502,8 @@ def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 proc.stop()
             if args.frame_layers:
                 results["frame_layers"] = _frame_layers(stack, modes)
+            if args.replicas > 1:
+                results["replicas"] = _replica_runs(stack, modes)
             results["envoy_alone"] = [{"offered_rps": r, "body_bytes": s, "p50_ms": round(v["p50_ms"], 3),
                                        "p99_ms": round(v["p99_ms"], 3)} for (r, s), v in direct.items()]
             return results
@@ -498,6 +535,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--frame-layers", action="store_true",
                    help="add frame_layers: the picker with its own HTTP/2 frame layer and with the h2 package's")
     p.add_argument("--frame-layer-rounds", type=int, default=3, help="alternated runs per frame layer")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="also run this many picker replicas behind one Envoy against one, alternated --closed-rounds "
+                        "times (the replicas section: CPU per request summed over them, req/s with a core each)")
     p.add_argument("--picker-cpu", type=int, default=1, help="CPU the picker (or the naive baseline) is pinned to")
     p.add_argument("--load-cpu", type=int, default=0, help="CPU the load generator, Envoy and nginx are pinned to")
     return p
@@ -524,8 +564,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "picker_core_utilisation": picker["picker_core_utilisation"],
                     "closed_loop_runs": picker["closed_loop_runs"], "naive": results["naive"],
                     "envoy_alone": results["envoy_alone"]})
-        if "frame_layers" in results:
-            out["frame_layers"] = results["frame_layers"]
+        for section in ("frame_layers", "replicas"):
+            if section in results:
+                out[section] = results[section]
     out["machine"] = {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
     print(json.dumps(out))
     return 0

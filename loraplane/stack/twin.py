@@ -85,6 +85,8 @@ class TwinOptions:
     #: but on 2 cores a picker scraping 32 pods that often falls behind (docs/picker.md, "Scrape data source");
     #: ``bench fidelity`` gives the simulator's peers the same interval
     scrape_interval: float = 0.25
+    #: picker replicas behind the one Envoy (each routes on its own requests in flight plus the others' shared ones)
+    pickers: int = 1
 
 
 @dataclass(frozen=True)
@@ -408,7 +410,7 @@ def start_stack(workdir: Path, options: TwinOptions, peer: str | None = None,
                                     profile=options.profile, max_loras=options.max_loras,
                                     max_cpu_loras=options.max_cpu_loras, heartbeat=options.heartbeat,
                                     body_mode="FULL_DUPLEX_STREAMED", peer=peer, lora_modules=modules,
-                                    scrape_interval=options.scrape_interval))
+                                    scrape_interval=options.scrape_interval, pickers=options.pickers))
     return stack.start()
 
 
@@ -453,6 +455,8 @@ def add_pool_options(p: argparse.ArgumentParser, pods: int) -> None:
     p.add_argument("--scrape-interval", type=float, default=TwinOptions.scrape_interval,
                    help="seconds between a peer picker's scrapes of each pod's metrics (llm-d's default is 0.05; "
                    "on a small machine a picker scraping dozens of pods that often falls behind)")
+    p.add_argument("--pickers", type=int, default=TwinOptions.pickers,
+                   help="picker replicas behind the one Envoy (the twin only; the simulator runs one)")
     p.add_argument("--workdir", type=Path, default=Path(".run-twin"),
                    help="the stack's logs, artifacts and manifests go here")
     p.add_argument("--json", action="store_true", help="print one JSON object (always on; kept for symmetry)")
@@ -461,7 +465,8 @@ def add_pool_options(p: argparse.ArgumentParser, pods: int) -> None:
 def pool_options(args: argparse.Namespace) -> TwinOptions:
     """The ``TwinOptions`` of ``add_pool_options``' flags."""
     return TwinOptions(pods=args.pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-                       profile=args.profile, slo_ttft_ms=args.slo_ttft_ms, scrape_interval=args.scrape_interval)
+                       profile=args.profile, slo_ttft_ms=args.slo_ttft_ms, scrape_interval=args.scrape_interval,
+                       pickers=args.pickers)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -501,6 +506,7 @@ def main(argv: Sequence[str]) -> int:
     report = {"scenario": trace.name, "pods": options.pods, "requests": len(trace), "seed": args.seed,
               "profile": profile.name, "slo_ttft_ms": options.slo_ttft_ms,
               "pool": {"pods": options.pods, "max_loras": options.max_loras, "max_cpu_loras": options.max_cpu_loras},
+              "pickers": options.pickers,
               "policies": {policy: run_policy(trace, options, policy, args.workdir.resolve() / policy, say)
                            for policy in args.policies}}
     report["wall_s"] = round(time.monotonic() - started, 1)
