@@ -78,6 +78,7 @@ from loraplane.api.runtime import (
     LoadCosts,
     PodLoad,
     ResidencyReport,
+    ResidencySource,
     TargetState,
     Tier,
 )
@@ -138,6 +139,7 @@ __all__ = [
     "RequestRates",
     "ResidencyCounts",
     "ResidencyReport",
+    "ResidencySource",
     "RevisionCounters",
     "RevisionRole",
     "Rollout",

@@ -34,6 +34,19 @@ class Tier(StrEnum):
 
 _LEVELS = {Tier.GPU: 0, Tier.CPU: 1, Tier.DISK: 2, Tier.ABSENT: 3}
 
+
+class ResidencySource(StrEnum):
+    """Where a sidecar took its adapters' tiers from (``ResidencyReport.residency_source``)."""
+
+    #: the runtime's own API lists each adapter's tier (loraplane's engine)
+    RUNTIME = "runtime"
+    #: vLLM's own residency series (``vllm:lora_adapter_loaded`` ..., vLLM PR #54830) on its /metrics
+    VLLM_METRICS = "vllm-metrics"
+    #: the same series exported from vLLM's worker caches by loraplane's vLLM plugin (``loraplane_kernels``)
+    PLUGIN = "loraplane-plugin"
+    #: neither: the sidecar replays vLLM's LRU caches from what it loaded and saw served (inferred)
+    LRU_MODEL = "lru-model"
+
 TargetTier = Annotated[Tier, Field(description="gpu, cpu or disk; adapters not listed should be absent")]
 
 
@@ -193,7 +206,15 @@ class ResidencyReport(PayloadModel):
     ready: bool = True
     runtime: str = Field(default="engine", description="engine | vllm | vllm-ascend")
     residency_inferred: bool = Field(
-        default=False, description="True when the runtime cannot report tiers (vLLM) and the sidecar infers them"
+        default=False,
+        description="True when the sidecar inferred the tiers (residency_source lru-model: a vLLM that exports no "
+        "residency series)",
+    )
+    residency_source: ResidencySource | None = Field(
+        default=None,
+        description="where the tiers came from: runtime (the engine lists them), vllm-metrics (vLLM's own "
+        "vllm:lora_adapter_loaded series), loraplane-plugin (the same series from loraplane's vLLM plugin, read "
+        "from vLLM's worker caches) or lru-model (replayed, inferred); None from sidecars before this field",
     )
     demotes_to_disk: bool = Field(
         default=False,

@@ -35,6 +35,8 @@ LORA_ADAPTER_LOADED = "vllm:lora_adapter_loaded"
 NUM_GPU_LOADED = "vllm:num_gpu_loaded_lora_adapters"
 NUM_CPU_LOADED = "vllm:num_cpu_loaded_lora_adapters"
 MAX_GPU_ADAPTERS = "vllm:max_gpu_lora_adapters"
+#: only loraplane's vLLM plugin exports it (copies of unloaded names, per level): marks the plugin as the exporter
+UNREGISTERED_COPIES = "loraplane_vllm_unregistered_lora_copies"
 
 #: labels of ``lora_requests_info``
 MAX_LORA_LABEL = "max_lora"
@@ -201,6 +203,11 @@ def loaded_adapters(samples: Samples) -> dict[str, LoadedAdapter] | None:
             gpu, pinned = gpu or known.gpu, pinned or known.pinned
         loaded[name] = LoadedAdapter(gpu, pinned)
     return loaded
+
+
+def exported_by_plugin(samples: Samples) -> bool:
+    """The residency series come from loraplane's vLLM plugin (it alone exports ``UNREGISTERED_COPIES``)."""
+    return UNREGISTERED_COPIES in samples
 
 
 def gpu_loaded_count(samples: Samples, loaded: Mapping[str, LoadedAdapter] | None = None) -> int:

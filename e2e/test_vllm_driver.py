@@ -32,6 +32,7 @@ from loraplane.api import (
     Artifact,
     LoraSpec,
     ResidencyReport,
+    ResidencySource,
     TargetState,
     Tier,
     cache_key,
@@ -268,7 +269,7 @@ def failures(metrics_url: str, reason: str) -> float:
 
 def test_sidecar_over_vllm_refusals_final_and_a_restart_heals(
         vllm_server: VllmServer, redis_srv: RedisServer, adapter_dirs: dict[str, Path],
-        servable_model: ServableModel, sidecar: Callable[[], ManagedProcess]) -> None:
+        servable_model: ServableModel, sidecar: Callable[[], ManagedProcess], vllm_options: VllmOptions) -> None:
     client = redis.Redis.from_url(redis_srv.url)
     base = servable_model.digest
     hot, warm = publish(adapter_dirs["a"], "hot@v1", 8), publish(adapter_dirs["b"], "warm@v1", 8)
@@ -293,7 +294,9 @@ def test_sidecar_over_vllm_refusals_final_and_a_restart_heals(
         report = wait_until(lambda r=refused.name: settled(r), 90, f"hot on GPU, warm loaded, {refused.name} refused",
                             proc)
         row = report.by_name()[refused.name]
-        assert report.residency_inferred
+        # real vLLM runs loraplane's plugin, which exports exact residency; the emulator exports upstream's series
+        source = ResidencySource.VLLM_METRICS if vllm_options.emulated else ResidencySource.PLUGIN
+        assert report.residency_source is source and not report.residency_inferred
         assert "HTTP 500" in (row.error or "") and message in (row.error or ""), row.error
         assert row.tier is Tier.DISK and not row.registered
         assert failures(metrics_url, ERROR_INCOMPATIBLE) == generation

@@ -14,6 +14,7 @@ from loraplane.api import (
     AdapterResidency,
     PodLoad,
     ResidencyReport,
+    ResidencySource,
     TargetState,
     Tier,
 )
@@ -198,7 +199,8 @@ class Sidecar:
             address=self.config.address,
             ready=self.ready,
             runtime=self.config.runtime,
-            residency_inferred=not self.driver.capabilities.reports_residency,
+            residency_inferred=self.driver.residency_source is ResidencySource.LRU_MODEL,
+            residency_source=self.driver.residency_source,
             demotes_to_disk=self.driver.capabilities.serves_disk_tier,
             loads_activate=self.driver.capabilities.load_activates,
             base_model_digest=info.base_model_digest,

@@ -7,7 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplane.api import PodLoad, Tier
+from loraplane.api import PodLoad, ResidencySource, Tier
 
 
 class RuntimeUnavailable(Exception):
@@ -114,6 +114,12 @@ class RuntimeDriver(ABC):
 
     kind: str
     capabilities: Capabilities
+
+    @property
+    def residency_source(self) -> ResidencySource:
+        """Where the last ``observe`` took the tiers from: the runtime's own listing (``reports_residency``), else
+        the driver's inference (a driver that reads exact residency some of the time overrides this)."""
+        return ResidencySource.RUNTIME if self.capabilities.reports_residency else ResidencySource.LRU_MODEL
 
     @abstractmethod
     async def observe(self) -> Observation:

@@ -12,8 +12,11 @@ What vLLM (0.32/0.33) does, and so what this driver assumes:
   combination with the time it was last set: the newest says which adapters have requests now, and the newest series
   naming an adapter says when it was last served.
 
-So residency is *replayed*: :class:`LoraCacheModel` applies the loads, unloads and served requests the sidecar sees to
-a copy of vLLM's LRU order. Before a load or a warm-up that would push a kept adapter out of its tier, the driver
+Residency is read exactly when vLLM's /metrics has the residency series (``vllm:lora_adapter_loaded`` ...:
+loraplane's vLLM plugin exports them from the worker's caches, and a vLLM build with upstream's own series has
+them too); the report's ``residency_source`` says which. Otherwise, and for planning in both cases, residency is
+*replayed*: :class:`LoraCacheModel` applies the loads, unloads and served requests the sidecar sees to a copy of
+vLLM's LRU order (aligned with the exact series when there are some). Before a load or a warm-up that would push a kept adapter out of its tier, the driver
 touches (one-token completions) the kept adapters that would otherwise be the least recently used, so the copy that
 goes is an unwanted or unloaded one.
 
@@ -40,8 +43,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from loraplane.api import PodLoad, Tier, vllm_metrics
-from loraplane.api.vllm_metrics import Samples, lora_last_served, lora_requests, parse_metrics
+from loraplane.api import PodLoad, ResidencySource, Tier, vllm_metrics
+from loraplane.api.vllm_metrics import LoadedAdapter, Samples, lora_last_served, lora_requests, parse_metrics
 from loraplane.sidecar.drivers.base import (
     Capabilities,
     Observation,
@@ -128,6 +131,26 @@ class LoraCacheModel:
         for copy in self.copies:
             if copy.name is not None and copy.name not in registered:
                 copy.name = None
+
+    def align(self, resident: Mapping[str, LoadedAdapter]) -> None:
+        """Make the replayed caches agree with exact residency (``resident``: name -> in a GPU slot or only in host
+        memory, as vLLM's own series say): named copies vLLM no longer holds go, copies the model lacks are added
+        as the least recently used of their tier, and every GPU copy ranks above every host-only one (the order
+        within a tier, which no series exports, stays the replayed one)."""
+        self.copies = [c for c in self.copies if c.name is None or c.name in resident]
+        known = {c.name for c in self.copies}
+        floor = min((c.touched for c in self.copies), default=0.0)
+        for name in sorted(n for n in resident if n not in known):
+            floor -= 1.0
+            self.copies.append(_Copy(name, floor))
+        host = [c.touched for c in self.copies if c.name is not None and not resident[c.name].gpu]
+        if host:
+            top = max(host)
+            low = sorted((c for c in self.copies if c.name is not None and resident[c.name].gpu
+                          and c.touched <= top), key=lambda c: c.touched)
+            for step, copy in enumerate(low, start=1):
+                copy.touched = top + step * 1e-3
+        self.copies = self.ranked()
 
     def tier(self, name: str) -> Tier:
         """GPU, CPU (host cache) or DISK (registered, reloaded on its next request)."""
@@ -314,7 +337,14 @@ class VllmDriver(VllmApiDriver):
         self._served_until = 0.0
         self._gpu_keep: frozenset[str] = frozenset()
         self._host_keep: frozenset[str] = frozenset()
+        self._source = ResidencySource.LRU_MODEL
         self.cache = self._empty_cache()
+
+    @property
+    def residency_source(self) -> ResidencySource:
+        """``loraplane-plugin`` or ``vllm-metrics`` while vLLM's /metrics had the residency series at the last
+        ``observe``, else ``lru-model`` (the replayed caches)."""
+        return self._source
 
     def _empty_cache(self) -> LoraCacheModel:
         gpu = self._limits.max_loras or 1
@@ -338,12 +368,28 @@ class VllmDriver(VllmApiDriver):
         roots = {m["id"]: m.get("root") for m in models if m.get("parent")}
         self.cache.keep_only(names)
         self._replay_requests(samples, set(names))
+        exact = vllm_metrics.loaded_adapters(samples)
+        if exact is None:
+            self._source = ResidencySource.LRU_MODEL
+        else:
+            self._source = (ResidencySource.PLUGIN if vllm_metrics.exported_by_plugin(samples)
+                            else ResidencySource.VLLM_METRICS)
+            self.cache.align({name: state for name, state in exact.items() if name in roots})
         running, waiting = lora_requests(samples)
         busy = running | waiting
-        adapters = {name: RuntimeAdapter(served_name=name, tier=self.cache.tier(name), in_flight=int(name in busy),
+        adapters = {name: RuntimeAdapter(served_name=name, tier=self._tier(name, exact), in_flight=int(name in busy),
+                                         pinned=bool(exact and name in exact and exact[name].pinned),
                                          path=roots[name] if isinstance(roots[name], str) else None)
                     for name in names}
         return Observation(info, adapters, pod_load(samples, info))
+
+    def _tier(self, name: str, exact: Mapping[str, LoadedAdapter] | None) -> Tier:
+        """From vLLM's residency series when it exports them (a registered name without a series is on disk: vLLM
+        reads it back from its path on the next request), else from the replayed caches."""
+        if exact is None:
+            return self.cache.tier(name)
+        state = exact.get(name)
+        return Tier.DISK if state is None else Tier.GPU if state.gpu else Tier.CPU
 
     def _replay_requests(self, samples: Samples, registered: set[str]) -> None:
         """Touch the copies of adapters vLLM served since the last look, in the order it served them."""
