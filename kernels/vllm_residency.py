@@ -81,7 +81,9 @@ def install() -> None:
     directory = residency_dir()
     try:
         _hook_worker(directory)
+        _hook_worker_rpc()
         _hook_serving_models()
+        _hook_admin_routes()
         _register_collector(directory)
     except (ImportError, AttributeError) as exc:  # another vLLM's internals: no residency series, serving unaffected
         log.warning("loraplane residency metrics off: %r", exc)
@@ -210,6 +212,52 @@ def _hook_worker(directory: str) -> None:
         setattr(Manager, name, after(name, evicting))
 
 
+def _sync(manager: Any) -> None:
+    state = getattr(manager, "_loraplane_state", None)
+    if state is not None:
+        with state.lock:
+            state.sync(manager._adapter_manager, evicting=False)
+
+
+def unpin(manager: Any, lora_id: int) -> bool:
+    """Unpin a copy in both of ``manager``'s caches (an ``LRUCacheWorkerLoRAManager``); True when it was pinned."""
+    caches = (manager._adapter_manager._registered_adapters, manager._adapter_manager._active_adapters)
+    was = False
+    for cache in caches:
+        if lora_id in cache.pinned_items:
+            cache._unpin(lora_id)
+            was = True
+    _sync(manager)
+    return was
+
+
+def offload(manager: Any, lora_id: int) -> str:
+    """Free the copy's GPU slot, keeping its host copy: ``offloaded``, ``pinned`` (refused: unpin it first) or
+    ``not-on-gpu``."""
+    adapters = manager._adapter_manager
+    if lora_id not in adapters._active_adapters.cache:
+        return "not-on-gpu"
+    if lora_id in adapters._active_adapters.pinned_items:
+        return "pinned"
+    adapters.deactivate_adapter(lora_id)
+    _sync(manager)
+    return "offloaded"
+
+
+def _hook_worker_rpc() -> None:
+    """Worker methods the admin routes reach through the engine's ``collective_rpc`` (by name)."""
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    def manager_of(worker: Any) -> Any:
+        manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+        if manager is None:
+            raise RuntimeError("LoRA is not enabled on this worker")
+        return manager
+
+    WorkerBase.loraplane_unpin_lora = lambda self, lora_id: unpin(manager_of(self), lora_id)
+    WorkerBase.loraplane_offload_lora = lambda self, lora_id: offload(manager_of(self), lora_id)
+
+
 # --- API server side --------------------------------------------------------------------------------------------------
 
 
@@ -230,6 +278,89 @@ def _hook_serving_models() -> None:
         _serving_models = weakref.ref(self)
 
     OpenAIServingModels.__init__ = __init__
+
+
+#: the admin routes (under /v1: vLLM's --api-key guards them; not among the paths a gateway forwards)
+PIN_PATH = "/v1/loraplane/pin_lora_adapter"
+UNPIN_PATH = "/v1/loraplane/unpin_lora_adapter"
+OFFLOAD_PATH = "/v1/loraplane/offload_lora_adapter"
+
+
+def _hook_admin_routes() -> None:
+    """Add pin, unpin and offload next to vLLM's load/unload routes (only where those exist: runtime updating on)."""
+    import vllm.entrypoints.serve as serve
+
+    if getattr(serve, "_loraplane_admin", False):
+        return
+    serve._loraplane_admin = True
+    original = serve.register_vllm_serve_api_routers
+
+    def register_vllm_serve_api_routers(app: Any) -> None:
+        original(app)
+        from vllm import envs
+
+        if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+            attach_admin_routes(app)
+
+    serve.register_vllm_serve_api_routers = register_vllm_serve_api_routers
+
+
+def _error(status: int, message: str, kind: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def attach_admin_routes(app: Any) -> None:
+    """``POST {PIN,UNPIN,OFFLOAD}_PATH`` with ``{"lora_name": ...}``: vLLM's own pin (loads the adapter back first
+    when its copy fell out), unpin and offload in the worker (``collective_rpc``). 404 for an unknown name, 409 to
+    offload a pinned adapter; 200 with ``{"lora_name", "pinned" | "offloaded"}``."""
+    from starlette.responses import JSONResponse
+
+    async def target(request: Any) -> tuple[Any, Any] | Any:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            return _error(400, "'lora_name' must be provided", "InvalidUserInput")
+        lora = request.app.state.openai_serving_models.lora_requests.get(name)
+        if lora is None:
+            return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        return lora, request.app.state.engine_client
+
+    async def pin(request: Any) -> Any:
+        found = await target(request)
+        if not isinstance(found, tuple):
+            return found
+        lora, engine = found
+        await engine.add_lora(lora)  # a copy LRU pushed out is read back (and activated) first
+        await engine.pin_lora(lora.lora_int_id)
+        return JSONResponse({"lora_name": lora.lora_name, "pinned": True})
+
+    async def unpin_route(request: Any) -> Any:
+        found = await target(request)
+        if not isinstance(found, tuple):
+            return found
+        lora, engine = found
+        was = await engine.collective_rpc("loraplane_unpin_lora", args=(lora.lora_int_id,))
+        return JSONResponse({"lora_name": lora.lora_name, "pinned": False, "was_pinned": any(was)})
+
+    async def offload_route(request: Any) -> Any:
+        found = await target(request)
+        if not isinstance(found, tuple):
+            return found
+        lora, engine = found
+        results = set(await engine.collective_rpc("loraplane_offload_lora", args=(lora.lora_int_id,)))
+        if "pinned" in results:
+            return _error(409, f"The lora adapter '{lora.lora_name}' is pinned: unpin it first.", "Conflict")
+        return JSONResponse({"lora_name": lora.lora_name, "offloaded": "offloaded" in results})
+
+    # Starlette routes (the endpoint takes the request as is): vLLM's middleware (--api-key) still applies
+    app.add_route(PIN_PATH, pin, methods=["POST"])
+    app.add_route(UNPIN_PATH, unpin_route, methods=["POST"])
+    app.add_route(OFFLOAD_PATH, offload_route, methods=["POST"])
 
 
 def registered_ids() -> dict[int, str] | None:
