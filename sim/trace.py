@@ -437,6 +437,58 @@ def zipf_many(
     return _assemble("zipf-many", tenants, adapters, parts, rng, Lengths(), burst_window=(start, end))
 
 
+def fleet(
+    requests: int,
+    seed: int,
+    adapter_bytes: int,
+    rate: float = 1000.0,
+    adapters: int = 10_000,
+    tenants: int = 500,
+    zipf: float = 1.0,
+    swing: float = 0.2,
+    sweep_tenants: int = 4,
+    sweep_adapters: int = 100,
+    sweep_rate: float = 10.0,
+    sweep_s: float = 300.0,
+) -> Trace:
+    """A multi-tenant fleet (sized for 256 pods): ``adapters`` revisions (10,000) of ``tenants`` online tenants
+    (500) and ``sweep_tenants`` batch ones. The online adapters' popularity is Zipf(``zipf``) in a random order; each
+    belongs to a tenant drawn Zipf(1.0) over the tenants (a few tenants own hundreds of adapters, most a handful);
+    one tenant in ten is gold (priority 1), one in five sheddable (priority -1), the rest standard. Arrivals are
+    Poisson at ``rate`` with a +-``swing`` diurnal swing over the trace; from a third of the way in each batch
+    tenant sweeps its own ``sweep_adapters`` adapters, absent from every pod, ``sweep_rate`` requests/s for
+    ``sweep_s`` (shortened for short traces)."""
+    rng = np.random.default_rng(seed)
+    online = [Tenant(f"tenant-{i}", HOT, priority=1 if i % 10 == 0 else -1 if i % 5 == 4 else 0) for i in range(tenants)]
+    batch = [Tenant(f"batch-{i}", BURST, priority=-1) for i in range(sweep_tenants)]
+    n_online = adapters - sweep_tenants * sweep_adapters
+    if n_online < 1:
+        raise TraceError("the fleet needs more adapters than its sweeps take")
+    owner = rng.choice(tenants, size=n_online, p=zipf_weights(tenants, 1.0)).tolist()
+    table = [Adapter(served_name(f"adapter-{i}", "v1"), owner[i], adapter_bytes) for i in range(n_online)]
+    per_sweep = min(round(sweep_rate * sweep_s), requests // (10 * max(1, sweep_tenants))) if sweep_tenants else 0
+    n_requests = requests - sweep_tenants * per_sweep
+    duration = n_requests / rate
+    times = poisson_arrivals(rng, n_requests, rate, diurnal=swing, period=duration)
+    chosen = rng.permutation(n_online)[rng.choice(n_online, size=n_requests, p=zipf_weights(n_online, zipf))]
+    parts = [(times, chosen)]
+    start = duration / 3
+    block = max(1, -(-per_sweep // sweep_adapters)) if sweep_adapters else 1
+    for b in range(sweep_tenants):
+        first = len(table)
+        table += [
+            Adapter(served_name(f"sweep-{b}-{i}", "v1"), tenants + b, adapter_bytes, on_disk=False)
+            for i in range(sweep_adapters)
+        ]
+        if per_sweep:
+            sweep = first + np.minimum(np.arange(per_sweep) // block, sweep_adapters - 1)
+            parts.append((poisson_arrivals(rng, per_sweep, sweep_rate, start=start), sweep))
+    window = None
+    if per_sweep:
+        window = (start, max(float(p[0][-1]) for p in parts[1:]))
+    return _assemble("fleet", online + batch, table, parts, rng, Lengths(), burst_window=window)
+
+
 def diurnal_peak(requests: int, seed: int, adapter_bytes: int, rate: float = 50.0, swing: float = 0.5) -> Trace:
     """50 adapters of 10 tenants (Zipf 1.0, three gold tenants, two sheddable) with one diurnal cycle whose peak
     (``rate x (1 + swing)``, 75 req/s) overloads the default pool of 8 pods for a while."""
@@ -548,6 +600,7 @@ SCENARIOS: dict[str, Callable[[int, int, int], Trace]] = {
     "zipf-many": zipf_many,
     "diurnal-peak": diurnal_peak,
     "prefix-chat": prefix_chat,
+    "fleet": fleet,
     **{name: _azure(name) for name in AZURE_SCENARIOS},
 }
 
