@@ -72,6 +72,9 @@ class ScriptedPods:
     probes: Counter[str] = field(default_factory=Counter)
     digests: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    #: served names the pods go on reporting as they last did after their targets drop them (a slow unload)
+    slow_unload: set[str] = field(default_factory=set)
+    reported: dict[str, dict[str, AdapterResidency]] = field(default_factory=dict)
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
@@ -105,6 +108,10 @@ class ScriptedPods:
                 self.digests[t.served_name] = content_digest(t.artifact.digest)
                 adapters.append(AdapterResidency(served_name=t.served_name, tier=t.tier, digest=t.artifact.digest,
                                                  adapter_digest=self.digests[t.served_name], bytes=1 << 20))
+            targeted = {a.served_name for a in adapters}
+            adapters += [held for name, held in self.reported.get(pod, {}).items()
+                         if name in self.slow_unload and name not in targeted]
+            self.reported[pod] = {a.served_name: a for a in adapters}
             report = ResidencyReport(
                 pool=POOL, pod=pod, address=f"127.0.0.1:{self.port}", base_model_digest=self.base_digest,
                 max_lora_rank=64, target_generation=target.generation if target else None, heartbeat_at=time.time(),
@@ -139,9 +146,10 @@ def api_client(url: str, workdir: Path) -> k8s.ApiClient:
 def make_controller(
     url: str, workdir: Path, redis: aioredis.Redis, identity: str = "controller-a", lease: bool = True,
     clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic,
+    lease_config: LeaseConfig = FAST_LEASE,
 ) -> Controller:
     client = api_client(url, workdir)
-    elector = LeaseElector(client, identity, FAST_LEASE, time.monotonic, clock) if lease else None
+    elector = LeaseElector(client, identity, lease_config, time.monotonic, clock) if lease else None
     import httpx
 
     return Controller(

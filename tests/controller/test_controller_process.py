@@ -7,6 +7,7 @@ target states and routes in Redis, probes over HTTP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,10 +21,12 @@ from kubernetes import client as k8s
 from e2e.fixtures.processes import RedisServer
 from loraplane.api import PickerCounters, RevisionCounters, RouteTable, TargetState, keys
 from loraplane.controller.kube import FINALIZER
+from loraplane.controller.leader import LeaseConfig
 from loraplane.controller.manager import Controller
 from loraplane.controller.metrics import ControllerMetrics
 from loraplane.devcluster import ServerThread
 from tests.controller.harness import (
+    FAST_LEASE,
     POOL,
     ScriptedPods,
     api_client,
@@ -47,6 +50,10 @@ FAST = {
 }
 
 
+#: a lease that outlives any test: only its holder's release hands it over
+LONG_LEASE = LeaseConfig(lease_duration=600.0, renew_deadline=1.5, retry_period=0.2)
+
+
 def body(rev: str, n: int, **spec: Any) -> dict[str, Any]:
     """An AdapterRevision manifest for pool ``pool`` with fast rollout timings."""
     model = revision(rev, n=n, rollout=FAST, **spec)
@@ -66,8 +73,8 @@ class Env:
     workdir: Path
     loop: asyncio.AbstractEventLoop
 
-    def controller(self, identity: str = "controller-a") -> Controller:
-        return make_controller(self.server.url, self.workdir, self.redis, identity)
+    def controller(self, identity: str = "controller-a", lease: LeaseConfig = FAST_LEASE) -> Controller:
+        return make_controller(self.server.url, self.workdir, self.redis, identity, lease_config=lease)
 
     def phase(self, name: str) -> str | None:
         status = get(self.kube, name).get("status") or {}
@@ -237,23 +244,46 @@ async def test_two_replicas_never_both_act(env: Env) -> None:
 
 
 async def test_leadership_moves_when_the_leader_stops(env: Env) -> None:
-    a, b = env.controller("controller-a"), env.controller("controller-b")
-    async with running(b):
+    """The leader releases the Lease on its way out, so the other replica takes over at once: the lease lasts far
+    longer than the test, so its expiry cannot be what hands it over."""
+    a, b = env.controller("controller-a", LONG_LEASE), env.controller("controller-b", LONG_LEASE)
+    async with contextlib.AsyncExitStack() as b_runs:
         async with running(a):
-            await eventually(lambda: a.is_leader() or b.is_leader(), 10, "a leader")
-            first = a if a.is_leader() else b
-        if first is a:  # a released the lease on the way out: b takes over without waiting for expiry
-            await eventually(b.is_leader, 5, "b to lead")
-        await asyncio.to_thread(create, env.kube, body("v1", 1))
-        await _watch_phases(env, "claims-v1", "Stable")
+            await eventually(a.is_leader, 10, "a to lead")
+            await b_runs.enter_async_context(running(b))
+            await asyncio.to_thread(create, env.kube, body("v1", 1))
+            await _watch_phases(env, "claims-v1", "Stable")
+            assert not b.is_leader() and b.reconciles == 0
+        await eventually(b.is_leader, 10, "b to lead")
+        assert (await asyncio.to_thread(_lease_holder, env)) == "controller-b"
+        await env.traffic("claims@v1", "claims@v2")
+        await asyncio.to_thread(create, env.kube, body("v2", 2))
+        await _watch_phases(env, "claims-v2", "Stable")
+        assert b.reconciles > 0
+
+
+def _lease_holder(env: Env) -> str | None:
+    lease = k8s.CoordinationV1Api(env.kube).read_namespaced_lease("loraplane-controller", "default")
+    return lease.spec.holder_identity if lease.spec else None
 
 
 async def test_deleting_a_revision_unloads_it_before_the_finalizer_goes(env: Env) -> None:
-    async with running(env.controller()):
+    """The controller asks every pod to unload a deleted revision and keeps its finalizer, pass after pass, while a
+    pod still reports it; the object goes once no pod does."""
+    controller = env.controller()
+    async with running(controller):
         await asyncio.to_thread(create, env.kube, body("v1", 1))
         await _watch_phases(env, "claims-v1", "Stable")
+        env.pods.slow_unload.add("claims@v1")  # the pods go on reporting it after their targets drop it
         await asyncio.to_thread(k8s.CustomObjectsApi(env.kube).delete_namespaced_custom_object, "loraplane.io",
                                 "v1alpha1", "default", "adapterrevisions", "claims-v1")
+        await eventually(lambda: env.held_now("claims@v1") == {}, 10, "every target without claims@v1")
+        assert await env.routes() == {}
+        passes = controller.reconciles
+        await eventually(lambda: controller.reconciles >= passes + 5, 10, "five more passes")
+        held = await asyncio.to_thread(get, env.kube, "claims-v1")
+        assert held["metadata"]["deletionTimestamp"] and FINALIZER in held["metadata"]["finalizers"]
+        env.pods.slow_unload.clear()
 
         def gone() -> bool:
             try:
