@@ -219,6 +219,25 @@ def _sync(manager: Any) -> None:
             state.sync(manager._adapter_manager, evicting=False)
 
 
+def pin(manager: Any, lora_id: int) -> str:
+    """Pin a registered copy with vLLM's own ``pin_adapter`` (activates it, pins it in both caches): ``pinned``,
+    ``not-loaded`` (no copy: load it first) or ``full`` (refused: it would leave no unpinned GPU slot or host copy,
+    and vLLM's next activation of another adapter would fail with every item pinned)."""
+    adapters = manager._adapter_manager
+    registered, active = adapters._registered_adapters, adapters._active_adapters
+    if lora_id not in registered.cache:
+        return "not-loaded"
+    if lora_id in registered.pinned_items and lora_id in active.pinned_items:
+        return "pinned"
+    others_gpu = len(set(active.pinned_items) - {lora_id})
+    others_host = len(set(registered.pinned_items) - {lora_id})
+    if others_gpu + 1 >= adapters.lora_slots or others_host + 1 >= adapters.capacity:
+        return "full"
+    manager.pin_adapter(lora_id)
+    _sync(manager)
+    return "pinned"
+
+
 def unpin(manager: Any, lora_id: int) -> bool:
     """Unpin a copy in both of ``manager``'s caches (an ``LRUCacheWorkerLoRAManager``); True when it was pinned."""
     caches = (manager._adapter_manager._registered_adapters, manager._adapter_manager._active_adapters)
@@ -254,6 +273,7 @@ def _hook_worker_rpc() -> None:
             raise RuntimeError("LoRA is not enabled on this worker")
         return manager
 
+    WorkerBase.loraplane_pin_lora = lambda self, lora_id: pin(manager_of(self), lora_id)
     WorkerBase.loraplane_unpin_lora = lambda self, lora_id: unpin(manager_of(self), lora_id)
     WorkerBase.loraplane_offload_lora = lambda self, lora_id: offload(manager_of(self), lora_id)
 
@@ -312,9 +332,10 @@ def _error(status: int, message: str, kind: str) -> Any:
 
 
 def attach_admin_routes(app: Any) -> None:
-    """``POST {PIN,UNPIN,OFFLOAD}_PATH`` with ``{"lora_name": ...}``: vLLM's own pin (loads the adapter back first
-    when its copy fell out), unpin and offload in the worker (``collective_rpc``). 404 for an unknown name, 409 to
-    offload a pinned adapter; 200 with ``{"lora_name", "pinned" | "offloaded"}``."""
+    """``POST {PIN,UNPIN,OFFLOAD}_PATH`` with ``{"lora_name": ...}``: vLLM's own pin (the adapter read back first
+    when its copy fell out), unpin and offload, run in the worker (``collective_rpc``, :func:`pin`, :func:`unpin`,
+    :func:`offload`). 404 for an unknown name; 409 to offload a pinned adapter or to pin the last unpinned GPU slot
+    or host copy; 200 with ``{"lora_name", "pinned" | "offloaded"}``."""
     from starlette.responses import JSONResponse
 
     async def target(request: Any) -> tuple[Any, Any] | Any:
@@ -330,13 +351,16 @@ def attach_admin_routes(app: Any) -> None:
             return _error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         return lora, request.app.state.engine_client
 
-    async def pin(request: Any) -> Any:
+    async def pin_route(request: Any) -> Any:
         found = await target(request)
         if not isinstance(found, tuple):
             return found
         lora, engine = found
         await engine.add_lora(lora)  # a copy LRU pushed out is read back (and activated) first
-        await engine.pin_lora(lora.lora_int_id)
+        results = set(await engine.collective_rpc("loraplane_pin_lora", args=(lora.lora_int_id,)))
+        if results != {"pinned"}:
+            return _error(409, f"The lora adapter '{lora.lora_name}' cannot be pinned ({', '.join(sorted(results))}): "
+                          "vLLM needs one unpinned GPU slot and host copy for other adapters.", "Conflict")
         return JSONResponse({"lora_name": lora.lora_name, "pinned": True})
 
     async def unpin_route(request: Any) -> Any:
@@ -358,7 +382,7 @@ def attach_admin_routes(app: Any) -> None:
         return JSONResponse({"lora_name": lora.lora_name, "offloaded": "offloaded" in results})
 
     # Starlette routes (the endpoint takes the request as is): vLLM's middleware (--api-key) still applies
-    app.add_route(PIN_PATH, pin, methods=["POST"])
+    app.add_route(PIN_PATH, pin_route, methods=["POST"])
     app.add_route(UNPIN_PATH, unpin_route, methods=["POST"])
     app.add_route(OFFLOAD_PATH, offload_route, methods=["POST"])
 

@@ -74,6 +74,13 @@ def pod_load(samples: Samples, info: RuntimeInfo) -> PodLoad:
     )
 
 
+#: loraplane's vLLM plugin's admin routes (``loraplane.kernels.vllm_residency``; under /v1, so vLLM's --api-key
+#: guards them): body ``{"lora_name": ...}``
+PIN_PATH = "/v1/loraplane/pin_lora_adapter"
+UNPIN_PATH = "/v1/loraplane/unpin_lora_adapter"
+OFFLOAD_PATH = "/v1/loraplane/offload_lora_adapter"
+
+
 @dataclass
 class _Copy:
     """One adapter copy in vLLM's worker caches: its served name (None once unloaded) and when it was last touched."""
@@ -375,6 +382,9 @@ class VllmDriver(VllmApiDriver):
             self._source = (ResidencySource.PLUGIN if vllm_metrics.exported_by_plugin(samples)
                             else ResidencySource.VLLM_METRICS)
             self.cache.align({name: state for name, state in exact.items() if name in roots})
+        # loraplane's plugin adds pin and unpin routes: pinned GPU-tier targets are pinned in vLLM's caches
+        plugin = self._source is ResidencySource.PLUGIN
+        self.capabilities = dataclasses.replace(type(self).capabilities, pin=plugin)
         running, waiting = lora_requests(samples)
         busy = running | waiting
         adapters = {name: RuntimeAdapter(served_name=name, tier=self._tier(name, exact), in_flight=int(name in busy),
@@ -423,6 +433,11 @@ class VllmDriver(VllmApiDriver):
         """A one-token greedy completion: vLLM puts the adapter in a GPU slot to serve it."""
         await self._keep_others(served_name, fresh=False)
         await self._warm_up(served_name)
+
+    async def set_pinned(self, served_name: str, pinned: bool) -> None:
+        """Pin (vLLM's own ``pin_lora``: in a GPU slot and the host cache, never evicted) or unpin, through the
+        plugin's admin routes (only while ``capabilities.pin``: the plugin's series were seen)."""
+        await self._call("POST", PIN_PATH if pinned else UNPIN_PATH, {"lora_name": served_name})
 
     async def unload(self, served_name: str) -> None:
         """Unload; the copy stays in vLLM's caches (and in the model) until LRU pushes it out."""
