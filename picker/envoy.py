@@ -188,6 +188,19 @@ class GatewayPolicy:
     max_requests: int | None = None
     #: health checking and outlier detection of the picker cluster; None: none
     picker_health: PickerHealth | None = None
+    #: a file Envoy writes one JSON line per request into (``ACCESS_LOG_FORMAT``: when the request reached Envoy,
+    #: was sent upstream, the upstream's first body byte, in µs); None: no access log
+    access_log: str | None = None
+
+
+#: the access log's fields: the client's ``x-request-id``, the status, the upstream, and µs from the request's
+#: first byte at Envoy to its sending upstream (the picker's headers and body round trips, its decision and any
+#: wait in its queue) and to the upstream's first response body byte (for a stream: the first token's chunk)
+ACCESS_LOG_FORMAT = {"id": "%REQ(X-REQUEST-ID)%", "status": "%RESPONSE_CODE%", "upstream": "%UPSTREAM_HOST%",
+                     "to_upstream_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
+                     "upstream_sent_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_END:us)%",
+                     "first_body_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
+                     "total_us": "%COMMON_DURATION(DS_RX_BEG:DS_TX_END:us)%"}
 
 
 #: ``loraplane up``'s gateway: inference paths only, client address forwarded, timeouts, two retries, circuit
@@ -251,6 +264,11 @@ def _bootstrap(listen_port: int, admin_port: int, http_filters: list[dict[str, A
     manager.update({k: v for k, v in timeouts.items() if v is not None})
     if policy.connection_idle_timeout is not None:
         manager["common_http_protocol_options"] = {"idle_timeout": policy.connection_idle_timeout}
+    if policy.access_log is not None:
+        manager["access_log"] = [{
+            "name": "envoy.access_loggers.file",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                             "path": policy.access_log, "log_format": {"json_format": ACCESS_LOG_FORMAT}}}]
     return {
         "admin": {"address": _socket(admin_port)},
         "static_resources": {

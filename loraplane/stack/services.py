@@ -147,6 +147,8 @@ class StackOptions:
     body_mode: str = "BUFFERED"
     #: picker replicas (``picker-0`` ...), each listed in Envoy's picker cluster with its gRPC health port
     pickers: int = 1
+    #: Envoy writes one JSON line per request into ``logs/envoy-access.log`` (``picker.envoy.ACCESS_LOG_FORMAT``)
+    envoy_access_log: bool = False
     #: Redis as a primary, a replica and three sentinels (``loraplane.stack.sentinel``); every component is given
     #: the ``redis+sentinel://`` URL and follows a failover
     redis_sentinel: bool = False
@@ -430,8 +432,9 @@ class LocalStack:
         self.picker = self.pickers[0]
         self.gateway_port, admin_port = free_port(), free_port()
         config = self.options.workdir / "envoy.json"
+        access_log = str(self.logs / "envoy-access.log") if self.options.envoy_access_log else None
         policy = dataclasses.replace(HARDENED, endpoints=[e.address for e in self.engines],
-                                     fail_open=self.options.failure_mode == "FailOpen")
+                                     fail_open=self.options.failure_mode == "FailOpen", access_log=access_log)
         modes = ExtProcModes(request_body_mode=self.options.body_mode, response_body_mode=self.options.body_mode)
         write_private(config, json.dumps(picker_config(self.gateway_port, listed, admin_port, modes=modes,
                                                        upstream_header=True, policy=policy)))
