@@ -193,10 +193,12 @@ class GatewayPolicy:
     access_log: str | None = None
 
 
-#: the access log's fields: the client's ``x-request-id``, the status, the upstream, and µs from the request's
+#: the header a client names its request by in the access log (Envoy regenerates ``x-request-id`` for outside clients)
+CLIENT_REQUEST_ID_HEADER = "x-client-request-id"
+#: the access log's fields: the client's request id (``CLIENT_REQUEST_ID_HEADER``), the status, the upstream, and µs from the request's
 #: first byte at Envoy to its sending upstream (the picker's headers and body round trips, its decision and any
 #: wait in its queue) and to the upstream's first response body byte (for a stream: the first token's chunk)
-ACCESS_LOG_FORMAT = {"id": "%REQ(X-REQUEST-ID)%", "status": "%RESPONSE_CODE%", "upstream": "%UPSTREAM_HOST%",
+ACCESS_LOG_FORMAT = {"id": f"%REQ({CLIENT_REQUEST_ID_HEADER.upper()})%", "status": "%RESPONSE_CODE%", "upstream": "%UPSTREAM_HOST%",
                      "to_upstream_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_BEG:us)%",
                      "upstream_sent_us": "%COMMON_DURATION(DS_RX_BEG:US_TX_END:us)%",
                      "first_body_us": "%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%",
