@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane.api import AdapterRevision, PriorityClass, parse_served_name
 from loraplane.emulator.tokens import expected_text
+from loraplane.picker.envoy import CLIENT_REQUEST_ID_HEADER
 from loraplane.picker.peers import peer_configs
 from loraplane.sim.cluster import SERVED, SimResult
 from loraplane.sim.metrics import (
@@ -161,12 +162,73 @@ def prompt_text(rid: int, tokens: int) -> str:
     return " ".join(f"q{rid}w{i}" for i in range(tokens))
 
 
+def request_id(index: int) -> str:
+    """The id the client gives request ``index`` of the trace (``CLIENT_REQUEST_ID_HEADER``, in Envoy's access log)."""
+    return f"twin-{index}"
+
+
 def replay_requests(trace: Trace, models: Sequence[str]) -> list[ReplayRequest]:
-    """One request per trace row, leaving at its arrival (seconds after the first), naming its adapter's model."""
+    """One request per trace row, leaving at its arrival (seconds after the first), naming its adapter's model and
+    carrying its id for Envoy's access log."""
     start = trace.arrival[0] if len(trace) else 0.0
     return [ReplayRequest(at=trace.arrival[i] - start, model=models[trace.adapter[i]],
-                          prompt=prompt_text(i, trace.input_tokens[i]), max_tokens=trace.output_tokens[i])
+                          prompt=prompt_text(i, trace.input_tokens[i]), max_tokens=trace.output_tokens[i],
+                          headers=((CLIENT_REQUEST_ID_HEADER, request_id(i)),))
             for i in range(len(trace))]
+
+
+@dataclass(frozen=True)
+class GatewayTimes:
+    """What Envoy's access log says of one request (seconds from its first byte at Envoy)."""
+
+    #: to its sending upstream: the picker's header and body round trips, its decision, any wait in its queue
+    to_upstream_s: float
+    #: to the upstream's first response body byte (a stream's first chunk)
+    first_body_s: float
+
+
+def read_access_log(path: Path, count: int, wait_s: float = 10.0) -> list[GatewayTimes | None]:
+    """Envoy's access log lines of the trace's ``count`` requests, in trace order (None: no line, or Envoy sent
+    nothing upstream or got no body). Envoy flushes the file about once a second: wait up to ``wait_s`` for them."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        times: list[GatewayTimes | None] = [None] * count
+        seen = 0
+        lines = path.read_text().splitlines() if path.exists() else []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                index = int(str(entry.get("id", "")).removeprefix("twin-"))
+            except ValueError:
+                continue
+            if not 0 <= index < count:
+                continue
+            seen += 1
+            to_upstream, first_body = entry.get("to_upstream_us"), entry.get("first_body_us")
+            if isinstance(to_upstream, int | float) and isinstance(first_body, int | float):
+                times[index] = GatewayTimes(to_upstream / 1e6, first_body / 1e6)
+        if seen >= count or time.monotonic() > deadline:
+            return times
+        time.sleep(0.5)
+
+
+def gateway_path(outcomes: Sequence[Outcome], times: Sequence[GatewayTimes | None]) -> dict[str, Any]:
+    """Each served request's TTFT split by Envoy's timestamps: ``ttft_at_pod_ms`` from Envoy's sending it upstream
+    to the pod's first chunk (what the simulator models: the pod's queue, load and prefill), and the path around it,
+    which the simulator does not model: ``ingress_ms`` (client to Envoy, the picker's round trips and decision, any
+    wait in its queue) and ``egress_ms`` (the first chunk from the pod through the picker's response processing and
+    Envoy to the client); ``path_ms`` = client TTFT - ``ttft_at_pod``."""
+    pod, ingress, egress, path = [], [], [], []
+    for outcome, t in zip(outcomes, times, strict=True):
+        if t is None or outcome.status != 200 or math.isnan(outcome.ttft_s) or math.isnan(outcome.e2e_s):
+            continue
+        at_pod = t.first_body_s - t.to_upstream_s
+        pod.append(at_pod)
+        ingress.append(t.to_upstream_s)
+        egress.append(outcome.ttft_s - t.first_body_s)
+        path.append(outcome.ttft_s - at_pod)
+    return {"requests": len(pod), "ttft_at_pod_ms": finite_ms(pod), "path_ms": finite_ms(path),
+            "ingress_ms": finite_ms(ingress), "egress_ms": finite_ms(egress)}
 
 
 def outcomes_as_result(policy: str, trace: Trace, outcomes: Sequence[Outcome],
@@ -345,6 +407,9 @@ class Twin:
         usage_after = {name: process_usage(pid) for name, pid in {**stack.pids(), "client": os.getpid()}.items()}
         result = outcomes_as_result(policy, self.trace, outcomes, lambda upstream: pod_index.get(upstream or "", -1))
         summary = twin_summary(result, outcomes, before, after, self.options.slo_ttft_ms)
+        access_log = stack.logs / "envoy-access.log"
+        if access_log.exists():
+            summary["gateway_path"] = gateway_path(outcomes, read_access_log(access_log, len(outcomes)))
         summary["replay_wall_s"] = round(wall, 1)
         summary["processes"] = usage_summary(usage_before, usage_after, wall)
         return summary
@@ -378,6 +443,9 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
             # how old the chosen pod's residency report was when the picker decided (loraplane's policy only)
             "report_age_at_decision": histogram_quantiles(before.picker, after.picker,
                                                           "loraplane_picker_report_age_seconds"),
+            # requests the picker's flow control queued, and how long (the simulator's ``held``)
+            "picker_queue_wait": histogram_quantiles(before.picker, after.picker,
+                                                     "loraplane_picker_queue_wait_seconds"),
             "controller_reconcile": histogram_quantiles(before.controller, after.controller,
                                                         "loraplane_controller_reconcile_seconds"),
         },
@@ -410,7 +478,8 @@ def start_stack(workdir: Path, options: TwinOptions, peer: str | None = None,
                                     profile=options.profile, max_loras=options.max_loras,
                                     max_cpu_loras=options.max_cpu_loras, heartbeat=options.heartbeat,
                                     body_mode="FULL_DUPLEX_STREAMED", peer=peer, lora_modules=modules,
-                                    scrape_interval=options.scrape_interval, pickers=options.pickers))
+                                    scrape_interval=options.scrape_interval, pickers=options.pickers,
+                                    envoy_access_log=True))
     return stack.start()
 
 

@@ -4,12 +4,22 @@ two scrapes, errors and winners."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+import pytest
 
 from loraplane.sim.cluster import SERVED
 from loraplane.sim.trace import scenario
-from loraplane.stack.fidelity import errors, winner
+from loraplane.stack.fidelity import errors, winner, winner_margin
 from loraplane.stack.replay import NO_ANSWER, Outcome
-from loraplane.stack.twin import NO_ANSWER_STATUS, histogram_quantiles, metric_samples, outcomes_as_result
+from loraplane.stack.twin import (
+    NO_ANSWER_STATUS,
+    gateway_path,
+    histogram_quantiles,
+    metric_samples,
+    outcomes_as_result,
+    read_access_log,
+)
 
 HISTOGRAM = """# TYPE h histogram
 h_bucket{{le="0.001"}} {a}
@@ -47,6 +57,33 @@ def test_errors_and_the_winner() -> None:
     twin = {"slo_attainment": 0.99, "ttft_ms": {"p50": 100.0, "p99": 1000.0}, "cold_starts": 100,
             "p99_served_ttft_ms": 1000.0}
     assert errors(sim, twin) == {"slo_attainment_abs": 0.01, "ttft_p50_rel": 0.1, "ttft_p99_rel": 0.1,
-                                 "gpu_loads_rel": 0.1}
+                                 "gpu_loads_rel": 0.1, "ttft_p50_rel_at_pod": None, "ttft_p99_rel_at_pod": None}
+    # the TTFT at the pod (Envoy's send to the first chunk), the path around it measured apart
+    at_pod = {**twin, "gateway_path": {"ttft_at_pod_ms": {"p50": 88.0, "p99": 1125.0}}}
+    got = errors(sim, at_pod)
+    assert (got["ttft_p50_rel_at_pod"], got["ttft_p99_rel_at_pod"]) == (0.25, 0.2)
     assert winner({"a": sim, "b": twin}) == "b"
     assert winner({"a": {**twin, "p99_served_ttft_ms": 800.0}, "b": twin}) == "a"  # a tie goes to the lower p99
+    assert winner_margin({"a": sim, "b": twin}) == {"runner_up": "a", "slo_attainment_abs": 0.01}
+    assert winner_margin({"a": {**twin, "p99_served_ttft_ms": 800.0}, "b": twin}) == {
+        "runner_up": "b", "p99_served_ttft_rel": 0.25}
+
+
+def test_the_access_log_splits_ttft_into_the_pod_and_the_path(tmp_path: Path) -> None:
+    # Envoy's lines as picker.envoy.ACCESS_LOG_FORMAT writes them: a refused request has no upstream timestamps
+    log = tmp_path / "envoy-access.log"
+    log.write_text("\n".join([
+        '{"id":"twin-1","status":200,"to_upstream_us":4000,"upstream_sent_us":4100,"first_body_us":94000}',
+        '{"id":"twin-0","status":200,"to_upstream_us":2000,"upstream_sent_us":2100,"first_body_us":52000}',
+        '{"id":"twin-2","status":429,"to_upstream_us":null,"upstream_sent_us":null,"first_body_us":null}',
+        '{"id":"-","status":200,"to_upstream_us":1,"upstream_sent_us":1,"first_body_us":2}',
+    ]) + "\n")
+    times = read_access_log(log, 3, wait_s=0)
+    assert times[2] is None and times[0] is not None and times[0].first_body_s == 0.052
+    outcomes = [Outcome(status=200, ttft_s=0.060, e2e_s=1.0), Outcome(status=200, ttft_s=0.100, e2e_s=1.0),
+                Outcome(status=429)]
+    split = gateway_path(outcomes, times)
+    assert split["requests"] == 2
+    assert split["ttft_at_pod_ms"]["p50"] == pytest.approx(70.0)  # 50 and 90 ms from Envoy's send to the chunk
+    assert split["path_ms"]["p50"] == pytest.approx(10.0)  # 10 ms each: client TTFT less the pod's part
+    assert split["ingress_ms"]["p50"] == pytest.approx(3.0) and split["egress_ms"]["p50"] == pytest.approx(7.0)
