@@ -5,10 +5,10 @@ It starts vLLM as the stack starts its vLLM pods (``tiny-hd32`` written by ``wri
 256 --dtype float32 --enforce-eager``, the worker bound to core 0, ``VLLM_CPU_KVCACHE_SPACE=1``) and measures at a
 streaming client (``loraplane.emulator.client``):
 
-- **decode**: ``B`` requests sent at once (8-token prompts) over ``A`` distinct adapters (0: the base model), every
-  (B, A) of ``--batches`` x (0, 1, 2, 4 <= max_loras), the adapters made active first, once with answers of a
-  quarter of ``--decode-tokens`` and once of ``--decode-tokens``: the difference of the median times to the last
-  token over the difference of lengths is one step of B sequences and A adapters;
+- **decode**: ``B`` requests sent at once (8-token prompts, answers of ``--decode-tokens``) over ``A`` distinct
+  adapters (0: the base model), every (B, A) of ``--batches`` x (0, 1, 2, 4 <= max_loras), the adapters made active
+  first: the median gap between successive tokens over every stream is one step of B sequences and A adapters (a
+  stall of the server or the client lengthens a few gaps; it moved a time to the last token by all of it);
 - **prefill**: one request alone per prompt length (8 to 248 tokens) on the base model and on an active adapter:
   TTFT;
 - **adapter loads**: one request alone whose adapter is in a GPU slot (the adapter just served), only in host
@@ -26,8 +26,12 @@ and checks the tiers: the worker logs every adapter read from disk ("Adding lora
 ("Activating LoRA"), counted per tier (``tier_check``).
 
 Then ``loraplane.emulator.fit`` fits the profile by least squares over every repeated measurement (the models and
-what cannot be told apart from a client are in its docstring) and the command prints ONE JSON object: the profile,
-the fits with their residuals, the measurement's conditions (machine, load average). ``--out FILE`` writes
+what cannot be told apart from a client are in its docstring). A TTFT measured at the client holds the client's
+own cost and the server's HTTP front end; the emulator has a front end too and adds its profile's
+``request_overhead_ms`` on top, so (unless ``--keep-front-end``) the emulator is started with the fitted profile
+less its overhead, the prefill measurement repeated on it, and the overhead it shows by itself taken out of
+``request_overhead_ms`` (``measurement.front_end``). The command prints ONE JSON object: the profile, the fits with
+their residuals, the measurement's conditions (machine, load average). ``--out FILE`` writes
 ``{"profile", "measurement", "fit"}``, which ``--profile FILE`` loads in ``loraplane sim``, ``loraplane emulate`` and
 ``loraplane up --runtime emulated``. ``--runtime emulated`` measures the emulator instead (started with
 ``--emulator-profile``): a check that the measurement recovers the profile the emulator runs.
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
@@ -46,16 +51,23 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from loraplane.emulator.client import TimedRequest, Timing, burst
-from loraplane.emulator.fit import DecodeSample, LoadSample, Measurements, PrefillSample, fit_profile
+from loraplane.emulator.client import TOGETHER_S, TimedRequest, Timing, burst
+from loraplane.emulator.fit import (
+    DecodeSample,
+    LoadSample,
+    Measurements,
+    PrefillSample,
+    fit_profile,
+    front_end_ms,
+)
 from loraplane.helptext import HelpFormatter
-from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.profile import LARGE_GPU, Profile
 from loraplane.vllm_server import VllmOptions, VllmServer, start_vllm, vllm_python
 
 PRESET = "tiny-hd32"
@@ -139,6 +151,14 @@ def register(server: VllmServer, checkpoint: Checkpoint) -> list[float]:
 def load_average() -> list[float]:
     """The 1, 5 and 15 minute load averages."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def wait_for_quiet(max_load: float, wait_s: float) -> list[float]:
+    """Wait until the 1-minute load average is below ``max_load`` (at most ``wait_s``); the load average then."""
+    deadline = time.monotonic() + wait_s
+    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
+        time.sleep(10)
+    return load_average()
 
 
 def machine() -> dict[str, Any]:
@@ -229,13 +249,20 @@ class Session:
         return text.count(ADDING), text.count(ACTIVATING)
 
 
+def step_of(timings: Sequence[Timing]) -> float:
+    """One decode step (ms) of a batch whose streams decoded together: the median gap between successive tokens over
+    every stream, gaps of tokens that came together (held up) left out. A stall of the server or the client (someone
+    else's work on a shared machine) lengthens a few gaps of each stream and moves the median little, where it
+    lengthens a time to the last token by all of it."""
+    gaps = [g for t in timings for g in t.gaps if g >= TOGETHER_S]
+    return round(1000 * statistics.median(gaps), 4) if gaps else math.nan
+
+
 def measure_decode(s: Session, names: list[str], batches: Sequence[int], adapter_counts: Sequence[int],
                    tokens: int, repeats: int) -> list[DecodeSample]:
-    """Per (batch, adapters): the batch sent at once with answers of ``tokens // 4`` and of ``tokens`` tokens; the
-    step is the difference of the median times to the last token over the difference of lengths. The start (the
-    queue, the first step's prefill, the API server) is the same for both and drops out, and so does a stream
-    held up until its end (its last token still comes when the request ends)."""
-    short = max(2, tokens // 4)
+    """Per (batch, adapters): the batch sent at once (8-token prompts, answers of ``tokens``), its step the median gap
+    between successive tokens (``step_of``). The batch prefills together in its first step and decodes together
+    until its last token: every gap is one step of the whole batch."""
     configs = [(b, a) for b in batches for a in adapter_counts if a <= b]
     samples = []
     for _ in range(repeats):
@@ -243,9 +270,9 @@ def measure_decode(s: Session, names: list[str], batches: Sequence[int], adapter
         for batch, count in configs:
             used = names[:count]
             models = [used[i % count] if count else s.base for i in range(batch)]
-            ends = [statistics.median(t.last_token_s for t in s.measure(models, 8, n, before=used))
-                    for n in (short, tokens)]
-            samples.append(DecodeSample(batch, count, round(1000 * (ends[1] - ends[0]) / (tokens - short), 4)))
+            step = step_of(s.measure(models, 8, tokens, before=used))
+            if not math.isnan(step):
+                samples.append(DecodeSample(batch, count, step))
     return samples
 
 
@@ -300,6 +327,23 @@ def warm_up(s: Session, names: Sequence[str]) -> None:
         s.send([s.base] * 4, 8, 8)
 
 
+def emulator_front_end(args: argparse.Namespace, checkpoint: Checkpoint, profile: Profile, extra: Sequence[str],
+                       workdir: Path) -> tuple[float, dict[str, Any]]:
+    """The emulator running ``profile`` with no request overhead, the same flags, the prefill measurement: the
+    per-request overhead it shows by itself (``fit.front_end_ms``) and the fit's summary."""
+    path = workdir / "fitted.profile.json"
+    path.write_text(json.dumps({"profile": replace(profile, request_overhead_ms=0.0).to_dict()}))
+    options = server_options("emulated", checkpoint, args.max_loras, args.max_cpu_loras,
+                             [*extra, "--stream-interval", "0"], profile=str(path))
+    names = list(checkpoint.adapters)
+    with running(options, workdir / "emulator.log", timeout=120) as server:
+        register(server, checkpoint)
+        s = Session(server, args.seed + 2)
+        warm_up(s, names)
+        fit = front_end_ms(measure_prefill(s, names[-1], args.prompts, args.repeats + 2), profile)
+    return max(0.0, fit.coef["request_overhead_ms"]), fit.summary()
+
+
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     if args.max_cpu_loras < args.max_loras + 1:
         raise SystemExit("loraplane bench profile: --max-cpu-loras must exceed --max-loras (host-tier loads)")
@@ -310,6 +354,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     streaming = ["--stream-interval", "0"] if args.runtime == "emulated" else []
     options = server_options(args.runtime, checkpoint, args.max_loras, args.max_cpu_loras, [*extra, *streaming],
                              profile=args.emulator_profile)
+    waited_for = wait_for_quiet(args.max_load, args.wait_s)
     load_before = load_average()
     started = time.perf_counter()
     with running(options, workdir / "server.log") as server:
@@ -337,12 +382,20 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                 limits["kv_capacity_tokens"], limits["long_prefill_token_threshold"],
                                 checkpoint.adapter_bytes)
     profile, fits = fit_profile(measurements, args.name)
+    front_end: dict[str, Any] | None = None
+    if args.runtime == "vllm" and not args.keep_front_end:
+        # the emulator's own HTTP front end and this client's cost are in every TTFT measured from vLLM and again in
+        # every TTFT of the emulator running the profile: taken out of request_overhead_ms once
+        emulator_ms, summary = emulator_front_end(args, checkpoint, profile, extra, workdir)
+        front_end = {"measured_request_overhead_ms": profile.request_overhead_ms, "emulator_front_end_ms":
+                     round(emulator_ms, 4), "fit": summary}
+        profile = replace(profile, request_overhead_ms=round(max(0.0, profile.request_overhead_ms - emulator_ms), 5))
     if not all(row["ok"] for row in tier_check.values()):
         print(f"warning: the worker's log disagrees with the tiers meant: {tier_check}", flush=True)
     measurement = {
         "note": (f"measured by `loraplane bench profile --runtime {args.runtime}` at a streaming client: decode "
-                 "step of batches sent at once (by batch size and distinct adapters: time to the last token, two "
-                 "answer lengths), TTFT of requests alone by "
+                 "step of batches sent at once (by batch size and distinct adapters: the median gap between "
+                 "successive tokens), TTFT of requests alone by "
                  "prompt length and by the tier their adapter came from (checked against the worker's log), "
                  "least squares over every repeat (loraplane.emulator.fit); the step's constant part is in "
                  "step_overhead_ms (decode_base_ms 0: not separable from a client); limits from the server's "
@@ -354,13 +407,14 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                          "kv_cache_space_gib": options.kv_cache_space_gib, "extra": extra},
         "emulator_profile": args.emulator_profile if args.runtime == "emulated" else None,
         "machine": machine(),
-        "load_average": {"before": load_before, "after": load_after},
+        "load_average": {"waited_for": waited_for, "before": load_before, "after": load_after},
         "ready_s": round(ready_s, 1),
         "measure_s": round(measure_s, 1),
         "samples": {"decode": len(decode), "prefill": len(prefill), "loads": len(loads)},
         "held_up_retries": s.retries,
         "load_lora_adapter_ms": {"median": round(statistics.median(load_calls), 2), "n": len(load_calls)},
         "tier_check": tier_check,
+        "front_end": front_end,
     }
     return {"profile": profile.to_dict(), "measurement": measurement, "fit": fits,
             "raw": {"decode": [[d.batch, d.adapters, d.tpot_ms] for d in decode],
@@ -395,6 +449,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--emulator-profile", default=LARGE_GPU.name,
                    help="with --runtime emulated: the profile the emulator runs")
     p.add_argument("--raw", action="store_true", help="include every sample in the JSON")
+    p.add_argument("--keep-front-end", action="store_true",
+                   help="with --runtime vllm: keep the emulator's own front end and the client's cost in "
+                        "request_overhead_ms (by default measured on the emulator and taken out)")
+    p.add_argument("--max-load", type=float, default=math.inf,
+                   help="wait before measuring until the 1-minute load average is below this")
+    p.add_argument("--wait-s", type=float, default=600.0, help="longest wait for --max-load")
     return p
 
 

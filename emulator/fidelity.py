@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import tempfile
 import time
@@ -43,6 +42,7 @@ from loraplane.emulator.calibrate import (
     register,
     running,
     server_options,
+    wait_for_quiet,
     write_checkpoint,
 )
 from loraplane.emulator.client import TimedRequest, Timing, burst, run_replay
@@ -89,14 +89,6 @@ def figures(timings: Sequence[Timing]) -> dict[str, Any]:
             # streams whose tokens mostly reached the client together: held up until their end (TTFT ~ the end)
             "held_up_share": round(sum(t.held_up > 0.5 for t in ok) / len(ok), 4) if ok else math.nan,
             "errors": sorted({t.error or str(t.status) for t in timings if not t.ok})[:3]}
-
-
-def wait_for_quiet(max_load: float, wait_s: float) -> list[float]:
-    """Wait until the 1-minute load average is below ``max_load`` (at most ``wait_s``); the load average then."""
-    deadline = time.monotonic() + wait_s
-    while os.getloadavg()[0] >= max_load and time.monotonic() < deadline:
-        time.sleep(10)
-    return load_average()
 
 
 def replay_on(runtime: str, checkpoint: Checkpoint, trace: Sequence[TimedRequest], args: argparse.Namespace,

@@ -176,6 +176,19 @@ def fit_prefill(samples: Sequence[PrefillSample], decode: Fit, budget: int) -> F
     return least_squares(("request_overhead_ms", "prefill_per_token_ms"), rows, observed)
 
 
+def decode_of(profile: Profile) -> Fit:
+    """The decode model of ``profile`` as a fit (no observations): what ``fit_prefill`` takes out of each TTFT."""
+    return Fit({"step_ms": profile.step_overhead_ms + profile.decode_base_ms, "per_seq_ms": profile.decode_per_seq_ms,
+                "lora_base_ms": profile.lora_base_ms, "lora_per_adapter_ms": profile.lora_per_adapter_ms}, (), ())
+
+
+def front_end_ms(samples: Sequence[PrefillSample], profile: Profile) -> Fit:
+    """The per-request overhead the emulator running ``profile`` with ``request_overhead_ms`` 0 shows at a client
+    (its own HTTP front end and the client's), fitted from its TTFTs as ``fit_prefill`` fits a runtime's: the part
+    of a runtime's fitted overhead the emulator adds by itself."""
+    return fit_prefill(samples, decode_of(profile), profile.max_batched_tokens)
+
+
 def fit_loads(samples: Sequence[LoadSample]) -> Fit:
     """Activation (from host memory) and disk read costs, as TTFT differences between tiers."""
     rows = [[1.0, 1.0 if s.tier >= 1 else 0.0, 1.0 if s.tier >= 2 else 0.0] for s in samples]

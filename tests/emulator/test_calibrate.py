@@ -4,6 +4,7 @@ from, through noise; and ``loraplane bench profile``'s log reading. No vLLM need
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -11,13 +12,15 @@ from pathlib import Path
 import pytest
 
 from loraplane.api import Tier
-from loraplane.emulator.calibrate import read_limits
+from loraplane.emulator.calibrate import read_limits, step_of
+from loraplane.emulator.client import Timing
 from loraplane.emulator.fit import (
     DecodeSample,
     LoadSample,
     Measurements,
     PrefillSample,
     fit_profile,
+    front_end_ms,
     least_squares,
     prefill_steps,
 )
@@ -126,3 +129,30 @@ def test_an_outlier_from_a_burst_of_other_work_is_dropped_and_counted() -> None:
     assert fit.dropped == 1 and fit.coef["slope"] == pytest.approx(1.0, abs=0.01)
     assert fit.summary()["dropped_outliers"] == 1 and len(fit.residuals) == 11
     assert least_squares(("c", "slope"), rows, observed, trim=0).coef["slope"] != pytest.approx(1.0, abs=0.01)
+
+
+def timing(gaps_ms: list[float]) -> Timing:
+    """A stream whose tokens after the first came ``gaps_ms`` apart."""
+    t = Timing(status=200, ttft_s=0.02, tokens=len(gaps_ms) + 1, gaps=[g / 1000 for g in gaps_ms])
+    t.last_token_s = t.ttft_s + sum(t.gaps)
+    return t
+
+
+def test_a_decode_step_is_the_median_gap_whatever_a_stall_or_a_held_up_stream_adds() -> None:
+    steady = [4.0] * 60
+    stalled = [4.0] * 30 + [120.0] + [4.0] * 29  # someone else's work took the CPU for 120 ms
+    held_up = [4.0] * 10 + [200.0] + [0.0] * 49  # the rest of this stream reached the client together
+    assert step_of([timing(steady), timing(stalled), timing(held_up)]) == pytest.approx(4.0)
+    assert timing(stalled).tpot_s * 1000 > 5.9  # what the time to the last token says of the stalled stream
+    assert math.isnan(step_of([timing([0.0] * 5)]))
+
+
+def test_the_emulators_own_front_end_is_fitted_from_its_ttfts() -> None:
+    # the emulator runs TRUE with no request overhead; its HTTP front end and the client add 2.5 ms to every TTFT
+    bare = replace(TRUE, request_overhead_ms=0.0)
+    front = 2.5
+    samples = [PrefillSample(s.prompt_tokens, s.adapters, s.ttft_ms + front)
+               for s in synthetic(bare, 0.0, 0, repeats=2).prefill]
+    fit = front_end_ms(samples, bare)
+    assert fit.coef["request_overhead_ms"] == pytest.approx(front)
+    assert fit.coef["prefill_per_token_ms"] == pytest.approx(TRUE.prefill_per_token_ms)
