@@ -50,6 +50,11 @@ def test_eight_emulated_pods_serve_a_trace_through_the_real_control_plane(tmp_pa
     assert set(report["processes"]) >= {"pod", "sidecar", "picker", "envoy", "controller"}
     assert report["processes"]["pod"]["processes"] == PODS
     assert np.isfinite(report["ttft_ms"]["p99"])
+    # Envoy's access log names every served request: its TTFT splits into the pod's part and the path around it
+    path = report["gateway_path"]
+    assert path["requests"] == len(trace), path
+    assert 0 < path["ttft_at_pod_ms"]["p50"] < report["ttft_ms"]["p50"], path
+    assert path["path_ms"]["p50"] > 0, path
 
 
 def every_adapter(adapters: int, rounds: int, rate: float, seed: int = 0) -> Trace:

@@ -270,6 +270,17 @@ def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> 
     return sum(value for _, value in samples.get(name, ()))
 
 
+def by_label(before: dict[str, dict[str, list[tuple[dict[str, str], float]]]],
+             after: dict[str, dict[str, list[tuple[dict[str, str], float]]]], name: str, label: str) -> dict[str, int]:
+    """Counter ``name``'s increase between two scrapes of every pod, by the value of ``label``."""
+    out: Counter[str] = Counter()
+    for pod, samples in after.items():
+        for labels, value in samples.get(name, ()):
+            earlier = sum(v for ls, v in before.get(pod, {}).get(name, ()) if ls == labels)
+            out[labels.get(label, "")] += round(value - earlier)
+    return dict(sorted(out.items()))
+
+
 def histogram_quantiles(before: dict[str, list[tuple[dict[str, str], float]]],
                         after: dict[str, list[tuple[dict[str, str], float]]], name: str,
                         quantiles: Sequence[float] = (0.5, 0.99)) -> dict[str, float | None]:
@@ -432,6 +443,7 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
         "hot_ttft_p99_ms": hot_ttft_p99_ms(result),
         "e2e_ms": finite_ms(o.e2e_s for o in outcomes if o.status == 200),
         "cold_starts": int(loads),
+        "gpu_loads_by_tier": by_label(before.pods, after.pods, "loraplane_emulator_lora_loads_total", "tier"),
         "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
         "refusal_reasons": dict(Counter(f"{o.status} {o.reason}" for o in outcomes if o.status != 200).most_common(8)),
         "wrong_revision": sum(o.wrong for o in outcomes),

@@ -14,6 +14,7 @@ from loraplane.stack.fidelity import errors, winner, winner_margin
 from loraplane.stack.replay import NO_ANSWER, Outcome
 from loraplane.stack.twin import (
     NO_ANSWER_STATUS,
+    by_label,
     gateway_path,
     histogram_quantiles,
     metric_samples,
@@ -87,3 +88,13 @@ def test_the_access_log_splits_ttft_into_the_pod_and_the_path(tmp_path: Path) ->
     assert split["ttft_at_pod_ms"]["p50"] == pytest.approx(70.0)  # 50 and 90 ms from Envoy's send to the chunk
     assert split["path_ms"]["p50"] == pytest.approx(10.0)  # 10 ms each: client TTFT less the pod's part
     assert split["ingress_ms"]["p50"] == pytest.approx(3.0) and split["egress_ms"]["p50"] == pytest.approx(7.0)
+
+
+def test_loads_by_tier_count_only_the_increase_on_every_pod() -> None:
+    def pod(cpu: int, disk: int) -> dict[str, list[tuple[dict[str, str], float]]]:
+        return metric_samples(f'loraplane_emulator_lora_loads_total{{tier="cpu"}} {cpu}\n'
+                              f'loraplane_emulator_lora_loads_total{{tier="disk"}} {disk}\n')
+
+    before = {"a": pod(3, 1), "b": pod(0, 0)}
+    after = {"a": pod(5, 1), "b": pod(1, 4)}
+    assert by_label(before, after, "loraplane_emulator_lora_loads_total", "tier") == {"cpu": 3, "disk": 4}
