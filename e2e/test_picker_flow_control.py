@@ -143,7 +143,6 @@ def test_waiting_requests_go_out_gold_first_then_tenants_in_turn(setup: Setup) -
 def test_a_request_that_outwaits_its_deadline_gets_429_ttl_expired_in_every_band(setup: Setup) -> None:
     """llm-d-router v0.10: a queue deadline is backpressure while the pool has endpoints, 429 whatever the band
     (before: 503 for a standard request). The sheddable objective comes in ``X-LLM-D-Inference-Objective``."""
-    started = time.monotonic()
     blocker, shed, standard = asyncio.run(run(
         lambda c: post(c, setup, "blocker", sleep_s=DEADLINES["standard"] + 1.0),
         lambda c: post(c, setup, "shed", delay=0.2, X_LLM_D_Inference_Objective="sheddable"),
@@ -152,7 +151,7 @@ def test_a_request_that_outwaits_its_deadline_gets_429_ttl_expired_in_every_band
     assert blocker.status == 200
     assert (shed.status, shed.reason) == (429, "rejected-ttl-expired")
     assert (standard.status, standard.reason) == (429, "rejected-ttl-expired")
-    assert shed.done_at - started < DEADLINES["standard"] < standard.done_at - started  # each at its own deadline
+    assert shed.done_at < standard.done_at < blocker.done_at  # each at its own deadline: sheddable's is first
 
 
 def test_a_full_band_refuses_at_once(setup: Setup) -> None:
@@ -206,15 +205,14 @@ def test_a_picker_restart_with_requests_waiting_answers_each_with_a_retryable_er
         await asyncio.sleep(0.6)
         await asyncio.to_thread(picker.stop, 10.0, sig)
 
-    started = time.monotonic()
     results = asyncio.run(run(
         lambda c: post(c, setup, "blocker", sleep_s=2.0),
         *(lambda c, i=i: post(c, setup, f"waiting-{i}", delay=0.2) for i in range(3)),
         restart_while_waiting,
     ))[:4]
     waited = [r for r in results if r.name != "blocker"]
-    assert all(r.done_at - started < 3.0 for r in waited), waited  # answered when the picker went, not at a timeout
-    if sig == signal.SIGTERM:  # a graceful stop answers every waiting request itself
+    if sig == signal.SIGTERM:  # a graceful stop answers every waiting request itself, as it goes (a queue deadline
+        # would have answered 429 rejected-ttl-expired)
         assert [(r.status, r.reason) for r in waited] == [(503, "rejected-shutting-down")] * 3
     else:  # a killed picker's streams break: Envoy answers them with a server error
         assert all(500 <= r.status < 600 for r in waited), waited

@@ -170,7 +170,7 @@ def test_a_fetch_that_keeps_failing_fails_at_its_progress_deadline(world: World)
                                   "message": status["message"][:200]})
     assert status["reason"] == "ProgressDeadlineExceeded"
     assert "not verified within 8s" in status["message"] and "fetch failed" in status["message"]
-    assert waited >= 8
+    # not before the deadline: tests/controller/test_rollout.py checks that on the controller's clock
 
 
 # --- 7: a status patch cannot skip a gate --------------------------------------------------------------------------

@@ -80,12 +80,14 @@ def test_backoff_grows_per_key_and_resets_on_forget() -> None:
 
 
 async def test_get_wakes_at_the_due_time_and_ends_on_shutdown() -> None:
-    queue: WorkQueue[str] = WorkQueue()
-    loop = asyncio.get_running_loop()
+    now = [0.0]
+    queue: WorkQueue[str] = WorkQueue(clock=lambda: now[0])
     queue.add_after("a", 0.05)
-    started = loop.time()
-    assert await asyncio.wait_for(queue.get(), 2) == "a"
-    assert loop.time() - started >= 0.04
+    getter = asyncio.ensure_future(queue.get())
+    await asyncio.sleep(0.3)  # several of its 0.05 s waits: the queue's clock has not moved, nothing is due
+    assert not getter.done()
+    now[0] = 0.05
+    assert await asyncio.wait_for(getter, 5) == "a"
     waiter = asyncio.ensure_future(queue.get())
     await asyncio.sleep(0)
     queue.shut_down()

@@ -3,6 +3,7 @@ streaming, a client that disconnects (its request aborted), adapters registered 
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -62,7 +63,6 @@ def test_a_process_serves_streams_and_aborts_a_disconnected_client(server: VllmS
     assert "Adding lora. Model id: 1, int id: 1" in server.process.log_tail(50)
 
 
-def test_sigterm_stops_it_promptly(server: VllmServer) -> None:
-    started = time.monotonic()
-    server.stop()
-    assert not server.process.alive() and time.monotonic() - started < 5
+def test_sigterm_stops_it_on_its_own(server: VllmServer) -> None:
+    code = server.process.stop(timeout=30.0)  # SIGTERM; SIGKILL only if it is still running 30 s later
+    assert code != -signal.SIGKILL and not server.process.alive(), code

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -41,8 +40,7 @@ def test_serves_health_and_refuses_unknown_methods(tmp_path: Path, redis_srv: Re
             with pytest.raises(grpc.RpcError) as info:
                 unknown(b"", timeout=5)
             assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            started = time.monotonic()
-            assert proc.stop(sig=signal.SIGTERM) == 0, proc.log_tail()  # graceful, with a client still connected
-            assert time.monotonic() - started < 9
+            # graceful, with a client still connected: it exits 0 by itself (stop() SIGKILLs after 10 s: -9)
+            assert proc.stop(sig=signal.SIGTERM) == 0, proc.log_tail()
     finally:
         proc.stop()

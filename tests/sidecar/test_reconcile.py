@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -214,14 +213,15 @@ def test_failures_back_off_exponentially_and_say_why(tmp_path: Path, target) -> 
 
 def test_digest_mismatch_is_final_and_named(tmp_path: Path, target) -> None:
     async def run() -> None:
-        r = make_reconciler(tmp_path)
+        now = [1000.0]
+        r = make_reconciler(tmp_path, clock=lambda: now[0])
         t = target(Tier.CPU)
         t.artifact.digest = "sha256:" + "d" * 64
         r.step(state(t), observe())
         await r.drain()
         status = r.status[t.served_name]
         assert status.reason == "DigestMismatch" and r.cache.entries() == {}
-        assert status.not_before - time.monotonic() > 7.0  # final: retried only at the backoff cap (8 s)
+        assert status.not_before - now[0] > 7.0  # final: retried only at the backoff cap (8 s)
 
         bad_rank = target(Tier.CPU, revision="v2", rank=32)
         r.step(state(bad_rank), observe())
@@ -362,7 +362,8 @@ def test_activation_waits_for_a_draining_adapter_only_when_it_holds_the_last_gpu
 
 def test_a_refused_artifact_is_final_and_keeps_its_cause(tmp_path: Path, target) -> None:
     async def run() -> None:
-        r = make_reconciler(tmp_path)
+        now = [1000.0]
+        r = make_reconciler(tmp_path, clock=lambda: now[0])
         outside = tmp_path / "elsewhere.safetensors"
         outside.write_bytes(b"x")
         for revision, uri in (("v1", f"file://{outside}"), ("v2", f"file://{tmp_path}/missing/outside.safetensors")):
@@ -372,6 +373,6 @@ def test_a_refused_artifact_is_final_and_keeps_its_cause(tmp_path: Path, target)
             status = r.status[t.served_name]
             assert status.reason == "ArtifactRefused", status
             assert "FileOutsideRoots" in (status.error or "")  # the same answer whether the file exists or not
-            assert status.not_before - time.monotonic() > 7.0  # final: retried only at the backoff cap (8 s)
+            assert status.not_before - now[0] > 7.0  # final: retried only at the backoff cap (8 s)
 
     asyncio.run(run())

