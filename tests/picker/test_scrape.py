@@ -146,15 +146,18 @@ async def test_scrapes_fill_the_snapshot_and_follow_changes() -> None:
 async def test_a_pod_that_stops_answering_turns_stale_and_keeps_its_last_figures() -> None:
     async with pods(3) as served:
         served.texts[0] = exposition(waiting=4, lora_info=[(["a"], ["a"], 1.0)])
-        pool = ScrapedPool(InFlightTracker(), time.monotonic, served.endpoints(), staleness_s=0.4)
+        now = [0.0]  # the pool's clock, which stamps and ages the scrapes: it moves only when the test says
+        pool = ScrapedPool(InFlightTracker(), lambda: now[0], served.endpoints(), staleness_s=0.4)
         async with scraping(pool, interval_s=0.05, timeout_s=0.2) as scraper:
             await eventually(lambda: not pool.snapshot.stale.any())
             served.down.add(0)  # answers 500
             served.hung.add(1)  # never answers
-            started = time.monotonic()
-            await eventually(lambda: bool(pool.snapshot.stale[0] and pool.snapshot.stale[1]), within=3.0)
-            assert time.monotonic() - started >= 0.3  # not before the threshold
-            assert not pool.snapshot.stale[2]
+            failed = scraper.counts["error"]
+            await eventually(lambda: scraper.counts["error"] >= failed + 4)  # each failed twice, in no time
+            assert not pool.snapshot.stale.any()  # not before the threshold
+            now[0] = 0.5  # past it
+            await eventually(lambda: bool(pool.snapshot.stale[0] and pool.snapshot.stale[1]
+                                          and not pool.snapshot.stale[2]), within=3.0)
             last = pool.snapshot.endpoints[0]
             assert last.queue_depth == 4 and last.running_adapters == {"a"}  # llm-d keeps the last values
             assert scraper.counts["error"] >= 2
