@@ -215,6 +215,10 @@ class Pod:
         self.run_admitted = 0
         self.event_time = math.inf
         self.version = 0
+        #: bumped before and after the simulator handles anything for this pod (an event of its own, a request sent
+        #: to it, a placement): a reader that caches what it derives from the pod's queues (the loraplane policy's
+        #: in-flight counts) re-reads only the pods whose count moved since it last looked
+        self.touched = 0
 
     @property
     def kv_reserved(self) -> int:
@@ -454,6 +458,7 @@ class Simulator:
                 self.now = when
                 events += 1
                 pod = pods[pod_index]
+                pod.touched += 1
                 if kind == _STEP:
                     if arg == pod.version:
                         self._boundary(pod, when)
@@ -476,8 +481,13 @@ class Simulator:
                             gate.capacity_freed(when, self)
                         self._arm_gate()
                 elif self.placement is not None and (i < n or any(p.busy or p.waiting for p in pods)):
+                    for p in pods:
+                        p.touched += 1
                     self.placement.apply(when, self)
+                    for p in pods:
+                        p.touched += 1
                     self._push(when + self.placement.period_s, _TICK, 0, 0)
+                pod.touched += 1
                 continue
             # an arrival
             self.now = next_arrival
@@ -503,6 +513,7 @@ class Simulator:
     def dispatch(self, rid: int, pod_index: int) -> None:
         """Send request ``rid`` (arrived, not yet sent) to pod ``pod_index``'s waiting queue now."""
         pod = self.pods[pod_index]
+        pod.touched += 1
         res, now = self.result, self.now
         a = self.trace.adapter[rid]
         res.pod[rid] = pod_index
@@ -512,6 +523,7 @@ class Simulator:
         if a not in pod.disk:
             self._download(pod, a)
         self._wake(pod, now, a)
+        pod.touched += 1
 
     def _enqueue(self, pod: Pod, rid: int, a: int) -> None:
         """Put ``rid`` in ``pod``'s waiting queue as vLLM's request queue orders it: by the time it reached the pod

@@ -16,6 +16,7 @@ over the pods' vLLM metrics as a peer's picker scrapes them (``loraplane.sim.pee
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 from array import array
 from collections.abc import Callable, Sequence
@@ -148,7 +149,6 @@ class PickerRouter:
         ]
         self._snapshot: PoolSnapshot | None = None
         self._reported_at = -math.inf
-        self._versions: list[int] = []
         self._staged: frozenset[str] = frozenset()
         self._residency: dict[int, tuple[int, dict[str, tuple[Tier, str | None]]]] = {}
         #: tier -> per adapter, its residency row at that tier (a pod's report is made of these)
@@ -156,6 +156,12 @@ class PickerRouter:
             tier: [(n, (tier, d)) for n, d in zip(names, self._digests, strict=True)]
             for tier in (Tier.GPU, Tier.CPU, Tier.DISK)
         }
+        #: the snapshot whose in-flight counts were last set, each pod's ``touched`` then and its counts per name,
+        #: and (first-step end, pod) of pods whose count of requests without a first token drops at that time
+        self._synced: PoolSnapshot | None = None
+        self._touched: list[int] = []
+        self._flights: list[dict[str, int]] = []
+        self._first_ends: list[tuple[float, int]] = []
 
     def _residency_of(self, pod: Pod) -> dict[str, tuple[Tier, str | None]]:
         cached = self._residency.get(pod.index)
@@ -169,21 +175,19 @@ class PickerRouter:
         return held
 
     def _refresh(self, now: float, pods: list[Pod]) -> PoolSnapshot:
-        """The snapshot of the latest reports, renewed every heartbeat: rebuilt when some pod's tiers changed (one
-        pass over every residency row; ``PoolSnapshot.update_endpoint`` builds two row maps per pod, which
-        measured no cheaper here), otherwise each pod's load figures are replaced in place."""
+        """The snapshot of the latest reports, renewed every heartbeat: rebuilt when the staging pods changed,
+        otherwise updated in place (``PoolSnapshot.update_endpoints``: every pod's load, the residency rows of the
+        pods whose tiers changed; a rebuild passes over every row of every pod, at 256 pods most of a fleet run)."""
         snapshot = self._snapshot
         if snapshot is not None and now - self._reported_at < REPORT_S:
             return snapshot
         self._reported_at = now
-        versions = [p.residency_version for p in pods]
         staging = self._staging()
-        if snapshot is None or versions != self._versions or staging != self._staged:
-            self._versions, self._staged = versions, staging
+        if snapshot is None or staging != self._staged:
+            self._staged = staging
             snapshot = self._snapshot = PoolSnapshot([self._endpoint(now, p) for p in pods], self._priorities, staging)
-        else:
-            for p in pods:
-                snapshot.update_endpoint(p.index, self._endpoint(now, p))
+        else:  # every pod's load, re-indexing the residency of those whose tiers changed (O(their rows))
+            snapshot.update_endpoints([(p.index, self._endpoint(now, p)) for p in pods])
         return snapshot
 
     def _endpoint(self, now: float, pod: Pod) -> EndpointState:
@@ -204,7 +208,7 @@ class PickerRouter:
         """The scheduler's decision for request ``rid``; raises the picker's ``SchedulingError``s. The picker's own
         in-flight count, per endpoint and served name, is every request sent to a pod and not finished there."""
         snapshot = self._refresh(now, pods)
-        snapshot.set_in_flight([self._in_flight(p) for p in pods], [p.awaiting_first_token(now) for p in pods])
+        self._sync_in_flight(snapshot, now, pods)
         request = self._requests[trace.adapter[rid]]
         if self._prefix is not None:
             self._now = now
@@ -218,6 +222,41 @@ class PickerRouter:
         if self._prefix is not None and prefix is not None:
             self._prefix.routed(prefix, decision.endpoints[0])
         return decision.indices[0]
+
+    def _sync_in_flight(self, snapshot: PoolSnapshot, now: float, pods: list[Pod]) -> None:
+        """Give ``snapshot`` every pod's in-flight counts now: all of them into a new snapshot, else only those of
+        the pods the simulator touched since (``Pod.touched``) and of those whose first step ended since (the
+        same counts as setting them all: a fleet of 256 pods spent most of its time here)."""
+        ends = self._first_ends
+        if snapshot is not self._synced:
+            self._synced, self._flights = snapshot, [self._in_flight(p) for p in pods]
+            snapshot.set_in_flight(self._flights, [p.awaiting_first_token(now) for p in pods])
+            self._touched = [p.touched for p in pods]
+            ends.clear()
+            ends.extend((p.run_first_end, p.index) for p in pods if p.run_admitted and now < p.run_first_end)
+            heapq.heapify(ends)
+            return
+        touched, flights = self._touched, self._flights
+        for pod, seen in zip(pods, touched, strict=True):
+            if pod.touched == seen:
+                continue
+            i = pod.index
+            touched[i] = pod.touched
+            counts, before = self._in_flight(pod), flights[i]
+            if counts != before:
+                for name in before.keys() - counts.keys():
+                    snapshot.note_in_flight(i, name, 0)
+                for name, count in counts.items():
+                    if before.get(name) != count:
+                        snapshot.note_in_flight(i, name, count)
+                snapshot.in_flight[i] = sum(counts.values())
+                flights[i] = counts
+            snapshot.prefilling[i] = pod.awaiting_first_token(now)
+            if pod.run_admitted and now < pod.run_first_end:
+                heapq.heappush(ends, (pod.run_first_end, i))
+        while ends and ends[0][0] <= now:  # a first step ended: its requests have their first token
+            i = heapq.heappop(ends)[1]
+            snapshot.prefilling[i] = pods[i].awaiting_first_token(now)
 
     def _in_flight(self, pod: Pod) -> dict[str, int]:
         """``pod``'s requests running or waiting, per served name."""

@@ -1,0 +1,57 @@
+"""The shortcuts that let the simulator run a fleet (256 pods, 10,000 adapters) change nothing: what they keep up
+to date incrementally equals what recounting everything gives, at every decision."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loraplane.picker.snapshot import PoolSnapshot, _holds
+from loraplane.sim.cluster import Pod, SimConfig
+from loraplane.sim.policies import PickerRouter
+from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.runner import simulate
+from loraplane.sim.trace import scenario
+from tests.sim.conftest import ADAPTER_BYTES, NO_QUEUE
+
+
+def _check_recounted(router: PickerRouter, snapshot: PoolSnapshot, now: float, pods: list[Pod]) -> None:
+    """``snapshot``'s in-flight figures are what setting every pod's afresh gives (what the router did at every
+    decision before: ``PoolSnapshot.set_in_flight``)."""
+    by_name: dict[str, dict[int, int]] = {}
+    for i, pod in enumerate(pods):
+        counts = router._in_flight(pod)
+        assert snapshot.in_flight[i] == sum(counts.values()), (i, now)
+        assert snapshot.prefilling[i] == pod.awaiting_first_token(now), (i, now)
+        assert snapshot.adapters_in_flight[i] == len(counts) and snapshot._names_at[i] == set(counts), (i, now)
+        residency = snapshot.endpoints[i].residency
+        assert snapshot.fetching[i] == sum(1 for n in counts if not _holds(residency.get(n))), (i, now)
+        for name, count in counts.items():
+            by_name.setdefault(name, {})[i] = count
+    assert snapshot.in_flight_by_name == by_name
+
+
+@pytest.mark.parametrize(
+    ("name", "requests", "config", "flow_control"),
+    [
+        ("hot-plus-burst", 1000, SimConfig(pods=2, max_loras=2, max_cpu_loras=4), None),  # overloaded: long queues
+        ("hot-plus-burst", 1000, SimConfig(pods=6, max_loras=2, max_cpu_loras=4), NO_QUEUE),  # no picker queue
+        ("fleet", 600, SimConfig(pods=8, max_loras=4, max_cpu_loras=16), None),
+    ],
+)
+def test_in_flight_counts_kept_by_touched_pods_equal_a_full_recount(
+    monkeypatch: pytest.MonkeyPatch, name: str, requests: int, config: SimConfig, flow_control: object
+) -> None:
+    trace = scenario(name, requests, seed=5, adapter_bytes=ADAPTER_BYTES)
+    sync = PickerRouter._sync_in_flight
+    checked = []
+
+    def checking(router: PickerRouter, snapshot: PoolSnapshot, now: float, pods: list[Pod]) -> None:
+        sync(router, snapshot, now, pods)
+        _check_recounted(router, snapshot, now, pods)
+        checked.append(int(snapshot.in_flight.sum()))
+
+    monkeypatch.setattr(PickerRouter, "_sync_in_flight", checking)
+    result = simulate(trace, config, LARGE_GPU, "loraplane", seed=5, flow_control=flow_control)  # type: ignore[arg-type]
+    assert len(checked) >= requests and max(checked) > 2 * config.pods  # queues built up: the counts moved
+    assert int(np.count_nonzero(np.asarray(result.refused) == 0)) > 0
