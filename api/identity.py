@@ -7,6 +7,7 @@ loaded weights changes, so a cache keyed by it can never hand out the wrong revi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 from loraplane.api import validation as v
@@ -18,8 +19,10 @@ SERVED_NAME_SEPARATOR = "@"
 RUNTIME_COMPAT_VERSION = "1"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def served_name(adapter: str, revision: str) -> str:
-    """``claims-assistant`` + ``v18`` -> ``claims-assistant@v18``."""
+    """``claims-assistant`` + ``v18`` -> ``claims-assistant@v18`` (remembered: a controller asks for each of its
+    revisions' names many times a plan)."""
     for part, what in ((adapter, "adapter"), (revision, "revision")):
         if not v.matches(v.DNS1123_LABEL, part):
             raise ValueError(f"{what} {part!r} is not a DNS-1123 label")
@@ -35,6 +38,7 @@ def parse_served_name(name: str) -> tuple[str, str]:
     return adapter, revision
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def cache_key(
     base_model_digest: str,
     adapter: str,

@@ -48,6 +48,23 @@ def route_table(pool: str) -> str:
     return f"{_pool(pool)}:routes"
 
 
+def route_head(pool: str) -> str:
+    """The pool's ``RouteHead``: the latest route table generation and the snapshot's (``routedeltas``)."""
+    return f"{_pool(pool)}:routes:head"
+
+
+def route_delta(pool: str, generation: int) -> str:
+    """The ``RouteDelta`` that makes route table ``generation`` from the one before (``routedeltas``)."""
+    if generation < 1:
+        raise ValueError(f"route delta generation {generation} is not positive")
+    return f"{_pool(pool)}:routes:delta:{generation}"
+
+
+def route_keys_pattern(pool: str) -> str:
+    """A pattern matching the route table, its head and its deltas (the controller's ACL write pattern)."""
+    return f"{_pool(pool)}:routes*"
+
+
 def request_rates(pool: str, replica: str) -> str:
     """One picker replica's ``RequestRates`` (the requests it routed); the pool's rates are the sum over replicas
     (``RequestRates.combine``). Each replica writes it with its ``picker_counters``, so a reader finds the replicas

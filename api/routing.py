@@ -104,6 +104,8 @@ class RequestRates(PayloadModel):
         split the traffic between them (Envoy balances streams over them), so each sees its share."""
         if not parts:
             return None
+        if len(parts) == 1:  # one replica: its rates are the pool's (shared, not copied: 10,000 names, 3 windows)
+            return parts[0].model_copy(update={"replica": None})
         windows: dict[RateWindow, dict[str, float]] = {}
         for part in parts:
             for window, rates in part.windows.items():

@@ -21,10 +21,12 @@ import argparse
 import asyncio
 import json
 import random
+import resource
 import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -42,8 +44,9 @@ from loraplane.api import (
     keys,
 )
 from loraplane.controller import bench_live
+from loraplane.controller.incremental import DEFAULT_FULL_PLAN_SECONDS, DEFAULT_HYSTERESIS, IncrementalPlanner
 from loraplane.controller.placement import Placement, gpu_loads, minimum_gpu_loads, place
-from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
+from loraplane.controller.pool import PoolInputs, PoolPlan
 from loraplane.controller.store import RedisStore
 from loraplane.helptext import HelpFormatter
 from loraplane.processes import start_redis
@@ -53,9 +56,9 @@ BASE_DIGEST = "sha256:" + "b" * 64
 MB = 1 << 20
 
 
-def _revisions(n: int, rng: random.Random, now: datetime) -> list[AdapterRevision]:
+def _revisions(n: int, rng: random.Random, now: datetime, first: int = 0) -> list[AdapterRevision]:
     revs = []
-    for i in range(n):
+    for i in range(first, first + n):
         rank = rng.choice([8, 16, 32, 64])
         revs.append(AdapterRevision.model_validate({
             "metadata": {"name": f"adapter-{i:04d}-v1", "namespace": "default", "generation": 1,
@@ -112,19 +115,39 @@ async def _publish(client: aioredis.Redis, reports: list[ResidencyReport], rates
         await pipe.execute()
 
 
-async def _reconcile(store: RedisStore, revs: list[AdapterRevision]) -> tuple[float, float, int, PoolPlan]:
-    """One reconcile as the controller runs it: read, plan, write what changed; (wall s, CPU s, writes, plan)."""
-    writes = store.writes
+@dataclass
+class _Run:
+    """One timed reconcile."""
+
+    wall_s: float
+    cpu_s: float
+    writes: int
+    bytes: int
+    plan: PoolPlan
+    reused: bool
+
+
+async def _reconcile(store: RedisStore, planner: IncrementalPlanner, revs: list[AdapterRevision]) -> _Run:
+    """One reconcile as the controller runs it: read, plan (or keep the last plan: ``IncrementalPlanner``), repair
+    and write what changed."""
+    writes, written = store.writes, store.bytes_written
     started, cpu = time.perf_counter(), time.process_time()
     readings = await store.read(POOL)
     if POOL not in store.targets:
         await store.load_written(POOL)
-    plan = plan_pool(PoolInputs(pool=POOL, now=datetime.now(UTC), revisions=revs, reports=readings.reports,
-                                rates=readings.rates, counters=readings.counters,
-                                previous_targets=store.written_targets(POOL)))
-    await store.write_routes(POOL, plan.routes, plan.base_model, plan.placement.staging)
-    await store.write_targets(POOL, plan.targets)
-    return time.perf_counter() - started, time.process_time() - cpu, store.writes - writes, plan
+    outcome = planner.plan(PoolInputs(pool=POOL, now=datetime.now(UTC), revisions=revs, reports=readings.reports,
+                                      rates=readings.rates, counters=readings.counters,
+                                      previous_targets=store.written_targets(POOL)),
+                           id(revs), readings.report_versions)
+    if outcome.reused:
+        await store.check(POOL)  # the level-triggered repair of a reused plan (the controller's ``_repair``)
+    else:
+        await store.repair(POOL)
+        plan = outcome.plan
+        await store.write_routes(POOL, plan.routes, plan.base_model, plan.placement.staging)
+        await store.write_targets(POOL, plan.targets)
+    return _Run(time.perf_counter() - started, time.process_time() - cpu, store.writes - writes,
+                store.bytes_written - written, outcome.plan, outcome.reused)
 
 
 def _with_statuses(revs: list[AdapterRevision], plan: PoolPlan) -> list[AdapterRevision]:
@@ -143,15 +166,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         client = aioredis.from_url(server.url)
         try:
             store = RedisStore(client, time.time)
+            planner = IncrementalPlanner(args.hysteresis, args.full_plan_seconds)
             await _publish(client, _reports(args.pods, None, args.gpu_slots, args.cpu_slots), rates)
-            cold_s, _, cold_writes, plan = await _reconcile(store, revs)
+            cold = await _reconcile(store, planner, revs)
+            plan = cold.plan
             revs = _with_statuses(revs, plan)
             await _publish(client, _reports(args.pods, plan, args.gpu_slots, args.cpu_slots), rates)
-            idle = [await _reconcile(store, revs) for _ in range(args.repeat)]
-            before = plan.placement
+            settle = await _reconcile(store, planner, revs)  # the statuses as patched: planned once more
+            await _publish(client, _reports(args.pods, settle.plan, args.gpu_slots, args.cpu_slots), rates)
+            idle = [await _reconcile(store, planner, revs) for _ in range(args.repeat)]
+            before = settle.plan.placement
             changed = {n: r * (1 + rng.uniform(-args.rate_change, args.rate_change)) for n, r in rates.items()}
-            await _publish(client, _reports(args.pods, idle[-1][3], args.gpu_slots, args.cpu_slots), changed)
-            change_s, change_cpu_s, change_writes, after_plan = await _reconcile(store, revs)
+            await _publish(client, _reports(args.pods, idle[-1].plan, args.gpu_slots, args.cpu_slots), changed)
+            change = await _reconcile(store, planner, revs)
+            after_plan = change.plan
+            # single changes that must be planned and written: one adapter's traffic grows tenfold (its placement
+            # grows), then a new adapter with traffic joins the pool (a new stable revision: placed and routed)
+            hot = revs[len(revs) // 2].served_name
+            changed[hot] *= 10
+            await _publish(client, _reports(args.pods, after_plan, args.gpu_slots, args.cpu_slots), changed)
+            spike = await _reconcile(store, planner, revs)
+            revs = [*revs, *_revisions(1, rng, now, first=args.revisions)]
+            changed[revs[-1].served_name] = changed[hot] / 10
+            await _publish(client, _reports(args.pods, spike.plan, args.gpu_slots, args.cpu_slots), changed)
+            added = await _reconcile(store, planner, revs)
+            max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             fresh = _fresh_placement(after_plan)
             await client.flushdb()
             live = {} if args.no_live else await bench_live.run(args, server.url, Path(tmp))
@@ -163,14 +202,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "pods": args.pods,
         "gpu_slots_per_pod": args.gpu_slots,
         "cpu_slots_per_pod": args.cpu_slots,
-        "reconcile_s": round(change_s, 4),
-        "reconcile_cpu_s": round(change_cpu_s, 4),
-        "redis_writes": change_writes,
-        "cold_reconcile_s": round(cold_s, 4),
-        "cold_redis_writes": cold_writes,
-        "idle_reconcile_s": round(statistics.median(s for s, _, _, _ in idle), 4),
-        "idle_redis_writes": sum(w for _, _, w, _ in idle),
+        "reconcile_s": round(change.wall_s, 4),
+        "reconcile_cpu_s": round(change.cpu_s, 4),
+        "redis_writes": change.writes,
+        "rate_change_replanned": not change.reused,
+        "cold_reconcile_s": round(cold.wall_s, 4),
+        "cold_reconcile_cpu_s": round(cold.cpu_s, 4),
+        "cold_redis_writes": cold.writes,
+        "cold_redis_bytes": cold.bytes,
+        "idle_reconcile_s": round(statistics.median(r.wall_s for r in idle), 4),
+        "idle_reconcile_cpu_s": round(statistics.median(r.cpu_s for r in idle), 4),
+        "idle_redis_writes": sum(r.writes for r in idle),
+        "spike_reconcile_cpu_s": round(spike.cpu_s, 4),
+        "spike_redis_writes": spike.writes,
+        "spike_redis_bytes": spike.bytes,
+        "new_revision_reconcile_cpu_s": round(added.cpu_s, 4),
+        "new_revision_redis_writes": added.writes,
+        "new_revision_redis_bytes": added.bytes,
+        "redis_bytes_per_change": max(spike.bytes, added.bytes),
+        "max_rss_mb": round(max_rss_mb, 1),
         "rate_change": args.rate_change,
+        "rate_hysteresis": args.hysteresis,
         "churn_adapters_moved": gpu_loads(before, after_plan.placement),
         "churn_minimum": minimum_gpu_loads(before, fresh),
         "gpu_replicas": sum(len(p) for p in after_plan.placement.replicas(Tier.GPU).values()),
@@ -196,6 +248,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rate-change", type=float, default=0.10, help="largest relative rate change in the churn reconcile")
     p.add_argument("--repeat", type=int, default=3, help="idle reconciles to time")
     p.add_argument("--seed", type=int, default=1, help="seed of the rates")
+    p.add_argument("--hysteresis", type=float, default=DEFAULT_HYSTERESIS,
+                   help="relative rate change that plans the pool again (the controller's --rate-hysteresis)")
+    p.add_argument("--full-plan-seconds", type=float, default=DEFAULT_FULL_PLAN_SECONDS,
+                   help="a pool at rest is planned again at least this often (the controller's --full-plan-seconds)")
     bench_live.add_arguments(p)
     args = p.parse_args(argv)
     print(json.dumps(asyncio.run(run(args))))

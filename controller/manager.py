@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import itertools
 import logging
 import random
 import time
@@ -31,11 +32,17 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from loraplane.api import AdapterRevision, AdapterRevisionStatus
+from loraplane.controller.incremental import (
+    DEFAULT_FULL_PLAN_SECONDS,
+    DEFAULT_HYSTERESIS,
+    IncrementalPlanner,
+    PlanOutcome,
+)
 from loraplane.controller.kube import FINALIZER, KubeApi
 from loraplane.controller.leader import LeaseElector
 from loraplane.controller.metrics import ControllerMetrics
 from loraplane.controller.placement import PlacementConfig, TenantBudget
-from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
+from loraplane.controller.pool import PoolInputs, PoolPlan
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.queue import ShutDown, WorkQueue
 from loraplane.controller.rollout import Event, ProbeRequest, ProbeResult, record_terminal_error
@@ -60,6 +67,27 @@ class ControllerConfig:
     workers: int = 2
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     budgets: dict[str, TenantBudget] = field(default_factory=dict)
+    #: a pool at rest is planned again at least this often (``IncrementalPlanner``)
+    full_plan_seconds: float = DEFAULT_FULL_PLAN_SECONDS
+    #: relative rate change (each window) an adapter's rates must pass to plan its pool again
+    rate_hysteresis: float = DEFAULT_HYSTERESIS
+
+
+_tokens = itertools.count(1)
+
+
+@dataclass
+class _Revisions:
+    """One pool's revisions as a reconcile read them."""
+
+    #: (object, the revision with the status the state machine goes on from)
+    revisions: list[tuple[dict[str, Any], AdapterRevision]] = field(default_factory=list)
+    #: the statuses the objects hold
+    stored: dict[Key, AdapterRevisionStatus] = field(default_factory=dict)
+    objects: dict[Key, dict[str, Any]] = field(default_factory=dict)
+    live: set[str] = field(default_factory=set)
+    #: a new number for every read (the planner's revisions token)
+    token: int = 0
 
 
 class TerminalError(Exception):
@@ -132,6 +160,11 @@ class Controller:
         self.written: dict[Key, tuple[str, AdapterRevisionStatus]] = {}
         #: completed pool reconciles (for tests and metrics)
         self.reconciles = 0
+        self.planner = IncrementalPlanner(config.rate_hysteresis, config.full_plan_seconds, monotonic)
+        #: pool -> a count of the changes of its revisions (watch events, this replica's own writes)
+        self._epoch: dict[str, int] = {}
+        #: pool -> (its epoch then, the revisions as the last reconcile read them: parsed, trusted, stored statuses)
+        self._read_revisions: dict[str, tuple[int, _Revisions]] = {}
         if elector is not None:
             elector.on_change = self._leadership_changed
 
@@ -142,7 +175,12 @@ class Controller:
     def enqueue(self, pool: str) -> None:
         """Queue one pool (a change concerns it: its terminal error, if any, is forgotten)."""
         self.terminal.pop(pool, None)
+        self._touch(pool)
         self.queue.add(pool)
+
+    def _touch(self, pool: str) -> None:
+        """The pool's revisions (may) have changed: the next reconcile reads them again."""
+        self._epoch[pool] = self._epoch.get(pool, 0) + 1
 
     def pools(self) -> set[str]:
         """Every pool the controller knows: named by a revision, or with keys it wrote."""
@@ -170,6 +208,8 @@ class Controller:
         if obj is None:  # listed
             for key, o in self.informers["revisions"].items.items():
                 self._index(key, _pool_of(o))
+            for named in self.pools():
+                self._touch(named)
             self.enqueue_all()
             return
         key = object_key(obj)
@@ -287,6 +327,8 @@ class Controller:
             self.store.targets.clear()  # another replica may have written meanwhile: read back from Redis
             self.store.routes.clear()
             self.written.clear()  # ... and the statuses: the last leader's are the record now
+            self.planner.forget()
+            self._read_revisions.clear()
         self._was_leader = leader
         return leader
 
@@ -338,38 +380,61 @@ class Controller:
         if not self._acting():
             return None
         started = time.perf_counter()
-        revisions: list[tuple[dict[str, Any], AdapterRevision]] = []
+        epoch = self._epoch.get(pool, 0)
+        cached = self._read_revisions.get(pool)
+        if cached is not None and cached[0] == epoch:
+            read = cached[1]  # nothing changed them since: not walked again (10,000 of them take milliseconds)
+        else:
+            read = await self._read(pool)
+            self._read_revisions[pool] = (epoch, read)
+        revisions, stored = read.revisions, read.stored
+        probes = self.probe_results.get(pool, {})
+        self.probe_results[pool] = {k: r for k, r in probes.items() if k[0] in read.live}
+        now = self.wall_clock()
+        outcome = await self._plan(pool, read, now)
+        if outcome is not None and outcome.reused:
+            await self._repair(pool)  # level-triggered still: what Redis lost comes back
+        elif outcome is not None:
+            plan = outcome.plan
+            self._forget_probes(pool, plan)
+            await self._write(pool, plan, read.objects, revisions, stored)
+        self.reconciles += 1
+        if self.metrics:
+            self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
+        if outcome is None or outcome.plan.next_due is None:
+            return None
+        return max(0.0, outcome.plan.next_due.timestamp() - self.wall_clock())
+
+    async def _read(self, pool: str) -> _Revisions:
+        """The pool's revisions as the state machine goes on from them (``_trusted``); invalid ones recorded."""
+        read = _Revisions()
         invalid: list[tuple[dict[str, Any], str]] = []
-        stored: dict[Key, AdapterRevisionStatus] = {}
         overwritten: list[tuple[dict[str, Any], Event]] = []
         for obj in self._revision_objects(pool):
             parsed = self._parse(obj)
             if isinstance(parsed, str):
                 invalid.append((obj, parsed))
                 continue
-            stored[object_key(obj)] = parsed.status
+            read.stored[object_key(obj)] = parsed.status
             trusted, event = self._trusted(obj, parsed)
-            revisions.append((obj, trusted))
+            read.revisions.append((obj, trusted))
             if event is not None:
                 overwritten.append((obj, event))
         if overwritten:
             self._record_events(overwritten)
         for obj, why in invalid:  # terminal for that object only: recorded, and the rest of the pool goes on
             await self._record_terminal([obj], "InvalidSpec", why)
-        live = {rev.served_name for _, rev in revisions}
-        probes = self.probe_results.get(pool, {})
-        self.probe_results[pool] = {k: r for k, r in probes.items() if k[0] in live}
-        now = self.wall_clock()
-        plan = await self._plan(pool, [rev for _, rev in revisions], now)
-        if plan is not None:
-            self._forget_probes(pool, plan)
-            await self._write(pool, plan, {object_key(o): o for o, _ in revisions}, revisions, stored)
-        self.reconciles += 1
-        if self.metrics:
-            self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
-        if plan is None or plan.next_due is None:
-            return None
-        return max(0.0, plan.next_due.timestamp() - self.wall_clock())
+        read.objects = {object_key(o): o for o, _ in read.revisions}
+        read.live = {rev.served_name for _, rev in read.revisions}
+        read.token = next(_tokens)
+        return read
+
+    async def _repair(self, pool: str) -> None:
+        writes_before, repairs_before = self.store.writes, self.store.repairs
+        await self.store.check(pool)
+        if self.metrics and self.store.repairs != repairs_before:
+            self.metrics.redis_writes.inc(self.store.writes - writes_before)
+            self.metrics.redis_repairs.inc(self.store.repairs - repairs_before)
 
     def _trusted(self, obj: dict[str, Any], rev: AdapterRevision) -> tuple[AdapterRevision, Event | None]:
         """The revision with the status the state machine may go on from: the one this replica last wrote (or
@@ -390,13 +455,15 @@ class Controller:
                       f"{_phase_label(ours)}: phases change only through the rollout's gates")
         return rev.model_copy(update={"status": ours}), event
 
-    async def _plan(self, pool: str, revisions: list[AdapterRevision], now: float) -> PoolPlan | None:
+    async def _plan(self, pool: str, read: _Revisions, now: float) -> PlanOutcome | None:
+        revisions = [rev for _, rev in read.revisions]
         readings = await self.store.read(pool)
         members = self.members(pool, {rev.metadata.namespace or "default" for rev in revisions})
         reports = [r for r in readings.reports if not r.is_stale(now) and (members is None or r.pod in members)]
         if pool not in self.store.targets:
             await self.store.load_written(pool)
-        plan = plan_pool(
+            self.planner.forget(pool)
+        outcome = self.planner.plan(
             PoolInputs(
                 pool=pool,
                 now=datetime.fromtimestamp(now, UTC),
@@ -408,9 +475,13 @@ class Controller:
                 probes=self.probe_results[pool],
                 placement=self.config.placement,
                 budgets=self.config.budgets,
-            )
+            ),
+            (pool, read.token),
+            readings.report_versions,
         )
-        return plan if self.is_leader() else None
+        if not outcome.reused:
+            log.debug("pool %s planned: %s", pool, outcome.why)
+        return outcome if self.is_leader() else None
 
     async def _write(self, pool: str, plan: PoolPlan, objects: dict[Key, dict[str, Any]],
                      revisions: list[tuple[dict[str, Any], AdapterRevision]],
@@ -460,6 +531,7 @@ class Controller:
                 obj = await self.kube.patch_status(_namespace(obj), obj["metadata"]["name"],
                                                    status.model_dump(mode="json", by_alias=True))
                 informer.remember(obj)
+                self._touch_object(obj)
                 if self.metrics:
                     self.metrics.status_patches.inc()
             if obj["metadata"].get("deletionTimestamp") is None:
@@ -468,11 +540,17 @@ class Controller:
             deleting = obj["metadata"].get("deletionTimestamp") is not None
             if add_finalizer and not deleting and FINALIZER not in finalizers:
                 informer.remember(await self.kube.set_finalizers(obj, [*finalizers, FINALIZER]))
+                self._touch_object(obj)
             elif deleting and finalize and FINALIZER in finalizers:
                 await self.kube.set_finalizers(obj, [f for f in finalizers if f != FINALIZER])
         except ApiException as exc:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass sees the new object
                 log.warning("writing %s failed: %s %s", obj["metadata"]["name"], exc.status, exc.reason)
+
+    def _touch_object(self, obj: dict[str, Any]) -> None:
+        pool = _pool_of(obj)
+        if pool is not None:
+            self._touch(pool)
 
     def _record_events(self, events: list[tuple[dict[str, Any], Event]]) -> None:
         """Post Events in the background, one at a time and in the order recorded (as client-go's recorder does):

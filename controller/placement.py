@@ -48,6 +48,7 @@ Tenant budgets cap the bytes a tenant holds at the GPU and CPU tiers across the 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Collection, Iterable, Mapping
@@ -817,6 +818,10 @@ class _Planner:
         the pod holding the fewest). A revision no disk has room for is left to be fetched on its first request."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
         every_pod_stages = len(self.staging) == len(self.pool.caps)
+        # every pod by (revisions held, name), kept in order as revisions are placed: the candidates of a revision
+        # are the first that qualify, found without sorting the pool for each of (10,000) revisions
+        order = sorted((n, pod) for pod, n in counts.items())
+        caps = self.pool.caps
         for e in sorted(self.entries.values(), key=self.disk_order):
             placed = self.tiers(e)
             wanted = e.demand.min_replicas
@@ -827,16 +832,29 @@ class _Planner:
                 continue
             previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)))
             hosts = self.hosts(e)  # an idle revision waits on the staging pods only: elsewhere it draws a sweep there
-            eligible = [p for p in self.eligible(e) if p not in placed and p in hosts]
-            candidates = sorted(
-                (p for p in eligible if self.pool.fits(p, Tier.DISK, e.demand.bytes)),
-                key=lambda p: (p not in previous, counts[p], p),
-            )
-            for pod in candidates[:missing]:
-                self.pool.put(pod, e.demand.served_name, Tier.DISK, e.demand.bytes)
-                counts[pod] += 1
+            allowed, size = e.demand.eligible, e.demand.bytes
+
+            def eligible(p: str, placed: dict[str, Tier] = placed, hosts: Collection[str] = hosts,
+                         allowed: Collection[str] | None = allowed) -> bool:
+                return p in caps and p not in placed and p in hosts and (allowed is None or p in allowed)
+
+            # the pods that held it before first, then the rest; each by (revisions held, name)
+            candidates = sorted((counts[p], p) for p in previous
+                                if eligible(p) and self.pool.fits(p, Tier.DISK, size))[:missing]
+            if len(candidates) < missing:
+                for n, p in order:
+                    if p not in previous and eligible(p) and self.pool.fits(p, Tier.DISK, size):
+                        candidates.append((n, p))
+                        if len(candidates) == missing:
+                            break
+            for n, pod in candidates:
+                self.pool.put(pod, e.demand.served_name, Tier.DISK, size)
+                del order[bisect.bisect_left(order, (n, pod))]
+                bisect.insort(order, (n + 1, pod))
+                counts[pod] = n + 1
             if not placed and not candidates:  # held nowhere: that is the reason to give, over any earlier note
-                self.notes[e.demand.served_name] = "no disk room" if eligible else "no eligible pod"
+                self.notes[e.demand.served_name] = ("no disk room" if any(eligible(p) for p in caps)
+                                                    else "no eligible pod")
 
     def run(self) -> Placement:
         self.place_required()

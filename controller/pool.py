@@ -153,7 +153,24 @@ def _reported_bytes(reports: Sequence[ResidencyReport]) -> dict[str, int]:
     return sizes
 
 
+#: (id of a revision, tier, cache key) -> (that revision, its target): a revision unchanged from plan to plan keeps
+#: its target objects (10,000 revisions' targets are not validated again each plan, and compare by identity)
+_TARGETS: dict[tuple[int, Tier, str | None], tuple[AdapterRevision, AdapterTarget]] = {}
+_TARGETS_KEPT = 1 << 17
+
+
 def _target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier) -> AdapterTarget:
+    key = (id(rev), tier, status.cache_key)
+    hit = _TARGETS.get(key)
+    if hit is not None and hit[0] is rev:
+        return hit[1]
+    if len(_TARGETS) >= _TARGETS_KEPT:
+        _TARGETS.clear()
+    target = _TARGETS[key] = (rev, _new_target(rev, status, tier))
+    return target[1]
+
+
+def _new_target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier) -> AdapterTarget:
     return AdapterTarget(
         served_name=rev.served_name,
         adapter=rev.spec.adapter,

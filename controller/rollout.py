@@ -103,6 +103,16 @@ class Observation:
     #: pod -> served names of the revisions holding a canary GPU slot there (``hold_gpu_slots``, ``admit``)
     _slot_holders: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
     _slots_counted: set[str] = field(default_factory=set, compare=False, repr=False)
+    #: id of a ``compatible`` list -> (that list, its pods' names): one set per base model and rank, not per revision
+    _names: dict[int, tuple[list[PodObservation], frozenset[str]]] = field(default_factory=dict, compare=False,
+                                                                          repr=False)
+
+    def names(self, pods: list[PodObservation]) -> frozenset[str]:
+        """The names of ``pods`` (a list ``compatible`` returned), computed once per list."""
+        hit = self._names.get(id(pods))
+        if hit is None or hit[0] is not pods:
+            hit = self._names[id(pods)] = (pods, frozenset(p.name for p in pods))
+        return hit[1]
 
     def held(self, served_name: str) -> list[AdapterResidency]:
         """What the pods report of ``served_name`` (one entry per pod that holds it at any tier), indexed once."""
@@ -655,7 +665,7 @@ class AdapterReconcile:
                                  rev.spec.artifact.digest)
         st.residency = _counts(rev, self.obs)
         eligible = self.eligible[name]
-        plan = RevisionPlan(name, served, st, eligible=frozenset(p.name for p in eligible))
+        plan = RevisionPlan(name, served, st, eligible=self.obs.names(eligible))
         self.plans[name] = plan
         if rev.metadata.deletion_timestamp is not None:
             plan.finalize = not self.obs.held(served)

@@ -12,8 +12,10 @@ both, so a lost or overwritten key is back within one resync period. Every paylo
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
@@ -30,6 +32,7 @@ from loraplane.api import (
     read_payload_or_none,
     validation,
 )
+from loraplane.api.routedeltas import RouteDelta, RouteHead, apply, diff
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +47,131 @@ class PoolReadings:
     counters: list[PickerCounters] = field(default_factory=list)
     #: each replica's own rates, as it published them
     replica_rates: list[RequestRates] = field(default_factory=list)
+    #: pod -> a number that changes whenever what planning reads of its report changes (heartbeat, load figures
+    #: and per-adapter counters left out)
+    report_versions: dict[str, int] = field(default_factory=dict)
 
 
 def _text(raw: bytes | str) -> str:
     return raw.decode() if isinstance(raw, bytes) else raw
 
 
+#: what a report's heartbeat is spelled as in its JSON (``ResidencyReport.to_json``)
+_HEARTBEAT = b'"heartbeatAt":'
+#: the parts of a report planning does not read: they change with every heartbeat
+_DYNAMIC: dict[str, Any] = {
+    "heartbeat_at": True,
+    "load": {"queue_depth", "running", "active_tokens", "kv_utilization", "recent_evictions", "load_seconds"},
+    "adapters": {"__all__": {"in_flight", "hits", "loads", "evictions"}},
+}
+
+
+def _without_heartbeat(raw: bytes) -> tuple[bytes, float | None]:
+    """The report's bytes with its heartbeat value cut out, and that value (None: not found where expected)."""
+    at = raw.find(_HEARTBEAT)
+    if at < 0:
+        return raw, None
+    start = at + len(_HEARTBEAT)
+    end = raw.find(b",", start)
+    if end < 0:
+        return raw, None
+    try:
+        return raw[:start] + raw[end:], float(raw[start:end])
+    except ValueError:
+        return raw, None
+
+
+class _ReadCache:
+    """One pool's payloads as last read: each parsed again only when its bytes change."""
+
+    def __init__(self) -> None:
+        #: pod -> (its report's bytes without the heartbeat, the parsed report, what planning reads of it)
+        self.reports: dict[str, tuple[bytes, ResidencyReport, dict[str, Any]]] = {}
+        self.versions: dict[str, int] = {}
+        self.payloads: dict[tuple[str, str], tuple[bytes, Any]] = {}
+        self._combined: tuple[tuple[int, ...], RequestRates | None] | None = None
+
+    def report(self, pod: str, raw: bytes | str | None) -> ResidencyReport | None:
+        if raw is None:
+            return None
+        data = raw.encode() if isinstance(raw, str) else raw
+        rest, heartbeat = _without_heartbeat(data)
+        hit = self.reports.get(pod)
+        if hit is not None and heartbeat is not None and hit[0] == rest:
+            report = hit[1]
+            if report.heartbeat_at != heartbeat:
+                report = report.model_copy(update={"heartbeat_at": heartbeat})
+                self.reports[pod] = (rest, report, hit[2])
+            return report
+        parsed = read_payload_or_none(ResidencyReport, data, log)
+        if parsed is None:
+            return None
+        report = parsed
+        view = report.model_dump(exclude=_DYNAMIC)
+        if hit is None or hit[2] != view:
+            self.versions[pod] = self.versions.get(pod, 0) + 1
+        self.reports[pod] = (rest if heartbeat is not None else b"", report, view)
+        return report
+
+    def payload(self, model: type[Any], key: tuple[str, str], raw: bytes | str | None) -> Any:
+        if raw is None:
+            return None
+        data = raw.encode() if isinstance(raw, str) else raw
+        hit = self.payloads.get(key)
+        if hit is not None and hit[0] == data:
+            return hit[1]
+        parsed = read_payload_or_none(model, data, log)
+        self.payloads[key] = (data, parsed)
+        return parsed
+
+    def combined(self, pool: str, parts: list[RequestRates]) -> RequestRates | None:
+        """``RequestRates.combine``, the same object while every part is (the planner compares by identity first)."""
+        ids = tuple(id(p) for p in parts)
+        if self._combined is None or self._combined[0] != ids:
+            self._combined = (ids, RequestRates.combine(pool, parts))
+        return self._combined[1]
+
+    def forget(self, pods: set[str], keys_: set[tuple[str, str]]) -> None:
+        for pod in [p for p in self.reports if p not in pods]:
+            del self.reports[pod]
+        for key in [k for k in self.payloads if k not in keys_]:
+            del self.payloads[key]
+
+
+#: the most deltas after a snapshot before the table is written whole again
+MAX_CHAIN = 256
+#: seconds after a snapshot before the table is written whole again at its next change
+CHAIN_SECONDS = 3600.0
+#: a delta key's TTL (the chain is rewritten as a snapshot long before: ``CHAIN_SECONDS``)
+DELTA_TTL_SECONDS = 86400
+
+
+@dataclass
+class _Chain:
+    """One pool's route keys as written: the snapshot (its generation, its size), then the deltas and the head."""
+
+    snapshot: int
+    snapshot_bytes: int
+    #: (key, the bytes written there), the snapshot first, the head last
+    raws: list[tuple[str, bytes]]
+    started: float
+    delta_bytes: int = 0
+    writer: str | None = None
+
+
+def chain_writer(chain: _Chain) -> str | None:
+    return chain.writer
+
+
+def _bytes_of(raw: bytes | str | None) -> bytes | None:
+    return raw.encode() if isinstance(raw, str) else raw
+
+
 class RedisStore:
     """Reads a pool's reports, rates and counters; writes its target states and route table when they change."""
 
-    def __init__(self, client: aioredis.Redis, clock: Callable[[], float], writer: str | None = None) -> None:
+    def __init__(self, client: aioredis.Redis, clock: Callable[[], float], writer: str | None = None,
+                 route_snapshot_bytes: int = 64 << 10) -> None:
         """``writer`` names this controller incarnation in every payload (e.g. ``identity@start-ms``)."""
         self.client = client
         self.clock = clock
@@ -64,10 +182,28 @@ class RedisStore:
         self.writes = 0
         #: keys rewritten by ``repair`` since start
         self.repairs = 0
+        #: bytes of the values written since start (target states + route tables)
+        self.bytes_written = 0
+        #: pool -> its payloads as last read (``read``)
+        self._parsed: dict[str, _ReadCache] = {}
+        #: key -> the bytes this controller last wrote there (``repair`` compares Redis with them)
+        self._raw: dict[str, bytes] = {}
+        #: pool -> its route table's keys as this controller wrote (or read back) them
+        self._chains: dict[str, _Chain] = {}
+        #: a route table whose snapshot is at most this many bytes is always written whole (a delta saves little)
+        self.route_snapshot_bytes = route_snapshot_bytes
+        #: ``check``: pools whose keys hold more bytes are compared key by key only every ``thorough_seconds``
+        self.thorough_bytes = 1 << 20
+        self.thorough_seconds = 10.0
+        self._thorough_at: dict[str, float] = {}
 
     async def read(self, pool: str) -> PoolReadings:
         """Every report (stale ones included; the caller filters), the rates summed over every picker replica and
-        every replica's counters. The replicas are those with a counters key; each writes its rates with them."""
+        every replica's counters. The replicas are those with a counters key; each writes its rates with them.
+
+        A payload is parsed only when its bytes changed since the last read (a report whose only change is its
+        heartbeat is not parsed again), and ``report_versions`` counts, per pod, the changes of what planning reads
+        of its report (not its load figures or per-adapter counters): the planner's input signature."""
         pods = sorted(_text(p) for p in await self.client.smembers(keys.residency_index(pool)))
         pods = [p for p in pods if validation.is_pod_name(p)]
         counter_keys = [_text(k) async for k in self.client.scan_iter(match=keys.picker_counters_pattern(pool),
@@ -79,15 +215,21 @@ class RedisStore:
             pipe.mget([keys.request_rates(pool, r) for r in replicas] or [keys.request_rates(pool, "none")])
             pipe.mget(counter_keys or [keys.picker_counters(pool, "none")])
             raw_reports, raw_rates, raw_counters = await pipe.execute()
-        reports = [read_payload_or_none(ResidencyReport, raw, log) for raw in raw_reports]
-        rates = [read_payload_or_none(RequestRates, raw, log) for raw in raw_rates]
-        counters = [read_payload_or_none(PickerCounters, raw, log) for raw in raw_counters]
+        cache = self._parsed.setdefault(pool, _ReadCache())
+        reports = [cache.report(pod, raw) for pod, raw in zip(pods or ["none"], raw_reports, strict=True)]
+        rates = [cache.payload(RequestRates, ("rates", r), raw) for r, raw in zip(replicas or ["none"], raw_rates,
+                                                                                    strict=True)]
+        counters = [cache.payload(PickerCounters, ("counters", k), raw)
+                    for k, raw in zip(counter_keys or ["none"], raw_counters, strict=True)]
+        cache.forget(set(pods), {("rates", r) for r in replicas} | {("counters", k) for k in counter_keys})
         replica_rates = [r for r in rates if r is not None and r.pool == pool]
+        fresh = [r for r in reports if r is not None and r.pool == pool]
         return PoolReadings(
-            reports=[r for r in reports if r is not None and r.pool == pool],
-            rates=RequestRates.combine(pool, replica_rates),
+            reports=fresh,
+            rates=cache.combined(pool, replica_rates),
             counters=[c for c in counters if c is not None],
             replica_rates=replica_rates,
+            report_versions={r.pod: cache.versions.get(r.pod, 0) for r in fresh},
         )
 
     async def load_written(self, pool: str) -> dict[str, TargetState]:
@@ -96,8 +238,40 @@ class RedisStore:
         raws = await self.client.mget(target_keys) if target_keys else []
         states = [read_payload_or_none(TargetState, raw, log) for raw in raws]
         self.targets[pool] = {s.pod: s for s in states if s is not None and s.pool == pool}
-        self.routes[pool] = read_payload_or_none(RouteTable, await self.client.get(keys.route_table(pool)), log)
+        prefix = keys.target_state_pattern(pool).removesuffix("*")
+        self._raw = {k: v for k, v in self._raw.items() if not k.startswith(prefix)}
+        await self._load_routes(pool)
         return self.targets[pool]
+
+    async def _load_routes(self, pool: str) -> None:
+        """The route table as its keys hold it (snapshot, head, deltas), and those keys' bytes as the chain this
+        controller goes on from (``repair`` compares them)."""
+        head_raw, snapshot_raw = (_bytes_of(r) for r in await self.client.mget([keys.route_head(pool),
+                                                                                keys.route_table(pool)]))
+        table = read_payload_or_none(RouteTable, snapshot_raw, log)
+        head = read_payload_or_none(RouteHead, head_raw, log)
+        self.routes[pool] = table
+        self._chains.pop(pool, None)
+        if table is None or snapshot_raw is None:
+            return
+        chain = _Chain(table.generation, len(snapshot_raw), [(keys.route_table(pool), snapshot_raw)], self.clock(),
+                       writer=table.writer)
+        if head is not None and head_raw is not None and head.writer == table.writer and head.snapshot == table.generation:
+            chain.raws.append((keys.route_head(pool), head_raw))
+            after = [keys.route_delta(pool, g) for g in range(table.generation + 1, head.generation + 1)]
+            for key, raw in zip(after, [_bytes_of(r) for r in await self.client.mget(after)] if after else [],
+                                strict=True):
+                delta = read_payload_or_none(RouteDelta, raw, log)
+                following = apply(table, [delta]) if delta is not None else None
+                if following is None or raw is None:
+                    return  # the chain is broken: the next repair writes a snapshot
+                table = following
+                chain.raws.append((key, raw))
+                chain.delta_bytes += len(raw)
+            self.routes[pool] = table
+            self._chains[pool] = chain
+        elif head is None:
+            self._chains[pool] = chain  # a table written whole, without a head (before deltas): it is the chain
 
     def written_targets(self, pool: str) -> dict[str, TargetState]:
         """The target states last written (or read back) for ``pool``."""
@@ -113,57 +287,130 @@ class RedisStore:
         table = RouteTable(pool=pool, generation=(old.generation + 1) if old else 1, base_model=base_model,
                            models=dict(sorted(models.items())), staging_pods=staging, updated_at=self.clock(),
                            writer=self.writer)
-        await self._write_routes(table)
+        await self._write_routes(table, old)
         return True
 
-    async def _write_routes(self, table: RouteTable) -> None:
+    async def _write_routes(self, table: RouteTable, previous: RouteTable | None = None) -> None:
+        """Write ``table``: as one delta from ``previous`` (the table this controller wrote last) and the head, or
+        whole (a new snapshot and its head) where that is cheaper or there is no chain of this writer to extend
+        (``routedeltas``)."""
+        pool = table.pool
+        chain = self._chains.get(pool)
+        head_key = keys.route_head(pool)
+        if (previous is not None and chain is not None and previous.writer == table.writer == chain_writer(chain)
+                and previous.generation + 1 == table.generation and chain.snapshot_bytes > self.route_snapshot_bytes
+                and len(chain.raws) - 2 < MAX_CHAIN and self.clock() - chain.started < CHAIN_SECONDS):
+            delta_raw = diff(previous, table).to_json()
+            if chain.delta_bytes + len(delta_raw) <= chain.snapshot_bytes:
+                head_raw = RouteHead(pool=pool, generation=table.generation, snapshot=chain.snapshot,
+                                     writer=table.writer).to_json()
+                delta_key = keys.route_delta(pool, table.generation)
+                async with self.client.pipeline(transaction=False) as pipe:
+                    pipe.set(delta_key, delta_raw, ex=DELTA_TTL_SECONDS)
+                    pipe.set(head_key, head_raw)  # after its delta: a reader that sees the head finds the delta
+                    pipe.publish(keys.routes_changed_channel(pool), str(table.generation))
+                    await pipe.execute()
+                chain.raws = [r for r in chain.raws if r[0] != head_key] + [(delta_key, delta_raw),
+                                                                           (head_key, head_raw)]
+                chain.delta_bytes += len(delta_raw)
+                self.routes[pool] = table
+                self.writes += 1
+                self.bytes_written += len(delta_raw) + len(head_raw)
+                return
+        raw = table.to_json()
+        head_raw = RouteHead(pool=pool, generation=table.generation, snapshot=table.generation,
+                             writer=table.writer).to_json()
         async with self.client.pipeline(transaction=False) as pipe:
-            pipe.set(keys.route_table(table.pool), table.to_json())
-            pipe.publish(keys.routes_changed_channel(table.pool), str(table.generation))
+            pipe.set(keys.route_table(pool), raw)
+            pipe.set(head_key, head_raw)
+            pipe.publish(keys.routes_changed_channel(pool), str(table.generation))
             await pipe.execute()
-        self.routes[table.pool] = table
+        self._chains[pool] = _Chain(table.generation, len(raw), [(keys.route_table(pool), raw), (head_key, head_raw)],
+                                    self.clock(), writer=table.writer)
+        self.routes[pool] = table
         self.writes += 1
+        self.bytes_written += len(raw) + len(head_raw)
 
     async def _write_target_states(self, pool: str, states: Sequence[TargetState]) -> None:
+        raws = [(keys.target_state(pool, state.pod), state.to_json()) for state in states]
         async with self.client.pipeline(transaction=False) as pipe:
-            for state in states:
-                pipe.set(keys.target_state(pool, state.pod), state.to_json())
+            for state, (key, raw) in zip(states, raws, strict=True):
+                pipe.set(key, raw)
                 pipe.publish(keys.target_changed_channel(pool), state.pod)
             await pipe.execute()
         written = self.targets.setdefault(pool, {})
         for state in states:
             written[state.pod] = state
+        self._raw.update(raws)
         self.writes += len(states)
+        self.bytes_written += sum(len(raw) for _, raw in raws)
+
+    def _owned(self, pool: str) -> list[tuple[str, bytes]]:
+        """Every key of ``pool`` this controller wrote, with the bytes it wrote there."""
+        states = sorted(self.targets.get(pool, {}).values(), key=lambda s: s.pod)
+        owned = [(keys.target_state(pool, s.pod), self._bytes(keys.target_state(pool, s.pod), s)) for s in states]
+        chain = self._chains.get(pool)
+        return owned + (chain.raws if chain is not None else [])
+
+    async def check(self, pool: str) -> list[str]:
+        """``repair`` where it is cheap or due: a pool whose keys hold at most ``thorough_bytes`` is compared key by
+        key every time; a larger one every ``thorough_seconds``, and in between only counted (one ``EXISTS`` over
+        its keys: a key lost to a Redis restart or a failover is back at once, a key overwritten in place within
+        ``thorough_seconds``)."""
+        owned = self._owned(pool)
+        size = sum(len(raw) for _, raw in owned)
+        now = self.clock()
+        if size > self.thorough_bytes and now - self._thorough_at.get(pool, -math.inf) < self.thorough_seconds:
+            if not owned or await self.client.exists(*(key for key, _ in owned)) == len(owned):
+                return []
+        return await self.repair(pool)
 
     async def repair(self, pool: str) -> list[str]:
         """Rewrite every key of ``pool`` whose stored value is not what this controller last wrote (missing after a
         Redis restart, or overwritten); returns the keys rewritten. Each gets a generation above both copies'."""
+        self._thorough_at[pool] = self.clock()
         table = self.routes.get(pool)
         states = sorted(self.targets.get(pool, {}).values(), key=lambda s: s.pod)
-        wanted: list[tuple[str, RouteTable | TargetState]] = [(keys.target_state(pool, s.pod), s) for s in states]
-        if table is not None:
-            wanted.append((keys.route_table(pool), table))
-        if not wanted:
+        wanted: list[tuple[str, bytes]] = [(keys.target_state(pool, s.pod), self._bytes(keys.target_state(pool, s.pod), s))
+                                           for s in states]
+        chain = self._chains.get(pool)
+        route_raws = [] if table is None else chain.raws if chain is not None else [(keys.route_table(pool), b"")]
+        if not wanted and not route_raws:
             return []
-        stored = await self.client.mget([key for key, _ in wanted])
-        bad = [(key, ours, raw) for (key, ours), raw in zip(wanted, stored, strict=True) if raw != ours.to_json()]
-        if not bad:
-            return []
+        stored = await self.client.mget([key for key, _ in wanted] + [key for key, _ in route_raws])
+        bad_states = [(state, raw) for state, (_, ours), raw in zip(states, wanted, stored, strict=False) if raw != ours]
+        bad_routes = [(key, raw) for (key, ours), raw in zip(route_raws, stored[len(wanted):], strict=True)
+                      if raw != ours]
         now = self.clock()
+        repaired = []
+        if bad_routes and table is not None:
+            generation = max([table.generation, *(_generation(raw) for _, raw in bad_routes)]) + 1
+            fixed = table.model_copy(update={"generation": generation, "updated_at": now, "writer": self.writer})
+            for key, raw in bad_routes:
+                log.warning("redis key %s %s; rewriting the route table whole at generation %d", key,
+                            "was missing" if raw is None else "held another copy", generation)
+            await self._write_routes(fixed)
+            repaired.append(keys.route_table(pool))
         fixed_states = []
-        for key, ours, raw in bad:
-            fixed = ours.model_copy(update={"generation": max(ours.generation, _generation(raw)) + 1,
-                                            "updated_at": now, "writer": self.writer})
+        for state, raw in bad_states:
+            key = keys.target_state(pool, state.pod)
+            fixed_state = state.model_copy(update={"generation": max(state.generation, _generation(raw)) + 1,
+                                                   "updated_at": now, "writer": self.writer})
             log.warning("redis key %s %s; rewriting generation %d", key,
-                        "was missing" if raw is None else "held another copy", fixed.generation)
-            if isinstance(fixed, RouteTable):
-                await self._write_routes(fixed)
-            else:
-                fixed_states.append(fixed)
+                        "was missing" if raw is None else "held another copy", fixed_state.generation)
+            fixed_states.append(fixed_state)
+            repaired.append(key)
         if fixed_states:
             await self._write_target_states(pool, fixed_states)
-        self.repairs += len(bad)
-        return [key for key, _, _ in bad]
+        self.repairs += len(repaired)
+        return repaired
+
+    def _bytes(self, key: str, ours: TargetState) -> bytes:
+        """What this controller wrote at ``key`` (``ours``, serialized once)."""
+        raw = self._raw.get(key)
+        if raw is None:
+            raw = self._raw[key] = ours.to_json()
+        return raw
 
     async def write_targets(self, pool: str, targets: Mapping[str, Sequence[AdapterTarget]],
                             retired: Sequence[str] = ()) -> list[str]:

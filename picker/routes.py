@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from loraplane.api import RevisionRole, RouteTable
+from loraplane.api import RevisionRole, RouteEntry, RouteTable
+from loraplane.api.routedeltas import changed_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,16 +52,54 @@ class RouteResolver:
         self._routes: dict[str, _Route] = {}
         #: served name -> what a request naming that revision directly resolves to (the model-name rewrite header)
         self._served: dict[str, Resolution] = {}
+        self._priorities: dict[str, int] | None = None
         for name, entry in (table.models if table else {}).items():
-            total, choices = 0, []
-            for rev in entry.revisions:
-                self._served.setdefault(rev.served_name, Resolution(name, rev.served_name, rev.digest, rev.role,
-                                                                    entry.tenant, entry.priority))
-                if rev.weight == 0:
-                    continue
-                total += rev.weight
-                choices.append((total, rev.served_name, rev.digest, rev.role))
-            self._routes[name] = _Route(entry.tenant, entry.priority, tuple(choices))
+            self._index(name, entry)
+
+    def _index(self, name: str, entry: RouteEntry) -> None:
+        total, choices = 0, []
+        for rev in entry.revisions:
+            self._served.setdefault(rev.served_name, Resolution(name, rev.served_name, rev.digest, rev.role,
+                                                                entry.tenant, entry.priority))
+            if rev.weight == 0:
+                continue
+            total += rev.weight
+            choices.append((total, rev.served_name, rev.digest, rev.role))
+        self._routes[name] = _Route(entry.tenant, entry.priority, tuple(choices))
+
+    def updated(self, table: RouteTable | None) -> RouteResolver:
+        """A resolver for ``table``, a later generation of this one's: the entries that did not change are taken
+        over as they are (a table of 10,000 names changed in a few is indexed in those few, not rebuilt), so a
+        route change costs the picker's event loop in proportion to the change. This resolver is left as it was:
+        requests resolving on it meanwhile see the old generation whole, the caller swaps in the new one."""
+        names = changed_names(self.table, table)
+        if table is None or names is None or len(names) > max(64, len(table.models) // 4):
+            return RouteResolver(table)
+        new = RouteResolver.__new__(RouteResolver)
+        new.table, new.base_model = table, table.base_model
+        new._routes, new._served, new._priorities = dict(self._routes), dict(self._served), None
+        old_models = self.table.models if self.table is not None else {}
+        for name in names:
+            new._routes.pop(name, None)
+            old = old_models.get(name)
+            for rev in old.revisions if old is not None else ():
+                if (hit := new._served.get(rev.served_name)) is not None and hit.logical == name:
+                    del new._served[rev.served_name]
+        for name in sorted(names):
+            entry = table.models.get(name)
+            if entry is not None:
+                new._index(name, entry)
+        if self._priorities is not None:  # patched too: not recomputed over every name
+            priorities = dict(self._priorities)
+            for name in names:
+                for _, served, _, _ in self._routes[name].choices if name in self._routes else ():
+                    priorities.pop(served, None)
+            for name in names:
+                route = new._routes.get(name)
+                if route is not None:
+                    priorities.update((served, route.priority) for _, served, _, _ in route.choices)
+            new._priorities = priorities
+        return new
 
     @property
     def generation(self) -> int | None:
@@ -68,8 +107,11 @@ class RouteResolver:
         return self.table.generation if self.table else None
 
     def priorities(self) -> dict[str, int]:
-        """Served name -> route priority, for the snapshot's gold protection."""
-        return {served: route.priority for route in self._routes.values() for _, served, _, _ in route.choices}
+        """Served name -> route priority, for the snapshot's gold protection (computed once per resolver)."""
+        if self._priorities is None:
+            self._priorities = {served: route.priority for route in self._routes.values()
+                                for _, served, _, _ in route.choices}
+        return self._priorities
 
     def staging_pods(self) -> frozenset[str]:
         """The pods that take a revision no pod holds yet (the table's ``staging_pods``; empty: any pod)."""

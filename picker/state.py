@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from loraplane.api import ResidencyReport, RouteTable, keys, read_payload_or_none, validation
+from loraplane.api.routedeltas import read_route_table
 from loraplane.api.routing import supersedes
 from loraplane.picker.body import ClientError
 from loraplane.picker.prefix import PreciseIndex
@@ -100,6 +101,12 @@ class PoolState:
     def set_routes(self, table: RouteTable | None) -> None:
         """Use a new route table (None: nothing is routable)."""
         self.resolver = RouteResolver(table)
+
+    def update_routes(self, table: RouteTable) -> None:
+        """Use a later generation of the route table, indexing only the names that changed (``RouteResolver.updated``):
+        the new resolver is built aside and swapped in whole."""
+        current = self.resolver
+        self.resolver = current.updated(table) if type(current) is RouteResolver else RouteResolver(table)
 
     def set_endpoints(self, endpoints: Sequence[tuple[str, str]] | None) -> None:
         """Fix pool membership to these (pod, address) pairs (None: the reporting pods) and rebuild."""
@@ -242,14 +249,17 @@ class RedisSync:
             await self.block_sets.refresh(self.client, self.state.pool, [pod])
 
     async def _load_routes(self) -> None:
-        table = read_payload_or_none(RouteTable, await self.client.get(keys.route_table(self.state.pool)), log)
-        if table is None:
+        """Catch up with the route table: the deltas after the generation in use when they chain onto it, else the
+        snapshot and the deltas after it (``routedeltas.read_route_table``); applied whole or not at all."""
+        current = self.state.resolver.table
+        table = await read_route_table(self.client, self.state.pool, current)
+        if table is None or table is current:
             return
-        if not supersedes(table, self.state.resolver.table):
+        if not supersedes(table, current):
             log.warning("ignoring route table generation %d of %s: older than the one in use", table.generation,
                         table.writer)
             return
-        self.state.set_routes(table)
+        self.state.update_routes(table)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow change notices until ``stop`` is set; survive Redis outages on the last snapshot.

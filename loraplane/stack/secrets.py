@@ -48,7 +48,7 @@ def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = (
     """ACL rules (everything after ``user <name> on #<hash>``) of every component user of one pool."""
     prefix = _pool_prefix(pool)
     rules = {
-        "controller": f"resetkeys %R~{prefix}:* %W~{keys.target_state_pattern(pool)} %W~{keys.route_table(pool)} "
+        "controller": f"resetkeys %R~{prefix}:* %W~{keys.target_state_pattern(pool)} %W~{keys.route_keys_pattern(pool)} "
         f"resetchannels &{keys.target_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
         f"-@all {_CONNECT} {_READ} +set +publish",
         "picker": "resetkeys " + f"%R~{prefix}:* "

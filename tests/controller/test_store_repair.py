@@ -126,3 +126,24 @@ async def test_the_pools_rates_are_every_picker_replicas_summed(redis_srv: Redis
         assert sorted(r.replica or "" for r in readings.replica_rates) == ["picker-0", "picker-1"]
     finally:
         await client.aclose()
+
+
+async def test_check_counts_keys_between_thorough_comparisons_of_a_large_pool(redis_srv: RedisServer) -> None:
+    """``check`` on a pool above ``thorough_bytes``: a lost key comes back at once (one EXISTS finds it missing), a key
+    overwritten in place at the next thorough comparison (``thorough_seconds``); a small pool is compared each time."""
+    now = [1000.0]
+    client = aioredis.Redis.from_url(redis_srv.url)
+    store = RedisStore(client, clock=lambda: now[0], writer="ctl@1")
+    await store.write_routes(POOL, ROUTES, "tiny")
+    await store.write_targets(POOL, {"pod-a": [], "pod-b": []})
+    assert await store.check(POOL) == []  # compared: small
+    store.thorough_bytes, store.thorough_seconds = 0, 10.0
+    await client.set(keys.target_state(POOL, "pod-a"), b"forged")
+    assert await store.check(POOL) == []  # within the period: counted only
+    await client.delete(keys.target_state(POOL, "pod-b"))
+    assert sorted(await store.check(POOL)) == [keys.target_state(POOL, "pod-a"), keys.target_state(POOL, "pod-b")]
+    await client.set(keys.target_state(POOL, "pod-a"), b"forged again")
+    assert await store.check(POOL) == []
+    now[0] += 10
+    assert await store.check(POOL) == [keys.target_state(POOL, "pod-a")]
+    await client.aclose()

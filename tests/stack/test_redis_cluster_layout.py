@@ -44,8 +44,8 @@ def _names_of(pool: str) -> list[str]:
     for name, fn in inspect.getmembers(keys, inspect.isfunction):
         if name.startswith("_") or fn.__module__ != keys.__name__:
             continue
-        params = list(inspect.signature(fn).parameters)
-        names.append(fn(pool, *(["pod-1"] * (len(params) - 1))))
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        names.append(fn(pool, *(1 if p.annotation in (int, "int") else "pod-1" for p in params)))
     return names
 
 

@@ -1,0 +1,129 @@
+"""Planning in proportion to what changed (``IncrementalPlanner``) and reads that parse only what changed.
+
+A pool at rest keeps its plan while nothing planning reads moves: a heartbeat, a load figure or a rate drift
+inside the hysteresis plans nothing; a residency change, a rate beyond the hysteresis, new revisions, a rollout
+in progress and the full-plan period each plan the pool again.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from datetime import UTC, datetime
+
+import redis.asyncio as aioredis
+
+from e2e.fixtures.processes import RedisServer
+from loraplane.api import AdapterRevision, Phase, RequestRates, ResidencyReport, keys
+from loraplane.controller import bench
+from loraplane.controller.incremental import IncrementalPlanner, rates_moved
+from loraplane.controller.pool import PoolInputs, PoolPlan
+from loraplane.controller.store import RedisStore
+
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pool(n: int = 40, pods: int = 6) -> tuple[list[AdapterRevision], dict[str, float], list[ResidencyReport]]:
+    rng = random.Random(3)
+    revs = bench._revisions(n, rng, NOW)
+    return revs, bench._rates(revs, rng, 50.0), bench._reports(pods, None, 4, 8)
+
+
+def _inputs(revs: list[AdapterRevision], rates: dict[str, float], reports: list[ResidencyReport]) -> PoolInputs:
+    return PoolInputs(pool=bench.POOL, now=NOW, revisions=revs, reports=reports, rates=bench._request_rates(rates))
+
+
+def _settled() -> tuple[IncrementalPlanner, Clock, list[AdapterRevision], dict[str, float], list[ResidencyReport],
+                        PoolPlan]:
+    revs, rates, reports = _pool()
+    clock = Clock()
+    planner = IncrementalPlanner(hysteresis=0.25, full_plan_seconds=60, clock=clock)
+    first = planner.plan(_inputs(revs, rates, reports), "t1", {})
+    assert not first.reused
+    return planner, clock, revs, rates, reports, first.plan
+
+
+def test_a_pool_at_rest_keeps_its_plan_through_rate_drift_within_the_hysteresis() -> None:
+    planner, _, revs, rates, reports, plan = _settled()
+    drifted = {n: r * (1.1 if i % 2 else 0.9) for i, (n, r) in enumerate(rates.items())}
+    again = planner.plan(_inputs(revs, drifted, reports), "t1", {})
+    assert again.reused and again.plan is plan
+    assert (planner.planned, planner.reused) == (1, 1)
+
+
+def test_a_rate_beyond_the_hysteresis_plans_again() -> None:
+    planner, _, revs, rates, reports, _ = _settled()
+    hot = dict(rates)
+    name = revs[7].served_name
+    hot[name] *= 3
+    again = planner.plan(_inputs(revs, hot, reports), "t1", {})
+    assert not again.reused and "1 revisions" in again.why
+
+
+def test_the_full_plan_period_plans_a_pool_at_rest_again() -> None:
+    planner, clock, revs, rates, reports, _ = _settled()
+    clock.now = 59.0
+    assert planner.plan(_inputs(revs, rates, reports), "t1", {}).reused
+    clock.now = 60.0
+    outcome = planner.plan(_inputs(revs, rates, reports), "t1", {})
+    assert not outcome.reused and outcome.why == "full plan period"
+
+
+def test_changed_revisions_or_reports_plan_again() -> None:
+    planner, _, revs, rates, reports, _ = _settled()
+    assert not planner.plan(_inputs(revs, rates, reports), "t2", {}).reused  # another revisions token
+    assert planner.plan(_inputs(revs, rates, reports), "t2", {}).reused
+    assert not planner.plan(_inputs(revs, rates, reports), "t2", {"pod-01": 7}).reused  # pod-01 reported a change
+    assert not planner.plan(_inputs(revs, rates, reports[1:]), "t2", {"pod-01": 7}).reused  # a pod went away
+
+
+def test_a_rollout_in_progress_is_planned_every_time() -> None:
+    revs, rates, reports = _pool()
+    canary = revs[0].model_copy(update={"status": revs[0].status.model_copy(update={"phase": Phase.PENDING})})
+    planner = IncrementalPlanner(full_plan_seconds=60, clock=Clock())
+    inputs = _inputs([canary, *revs[1:]], rates, reports)
+    assert not planner.plan(inputs, "t", {}).reused
+    again = planner.plan(inputs, "t", {})
+    assert not again.reused and again.why == "rollout in progress"
+
+
+def test_rates_moved_counts_revisions_appearing_and_going_quiet() -> None:
+    def rates(**by_name: float) -> RequestRates:
+        return RequestRates(pool="p", published_at=0.0, windows={"5m": by_name, "1h": by_name, "24h": by_name})
+
+    names = {"a", "b", "c", "t"}
+    planned = rates(a=1.0, b=2.0, t=0.001, other=5.0)
+    assert rates_moved(planned, rates(a=1.2, b=2.0, t=0.001, other=50.0), names, 0.25) == []  # not the pool's
+    assert rates_moved(planned, rates(a=1.5, c=1.0, t=0.001), names, 0.25) == ["a", "b", "c"]
+    assert rates_moved(planned, rates(a=1.0, b=2.0, t=0.005), names, 0.25) == []  # below the floor
+
+
+async def test_reads_parse_a_report_again_only_when_planning_would_see_a_change(redis_srv: RedisServer) -> None:
+    client = aioredis.Redis.from_url(redis_srv.url)
+    store = RedisStore(client, time.time)
+    report = bench._reports(1, None, 4, 8)[0]
+    await client.sadd(keys.residency_index(bench.POOL), report.pod)
+
+    async def publish(r: ResidencyReport) -> tuple[ResidencyReport, int]:
+        await client.set(keys.residency_report(bench.POOL, r.pod), r.to_json())
+        readings = await store.read(bench.POOL)
+        return readings.reports[0], readings.report_versions[r.pod]
+
+    _, version = await publish(report)
+    beat, beat_version = await publish(report.model_copy(update={"heartbeat_at": report.heartbeat_at + 5}))
+    assert beat_version == version and beat.heartbeat_at == report.heartbeat_at + 5
+    busy = report.model_copy(update={"load": report.load.model_copy(update={"running": 9, "queue_depth": 3})})
+    parsed, busy_version = await publish(busy)
+    assert busy_version == version and parsed.load.running == 9  # parsed again, but planning reads no load figure
+    moved = report.model_copy(update={"ready": False})
+    _, moved_version = await publish(moved)
+    assert moved_version == version + 1
+    await client.aclose()
