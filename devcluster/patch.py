@@ -7,6 +7,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import jsonpatch
+import jsonpointer
+
 #: A field's merge strategy for strategic merge patch: a path of field names (list indices skipped) -> the merge
 #: key of a list of objects, or None for a list of scalars merged as a set.
 PatchMeta = dict[tuple[str, ...], str | None]
@@ -34,111 +37,15 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
-def _pointer(path: str) -> list[str]:
-    if path == "":
-        return []
-    if not path.startswith("/"):
-        raise PatchError(f"JSON pointer {path!r} must start with '/'")
-    return [p.replace("~1", "/").replace("~0", "~") for p in path[1:].split("/")]
-
-
-def _index(container: list[Any], token: str, allow_end: bool) -> int:
-    if token == "-" and allow_end:
-        return len(container)
-    if not token.isdigit() or (len(token) > 1 and token.startswith("0")):
-        raise PatchError(f"invalid array index {token!r}")
-    index = int(token)
-    if index > len(container) or (index == len(container) and not allow_end):
-        raise PatchError(f"array index {index} out of range")
-    return index
-
-
-def _parent(doc: Any, tokens: list[str]) -> Any:
-    node = doc
-    for token in tokens[:-1]:
-        if isinstance(node, dict):
-            if token not in node:
-                raise PatchError(f"missing path element {token!r}")
-            node = node[token]
-        elif isinstance(node, list):
-            node = node[_index(node, token, allow_end=False)]
-        else:
-            raise PatchError(f"cannot descend into a scalar at {token!r}")
-    return node
-
-
-def _locate(doc: Any, path: str) -> tuple[Any, str | int]:
-    """The container holding an existing member, and the member's key or index."""
-    tokens = _pointer(path)
-    if not tokens:
-        raise PatchError("the whole document has no parent")
-    parent, last = _parent(doc, tokens), tokens[-1]
-    if isinstance(parent, dict) and last in parent:
-        return parent, last
-    if isinstance(parent, list):
-        return parent, _index(parent, last, allow_end=False)
-    raise PatchError(f"path {path!r} does not exist")
-
-
-def _get(doc: Any, path: str) -> Any:
-    if not _pointer(path):
-        return doc
-    container, key = _locate(doc, path)
-    return container[key]
-
-
-def _add(doc: Any, path: str, value: Any) -> Any:
-    tokens = _pointer(path)
-    if not tokens:
-        return value
-    parent, last = _parent(doc, tokens), tokens[-1]
-    if isinstance(parent, dict):
-        parent[last] = value
-    elif isinstance(parent, list):
-        parent.insert(_index(parent, last, allow_end=True), value)
-    else:
-        raise PatchError(f"cannot add to a scalar at {path!r}")
-    return doc
-
-
-def _remove(doc: Any, path: str) -> Any:
-    container, key = _locate(doc, path)
-    del container[key]
-    return doc
-
-
 def json_patch(doc: Any, operations: Any) -> Any:
-    """RFC 6902: add, remove, replace, move, copy, test, applied in order to a copy of ``doc``."""
+    """RFC 6902 (add, remove, replace, move, copy, test), applied in order to a copy of ``doc`` by the jsonpatch
+    library; a ``test`` of a value of another JSON type fails (``1`` is not ``true``), as in Kubernetes."""
     if not isinstance(operations, list):
         raise PatchError("a JSON patch must be a list of operations")
-    result = copy.deepcopy(doc)
-    for op in operations:
-        if not isinstance(op, dict) or not isinstance(op.get("path"), str):
-            raise PatchError(f"malformed operation {op!r}")
-        kind, path = op.get("op"), op["path"]
-        if kind in ("add", "replace", "test") and "value" not in op:
-            raise PatchError(f"operation {kind} needs a value")
-        if kind == "add":
-            result = _add(result, path, copy.deepcopy(op["value"]))
-        elif kind == "remove":
-            result = _remove(result, path)
-        elif kind == "replace":
-            _get(result, path)
-            result = _add(_remove(result, path) if _pointer(path) else result, path, copy.deepcopy(op["value"]))
-        elif kind in ("move", "copy"):
-            source = op.get("from")
-            if not isinstance(source, str):
-                raise PatchError(f"operation {kind} needs 'from'")
-            value = copy.deepcopy(_get(result, source))
-            if kind == "move":
-                result = _remove(result, source)
-            result = _add(result, path, value)
-        elif kind == "test":
-            if _get(result, path) != op["value"]:
-                raise PatchError(f"test operation failed at {path!r}")
-        else:
-            raise PatchError(f"unknown operation {kind!r}")
-    return result
+    try:
+        return jsonpatch.apply_patch(doc, operations)
+    except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as exc:
+        raise PatchError(str(exc)) from exc
 
 
 def _strip(value: Any) -> Any:

@@ -82,7 +82,8 @@ def test_json_patch_rfc6902() -> None:
     assert json_patch(doc, ops) == {"a": {"b": [0, 9, 2, 3]}, "e": [1, 2, 3], "f/g": True}
     assert doc == {"a": {"b": [1, 2]}, "c": "x"}  # the input is untouched
     for bad in ([{"op": "remove", "path": "/nope"}], [{"op": "test", "path": "/c", "value": "y"}],
-                [{"op": "add", "path": "/a/b/7", "value": 1}], [{"op": "jump", "path": "/c"}], {"op": "add"}):
+                [{"op": "add", "path": "/a/b/7", "value": 1}], [{"op": "jump", "path": "/c"}], {"op": "add"},
+                [{"op": "test", "path": "/a/b/0", "value": True}]):  # 1 is not true (Kubernetes: the test fails)
         with pytest.raises(PatchError):
             json_patch(doc, bad)
 
