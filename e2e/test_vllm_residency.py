@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -268,16 +269,27 @@ def test_loads_while_another_adapters_request_is_in_flight(vllm_server: VllmServ
 
 @pytest.mark.vllm
 def test_a_new_revision_never_reuses_the_previous_revisions_cached_prefix(
-        vllm_server: VllmServer, adapter_dirs: dict[str, Path], servable_model: ServableModel) -> None:
+        vllm_server: VllmServer, adapter_dirs: dict[str, Path], servable_model: ServableModel,
+        tmp_path: Path) -> None:
     """loraplane serves each revision under its own name (``adapter@revision``), so vLLM gives it its own LoRA id and
     its own prefix-cache keys: the next revision's first request hits no block the previous one cached, and its
-    tokens are its own weights' (transformers + peft). A control shows the hazard: reloading other weights in place
-    under the old name (what loraplane never does) makes vLLM reuse the old blocks."""
+    tokens are its own weights' (transformers + peft). Every response names the adapter that answered and the digest
+    of its files (the plugin's headers, as the engine's). A control shows the hazard: reloading other weights in
+    place under the old name (what loraplane never does) makes vLLM reuse the old blocks."""
+    from loraplane.api import ADAPTER_DIGEST_HEADER, SERVED_ADAPTER_HEADER, adapter_digest
+
     url = vllm_server.url
     prompt = "A long shared system prompt that fills more than two blocks of thirty-two tokens each, then a question?"
 
-    def cached(model: str) -> tuple[int, list[int]]:
-        body = complete(url, model, prompt, max_tokens=12)
+    def cached(model: str, directory: str | None) -> tuple[int, list[int]]:
+        resp = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers.get(SERVED_ADAPTER_HEADER) == model
+        assert resp.headers.get(ADAPTER_DIGEST_HEADER) == (
+            adapter_digest(adapter_dirs[directory]) if directory else None)
+        body = resp.json()
         details = body["usage"].get("prompt_tokens_details") or {}
         return int(details.get("cached_tokens") or 0), [int(t) for t in body["choices"][0]["token_ids"]]
 
@@ -285,18 +297,31 @@ def test_a_new_revision_never_reuses_the_previous_revisions_cached_prefix(
         resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
                           json={"lora_name": name, "lora_path": str(adapter_dirs[directory])})
         assert resp.status_code == 200, resp.text
-    cached("rev@v1")
-    hits, _ = cached("rev@v1")
+    cached("rev@v1", "a")
+    hits, _ = cached("rev@v1", "a")
     assert hits >= 64  # the prefix cache is on and keeps v1's blocks
-    hits, tokens = cached("rev@v2")
+    hits, tokens = cached("rev@v2", "b")
     assert hits == 0
     assert tokens == _reference(servable_model.path, adapter_dirs["b"], prompt, 12)
+    base = next(m["id"] for m in httpx.get(url + "/v1/models", timeout=10).json()["data"] if not m.get("parent"))
+    cached(base, None)  # a base request: the base model's name, no adapter digest
 
-    resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60, json={
-        "lora_name": "rev@v1", "lora_path": str(adapter_dirs["c"]), "load_inplace": True})
+    # the control: other weights written over the same directory and reloaded in place under the same name (what
+    # loraplane never does: a revision is a new name and a new cache directory) hit the old weights' blocks
+    reused = tmp_path / "reused"
+    shutil.copytree(adapter_dirs["a"], reused)
+    resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
+                      json={"lora_name": "reused", "lora_path": str(reused)})
     assert resp.status_code == 200, resp.text
-    hits, _ = cached("rev@v1")
-    assert hits >= 64  # the control: same name, same id, the old weights' blocks served again
+    adapter_dirs = {**adapter_dirs, "reused": reused}
+    cached("reused", "reused")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(adapter_dirs["c"] / name, reused / name)
+    resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60, json={
+        "lora_name": "reused", "lora_path": str(reused), "load_inplace": True})
+    assert resp.status_code == 200, resp.text
+    hits, _ = cached("reused", "reused")
+    assert hits >= 64
 
 
 @pytest.mark.vllm
@@ -378,3 +403,13 @@ def test_the_driver_reads_exact_tiers_and_aligns_its_model(tmp_path: Path) -> No
                  "d": vllm_metrics.LoadedAdapter(gpu=True)})  # vLLM served a, dropped b; d unknown to the model
     assert [model.tier(n) for n in "abcd"] == [Tier.GPU, Tier.DISK, Tier.CPU, Tier.GPU]
     assert vllm_driver.PIN_PATH == vllm_residency.PIN_PATH and vllm_driver.UNPIN_PATH == vllm_residency.UNPIN_PATH
+
+
+def test_the_plugins_digest_is_loraplanes_adapter_digest(servable_model: ServableModel, tmp_path: Path) -> None:
+    """The digest the plugin stamps is ``loraplane.api.adapter_digest`` of the same files (one definition, written
+    twice so vLLM's process needs no loraplane.api); a directory without the files has none."""
+    from loraplane.api import adapter_digest
+
+    servable_model.adapter(tmp_path / "x", rank=8, seed=3)
+    assert vllm_residency.adapter_digest(str(tmp_path / "x")) == adapter_digest(tmp_path / "x")
+    assert vllm_residency.adapter_digest(str(tmp_path / "missing")) is None

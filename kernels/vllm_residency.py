@@ -25,6 +25,7 @@ that are missing turn the feature off with a warning; serving is never affected.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -321,8 +322,90 @@ def _hook_admin_routes() -> None:
 
         if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
             attach_admin_routes(app)
+        app.add_middleware(ServedAdapterHeaders)
 
     serve.register_vllm_serve_api_routers = register_vllm_serve_api_routers
+
+
+#: the headers loraplane's engine sends too (``loraplane.api.headers``)
+SERVED_ADAPTER_HEADER = "x-loraplane-served-adapter"
+ADAPTER_DIGEST_HEADER = "x-loraplane-adapter-digest"
+#: the inference routes whose body names the model
+_INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"})
+#: a body larger than this is not kept for its ``model`` (no headers then)
+_MAX_BODY = 16 << 20
+_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+#: (path, each file's (mtime, size)) -> adapter digest of those files
+_digests: dict[tuple[str, tuple[tuple[int, int], ...]], str] = {}
+
+
+def adapter_digest(directory: str) -> str | None:
+    """``loraplane.api.adapter_digest`` of a PEFT directory (the same definition, without importing loraplane.api
+    into vLLM's process); None when a file is missing (a Hub id, not a directory)."""
+    domain = hashlib.sha256(b"loraplane-adapter-digest/1\n")
+    try:
+        for name in _ADAPTER_FILES:
+            with open(os.path.join(directory, name), "rb") as f:
+                domain.update(f"{name}\n{hashlib.file_digest(f, 'sha256').hexdigest()}\n".encode())
+    except OSError:
+        return None
+    return "sha256:" + domain.hexdigest()
+
+
+def served_headers(body: bytes) -> list[tuple[bytes, bytes]]:
+    """The served-adapter and digest headers of the request ``body`` names: the adapter vLLM resolves its ``model``
+    to (the API server's registration) and the digest of the files it read; the base model's name alone for a base
+    request; none for a model vLLM does not know."""
+    models = _serving_models() if _serving_models is not None else None
+    try:
+        model = json.loads(body).get("model") if body else None
+    except (ValueError, AttributeError):
+        return []
+    if models is None or not isinstance(model, str):
+        return []
+    lora = models.lora_requests.get(model)
+    if lora is None:
+        return [(SERVED_ADAPTER_HEADER.encode(), model.encode())] if models.is_base_model(model) else []
+    path = str(lora.lora_path)
+    try:  # files rewritten in place (a load_inplace from the same path) get their digest computed again
+        stamps = tuple((st.st_mtime_ns, st.st_size) for st in (os.stat(os.path.join(path, n)) for n in _ADAPTER_FILES))
+    except OSError:
+        return [(SERVED_ADAPTER_HEADER.encode(), model.encode())]
+    key = (path, stamps)
+    if key not in _digests:
+        digest = adapter_digest(path)
+        if digest is None:
+            return [(SERVED_ADAPTER_HEADER.encode(), model.encode())]
+        _digests[key] = digest
+    return [(SERVED_ADAPTER_HEADER.encode(), model.encode()), (ADAPTER_DIGEST_HEADER.encode(), _digests[key].encode())]
+
+
+class ServedAdapterHeaders:
+    """ASGI middleware: the inference responses of vLLM's API server carry the served adapter and its digest, as
+    loraplane's engine's do. The request body is kept as the app reads it (nothing is read ahead)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in _INFERENCE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+
+        async def receive_body() -> Any:
+            message = await receive()
+            if message.get("type") == "http.request" and len(body) <= _MAX_BODY:
+                body.extend(message.get("body", b""))
+            return message
+
+        async def send_headers(message: Any) -> None:
+            if message.get("type") == "http.response.start" and message.get("status", 500) < 400 and (
+                    len(body) <= _MAX_BODY):
+                message = {**message, "headers": [*message.get("headers", ()), *served_headers(bytes(body))]}
+            await send(message)
+
+        await self.app(scope, receive_body, send_headers)
 
 
 def _error(status: int, message: str, kind: str) -> Any:
