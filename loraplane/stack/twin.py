@@ -227,7 +227,8 @@ def gateway_path(outcomes: Sequence[Outcome], times: Sequence[GatewayTimes | Non
         ingress.append(t.to_upstream_s)
         egress.append(outcome.ttft_s - t.first_body_s)
         path.append(outcome.ttft_s - at_pod)
-    return {"requests": len(pod), "ttft_at_pod_ms": finite_ms(pod), "path_ms": finite_ms(path),
+    return {"requests": len(pod), "ttft_at_pod_ms": finite_ms(pod),
+            "ttft_at_pod_mean_ms": mean_ms(np.asarray(pod, dtype=np.float64)), "path_ms": finite_ms(path),
             "ingress_ms": finite_ms(ingress), "egress_ms": finite_ms(egress)}
 
 
@@ -248,6 +249,12 @@ def outcomes_as_result(policy: str, trace: Trace, outcomes: Sequence[Outcome],
         pod[i] = pod_of(outcome.upstream)
     return SimResult(policy=policy, trace=trace, ttft=ttft, tier=bytearray(n), pod=pod, refused=refused,
                      held_s=array("d", bytes(8 * n)))
+
+
+def mean_ms(seconds: np.ndarray) -> float | None:
+    """The mean in ms of the finite ``seconds``."""
+    finite = seconds[np.isfinite(seconds)]
+    return round(float(finite.mean()) * 1e3, 2) if finite.size else None
 
 
 def finite_ms(values: Iterable[float]) -> dict[str, float | None]:
@@ -279,6 +286,35 @@ def by_label(before: dict[str, dict[str, list[tuple[dict[str, str], float]]]],
             earlier = sum(v for ls, v in before.get(pod, {}).get(name, ()) if ls == labels)
             out[labels.get(label, "")] += round(value - earlier)
     return dict(sorted(out.items()))
+
+
+def pooled_histogram(before: dict[str, dict[str, list[tuple[dict[str, str], float]]]],
+                     after: dict[str, dict[str, list[tuple[dict[str, str], float]]]], name: str) -> dict[str, Any]:
+    """Histogram ``name`` of every pod between two scrapes, pooled: its count, exact mean (from ``_sum``) and
+    p50 / p99 interpolated linearly within their bucket (as Prometheus' ``histogram_quantile``), all in ms."""
+    counts: dict[float, float] = {}
+    total_s = 0.0
+    for pod, samples in after.items():
+        earlier = before.get(pod, {})
+        total_s += total(samples, f"{name}_sum") - total(earlier, f"{name}_sum")
+        for labels, value in samples.get(f"{name}_bucket", ()):
+            start = sum(v for ls, v in earlier.get(f"{name}_bucket", ()) if ls == labels)
+            bound = float(labels["le"])
+            counts[bound] = counts.get(bound, 0.0) + value - start
+    cumulative = sorted(counts.items())
+    count = cumulative[-1][1] if cumulative else 0.0
+    out: dict[str, Any] = {"count": int(count), "mean_ms": round(total_s / count * 1e3, 2) if count else None}
+    for q in (0.5, 0.99):
+        value = None
+        lower, below = 0.0, 0.0
+        for bound, cum in cumulative:
+            if count and cum >= q * count:
+                value = (lower if math.isinf(bound) else
+                         lower + (bound - lower) * (q * count - below) / (cum - below) if cum > below else bound)
+                break
+            lower, below = bound, cum
+        out[f"p{round(q * 100)}_ms"] = None if value is None else round(value * 1e3, 2)
+    return out
 
 
 def histogram_quantiles(before: dict[str, list[tuple[dict[str, str], float]]],
@@ -440,6 +476,10 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
         "requests": len(result.trace),
         **slo_figures(result, slo_ttft_ms),
         "ttft_ms": percentiles_ms(served_ttft(result)),
+        "ttft_mean_ms": mean_ms(served_ttft(result)),
+        # the TTFT the emulated pods charged (from a request's arrival to its first token on the engine's clock): a
+        # late event loop on a starved machine delays the chunk, not this
+        "emulator_ttft_ms": pooled_histogram(before.pods, after.pods, "vllm:time_to_first_token_seconds"),
         "hot_ttft_p99_ms": hot_ttft_p99_ms(result),
         "e2e_ms": finite_ms(o.e2e_s for o in outcomes if o.status == 200),
         "cold_starts": int(loads),

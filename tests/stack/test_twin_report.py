@@ -19,6 +19,7 @@ from loraplane.stack.twin import (
     histogram_quantiles,
     metric_samples,
     outcomes_as_result,
+    pooled_histogram,
     read_access_log,
 )
 
@@ -58,7 +59,8 @@ def test_errors_and_the_winner() -> None:
     twin = {"slo_attainment": 0.99, "ttft_ms": {"p50": 100.0, "p99": 1000.0}, "cold_starts": 100,
             "p99_served_ttft_ms": 1000.0}
     assert errors(sim, twin) == {"slo_attainment_abs": 0.01, "ttft_p50_rel": 0.1, "ttft_p99_rel": 0.1,
-                                 "gpu_loads_rel": 0.1, "ttft_p50_rel_at_pod": None, "ttft_p99_rel_at_pod": None}
+                                 "gpu_loads_rel": 0.1, "ttft_p50_rel_at_pod": None, "ttft_p99_rel_at_pod": None,
+                                 "ttft_mean_rel_emulator": None}
     # the TTFT at the pod (Envoy's send to the first chunk), the path around it measured apart
     at_pod = {**twin, "gateway_path": {"ttft_at_pod_ms": {"p50": 88.0, "p99": 1125.0}}}
     got = errors(sim, at_pod)
@@ -98,3 +100,19 @@ def test_loads_by_tier_count_only_the_increase_on_every_pod() -> None:
     before = {"a": pod(3, 1), "b": pod(0, 0)}
     after = {"a": pod(5, 1), "b": pod(1, 4)}
     assert by_label(before, after, "loraplane_emulator_lora_loads_total", "tier") == {"cpu": 3, "disk": 4}
+
+
+def test_the_pods_ttft_histograms_pool_with_an_exact_mean_and_interpolated_quantiles() -> None:
+    def pod(low: int, high: int, seconds: float) -> dict[str, list[tuple[dict[str, str], float]]]:
+        name = "vllm:time_to_first_token_seconds"
+        return metric_samples(f"# TYPE {name} histogram\n"
+                              f'{name}_bucket{{le="0.1"}} {low}\n{name}_bucket{{le="0.25"}} {low + high}\n'
+                              f'{name}_bucket{{le="+Inf"}} {low + high}\n{name}_count {low + high}\n'
+                              f"{name}_sum {seconds}\n")
+
+    before = {"a": pod(10, 0, 0.5), "b": pod(0, 0, 0.0)}
+    after = {"a": pod(14, 2, 0.9), "b": pod(0, 4, 0.8)}  # 4 fast, 6 slow requests since; 1.2 s of TTFT
+    got = pooled_histogram(before, after, "vllm:time_to_first_token_seconds")
+    assert got["count"] == 10 and got["mean_ms"] == 120.0
+    assert got["p50_ms"] == 125.0  # the 5th of 10 is 1 of the 6 in (0.1, 0.25]: a sixth of the way in
+    assert got["p99_ms"] == pytest.approx(247.5)
