@@ -59,8 +59,9 @@ from loraplane.api import (
 )
 from loraplane.helptext import HelpFormatter
 from loraplane.picker.envoy import ExtProcModes, PickerEndpoint, direct_config, picker_config
+from loraplane.picker.lifecycle import InFlightRequest, PluginRuntime
 from loraplane.picker.plugins import SchedulingRequest
-from loraplane.picker.prefix import bench_request_path, without_prefix_scorer
+from loraplane.picker.prefix import PrefixRouting, without_prefix_scorer
 from loraplane.picker.routes import RouteResolver
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
@@ -118,6 +119,46 @@ def scoring(endpoint_counts: Sequence[int], adapters: int, decisions: int, seed:
 
 
 # --- proto packages -----------------------------------------------------------------------------------------------
+
+
+def bench_request_path(body_sizes: Sequence[int] = (1024, 65536), rounds: int = 400,
+                       endpoints: int = 4) -> list[dict[str, Any]]:
+    """Thread CPU per request (median, microseconds) of the picker's prefix work with the default profile: hashing
+    the parsed body, scheduling with the match, and recording where it went; next to scheduling the same request
+    with a profile without the scorer, alternated in one run. The same completion body every request (as the
+    Envoy rows of ``loraplane bench picker`` send), so after the first every block matches on one pod."""
+    import orjson
+
+    digest = "sha256:" + "d" * 64
+    pool = PoolSnapshot([EndpointState(name=f"pod-{i}", address=f"10.0.0.{i + 1}:8000",
+                                       residency={"claims@v1": (Tier.GPU if i == 0 else Tier.CPU, digest)})
+                         for i in range(endpoints)])
+    config = EndpointPickerConfig.load()
+    with_prefix, without = Scheduler(config), Scheduler(without_prefix_scorer(config))
+    assert with_prefix.prefix is not None and without.prefix is None
+    recorder = PrefixRouting(with_prefix.prefix, PluginRuntime(None, time.monotonic))  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    rows = []
+    for size in body_sizes:
+        prompt = "x" * max(0, size - 60)
+        document = orjson.loads(orjson.dumps({"model": "claims", "max_tokens": 16, "prompt": prompt}))
+        on, off = np.empty(rounds), np.empty(rounds)
+        for n in range(rounds):
+            start = time.thread_time_ns()
+            prefix = with_prefix.prefix.hash_request("claims@v1", digest, document)
+            request = SchedulingRequest("claims@v1", digest, prefix=prefix)
+            decision = with_prefix.schedule(request, pool, rng)
+            recorder.pre_request(InFlightRequest(request, "t", decision.endpoints[0]))
+            on[n] = time.thread_time_ns() - start
+            start = time.thread_time_ns()
+            without.schedule(SchedulingRequest("claims@v1", digest), pool, rng)
+            off[n] = time.thread_time_ns() - start
+        on_us, off_us = float(np.median(on)) / 1e3, float(np.median(off)) / 1e3
+        rows.append({"body_bytes": size, "blocks": len(prefix.hashes) if prefix else 0,
+                     "with_prefix_us": round(on_us, 1), "without_us": round(off_us, 1),
+                     "added_us": round(on_us - off_us, 1)})
+    return rows
+
 
 
 def proto_costs(rounds: int = 3000) -> dict[str, float | None]:

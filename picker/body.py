@@ -264,6 +264,20 @@ def rewrite_request_model(body: bytes, parsed: ParsedBody, new_model: str) -> by
     return orjson.dumps({**parsed.document, "model": new_model})  # ambiguous: re-serialise
 
 
+def parse_request(body: bytes, limit: int, path: str | None, model_optional: bool = False) -> ParsedBody:
+    """``parse_body``, then the fields its API type (from ``path``) requires (``validate_api_fields``)."""
+    parsed = parse_body(body, limit, model_optional)
+    validate_api_fields(parsed.document, path)
+    return parsed
+
+
+def outgoing_body(body: bytes, parsed: ParsedBody, model: str, priority: int | None = None) -> bytes:
+    """The body the model server gets: ``model`` in its ``model`` field, and vLLM's ``priority`` set when given
+    (``body`` itself when nothing changes)."""
+    out = body if model == parsed.model else rewrite_request_model(body, parsed, model)
+    return out if priority is None else set_request_field(out, "priority", priority)
+
+
 def set_request_field(body: bytes, name: str, value: object) -> bytes:
     """``body`` (a JSON object the picker parsed) with its top-level ``name`` set to ``value``."""
     document = orjson.loads(body)

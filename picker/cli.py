@@ -14,7 +14,8 @@ from pathlib import Path
 
 from loraplane.api import validation
 from loraplane.helptext import HelpFormatter
-from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED, PickerSettings
+from loraplane.picker.director import PickerSettings
+from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED
 from loraplane.picker.peers import PEER_PREFIX, peer_configs
 from loraplane.picker.replicas import SHARE_PERIOD_S
 from loraplane.picker.server import ServerOptions, serve

@@ -652,26 +652,6 @@ class PrefixRouting(RequestPlugin):
 register("prefix-cache-scorer", PluginType(PluginKind.SCORER, PrefixCacheParameters, PrefixCacheScorer))
 
 
-def bench_hashing(body_bytes: int = 64 * 1024, block_size: int = 64, repeats: int = 50,
-                  clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
-    """Time hashing a chat body of ``body_bytes`` (byte blocks, the picker's request-path work; ``max_blocks``
-    high enough to hash all of it), median of ``repeats``."""
-    import orjson
-
-    text = ("You are a claims assistant. Answer briefly and cite the policy section. " * 1024)[:body_bytes]
-    document = orjson.loads(orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}))
-    hasher = PrefixHasher(block_size=block_size, max_blocks=body_bytes // block_size + 1)
-    times, request = [], None
-    for _ in range(repeats):
-        start = clock()
-        request = hasher.hash_request("claims@v18", "sha256:" + "0" * 64, document)
-        times.append(clock() - start)
-    assert request is not None
-    return {"benchmark": "prefix-hash", "body_bytes": body_bytes, "block_size": block_size, "unit": "bytes",
-            "blocks": len(request.hashes), "repeats": repeats,
-            "median_ms": round(float(np.median(times)) * 1000, 3), "p99_ms": round(float(np.quantile(times, 0.99)) * 1000, 3)}
-
-
 def without_prefix_scorer(config: EndpointPickerConfig) -> EndpointPickerConfig:
     """``config`` with the prefix scorer taken out of every profile (no hashing, no prefix signal)."""
     data = config.model_dump(by_alias=True)
@@ -679,52 +659,3 @@ def without_prefix_scorer(config: EndpointPickerConfig) -> EndpointPickerConfig:
     for profile in data["schedulingProfiles"]:
         profile["plugins"] = [ref for ref in profile["plugins"] if ref["pluginRef"] not in refs]
     return type(config).model_validate(data)
-
-
-def bench_request_path(body_sizes: Sequence[int] = (1024, 65536), rounds: int = 400,
-                       endpoints: int = 4) -> list[dict[str, Any]]:
-    """Thread CPU per request (median, microseconds) of the picker's prefix work with the default profile: hashing
-    the parsed body, scheduling with the match, and recording where it went; next to scheduling the same request
-    with a profile without the scorer, alternated in one run. The same completion body every request (as the
-    Envoy rows of ``loraplane bench picker`` send), so after the first every block matches on one pod."""
-    import orjson
-
-    from loraplane.api import Tier
-    from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
-    from loraplane.picker.snapshot import EndpointState
-
-    digest = "sha256:" + "d" * 64
-    pool = PoolSnapshot([EndpointState(name=f"pod-{i}", address=f"10.0.0.{i + 1}:8000",
-                                       residency={"claims@v1": (Tier.GPU if i == 0 else Tier.CPU, digest)})
-                         for i in range(endpoints)])
-    config = EndpointPickerConfig.load()
-    with_prefix, without = Scheduler(config), Scheduler(without_prefix_scorer(config))
-    assert with_prefix.prefix is not None and without.prefix is None
-    recorder = PrefixRouting(with_prefix.prefix, PluginRuntime(None, time.monotonic))  # type: ignore[arg-type]
-    rng = np.random.default_rng(0)
-    rows = []
-    for size in body_sizes:
-        prompt = "x" * max(0, size - 60)
-        document = orjson.loads(orjson.dumps({"model": "claims", "max_tokens": 16, "prompt": prompt}))
-        on, off = np.empty(rounds), np.empty(rounds)
-        for n in range(rounds):
-            start = time.thread_time_ns()
-            prefix = with_prefix.prefix.hash_request("claims@v1", digest, document)
-            request = SchedulingRequest("claims@v1", digest, prefix=prefix)
-            decision = with_prefix.schedule(request, pool, rng)
-            recorder.pre_request(InFlightRequest(request, "t", decision.endpoints[0]))
-            on[n] = time.thread_time_ns() - start
-            start = time.thread_time_ns()
-            without.schedule(SchedulingRequest("claims@v1", digest), pool, rng)
-            off[n] = time.thread_time_ns() - start
-        on_us, off_us = float(np.median(on)) / 1e3, float(np.median(off)) / 1e3
-        rows.append({"body_bytes": size, "blocks": len(prefix.hashes) if prefix else 0,
-                     "with_prefix_us": round(on_us, 1), "without_us": round(off_us, 1),
-                     "added_us": round(on_us - off_us, 1)})
-    return rows
-
-
-if __name__ == "__main__":
-    import json
-
-    print(json.dumps(bench_hashing()))

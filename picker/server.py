@@ -22,8 +22,9 @@ from prometheus_client import start_http_server
 
 from loraplane.api import validation
 from loraplane.credentials import async_redis
+from loraplane.picker.director import PickerContext, PickerSettings
 from loraplane.picker.discovery import PoolDiscovery
-from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer, PickerContext, PickerSettings
+from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer
 from loraplane.picker.lifecycle import FairShareParameters, FairSharePlugin
 from loraplane.picker.replicas import SHARE_PERIOD_S, InFlightShare
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler

@@ -25,7 +25,7 @@ from loraplane.api import (
     WeightedRevision,
 )
 from loraplane.api.routing import RevisionRole
-from loraplane.picker.extproc import PickerContext, PickerSettings
+from loraplane.picker.director import PickerContext, PickerSettings
 from loraplane.picker.scheduler import Scheduler
 from loraplane.picker.server import HealthStatus, build_grpc_server, h2_routes
 from loraplane.picker.snapshot import InFlightTracker

@@ -19,7 +19,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as pm
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 
-from loraplane.picker.extproc import PickerSettings
+from loraplane.picker.director import PickerSettings
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from tests.picker.conftest import (
     BUFFERED,

@@ -41,7 +41,7 @@ def test_a_tenant_above_its_share_is_refused_only_while_the_pool_is_saturated() 
     ctx, state = make_context()
     ctx.plugins.add(FairSharePlugin(FairShareParameters(factor=1.5)))
     held = [send(ctx, "big")[0] for _ in range(6)] + [send(ctx, "small")[0]]  # not saturated: all routed
-    assert all(e.destination for e in held)
+    assert all(e.director.destination for e in held)
     for report in reports(time.time(), queue_depth=9):  # now every pod is saturated
         state.set_report(report)
     state.rebuild()

@@ -10,7 +10,8 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from h2.errors import ErrorCodes
 
-from loraplane.picker.extproc import Exchange, PickerContext, PickerSettings
+from loraplane.picker.director import PickerContext, PickerSettings
+from loraplane.picker.extproc import Exchange
 from loraplane.picker.flowcontrol import (
     Band,
     FlowControl,
@@ -256,14 +257,14 @@ def test_a_saturated_request_waits_and_goes_out_when_an_in_flight_request_comple
     busy = [send(ctx) for _ in range(2)]  # one in flight on each pod holding the revision: both are saturated
     assert all(replies and replies[0].WhichOneof("response") == "request_body" for _, replies in busy)
     waiting, replies = send(ctx)
-    assert replies == [] and waiting.waiting is not None
+    assert replies == [] and waiting.waiting
     loop.advance(0.2)
     assert replies == []  # still no room
-    freed = busy[1][0].destination
+    freed = busy[1][0].director.destination
     busy[1][0].close()  # ResponseComplete: a dispatch round
     loop.advance(0.0)
     assert [r.WhichOneof("response") for r in replies] == ["request_body"]
-    assert waiting.destination == freed
+    assert waiting.director.destination == freed
 
 
 def test_a_held_sheddable_request_is_refused_429_at_its_deadline() -> None:
@@ -323,7 +324,7 @@ def test_runtime_priority_writes_vllms_priority_over_the_clients(extra: tuple[tu
                                                                   body_priority: int) -> None:
     import json
 
-    from loraplane.picker.extproc import PickerSettings
+    from loraplane.picker.director import PickerSettings
 
     ctx, _ = make_context(PickerSettings(runtime_priority=True))
     exchange = Exchange(ctx)
@@ -475,4 +476,4 @@ def test_the_fairness_key_reads_the_current_header_name_first(pairs: tuple[tuple
     exchange = Exchange(ctx)
     exchange.handle(headers([*REQUEST_HEADERS, *pairs], body_mode=BUFFERED))
     exchange.handle(body(COMPLETION))
-    assert exchange.inflight is not None and exchange.inflight.fairness_key == key
+    assert exchange.director.inflight is not None and exchange.director.inflight.fairness_key == key

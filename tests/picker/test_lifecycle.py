@@ -81,7 +81,7 @@ def test_hooks_run_once_before_sending_and_once_at_the_end() -> None:
     exchange.handle(headers(REQUEST_HEADERS, body_mode=BUFFERED))
     (encoded,) = exchange.handle(body(COMPLETION))
     assert pb.ProcessingResponse.FromString(encoded).WhichOneof("response") == "request_body"
-    chosen = exchange.destination
+    chosen = exchange.director.destination
     assert recorder.events == [("pre", chosen)]
     assert state.snapshot.in_flight[state.snapshot.index_by_address[chosen]] == 1  # in-flight accounting is a plugin
     exchange.close()
@@ -102,9 +102,9 @@ def _sent(body_mode: int = BUFFERED) -> tuple[Exchange, StartRecorder, PoolSnaps
     exchange = Exchange(ctx)
     exchange.handle(headers(REQUEST_HEADERS, body_mode=body_mode))
     exchange.handle(body(COMPLETION))
-    assert exchange.destination is not None
+    assert exchange.director.destination is not None
     snapshot = state.snapshot
-    return exchange, recorder, snapshot, snapshot.index_by_address[exchange.destination]
+    return exchange, recorder, snapshot, snapshot.index_by_address[exchange.director.destination]
 
 
 def test_the_first_response_body_chunk_starts_the_response_once() -> None:

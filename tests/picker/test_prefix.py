@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
@@ -184,13 +181,6 @@ def test_precise_index_reads_published_block_sets() -> None:
                        ).tolist() == [0]  # byte blocks never match a runtime's token blocks
     clock.now += 6
     assert index.match(["pod-a"], request).tolist() == [0]  # stale
-
-
-def test_hashing_benchmark_prints_json() -> None:
-    out = subprocess.run([sys.executable, "-m", "loraplane.picker.prefix"], capture_output=True, text=True,
-                         check=True)
-    figures = json.loads(out.stdout)
-    assert figures["body_bytes"] == 65536 and figures["blocks"] == 1024 and figures["median_ms"] > 0
 
 
 async def test_precise_index_refresh_reads_redis_and_drops_foreign_sets(redis_srv) -> None:

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from loraplane.api import AdapterBlocks, KvBlockSet, Tier
 from loraplane.engine.tokenizer import write_byte_tokenizer
+from loraplane.picker.bench import bench_request_path
 from loraplane.picker.extproc import ExtProcHandler
 from loraplane.picker.lifecycle import InFlightRequest, Lifecycle, PluginRuntime
 from loraplane.picker.plugins import Cycle, SchedulingRequest
@@ -21,7 +22,6 @@ from loraplane.picker.prefix import (
     PrefixCacheParameters,
     PrefixCacheScorer,
     PrefixHasher,
-    bench_request_path,
     without_prefix_scorer,
 )
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
@@ -193,7 +193,7 @@ def test_the_picker_hashes_the_parsed_body_once_and_counts_the_metrics(monkeypat
         handler = ExtProcHandler(ctx)
         handler.on_message(headers(REQUEST_HEADERS).SerializeToString())
         handler.on_message(body(data).SerializeToString())
-        destinations.append(handler.exchange.destination)
+        destinations.append(handler.exchange.director.destination)
         handler.on_close()
     assert calls == [("claims@v1", DIGEST_V1)] * 2  # once per request, keyed by the resolved revision
     assert destinations[0] == destinations[1]

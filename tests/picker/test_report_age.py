@@ -157,7 +157,7 @@ def test_the_chosen_endpoints_report_age_is_observed_at_decision_time() -> None:
     exchange = Exchange(ctx)
     exchange.handle(headers(REQUEST_HEADERS, body_mode=BUFFERED))
     exchange.handle(body(b'{"model": "claims", "prompt": "hi"}'))
-    assert exchange.destination is not None
+    assert exchange.director.destination is not None
     samples = {s.name: s.value for m in ctx.metrics.report_age.collect() for s in m.samples}
     assert samples["loraplane_picker_report_age_seconds_count"] == 1
     assert samples["loraplane_picker_report_age_seconds_sum"] == 2.5

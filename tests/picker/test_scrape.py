@@ -193,7 +193,8 @@ def test_passthrough_routes_names_as_given_and_the_base_model_as_base() -> None:
 def test_passthrough_sends_a_model_name_rewrite_headers_name_as_given() -> None:
     """A peer's pool has no routes, so the header always applies (llm-d-router: no rewrite rule for the body's
     model): the server gets the header's name, scheduled as that adapter, and the response says the client's."""
-    from loraplane.picker.extproc import Exchange, PickerSettings
+    from loraplane.picker.director import PickerSettings
+    from loraplane.picker.extproc import Exchange
     from tests.picker.conftest import make_context
 
     ctx, _ = make_context(PickerSettings(body_mode=BUFFERED))
@@ -205,7 +206,7 @@ def test_passthrough_sends_a_model_name_rewrite_headers_name_as_given() -> None:
         (reply,) = exchange.handle(body(b'{"model": "alias", "prompt": "p"}'))
         sent = orjson.loads(pb.ProcessingResponse.FromString(reply).request_body.response.body_mutation.body)
         assert sent["model"] == name and exchange.response_names == (name, "alias")
-        assert exchange.route is not None and exchange.route.served_name == served
+        assert exchange.director.route is not None and exchange.director.route.served_name == served
         exchange.close()
 
 
