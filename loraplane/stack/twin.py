@@ -305,15 +305,15 @@ def pooled_histogram(before: dict[str, dict[str, list[tuple[dict[str, str], floa
     count = cumulative[-1][1] if cumulative else 0.0
     out: dict[str, Any] = {"count": int(count), "mean_ms": round(total_s / count * 1e3, 2) if count else None}
     for q in (0.5, 0.99):
-        value = None
+        quantile: float | None = None
         lower, below = 0.0, 0.0
         for bound, cum in cumulative:
             if count and cum >= q * count:
-                value = (lower if math.isinf(bound) else
-                         lower + (bound - lower) * (q * count - below) / (cum - below) if cum > below else bound)
+                quantile = (lower if math.isinf(bound) else
+                            lower + (bound - lower) * (q * count - below) / (cum - below) if cum > below else bound)
                 break
             lower, below = bound, cum
-        out[f"p{round(q * 100)}_ms"] = None if value is None else round(value * 1e3, 2)
+        out[f"p{round(q * 100)}_ms"] = None if quantile is None else round(quantile * 1e3, 2)
     return out
 
 
