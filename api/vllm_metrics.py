@@ -19,6 +19,9 @@ Series and label semantics (vLLM 0.32/0.33, ``vllm/v1/metrics/loggers.py``):
   (the CPU count includes adapters also on a GPU), and ``vllm:max_gpu_lora_adapters`` (``max_loras``; llm-d falls
   back to ``max_lora`` of ``lora_requests_info`` without it). A runtime exporting none of them has no known
   residency (``loaded_adapters`` is None), as in llm-d.
+- loraplane's vLLM plugin (``loraplane.kernels.vllm_residency``) exports the same series from vLLM's worker caches
+  (with ``engine`` and ``rank`` labels), plus ``loraplane_vllm_unregistered_lora_copies{level}`` (copies of unloaded
+  names), which tells the plugin from upstream (``exported_by_plugin``).
 """
 
 from __future__ import annotations
