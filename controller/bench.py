@@ -125,6 +125,7 @@ class _Run:
     bytes: int
     plan: PoolPlan
     reused: bool
+    delta: bool = False
 
 
 async def _reconcile(store: RedisStore, planner: IncrementalPlanner, revs: list[AdapterRevision]) -> _Run:
@@ -141,13 +142,16 @@ async def _reconcile(store: RedisStore, planner: IncrementalPlanner, revs: list[
                            id(revs), readings.report_versions)
     if outcome.reused:
         await store.check(POOL)  # the level-triggered repair of a reused plan (the controller's ``_repair``)
+    elif outcome.delta:  # a few revisions placed again: target states only
+        await store.check(POOL)
+        await store.write_targets(POOL, outcome.plan.targets)
     else:
         await store.repair(POOL)
         plan = outcome.plan
         await store.write_routes(POOL, plan.routes, plan.base_model, plan.placement.staging)
         await store.write_targets(POOL, plan.targets)
     return _Run(time.perf_counter() - started, time.process_time() - cpu, store.writes - writes,
-                store.bytes_written - written, outcome.plan, outcome.reused)
+                store.bytes_written - written, outcome.plan, outcome.reused, outcome.delta)
 
 
 def _with_statuses(revs: list[AdapterRevision], plan: PoolPlan) -> list[AdapterRevision]:
@@ -214,6 +218,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "idle_reconcile_cpu_s": round(statistics.median(r.cpu_s for r in idle), 4),
         "idle_redis_writes": sum(r.writes for r in idle),
         "spike_reconcile_cpu_s": round(spike.cpu_s, 4),
+        "spike_planned": "placement delta" if spike.delta else "reused" if spike.reused else "full",
         "spike_redis_writes": spike.writes,
         "spike_redis_bytes": spike.bytes,
         "new_revision_reconcile_cpu_s": round(added.cpu_s, 4),

@@ -394,6 +394,12 @@ class Controller:
         outcome = await self._plan(pool, read, now)
         if outcome is not None and outcome.reused:
             await self._repair(pool)  # level-triggered still: what Redis lost comes back
+        elif outcome is not None and outcome.delta:  # a few revisions placed again: only target states change
+            await self._repair(pool)
+            writes_before = self.store.writes
+            await self.store.write_targets(pool, outcome.plan.targets)
+            if self.metrics:
+                self.metrics.redis_writes.inc(self.store.writes - writes_before)
         elif outcome is not None:
             plan = outcome.plan
             self._forget_probes(pool, plan)

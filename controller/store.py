@@ -66,12 +66,17 @@ _DYNAMIC: dict[str, Any] = {
 }
 
 
-def _without_heartbeat(raw: bytes) -> tuple[bytes, float | None]:
-    """The report's bytes with its heartbeat value cut out, and that value (None: not found where expected)."""
-    at = raw.find(_HEARTBEAT)
+#: what a picker payload's publishing time is spelled as (``RequestRates``, ``PickerCounters``)
+_PUBLISHED = b'"publishedAt":'
+
+
+def _without_heartbeat(raw: bytes, marker: bytes = _HEARTBEAT) -> tuple[bytes, float | None]:
+    """The payload's bytes with one number field's value (the report's heartbeat) cut out, and that value (None:
+    not found where expected)."""
+    at = raw.find(marker)
     if at < 0:
         return raw, None
-    start = at + len(_HEARTBEAT)
+    start = at + len(marker)
     end = raw.find(b",", start)
     if end < 0:
         return raw, None
@@ -117,11 +122,16 @@ class _ReadCache:
         if raw is None:
             return None
         data = raw.encode() if isinstance(raw, str) else raw
+        rest, published = _without_heartbeat(data, _PUBLISHED)
         hit = self.payloads.get(key)
-        if hit is not None and hit[0] == data:
-            return hit[1]
+        if hit is not None and published is not None and hit[0] == rest:  # only republished: not parsed again
+            parsed = hit[1]
+            if parsed is not None and parsed.published_at != published:
+                parsed = parsed.model_copy(update={"published_at": published})
+                self.payloads[key] = (rest, parsed)
+            return parsed
         parsed = read_payload_or_none(model, data, log)
-        self.payloads[key] = (data, parsed)
+        self.payloads[key] = (rest if published is not None else b"", parsed)
         return parsed
 
     def combined(self, pool: str, parts: list[RequestRates]) -> RequestRates | None:

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import RedisServer
-from loraplane.api import AdapterRevision, Phase, RequestRates, ResidencyReport, keys
+from loraplane.api import AdapterRevision, Phase, RequestRates, ResidencyReport, Tier, keys
 from loraplane.controller import bench
-from loraplane.controller.incremental import IncrementalPlanner, rates_moved
+from loraplane.controller.incremental import IncrementalPlanner, rates_moved, windows_of
+from loraplane.controller.placement import TenantBudget
 from loraplane.controller.pool import PoolInputs, PoolPlan
 from loraplane.controller.store import RedisStore
 
@@ -101,9 +103,9 @@ def test_rates_moved_counts_revisions_appearing_and_going_quiet() -> None:
 
     names = {"a", "b", "c", "t"}
     planned = rates(a=1.0, b=2.0, t=0.001, other=5.0)
-    assert rates_moved(planned, rates(a=1.2, b=2.0, t=0.001, other=50.0), names, 0.25) == []  # not the pool's
-    assert rates_moved(planned, rates(a=1.5, c=1.0, t=0.001), names, 0.25) == ["a", "b", "c"]
-    assert rates_moved(planned, rates(a=1.0, b=2.0, t=0.005), names, 0.25) == []  # below the floor
+    assert rates_moved(windows_of(planned), rates(a=1.2, b=2.0, t=0.001, other=50.0), names, 0.25) == []  # not the pool's
+    assert rates_moved(windows_of(planned), rates(a=1.5, c=1.0, t=0.001), names, 0.25) == ["a", "b", "c"]
+    assert rates_moved(windows_of(planned), rates(a=1.0, b=2.0, t=0.005), names, 0.25) == []  # below the floor
 
 
 async def test_reads_parse_a_report_again_only_when_planning_would_see_a_change(redis_srv: RedisServer) -> None:
@@ -126,4 +128,61 @@ async def test_reads_parse_a_report_again_only_when_planning_would_see_a_change(
     moved = report.model_copy(update={"ready": False})
     _, moved_version = await publish(moved)
     assert moved_version == version + 1
+    await client.aclose()
+
+
+def test_a_few_revisions_beyond_the_hysteresis_are_placed_again_alone() -> None:
+    """One adapter's traffic grows tenfold: its revision alone is placed again (more GPU replicas, on what the other
+    revisions leave of each pod); every other pod's targets are the same objects, routes and statuses untouched."""
+    planner, _, revs, rates, reports, plan = _settled()
+    hot_rev = revs[len(revs) // 2]
+    hot = dict(rates)
+    hot[hot_rev.served_name] = 40.0  # 10 GPU replicas' worth at 4 requests/s each, capped by the pods
+    outcome = planner.plan(_inputs(revs, hot, reports), "t1", {})
+    assert outcome.delta and not outcome.reused and planner.deltas == 1 and planner.planned == 1
+    after = outcome.plan
+    gpu = {pod for pod, held in after.placement.pods.items() if held.get(hot_rev.served_name) is Tier.GPU}
+    before = {pod for pod, held in plan.placement.pods.items() if held.get(hot_rev.served_name) is Tier.GPU}
+    assert len(gpu) > len(before) and len(gpu) >= 4
+    changed = {pod for pod in after.targets if after.targets[pod] is not plan.targets[pod]}
+    assert changed and changed <= gpu | before | {p for p, h in plan.placement.pods.items() if hot_rev.served_name in h}
+    for pod in set(after.targets) - changed:
+        assert after.targets[pod] is plan.targets[pod]
+    for pod, held in after.placement.pods.items():  # the other revisions kept their places
+        assert {n: t for n, t in held.items() if n != hot_rev.served_name} == {
+            n: t for n, t in plan.placement.pods[pod].items() if n != hot_rev.served_name}
+        assert sum(t is Tier.GPU for t in held.values()) <= 4  # within the pod's slots
+    assert after.routes is plan.routes and after.revisions is plan.revisions and after.events == []
+    # the new rates are its baseline now: the same rates again plan nothing
+    assert planner.plan(_inputs(revs, hot, reports), "t1", {}).reused
+
+
+def test_placement_across_the_pool_plans_whole() -> None:
+    """Tenant budgets span every revision: a rate beyond the hysteresis plans the pool whole."""
+    revs, rates, reports = _pool()
+    planner = IncrementalPlanner(clock=Clock())
+    budgets = {"tenant-3": TenantBudget(gpu_bytes=1 << 40)}
+    inputs = PoolInputs(pool=bench.POOL, now=NOW, revisions=revs, reports=reports, rates=bench._request_rates(rates),
+                        budgets=budgets)
+    assert not planner.plan(inputs, "t", {}).reused
+    hot = dict(rates)
+    hot[revs[5].served_name] *= 10
+    outcome = planner.plan(replace(inputs, rates=bench._request_rates(hot)), "t", {})
+    assert not outcome.reused and not outcome.delta and planner.planned == 2
+
+
+async def test_rates_republished_unchanged_are_not_parsed_again(redis_srv: RedisServer) -> None:
+    client = aioredis.Redis.from_url(redis_srv.url)
+    store = RedisStore(client, time.time)
+    rates = bench._request_rates({"adapter-0001@v1": 2.0}).model_copy(update={"replica": "bench"})
+    await client.set(keys.picker_counters(bench.POOL, "bench"), b"{}")
+    await client.set(keys.request_rates(bench.POOL, "bench"), rates.to_json())
+    first = (await store.read(bench.POOL)).replica_rates[0]
+    later = rates.model_copy(update={"published_at": rates.published_at + 10})
+    await client.set(keys.request_rates(bench.POOL, "bench"), later.to_json())
+    again = (await store.read(bench.POOL)).replica_rates[0]
+    assert again.published_at == later.published_at and again.windows is first.windows  # shared, not parsed again
+    moved = rates.model_copy(update={"windows": {"5m": {"adapter-0001@v1": 3.0}}})
+    await client.set(keys.request_rates(bench.POOL, "bench"), moved.to_json())
+    assert (await store.read(bench.POOL)).replica_rates[0].windows == {"5m": {"adapter-0001@v1": 3.0}}
     await client.aclose()
