@@ -62,6 +62,7 @@ from loraplane.sim.cluster import (
 from loraplane.sim.peers import PEER_POLICIES, peer_router
 from loraplane.sim.prefix import PickerPrefixSignal
 from loraplane.sim.profile import Profile
+from loraplane.sim.snapshot import SimSnapshot
 from loraplane.sim.trace import Trace
 
 LORAPLANE = "loraplane"
@@ -185,7 +186,7 @@ class PickerRouter:
         staging = self._staging()
         if snapshot is None or staging != self._staged:
             self._staged = staging
-            snapshot = self._snapshot = PoolSnapshot([self._endpoint(now, p) for p in pods], self._priorities, staging)
+            snapshot = self._snapshot = SimSnapshot([self._endpoint(now, p) for p in pods], self._priorities, staging)
         else:  # every pod's load, re-indexing the residency of those whose tiers changed (O(their rows))
             snapshot.update_endpoints([(p.index, self._endpoint(now, p)) for p in pods])
         return snapshot

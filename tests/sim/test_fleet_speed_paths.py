@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from loraplane.picker.snapshot import PoolSnapshot, _holds
+from loraplane.api import Tier
+from loraplane.picker.snapshot import EndpointState, PoolSnapshot, _holds
 from loraplane.sim.cluster import Pod, SimConfig
 from loraplane.sim.policies import PickerRouter
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import simulate
+from loraplane.sim.snapshot import SimSnapshot
 from loraplane.sim.trace import scenario
 from tests.sim.conftest import ADAPTER_BYTES, NO_QUEUE
 
@@ -55,3 +57,38 @@ def test_in_flight_counts_kept_by_touched_pods_equal_a_full_recount(
     result = simulate(trace, config, LARGE_GPU, "loraplane", seed=5, flow_control=flow_control)  # type: ignore[arg-type]
     assert len(checked) >= requests and max(checked) > 2 * config.pods  # queues built up: the counts moved
     assert int(np.count_nonzero(np.asarray(result.refused) == 0)) > 0
+
+
+def test_the_simulators_snapshot_reindexes_changed_rows_as_the_pickers_does() -> None:
+    """Random tier changes on 6 endpoints of 40 revisions (some gold, some rows without a digest, some absent):
+    after each in-place update ``SimSnapshot`` holds the residency index and protected counts that
+    ``PoolSnapshot`` (which re-indexes every row) holds, and both equal a snapshot built afresh."""
+    rng = np.random.default_rng(7)
+    names = [f"a{i}@v1" for i in range(40)]
+    priorities = {n: 1 for n in names[::5]}
+    tiers = [Tier.GPU, Tier.CPU, Tier.DISK, Tier.ABSENT]
+
+    def endpoint(i: int) -> EndpointState:
+        held = rng.choice(len(names), size=int(rng.integers(0, 12)), replace=False)
+        residency = {
+            names[h]: (tiers[int(rng.integers(0, 4))], None if rng.random() < 0.1 else f"sha256:{h}") for h in held
+        }
+        return EndpointState(name=f"pod-{i}", address=f"10.0.0.{i + 1}:8000", residency=residency, gpu_slots=4)
+
+    first = [endpoint(i) for i in range(6)]
+    fast, full = SimSnapshot(first, priorities), PoolSnapshot(first, priorities)
+    moved = 0
+    for _ in range(300):
+        updates = [(int(i), endpoint(int(i))) for i in rng.choice(6, size=int(rng.integers(1, 4)), replace=False)]
+        fast.update_endpoints(updates)
+        full.update_endpoints(updates)
+        fresh = PoolSnapshot(fast.endpoints, priorities)
+        for snapshot in (fast, full):
+            assert snapshot.residency.keys() == fresh.residency.keys()
+            for key, entry in fresh.residency.items():
+                assert snapshot.residency[key].level_of == entry.level_of
+                assert np.array_equal(snapshot.residency[key].indices, entry.indices)
+                assert np.array_equal(snapshot.residency[key].levels, entry.levels)
+            assert np.array_equal(snapshot.protected_warm, fresh.protected_warm)
+        moved += int(fresh.protected_warm.sum())
+    assert moved > 0
