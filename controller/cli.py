@@ -19,6 +19,7 @@ from kubernetes import config as k8s_config
 from prometheus_client import start_http_server
 
 from loraplane.controller.config import FileConfig, load_config
+from loraplane.controller.incremental import DEFAULT_FULL_PLAN_SECONDS, DEFAULT_HYSTERESIS
 from loraplane.controller.kube import KubeApi
 from loraplane.controller.leader import LeaseConfig, LeaseElector
 from loraplane.controller.manager import Controller, ControllerConfig
@@ -56,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="act without a Lease (only safe with exactly one replica)")
     p.add_argument("--resync-seconds", type=float, default=2.0,
                    help="reconcile at least this often, even without a change notice (default 2)")
+    p.add_argument("--full-plan-seconds", type=float, default=DEFAULT_FULL_PLAN_SECONDS,
+                   help="plan a pool at rest whole at least this often; between, only what changed is planned "
+                        "(default 60)")
+    p.add_argument("--rate-hysteresis", type=float, default=DEFAULT_HYSTERESIS,
+                   help="relative change of a revision's request rate (per window) that places it again "
+                        "(default 0.25)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics port (default loopback)")
     p.add_argument("--log-level", default="INFO", help="Python logging level")
@@ -81,7 +88,8 @@ async def _serve(args: argparse.Namespace, file_config: FileConfig) -> int:
                             args.retry_period)
         elector = LeaseElector(api_client, args.identity, lease, time.monotonic, time.time)
     config = ControllerConfig(namespace=args.namespace, resync_seconds=args.resync_seconds,
-                              placement=file_config.placement_config(), budgets=file_config.budgets())
+                              placement=file_config.placement_config(), budgets=file_config.budgets(),
+                              full_plan_seconds=args.full_plan_seconds, rate_hysteresis=args.rate_hysteresis)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
