@@ -18,6 +18,11 @@ streaming client (``loraplane.emulator.client``):
 - **limits**: the KV cache (vLLM logs its size in tokens), ``max_num_batched_tokens`` and ``max_num_seqs`` (vLLM logs
   the defaults it takes at DEBUG level; flags given win), the adapter's tensor bytes.
 
+On a shared machine the measurement can run at a raised CPU share: Linux shares the CPU between sessions
+(autogroups) before it looks at nice values, so a session whose autogroup nice is below 0 (``echo -10 >
+/proc/self/autogroup`` as root, then the command) gets more of it, and the servers the command starts (each in its
+own session) are given the same value; ``measurement.scheduling`` records it.
+
 A request or batch whose tokens reached the client together (``Timing.held_up``: the server's API process or the
 client did not get the CPU) is measured again, at most twice more; the retries are counted. With
 ``VLLM_LOGGING_LEVEL=DEBUG`` vLLM's worker logs two lines per step, which slows every step by about a millisecond
@@ -125,11 +130,43 @@ def server_options(runtime: str, checkpoint: Checkpoint, max_loras: int, max_cpu
                        emulated=emulated, profile=profile if emulated else None)
 
 
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def autogroup_nice() -> int | None:
+    """The nice value of this process's autogroup (Linux: the CPU share of its session against other sessions, which
+    a process's own nice value does not change); None where there is none."""
+    try:
+        match = re.search(r"nice (-?\d+)", AUTOGROUP.read_text())
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def share_autogroup_nice(pid: int) -> None:
+    """Give the session of ``pid`` (a server started in its own session) this session's autogroup nice value when
+    it is below 0: a benchmark run at a raised CPU share (``echo -10 > /proc/self/autogroup`` in its session) has
+    its servers run at the same share."""
+    nice = autogroup_nice()
+    if nice is None or nice >= 0:
+        return
+    try:
+        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+    except OSError:
+        pass
+
+
+def scheduling() -> dict[str, Any]:
+    """This process's nice value and its autogroup's (the servers share the latter)."""
+    return {"nice": os.getpriority(os.PRIO_PROCESS, 0), "autogroup_nice": autogroup_nice()}
+
+
 @contextmanager
 def running(options: VllmOptions, log_path: Path, timeout: float = 300.0) -> Iterator[VllmServer]:
-    """One server, healthy when yielded, stopped by PID afterwards."""
+    """One server, healthy when yielded, stopped by PID afterwards; its session at this one's CPU share."""
     server = start_vllm(options, log_path)
     try:
+        share_autogroup_nice(server.process.pid)
         yield server.wait_ready(timeout)
     finally:
         server.stop()
@@ -407,6 +444,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                          "kv_cache_space_gib": options.kv_cache_space_gib, "extra": extra},
         "emulator_profile": args.emulator_profile if args.runtime == "emulated" else None,
         "machine": machine(),
+        "scheduling": scheduling(),
         "load_average": {"waited_for": waited_for, "before": load_before, "after": load_after},
         "ready_s": round(ready_s, 1),
         "measure_s": round(measure_s, 1),

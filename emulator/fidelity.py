@@ -14,7 +14,8 @@ and more, not at 1; raising the client's priority does not change it: they are h
 profile reproduces: such runs are not a measure of the emulator.
 
 The machine is shared: before each replay the command waits (up to ``--wait-s``) for the 1-minute load average to
-fall below ``--max-load``, and reports the load average with each runtime's figures.
+fall below ``--max-load``, and reports the load average with each runtime's figures; it can run at a raised CPU
+share as ``loraplane bench profile`` can (``scheduling`` in the output: both runtimes get the same).
 Prints ONE JSON object: per runtime TTFT and TPOT p50 / p99 (ms), and the emulator's relative errors
 (emulated / vllm - 1).
 """
@@ -41,6 +42,7 @@ from loraplane.emulator.calibrate import (
     machine,
     register,
     running,
+    scheduling,
     server_options,
     wait_for_quiet,
     write_checkpoint,
@@ -145,6 +147,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                   "block_size": 32, "scheduling_policy": "priority"},
         "profile": load_profile(args.profile).name,
         "machine": machine(),
+        "scheduling": scheduling(),
         **results,
     }
     if "vllm" in timings and "emulated" in timings:
