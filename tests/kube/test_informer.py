@@ -73,7 +73,9 @@ async def test_a_watch_gone_410_lists_again_and_reports_what_it_missed(server: S
         await _until(lambda: set(informer.items) == {("default", "after")}, "the informer to see the missed changes")
         assert seen[1:] == [("ADDED", "after"), ("DELETED", "before")]
         assert len(lists) == 2  # the first list and the one after 410
-        assert watches[-1] != resume_from  # and the watch resumed from the new list, not the compacted version
+        # and the watch resumes from the new list, not the compacted version
+        await _until(lambda: watches[-1] not in (resume_from, None), "a watch from the new list")
+        assert int(watches[-1]) > int(resume_from)
     finally:
         informer.stop()
         api.close()
