@@ -7,8 +7,9 @@ streaming client (``loraplane.emulator.client``):
 
 - **decode**: ``B`` requests sent at once (8-token prompts, answers of ``--decode-tokens``) over ``A`` distinct
   adapters (0: the base model), every (B, A) of ``--batches`` x (0, 1, 2, 4 <= max_loras), the adapters made active
-  first: the median gap between successive tokens over every stream is one step of B sequences and A adapters (a
-  stall of the server or the client lengthens a few gaps; it moved a time to the last token by all of it);
+  first: the median over the streams of (last token - first) / (tokens - 1) is one step of B sequences and A
+  adapters (the difference of two times to the last token, at two answer lengths, moved by all of any stall in
+  either: steps of -21 to +45 ms at load 10);
 - **prefill**: one request alone per prompt length (8 to 248 tokens) on the base model and on an active adapter:
   TTFT;
 - **adapter loads**: one request alone whose adapter is in a GPU slot (the adapter just served), only in host
@@ -62,7 +63,7 @@ from typing import Any
 
 import httpx
 
-from loraplane.emulator.client import TOGETHER_S, TimedRequest, Timing, burst
+from loraplane.emulator.client import TimedRequest, Timing, burst
 from loraplane.emulator.fit import (
     DecodeSample,
     LoadSample,
@@ -287,19 +288,19 @@ class Session:
 
 
 def step_of(timings: Sequence[Timing]) -> float:
-    """One decode step (ms) of a batch whose streams decoded together: the median gap between successive tokens over
-    every stream, gaps of tokens that came together (held up) left out. A stall of the server or the client (someone
-    else's work on a shared machine) lengthens a few gaps of each stream and moves the median little, where it
-    lengthens a time to the last token by all of it."""
-    gaps = [g for t in timings for g in t.gaps if g >= TOGETHER_S]
-    return round(1000 * statistics.median(gaps), 4) if gaps else math.nan
+    """One decode step (ms) of a batch whose streams decoded together: the median over its streams of (last token -
+    first) / (tokens - 1), streams held up (most tokens came together: their first token came late) left out. A
+    stream held up mid-way and let go in a burst still ends on time, which the gap between two of its tokens does
+    not show."""
+    tpots = [t.tpot_s for t in timings if t.ok and t.held_up <= 0.5 and not math.isnan(t.tpot_s)]
+    return round(1000 * statistics.median(tpots), 4) if tpots else math.nan
 
 
 def measure_decode(s: Session, names: list[str], batches: Sequence[int], adapter_counts: Sequence[int],
                    tokens: int, repeats: int) -> list[DecodeSample]:
-    """Per (batch, adapters): the batch sent at once (8-token prompts, answers of ``tokens``), its step the median gap
-    between successive tokens (``step_of``). The batch prefills together in its first step and decodes together
-    until its last token: every gap is one step of the whole batch."""
+    """Per (batch, adapters): the batch sent at once (8-token prompts, answers of ``tokens``), its step the median
+    time per output token of its streams (``step_of``). The batch prefills together in its first step and decodes
+    together until its last token: every token after the first is one step of the whole batch."""
     configs = [(b, a) for b in batches for a in adapter_counts if a <= b]
     samples = []
     for _ in range(repeats):
@@ -431,8 +432,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         print(f"warning: the worker's log disagrees with the tiers meant: {tier_check}", flush=True)
     measurement = {
         "note": (f"measured by `loraplane bench profile --runtime {args.runtime}` at a streaming client: decode "
-                 "step of batches sent at once (by batch size and distinct adapters: the median gap between "
-                 "successive tokens), TTFT of requests alone by "
+                 "step of batches sent at once (by batch size and distinct adapters: the median time per output "
+                 "token of the streams), TTFT of requests alone by "
                  "prompt length and by the tier their adapter came from (checked against the worker's log), "
                  "least squares over every repeat (loraplane.emulator.fit); the step's constant part is in "
                  "step_overhead_ms (decode_base_ms 0: not separable from a client); limits from the server's "

@@ -4,12 +4,11 @@ Each request is a streamed completion of token ids (``prompt`` as a list of ints
 tokenizer) with ``ignore_eos`` (every answer is ``max_tokens`` long, as the emulator's always are) and
 ``return_token_ids`` (a chunk can carry a token whose text is empty: vLLM's byte tokenizer holds back partial
 characters). The client records, from the moment it sends: the first chunk that carries a token (TTFT) and the
-last one (so TPOT = (last - first) / (tokens - 1), whatever the server coalesces in between), the gap before each
-token after the first (``gaps``), and how many tokens after the first reached it together with the one before (in
-one chunk, or within ``TOGETHER_S``): a server whose stream delivers a token per chunk but whose tokens arrive
-together was held up -- its API server or this client did not get the CPU -- and its TPOT says nothing of its
-steps. ``replay`` sends a list open loop, each request at its own time whatever the answers do; ``burst`` sends them
-all at once.
+last one (so TPOT = (last - first) / (tokens - 1), whatever the server coalesces in between), and how many tokens
+after the first reached it together with the one before (in one chunk, or within ``TOGETHER_S``): a server whose
+stream delivers a token per chunk but whose tokens arrive together was held up -- its API server or this client did
+not get the CPU -- and its TPOT says nothing of its steps. ``replay`` sends a list open loop, each request at its own
+time whatever the answers do; ``burst`` sends them all at once.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import asyncio
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -55,9 +54,6 @@ class Timing:
     #: seconds the request left after its time (a late client would bias the figures)
     late_s: float = 0.0
     error: str | None = None
-    #: per token after the first: the time since the previous chunk carrying tokens over the tokens this chunk
-    #: carried (a chunk of k tokens spans k steps: k entries of gap / k)
-    gaps: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -110,7 +106,6 @@ async def send(http: aiohttp.ClientSession, url: str, request: TimedRequest, tim
                             timing.together += count - 1
                         else:
                             timing.together += count - 1 + (now - timing.last_token_s < TOGETHER_S)
-                            timing.gaps.extend([(now - timing.last_token_s) / count] * count)
                         timing.last_token_s = now
                         timing.tokens += count
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:

@@ -56,5 +56,6 @@ def test_wheel_holds_every_component_as_real_files(tmp_path: Path) -> None:
     for component in COMPONENTS:
         assert f"loraplane/{component}/__init__.py" in names, f"{component} missing from the wheel"
     assert not any(name.startswith(("tests/", "e2e/")) for name in names)
-    for data in ("azure-llm-2023-conv.csv.gz", "azure-llm-2023-code.csv.gz", "README.md"):  # the simulator's traces
+    for data in ("azure-llm-2023-conv.csv.gz", "azure-llm-2023-code.csv.gz", "README.md",  # the simulator's traces
+                 "vllm-cpu-tiny-hd32.profile.json"):  # the profile measured from vLLM-CPU
         assert f"loraplane/sim/data/{data}" in names, f"sim/data/{data} missing from the wheel"

@@ -13,7 +13,7 @@ import pytest
 
 from loraplane.api import Tier
 from loraplane.emulator.calibrate import read_limits, step_of
-from loraplane.emulator.client import Timing
+from loraplane.emulator.client import TOGETHER_S, Timing
 from loraplane.emulator.fit import (
     DecodeSample,
     LoadSample,
@@ -132,19 +132,19 @@ def test_an_outlier_from_a_burst_of_other_work_is_dropped_and_counted() -> None:
 
 
 def timing(gaps_ms: list[float]) -> Timing:
-    """A stream whose tokens after the first came ``gaps_ms`` apart."""
-    t = Timing(status=200, ttft_s=0.02, tokens=len(gaps_ms) + 1, gaps=[g / 1000 for g in gaps_ms])
-    t.last_token_s = t.ttft_s + sum(t.gaps)
+    """A stream whose tokens after the first came ``gaps_ms`` apart (those under ``TOGETHER_S`` together)."""
+    t = Timing(status=200, ttft_s=0.02, tokens=len(gaps_ms) + 1, together=sum(g / 1000 < TOGETHER_S for g in gaps_ms))
+    t.last_token_s = t.ttft_s + sum(gaps_ms) / 1000
     return t
 
 
-def test_a_decode_step_is_the_median_gap_whatever_a_stall_or_a_held_up_stream_adds() -> None:
+def test_a_decode_step_is_the_median_time_per_token_of_the_streams_not_held_up() -> None:
     steady = [4.0] * 60
-    stalled = [4.0] * 30 + [120.0] + [4.0] * 29  # someone else's work took the CPU for 120 ms
-    held_up = [4.0] * 10 + [200.0] + [0.0] * 49  # the rest of this stream reached the client together
-    assert step_of([timing(steady), timing(stalled), timing(held_up)]) == pytest.approx(4.0)
-    assert timing(stalled).tpot_s * 1000 > 5.9  # what the time to the last token says of the stalled stream
-    assert math.isnan(step_of([timing([0.0] * 5)]))
+    released = [4.0] * 20 + [80.0] + [0.3] * 39  # held up mid-way, let go in a burst: it still ends on time
+    held = [0.0] * 60  # its first token came with all the others, at the end: it says nothing of the steps
+    assert step_of([timing(steady), timing(steady), timing(held), timing(held), timing(held)]) == pytest.approx(4.0)
+    assert step_of([timing(steady), timing(released), timing(steady)]) == pytest.approx(4.0)
+    assert math.isnan(step_of([timing(held)]))
 
 
 def test_the_emulators_own_front_end_is_fitted_from_its_ttfts() -> None:
