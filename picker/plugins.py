@@ -180,9 +180,15 @@ class ResidencyFilterParameters(FilterParameters):
 
     #: when no holder of the revision has room for it (``PoolSnapshot.has_room``: every holder's GPU slots are taken
     #: by other revisions in flight, or it fetches another), also keep the pods that have room, which load it on
-    #: demand, as for a revision no pod holds; never while the pool has staging pods (a sweep of new revisions: its
-    #: traffic waits for the staging pods rather than load next to the gold replicas)
+    #: demand, as for a revision no pod holds; while the pool has staging pods (a sweep of new revisions) only with
+    #: ``spill_while_staging``: otherwise its traffic waits for the staging pods rather than load next to the gold
+    #: replicas
     spill_without_room: bool = False
+    #: with ``spill_without_room``, spill while the pool has staging pods too: to the staging pods with room, else to
+    #: the pods with room that hold the fewest gold (priority > 0) revisions on their GPU (``protected_warm``), so a
+    #: sweep's request goes to a pod that can batch it instead of waiting in flow control for its holders (to its
+    #: deadline, then 429, while the staging pods run their GPU slots' worth of other sweep revisions)
+    spill_while_staging: bool = False
 
 
 def residency_filter(params: ResidencyFilterParameters) -> Filter:
@@ -227,7 +233,9 @@ def residency_filter(params: ResidencyFilterParameters) -> Filter:
         draining = pool.draining_holders(request.served_name, request.digest)
         staging = pool.staging
         if np.count_nonzero(mask & cycle.candidates):
-            return spill(request, pool, cycle, mask) if params.spill_without_room and staging is None else mask
+            if params.spill_without_room and (staging is None or params.spill_while_staging):
+                return spill(request, pool, cycle, mask, staging)
+            return mask
         if draining is None and staging is None:
             return mask
         if draining is None:
@@ -240,10 +248,18 @@ def residency_filter(params: ResidencyFilterParameters) -> Filter:
 
         return pool.memo((holding_or_draining, request.served_name, request.digest), holders_or_draining)
 
-    def spill(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle, mask: BoolArray) -> BoolArray:
+    def spill(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle, mask: BoolArray,
+              staging: BoolArray | None) -> BoolArray:
         room = pool.has_room(request.served_name, request.digest)
         if room is None or np.count_nonzero(mask & cycle.candidates & room):
             return mask
+        if staging is not None:
+            room = room & cycle.candidates
+            if np.count_nonzero(room & staging):
+                room = room & staging
+            elif np.count_nonzero(room):
+                gold = pool.protected_warm
+                room = room & (gold == gold[room].min())
         return mask | room
 
     return run
