@@ -224,47 +224,54 @@ def _reference(model_dir: Path, adapter_dir: Path, prompt: str, max_tokens: int)
     model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
     ids = tokenizer(prompt)["input_ids"]
     out: list[int] = []
-    with torch.no_grad():
-        past = None
-        step = torch.tensor([ids])
+    with torch.no_grad():  # the whole sequence each step (no KV cache), as test_vllm_model does
         for _ in range(max_tokens):
-            result = model(step, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            out.append(int(torch.argmax(result.logits[0, -1])))
-            step = torch.tensor([[out[-1]]])
+            logits = model(torch.tensor([ids + out])).logits[0, -1]
+            out.append(int(torch.argmax(logits)))
     return out
+
+
+#: a load counts as made while f's request ran when at least this many of f's tokens arrived after it returned
+STILL_TO_COME = 16
 
 
 @pytest.mark.vllm
 def test_loads_while_another_adapters_request_is_in_flight(vllm_server: VllmServer, adapter_dirs: dict[str, Path],
                                                            servable_model: ServableModel) -> None:
-    """Adapter f streams a long greedy completion while g and h are loaded (each activation takes a GPU slot, with
-    only two): f stays in a GPU slot in the series while it runs, and its tokens equal transformers + peft."""
+    """Adapter f streams a long greedy completion while g and h are unloaded and loaded again and again (each load
+    activates into one of only two GPU slots, and may take f's between two of its steps: the next step activates f
+    again): f's tokens equal transformers + peft, every time, and some loads provably landed while f's request had
+    tokens to come."""
     url = vllm_server.url
     for name in ("f", "g", "h"):
         resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
                           json={"lora_name": f"inflight-{name}", "lora_path": str(adapter_dirs[name])})
         assert resp.status_code == 200, resp.text
     prompt = "tenant f asks"
-    chunks: list[tuple[float, list[int]]] = []
-    stream = threading.Thread(target=_stream, args=(url, "inflight-f", prompt, chunks))
-    stream.start()
-    wait_until(lambda: len(chunks) >= 2, 60, "f's stream started")
-    levels_while_running = []
-    for name in ("g", "h", "g"):  # reloads too: each load activates into a slot while f's request runs
-        httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": f"inflight-{name}"}, timeout=60)
-        resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
-                          json={"lora_name": f"inflight-{name}", "lora_path": str(adapter_dirs[name])})
-        assert resp.status_code == 200, resp.text
-        levels_while_running.append(exported(url).levels.get("inflight-f"))
-    loads_done = time.monotonic()
-    stream.join(120)
-    assert chunks and chunks[-1][0] > loads_done, "f's request ended before the loads: nothing was in flight"
-    assert levels_while_running == ["gpu"] * 3
-    tokens = [t for _, ids in chunks for t in ids]
     expected = _reference(servable_model.path, adapter_dirs["f"], prompt, LONG_TOKENS)
-    assert len(tokens) == LONG_TOKENS
-    assert sum(a != b for a, b in zip(tokens, expected, strict=True)) == 0
+    for _attempt in range(5):  # until some loads land while f's request still has tokens to come
+        chunks: list[tuple[float, list[int]]] = []
+        stream = threading.Thread(target=_stream, args=(url, "inflight-f", prompt, chunks))
+        stream.start()
+        while not chunks and stream.is_alive():
+            time.sleep(0.01)
+        loads: list[int] = []  # tokens received when each load returned
+        cycle = 0
+        while stream.is_alive():
+            name = f"inflight-{'gh'[cycle % 2]}"
+            cycle += 1
+            httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+            resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
+                              json={"lora_name": name, "lora_path": str(adapter_dirs[name[-1]])})
+            assert resp.status_code == 200, resp.text
+            loads.append(sum(len(ids) for _, ids in list(chunks)))
+        stream.join()
+        tokens = [t for _, ids in chunks for t in ids]
+        assert len(tokens) == LONG_TOKENS
+        assert sum(a != b for a, b in zip(tokens, expected, strict=True)) == 0
+        if any(LONG_TOKENS - received >= STILL_TO_COME for received in loads):
+            return
+    pytest.fail("no load landed while f's request had tokens to come, in five tries")
 
 
 @pytest.mark.vllm
