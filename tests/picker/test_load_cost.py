@@ -71,7 +71,7 @@ def test_the_default_config_runs_the_load_cost_mode() -> None:
     config = EndpointPickerConfig.load()
     spec = next(p for p in config.plugins if p.type == "prefill-queue-scorer")
     params = PrefillQueueParameters.model_validate(spec.parameters)
-    assert params.load_cost and not params.warm_only and params.capacity == 16
+    assert params.load_cost and not params.warm_only and params.capacity == 10
 
 
 @pytest.mark.parametrize("params", [{"loadCost": True}, {"capacity": 16, "loadCost": True, "warmOnly": True}])
