@@ -215,7 +215,8 @@ async def run(args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[s
                                     HealthProber(http), None, ControllerConfig(resync_seconds=args.resync_seconds),
                                     metrics=ControllerMetrics())
             task = asyncio.ensure_future(controller.run(stop))
-            await _wait_idle(controller)
+            # the first passes patch every revision's conditions and finalizer: ~2 API calls per revision
+            await _wait_idle(controller, within=120.0 + 0.06 * args.live_revisions)
             gates.after = time.time()
             with ThreadPoolExecutor(max_workers=4) as threads:  # their first step is overdue: only later ones count
                 await asyncio.get_running_loop().run_in_executor(

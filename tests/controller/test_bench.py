@@ -18,6 +18,9 @@ def test_bench_prints_one_json_object_and_writes_only_changes(capsys: pytest.Cap
     assert (result["revisions"], result["pods"]) == (60, 6)
     assert result["cold_redis_writes"] == 6 + 1  # every pod's target state and the route table
     assert result["idle_redis_writes"] == 0  # nothing changed, nothing written
+    assert result["rate_change_replanned"] is False and result["redis_writes"] == 0  # within the hysteresis
+    assert result["spike_planned"] == "placement delta" and result["spike_redis_writes"] >= 1
+    assert 0 < result["redis_bytes_per_change"] and result["max_rss_mb"] > 0 and result["idle_reconcile_cpu_s"] >= 0
     assert result["redis_writes"] <= 6  # only pods whose targets changed
     assert result["churn_adapters_moved"] <= 2 * max(result["churn_minimum"], 1)
     # the live loop: every created revision reached a target state, and every timed step after the first was seen
