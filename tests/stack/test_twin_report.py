@@ -116,3 +116,11 @@ def test_the_pods_ttft_histograms_pool_with_an_exact_mean_and_interpolated_quant
     assert got["count"] == 10 and got["mean_ms"] == 120.0
     assert got["p50_ms"] == 125.0  # the 5th of 10 is 1 of the 6 in (0.1, 0.25]: a sixth of the way in
     assert got["p99_ms"] == pytest.approx(247.5)
+
+
+def test_the_emulators_mean_ttft_is_compared_only_when_it_counts_the_trace_alone() -> None:
+    sim = {"ttft_mean_ms": 110.0}
+    twin = {"requests": 100, "emulator_ttft_ms": {"count": 100, "mean_ms": 100.0}}
+    assert errors(sim, twin)["ttft_mean_rel_emulator"] == 0.1
+    # sidecars' activation completions counted too: no comparison
+    assert errors(sim, {**twin, "emulator_ttft_ms": {"count": 430, "mean_ms": 30.0}})["ttft_mean_rel_emulator"] is None
