@@ -215,6 +215,7 @@ def test_flow_control_dispatches_only_where_the_adapter_has_a_gpu_slot_or_can_ge
     assert choose(0.0, 0, sim) is None  # it would wait in vLLM's queue for a slot: hold it in the picker
     assert choose(0.0, rid, sim) == 0  # its adapter runs there: it joins the batch
     del pod.running_adapters[third]
+    pod.touched += 1  # as the simulator marks a pod it changed (the policy re-reads only those)
     assert choose(0.0, 0, sim) == 0  # a slot is free
 
 
@@ -229,6 +230,7 @@ def test_without_a_queue_the_pickers_room_rule_spills_to_the_pod_with_a_free_slo
     sim.pods[0].cpu.add(mine)
     assert policy.router.pick(0.0, 0, trace, sim.pods) == 0  # idle: the warmer pod
     sim.pods[0].running_adapters.update(dict.fromkeys(others, 1))
+    sim.pods[0].touched += 1  # as the simulator marks a pod it changed (the policy re-reads only those)
     assert policy.router.pick(0.0, 0, trace, sim.pods) == 1
 
 
