@@ -910,14 +910,17 @@ class Simulator:
             scheduled[rid] = n
             budget -= n
             index += 1
-        # decodes the budget did not reach make no token this step: their finish and next blocks come a step later
+        # decodes the budget did not reach make no token this step: their finish and next blocks come a step later.
+        # A step that schedules nothing (the first request preempted itself: ``priority``) does not run and the step
+        # count does not move, so the others' computed tokens (offset + steps) stay as they are: shifting them
+        # would count one token too few, take each block a step late and free one too few at the finish
         phase = pod.block_phase
         if preempted or len(scheduled) < len(order):
             kept = []
             for finish, rid in pod.running:
                 if rid in preempted:
                     continue
-                if rid not in scheduled:
+                if scheduled and rid not in scheduled:
                     phase[-offset[rid] % BLOCK_TOKENS] -= 1
                     offset[rid] -= 1
                     phase[-offset[rid] % BLOCK_TOKENS] += 1
