@@ -176,8 +176,13 @@ class GatewayPolicy:
     request_headers_timeout: str | None = None
     stream_idle_timeout: str | None = None
     connection_idle_timeout: str | None = None
-    #: retries of a request whose upstream refused, reset or closed before answering headers, on the next fallback
+    #: retries of a request whose upstream refused, reset or closed before answering headers, or answered one of
+    #: ``retry_statuses``, on the next fallback
     retries: int = 0
+    #: upstream statuses retried on the next fallback: vLLM's 404 for an adapter name the pod no longer has
+    #: registered (the picker routed on a report a moment older than the pod's unload; another pod holding the
+    #: revision can serve it). The picker answers every 404 of its own (an unknown model) itself, never upstream.
+    retry_statuses: Sequence[int] = ()
     endpoints: Sequence[str] | None = None
     #: ext_proc ``failure_mode_allow``: route without the picker when it is down (the pool's ``FailOpen``)
     fail_open: bool = False
@@ -209,7 +214,8 @@ ACCESS_LOG_FORMAT = {"id": f"%REQ({CLIENT_REQUEST_ID_HEADER.upper()})%", "status
 #: breakers above what the picker admits, dead or unready picker replicas taken out.
 HARDENED = GatewayPolicy(inference_paths=INFERENCE_PATHS, forward_client_address=True, strip_destination_header=True,
                          request_headers_timeout="10s", stream_idle_timeout="60s", connection_idle_timeout="300s",
-                         retries=2, max_requests=GATEWAY_MAX_REQUESTS, picker_health=PickerHealth())
+                         retries=2, retry_statuses=(404,), max_requests=GATEWAY_MAX_REQUESTS,
+                         picker_health=PickerHealth())
 
 _NO_EXT_PROC = {"envoy.filters.http.ext_proc": {
     "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute", "disabled": True}}
@@ -224,6 +230,9 @@ def _routes(cluster: str, policy: GatewayPolicy) -> list[dict[str, Any]]:
             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
     if policy.retries:
         route["retry_policy"] = {"retry_on": "connect-failure,reset,refused-stream", "num_retries": policy.retries}
+        if policy.retry_statuses:
+            route["retry_policy"]["retry_on"] += ",retriable-status-codes"
+            route["retry_policy"]["retriable_status_codes"] = list(policy.retry_statuses)
     if policy.inference_paths is None:
         return [{"match": {"prefix": "/"}, "route": route, **headers}]
     return [*({"match": {"path": path}, "route": route, **headers} for path in policy.inference_paths),

@@ -120,8 +120,9 @@ def test_bootstrap_routes_to_the_picker_and_the_pickers_endpoints_with_retries(r
     assert (hcm["request_headers_timeout"], hcm["stream_idle_timeout"]) == ("10s", "300s")
     assert hcm["common_http_protocol_options"]["idle_timeout"] == "300s"
     routed = [r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if "route" in r]
-    assert routed and all(r["route"]["retry_policy"] == {"retry_on": "connect-failure,reset,refused-stream",
-                                                          "num_retries": 2} for r in routed)
+    assert routed and all(r["route"]["retry_policy"] == {
+        "retry_on": "connect-failure,reset,refused-stream,retriable-status-codes", "num_retries": 2,
+        "retriable_status_codes": [404]} for r in routed)
     assert config["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     filters = [f["name"] for f in config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
                ["typed_config"]["http_filters"]]

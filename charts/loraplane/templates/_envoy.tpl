@@ -53,8 +53,11 @@ static_resources:
                             timeout: {{ $.Values.gateway.requestTimeout }}
                             {{- if $e.retries }}
                             retry_policy:
-                              retry_on: connect-failure,reset,refused-stream
+                              retry_on: connect-failure,reset,refused-stream{{ if $e.retryStatuses }},retriable-status-codes{{ end }}
                               num_retries: {{ $e.retries }}
+                              {{- with $e.retryStatuses }}
+                              retriable_status_codes: {{ toJson . }}
+                              {{- end }}
                             {{- end }}
                         {{- end }}
                         - match: {prefix: /}
