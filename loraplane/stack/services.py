@@ -421,7 +421,7 @@ class LocalStack:
                 [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
                  "--grpc-address", f"{LOOPBACK}:{picker_port}", "--health-address", f"{LOOPBACK}:{health_port}",
                  "--metrics-address", f"{LOOPBACK}:{metrics_port}", "--replica", f"picker-{i}",
-                 "--no-destination-fallbacks", "--resync-seconds", "1",
+                 "--resync-seconds", "1",
                  "--publish-seconds", str(self.options.publish_seconds), "--log-level", "WARNING",
                  *self._picker_config_args()],
                 self.logs / ("picker.log" if i == 0 else f"picker-{i}.log"),

@@ -100,7 +100,7 @@ def test_request_goes_through_the_charts_envoy_and_picker_to_the_warm_pod(
     }
     _write_pool_state(redis_srv.url, model_servers)
     command = _picker_command(values, render)
-    assert "--no-destination-fallbacks" in command
+    assert "--no-destination-fallbacks" not in command  # the ordered list: a retry takes the next endpoint
 
     config = bootstrap(render, values)
     picker_cluster = next(c for c in config["static_resources"]["clusters"] if c["name"] == "picker")
