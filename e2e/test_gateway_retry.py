@@ -31,7 +31,7 @@ from loraplane.api import (
     WeightedRevision,
     keys,
 )
-from loraplane.picker.envoy import HARDENED, UPSTREAM_HEADER
+from loraplane.picker.envoy import HARDENED, UPSTREAM_HEADER, ExtProcModes
 from loraplane.vllm_server import VllmOptions, VllmServer, start_vllm
 
 pytestmark = pytest.mark.slow
@@ -79,10 +79,11 @@ def pool(servable_model: ServableModel, tmp_path_factory: pytest.TempPathFactory
         redis_server.process.stop()
 
 
-def _gateway(pool: Pool, retry_statuses: tuple[int, ...]) -> Gateway:
+def _gateway(pool: Pool, retry_statuses: tuple[int, ...], body_mode: str = "BUFFERED") -> Gateway:
     endpoints = [server.url.removeprefix("http://") for server in pool.pods.values()]
     policy = replace(HARDENED, endpoints=endpoints, retry_statuses=retry_statuses, picker_health=None)
-    return start_gateway(pool.workdir, POOL, pool.redis.url, policy=policy)
+    return start_gateway(pool.workdir, POOL, pool.redis.url, policy=policy,
+                         modes=ExtProcModes(request_body_mode=body_mode, response_body_mode=body_mode))
 
 
 def _answers(gateway: Gateway, n: int = 6) -> list[tuple[int, str | None]]:
@@ -94,8 +95,9 @@ def _answers(gateway: Gateway, n: int = 6) -> list[tuple[int, str | None]]:
     return out
 
 
-def test_a_pods_404_for_a_revision_it_lacks_is_retried_on_the_next_endpoint(pool: Pool) -> None:
-    gateway = _gateway(pool, HARDENED.retry_statuses)
+@pytest.mark.parametrize("body_mode", ["BUFFERED", "FULL_DUPLEX_STREAMED"])
+def test_a_pods_404_for_a_revision_it_lacks_is_retried_on_the_next_endpoint(pool: Pool, body_mode: str) -> None:
+    gateway = _gateway(pool, HARDENED.retry_statuses, body_mode)
     try:
         answers = _answers(gateway)
     finally:
