@@ -60,13 +60,7 @@ def secret(value: str | None, file: str | os.PathLike[str] | None) -> str | None
 def redis_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Keyword arguments of a Redis client: ACL user, password, TLS CA bundle, from the environment."""
     env = os.environ if environ is None else environ
-    options: dict[str, Any] = {}
-    username = env.get(REDIS_USERNAME_ENV) or None
-    password = secret(env.get(REDIS_PASSWORD_ENV), env.get(REDIS_PASSWORD_FILE_ENV))
-    if username:
-        options["username"] = username
-    if password:
-        options["password"] = password
+    options = _user_and_password(env, REDIS_USERNAME_ENV, REDIS_PASSWORD_ENV, REDIS_PASSWORD_FILE_ENV)
     if env.get(REDIS_CA_FILE_ENV):
         options["ssl_ca_certs"] = env[REDIS_CA_FILE_ENV]
     return options
@@ -75,12 +69,16 @@ def redis_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
 def sentinel_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Keyword arguments of a client of the sentinels themselves: their user and password, from the environment."""
     env = os.environ if environ is None else environ
+    return _user_and_password(env, REDIS_SENTINEL_USERNAME_ENV, REDIS_SENTINEL_PASSWORD_ENV,
+                              REDIS_SENTINEL_PASSWORD_FILE_ENV)
+
+
+def _user_and_password(env: Mapping[str, str], user_env: str, password_env: str, file_env: str) -> dict[str, Any]:
+    """``username`` and ``password`` client options from those variables (each only when set)."""
     options: dict[str, Any] = {}
-    username = env.get(REDIS_SENTINEL_USERNAME_ENV) or None
-    password = secret(env.get(REDIS_SENTINEL_PASSWORD_ENV), env.get(REDIS_SENTINEL_PASSWORD_FILE_ENV))
-    if username:
+    if username := env.get(user_env):
         options["username"] = username
-    if password:
+    if password := secret(env.get(password_env), env.get(file_env)):
         options["password"] = password
     return options
 
