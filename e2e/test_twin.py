@@ -9,6 +9,7 @@ bodies through the picker), and residency-aware routing keeps GPU loads far belo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,17 +24,22 @@ pytestmark = pytest.mark.slow
 PODS = 8
 
 
-def test_eight_emulated_pods_serve_a_trace_through_the_real_control_plane(tmp_path: Path) -> None:
-    trace = scenario("gie-multilora", 400, 0, LARGE_GPU.default_adapter_bytes)
-    options = TwinOptions(pods=PODS)
-    adapters = write_adapters(trace, tmp_path / "twin" / ARTIFACTS, MODEL)
-    stack = start_stack(tmp_path / "twin", options)
+def _run_loraplane(trace: Trace, options: TwinOptions, workdir: Path) -> tuple[Twin, dict[str, Any]]:
+    """loraplane's revisions onboarded on a fresh twin and ``trace`` replayed; the twin (its outcomes) and report."""
+    adapters = write_adapters(trace, workdir / ARTIFACTS, MODEL)
+    stack = start_stack(workdir, options)
     try:
         twin = Twin(stack, trace, options, adapters)
         twin.onboard()
-        report = twin.run("loraplane")
+        return twin, twin.run("loraplane")
     finally:
         stack.stop()
+
+
+def test_eight_emulated_pods_serve_a_trace_through_the_real_control_plane(tmp_path: Path) -> None:
+    trace = scenario("gie-multilora", 400, 0, LARGE_GPU.default_adapter_bytes)
+    options = TwinOptions(pods=PODS)
+    twin, report = _run_loraplane(trace, options, tmp_path / "twin")
     assert report["requests"] == len(trace)
     assert report["wrong_revision"] == 0, report
     assert report["no_answer"] == 0, report["refusal_reasons"]
@@ -88,14 +94,7 @@ def test_revisions_beyond_the_pools_host_copies_are_served_from_disk_not_404(
         "residency-filter", failOpen=True, spillWithoutRoom=False))
     trace = every_adapter(80, 3, rate=8.0)
     options = TwinOptions(pods=PODS, max_loras=2, max_cpu_loras=3)
-    adapters = write_adapters(trace, tmp_path / "twin" / ARTIFACTS, MODEL)
-    stack = start_stack(tmp_path / "twin", options)
-    try:
-        twin = Twin(stack, trace, options, adapters)
-        twin.onboard()
-        report = twin.run("loraplane")
-    finally:
-        stack.stop()
+    twin, report = _run_loraplane(trace, options, tmp_path / "twin")
     not_found = sum(o.status == 404 for o in twin.outcomes)
     print(f"TWIN-DISK {{'requests': {len(trace)}, 'not_found': {not_found}, "
           f"'refusal_reasons': {report['refusal_reasons']}, 'cold_starts': {report['cold_starts']}}}")
