@@ -63,13 +63,15 @@ class WorkerLog:
 
     ADDING = re.compile(r"Adding lora\. Model id: (\d+)")
     ACTIVATING = re.compile(r"Activating LoRA\. int id: (\d+)")
+    #: one model step (the worker's debug line): the tokens it ran, > 1 for a prefill
+    STEP = re.compile(r"Running batch .*num_tokens=(\d+)")
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.offset = path.stat().st_size
 
-    def events(self) -> list[tuple[str, int]]:
-        """("add" | "activate", lora int id) in order."""
+    def events(self, steps: bool = False) -> list[tuple[str, int]]:
+        """("add" | "activate", lora int id) in order; with ``steps``, also ("step", tokens run) for each step."""
         with self.path.open("rb") as f:
             f.seek(self.offset)
             text = f.read().decode(errors="replace")
@@ -80,6 +82,8 @@ class WorkerLog:
                 found.append(("add", int(m.group(1))))
             elif m := self.ACTIVATING.search(line):
                 found.append(("activate", int(m.group(1))))
+            elif steps and (m := self.STEP.search(line)):
+                found.append(("step", int(m.group(1))))
         return found
 
 
