@@ -75,8 +75,7 @@ def every_adapter(adapters: int, rounds: int, rate: float, seed: int = 0) -> Tra
                  tenant=[0] * len(order), input_tokens=n_in, output_tokens=n_out)
 
 
-def test_revisions_beyond_the_pools_host_copies_are_served_from_disk_not_404(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_revisions_beyond_the_pools_host_copies_are_served_from_disk_not_404(tmp_path: Path) -> None:
     """8 emulated vLLM pods with 2 GPU slots and 3 host copies each hold at most 16 revisions warm (a landing slot
     and a host copy stay free for loads) and 80 are Stable: the plan keeps the others at disk only. On vLLM a
     registered adapter whose copy left the host cache is still served (read from its path), so the sidecars keep
@@ -84,14 +83,10 @@ def test_revisions_beyond_the_pools_host_copies_are_served_from_disk_not_404(
     target was an unregistered name on vLLM: a revision the plan moved to disk while its copy was warm was
     unloaded, and requests for it got the pod's 404 (7 of 240; up to 14 revisions registered nowhere at once).
 
-    The picker runs without the residency filter's ``spillWithoutRoom``: where the only holders of a revision have
-    no free GPU slot (2 here), it adds pods that have one, which on vLLM do not hold the revision and answer 404
-    (1-2 requests in 5 of 6 runs of 40 revisions with it, none in 5 runs without; docs/twin.md)."""
-    from loraplane.sim import policies
-
-    shipped = policies.picker_config_for
-    monkeypatch.setattr(policies, "picker_config_for", lambda profile, path=None: shipped(profile, path).with_parameters(
-        "residency-filter", failOpen=True, spillWithoutRoom=False))
+    The picker runs its shipped configuration, ``spillWithoutRoom`` on: where the only holders of a revision have
+    no free GPU slot (2 here) it spills only to pods that load on demand, and no vLLM pod does. Before, it added
+    pods with a free slot, which did not hold the revision and answered 404 (1-2 requests in 5 of 6 runs of 40
+    revisions; docs/twin.md)."""
     trace = every_adapter(80, 3, rate=8.0)
     options = TwinOptions(pods=PODS, max_loras=2, max_cpu_loras=3)
     twin, report = _run_loraplane(trace, options, tmp_path / "twin")

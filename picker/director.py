@@ -36,7 +36,7 @@ from loraplane.api.headers import (
 from loraplane.picker.body import PATH_HEADERS, ClientError, ParsedBody
 from loraplane.picker.flowcontrol import FlowControl
 from loraplane.picker.lifecycle import InFlightRequest, Lifecycle, PluginRuntime
-from loraplane.picker.plugins import PoolSaturatedError, SchedulingRequest
+from loraplane.picker.plugins import WAITED_OUT, SchedulingRequest
 from loraplane.picker.routes import Resolution, RouteResolver, UnknownModelError
 from loraplane.picker.scheduler import Decision, Scheduler, SchedulingError
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
@@ -267,13 +267,13 @@ class RequestDirector:
         return first_present(self.headers, FAIRNESS_ID_HEADERS) or request.tenant
 
     def _decide(self, request: SchedulingRequest, may_wait: bool) -> Decision | None:
-        """The scheduler's decision; ``may_wait``: None instead when it should wait (every candidate saturated, or
-        none with room for the revision: ``Decision.should_wait``)."""
+        """The scheduler's decision; ``may_wait``: None instead when it should wait (every candidate saturated, none
+        with room for the revision: ``Decision.should_wait``, or none holding it)."""
         ctx = self.ctx
         started = ctx.clock()
         try:
             decision = ctx.scheduler.schedule(request, ctx.snapshot(), ctx.rng)
-        except PoolSaturatedError:
+        except WAITED_OUT:
             if may_wait:
                 return None
             raise

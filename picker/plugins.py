@@ -78,12 +78,21 @@ class NoEndpointError(SchedulingError):
     reason = "rejected-no-endpoints"
 
 
+class RevisionNotServedError(NoEndpointError):
+    """No candidate holds the request's revision and none would load it on demand: every one would answer 404. With
+    flow control on the request waits (a holder may come: a sidecar loading it, a stale one heard again)."""
+
+
 class PoolSaturatedError(SchedulingError):
     """A sheddable request while the pool is saturated (flow control off: the pool's mean utilisation reached 1.0;
     on: every candidate is saturated, and the request waits instead)."""
 
     status = 429
     reason = "rejected-saturated"
+
+
+#: the scheduler's refusals a request waits out in flow control instead (a pod may get room, or the revision)
+WAITED_OUT: tuple[type[SchedulingError], ...] = (PoolSaturatedError, RevisionNotServedError)
 
 
 Filter = Callable[[SchedulingRequest, PoolSnapshot, Cycle], BoolArray | None]
@@ -179,10 +188,10 @@ class ResidencyFilterParameters(FilterParameters):
     """The residency filter's parameters."""
 
     #: when no holder of the revision has room for it (``PoolSnapshot.has_room``: every holder's GPU slots are taken
-    #: by other revisions in flight, or it fetches another), also keep the pods that have room, which load it on
-    #: demand, as for a revision no pod holds; while the pool has staging pods (a sweep of new revisions) only with
-    #: ``spill_while_staging``: otherwise its traffic waits for the staging pods rather than load next to the gold
-    #: replicas
+    #: by other revisions in flight, or it fetches another), also keep the pods that have room and load it on
+    #: demand (``PoolSnapshot.on_demand``), as for a revision no pod holds; while the pool has staging pods (a sweep
+    #: of new revisions) only with ``spill_while_staging``: otherwise its traffic waits for the staging pods rather
+    #: than load next to the gold replicas
     spill_without_room: bool = False
     #: with ``spill_without_room``, spill while the pool has staging pods too: to the staging pods with room, else to
     #: the pods with room that hold the fewest gold (priority > 0) revisions on their GPU (``protected_warm``), so a
@@ -198,14 +207,16 @@ def residency_filter(params: ResidencyFilterParameters) -> Filter:
     Where no candidate's fresh report holds it, the stale candidates whose last report did (``last_heard``: their
     sidecars went silent) are kept. Pods draining the revision (their sidecar is about to unload it) are kept only
     when no remaining candidate holds it otherwise: they still serve it for a moment, which beats a pod that does
-    not have it at all. A revision no candidate holds at all goes to the pool's staging pods
-    (``RouteTable.staging_pods``) where the controller names some: the pods it keeps a sweep of new revisions on,
-    away from the gold replicas.
-    Base-model requests keep all endpoints. Pair with ``failOpen: true`` for runtimes that load on demand.
-    ``spillWithoutRoom`` widens the holders to the pods with room when none of them has any (see its parameter).
+    not have it at all. A revision no candidate holds at all goes to the pods that load on demand
+    (``EndpointState.loads_on_demand``: simulated pods), the pool's staging pods among them where the controller
+    names some (``RouteTable.staging_pods``: the pods it keeps a sweep of new revisions on, away from the gold
+    replicas); where none loads on demand it raises ``RevisionNotServedError`` (the request waits in flow control,
+    or gets a 503) instead of sending it to a pod that would answer 404, so ``failOpen`` never applies.
+    Base-model requests keep all endpoints. ``spillWithoutRoom`` widens the holders to the pods with room that load
+    on demand when none of the holders has any (see its parameter).
     """
 
-    holding, holding_or_draining, last_heard = object(), object(), object()
+    holding, holding_or_draining, last_heard, staging_on_demand = object(), object(), object(), object()
 
     def run(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> BoolArray | None:
         if request.served_name is None:
@@ -230,31 +241,39 @@ def residency_filter(params: ResidencyFilterParameters) -> Filter:
             fallback = pool.memo((last_heard, request.served_name, request.digest), heard_mask)
             if np.count_nonzero(fallback & cycle.candidates):
                 return fallback
-        draining = pool.draining_holders(request.served_name, request.digest)
         staging = pool.staging
         if np.count_nonzero(mask & cycle.candidates):
             if params.spill_without_room and (staging is None or params.spill_while_staging):
                 return spill(request, pool, cycle, mask, staging)
             return mask
-        if draining is None and staging is None:
-            return mask
-        if draining is None:
-            return staging
+        draining = pool.draining_holders(request.served_name, request.digest)
+        if draining is not None:
 
-        def holders_or_draining() -> BoolArray:
-            wider = mask.copy()
-            wider[draining] = True
-            return wider
+            def holders_or_draining() -> BoolArray:
+                wider = mask.copy()
+                wider[draining] = True
+                return wider
 
-        return pool.memo((holding_or_draining, request.served_name, request.digest), holders_or_draining)
+            wider = pool.memo((holding_or_draining, request.served_name, request.digest), holders_or_draining)
+            if np.count_nonzero(wider & cycle.candidates):
+                return wider
+        if not np.count_nonzero(pool.on_demand & cycle.candidates):
+            raise RevisionNotServedError(
+                f"no candidate endpoint holds {request.served_name} (revision {request.digest}), and a pod that has "
+                "not registered it would answer 404")
+        if staging is not None:
+            staged = pool.per_version(staging_on_demand, lambda: staging & pool.on_demand)
+            if np.count_nonzero(staged & cycle.candidates):
+                return staged
+        return pool.on_demand
 
     def spill(request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle, mask: BoolArray,
               staging: BoolArray | None) -> BoolArray:
         room = pool.has_room(request.served_name, request.digest)
         if room is None or np.count_nonzero(mask & cycle.candidates & room):
             return mask
+        room = room & pool.on_demand & cycle.candidates
         if staging is not None:
-            room = room & cycle.candidates
             if np.count_nonzero(room & staging):
                 room = room & staging
             elif np.count_nonzero(room):

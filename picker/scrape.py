@@ -9,8 +9,9 @@ its endpoint stale; its last figures stay (as llm-d keeps them) and a pod that h
 none. The scrapes run as tasks on the picker's event loop, one per endpoint: a decision never waits for one.
 
 No Redis: model names are routed as given (``PassthroughResolver``). A peer's users register their adapters on the
-pods under their own names and the picker does not resolve them; a name no pod serves gets vLLM's 404. A name the
-pods report as their base model (the ``model_name`` label of their metrics, or ``--base-model``) is a base-model
+pods under their own names and the picker does not resolve them: every pod counts as serving every name
+(``EndpointState.loads_on_demand``, as llm-d-router assumes: vLLM registers the adapters at start-up or resolves
+them), and a name no pod serves gets vLLM's 404. A name the pods report as their base model (the ``model_name`` label of their metrics, or ``--base-model``) is a base-model
 request.
 """
 
@@ -137,11 +138,12 @@ class ScrapedPool:
         m = scraped.metrics
         stale = now - scraped.at > self.staleness_s
         if m is None:
-            return EndpointState(name=pod, address=scraped.address, stale=True)
+            return EndpointState(name=pod, address=scraped.address, stale=True, loads_on_demand=True)
         return EndpointState(
             name=pod, address=scraped.address, stale=stale, queue_depth=m.waiting, running=m.running,
             kv_utilization=m.kv_usage, gpu_slots=m.max_gpu_adapters, running_adapters=m.running_adapters,
             waiting_adapters=m.waiting_adapters, loaded_adapters=m.loaded, gpu_loaded=m.gpu_loaded,
+            loads_on_demand=True,
         )
 
     def record(self, pod: str, address: str, metrics: VllmMetrics) -> None:

@@ -58,6 +58,10 @@ class EndpointState:
     load_seconds: tuple[float, float, float] = (NAN, NAN, NAN)
     #: adapters the runtime batches at once (vLLM's ``max_loras``); 0: not reported (no slot limit assumed)
     gpu_slots: int = 0
+    #: the pod serves a revision it does not hold, loading it on the request: the simulator's serving model only.
+    #: Real runtimes (vLLM without a LoRA resolver, the engine) answer 404 for a name they have not registered, so
+    #: a pod built from a sidecar's report never does
+    loads_on_demand: bool = False
     #: served name -> (tier, digest the runtime loaded); entries without a digest never count as warm.
     residency: Mapping[str, tuple[Tier, str | None]] = field(default_factory=dict)
     #: served names in ``residency`` that are leaving this pod (the sidecar will unload them): not resident here.
@@ -148,6 +152,8 @@ class PoolSnapshot:
         #: the pod reported no measurement
         self.load_seconds: FloatArray = np.zeros((n, 4), dtype=np.float64)
         self.load_seconds[:, 1:] = [e.load_seconds for e in self.endpoints] if n else np.empty((0, 3))
+        #: the endpoints that serve a revision they do not hold (``EndpointState.loads_on_demand``)
+        self.on_demand: BoolArray = np.fromiter((e.loads_on_demand for e in self.endpoints), np.bool_, n)
         #: the endpoints that take a revision no endpoint holds (the placement's staging pods); None: any endpoint
         self.staging: BoolArray | None = None
         if staging:
@@ -236,6 +242,7 @@ class PoolSnapshot:
         self.recent_evictions[index] = state.recent_evictions
         self.load_seconds[index, 1:] = state.load_seconds
         self.slot_limit[index] = state.gpu_slots or np.inf
+        self.on_demand[index] = state.loads_on_demand
         self._count_fetching(index)
         if ((old.stale, old.last_heard, old.residency, old.draining)
                 != (state.stale, state.last_heard, state.residency, state.draining)):

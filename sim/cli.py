@@ -150,6 +150,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-interval", type=_at_least_zero, default=0.05, metavar="S",
                    help="seconds between the peers' scrapes of each pod's vLLM metrics (llm-d's default; 0: every "
                         "decision reads the pods as they are)")
+    p.add_argument("--registered-only", action="store_true",
+                   help="loraplane's pods serve only the revisions they hold, as vLLM and the engine do (they answer "
+                        "404 for the rest): its picker never sends a revision elsewhere. Default: the serving "
+                        "model's pods load any revision on demand")
     p.add_argument("--profile", default=LARGE_GPU.name,
                    help=f"{', '.join(PROFILES)} or a JSON file (saved profile or bench output)")  # fmt: skip
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")
@@ -195,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         pods = max(1, round(args.pods * args.pods_scale))
         placement = load_config(args.controller_config).placement_config()
         config = SimConfig(pods=pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, placement=placement,
-                           scrape_interval_s=args.scrape_interval)
+                           scrape_interval_s=args.scrape_interval, registered_only=args.registered_only)
         trace = trace_from_args(p, args, profile.default_adapter_bytes)
     except (ProfileError, TraceError, ValueError) as exc:
         err.print(f"loraplane sim: {exc}", markup=False)

@@ -291,6 +291,11 @@ class SimConfig:
     #: how often the peers' pickers scrape each pod's vLLM metrics (llm-d-router's default 50 ms; 0: before every
     #: decision)
     scrape_interval_s: float = 0.05
+    #: loraplane's pods serve only the revisions they hold, as real runtimes (vLLM without a LoRA resolver, the
+    #: engine) answer 404 for the rest: the picker then never sends a revision to a pod that does not hold it (it
+    #: waits for a holder instead). False: the serving model's pods load any revision on demand, and the picker
+    #: spills to them. The peers' pods serve every name either way (their adapters registered everywhere)
+    registered_only: bool = False
 
     def __post_init__(self) -> None:
         if self.pods < 1 or self.max_loras < 1 or self.max_cpu_loras < self.max_loras:

@@ -37,14 +37,8 @@ from loraplane.controller.placement import Placement as PlacementPlan
 from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
 from loraplane.engine.tiers import AdapterState
 from loraplane.picker.flowcontrol import FlowControlParameters
-from loraplane.picker.plugins import SchedulingRequest
-from loraplane.picker.scheduler import (
-    Decision,
-    EndpointPickerConfig,
-    PoolSaturatedError,
-    Scheduler,
-    SchedulingError,
-)
+from loraplane.picker.plugins import WAITED_OUT, SchedulingRequest
+from loraplane.picker.scheduler import Decision, EndpointPickerConfig, Scheduler, SchedulingError
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.sim.admission import OFF, QUEUES, FlowControlConfig
 from loraplane.sim.baselines import ROUND_ROBIN, RoundRobin
@@ -129,9 +123,11 @@ class PickerRouter:
     name = LORAPLANE
 
     def __init__(self, seed: int, trace: Trace, profile: Profile, scheduler: Scheduler,
-                 staging: Callable[[], frozenset[str]] = frozenset) -> None:
-        """``staging``: the staging pods of the controller's last plan (its route table's ``staging_pods``)."""
+                 staging: Callable[[], frozenset[str]] = frozenset, loads_on_demand: bool = True) -> None:
+        """``staging``: the staging pods of the controller's last plan (its route table's ``staging_pods``);
+        ``loads_on_demand``: the pods report that they serve a revision they do not hold (``SimConfig``)."""
         self.scheduler = scheduler
+        self._loads_on_demand = loads_on_demand
         self._staging = staging
         #: the picker's prefix-cache scorer, fed each request's prefix blocks and where it went (prefix traces)
         self._now = 0.0
@@ -203,6 +199,7 @@ class PickerRouter:
             recent_evictions=pod.recent_evictions(now),
             gpu_slots=pod.max_loras,
             residency=self._residency_of(pod),
+            loads_on_demand=self._loads_on_demand,
         )
 
     def decide(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> Decision:
@@ -277,10 +274,10 @@ class PickerRouter:
     def choose(self, now: float, rid: int, sim: Simulator) -> int | None:
         """For flow control, as the picker's: the decision's primary endpoint, or ``None`` while the request should
         wait (``Decision.should_wait``: every candidate saturated, or none with room for its adapter: a GPU slot,
-        no other fetch ahead); refusals other than saturation as ``Refused``."""
+        no other fetch ahead; or none holding it); other refusals as ``Refused``."""
         try:
             decision = self.decide(now, rid, sim.trace, sim.pods)
-        except PoolSaturatedError:
+        except WAITED_OUT:
             return None
         except SchedulingError as exc:
             raise Refused(exc.status, exc.reason) from exc
@@ -430,7 +427,7 @@ def build_policy(
         endpoint_picker_config = picker_config_for(profile, picker_config)
         scheduler = Scheduler(endpoint_picker_config)
         placement = ControllerPlacement(trace, config)
-        router = PickerRouter(seed, trace, profile, scheduler, placement.staging)
+        router = PickerRouter(seed, trace, profile, scheduler, placement.staging, not config.registered_only)
         admission = None
         if flow_control is None:
             flow_control = shipped_flow_control(endpoint_picker_config)

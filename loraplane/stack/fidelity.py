@@ -99,11 +99,11 @@ def static_set(trace: Trace) -> Trace:
 
 def sim_report(trace: Trace, options: TwinOptions, profile: Profile, policy: str, seed: int) -> dict[str, Any]:
     """The simulator's summary of ``policy`` on the twin's pool (a peer's with every adapter on every pod's disk,
-    as the twin registers them)."""
+    as the twin registers them; loraplane's pods serving only what their sidecars registered, as vLLM does)."""
     from loraplane.sim.bound import belady_misses
 
     config = SimConfig(pods=options.pods, max_loras=options.max_loras, max_cpu_loras=options.max_cpu_loras,
-                       scrape_interval_s=options.scrape_interval)
+                       scrape_interval_s=options.scrape_interval, registered_only=True)
     started = time.process_time()
     result = simulate(trace if policy == LORAPLANE else static_set(trace), config, profile, policy, seed)
     summary = summarize(result, config, belady_misses(trace.adapter, config.pods * config.max_loras),

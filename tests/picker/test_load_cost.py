@@ -80,10 +80,11 @@ def test_load_cost_needs_a_capacity_and_excludes_warm_only(params: dict[str, obj
         PrefillQueueParameters.model_validate(params)
 
 
-def busy_holder_pool(staging: set[str] | None = None) -> PoolSnapshot:
+def busy_holder_pool(staging: set[str] | None = None, loads_on_demand: bool = True) -> PoolSnapshot:
     """Pod 1 holds the revision but runs its one GPU slot's worth of another revision; pods 2 and 3 lack it, pod 2
-    with a free slot, pod 3 running another revision too."""
-    one_slot = {"gpu_slots": 1}
+    with a free slot, pod 3 running another revision too. Simulated pods (they load on demand) unless
+    ``loads_on_demand`` is false: pods of a real runtime, which answer 404 for a revision they have not registered."""
+    one_slot = {"gpu_slots": 1, "loads_on_demand": loads_on_demand}
     pool = PoolSnapshot([pod(1, Tier.DISK, **one_slot), pod(2, **one_slot), pod(3, **one_slot)],
                         staging=staging or ())  # fmt: skip
     pool.set_in_flight([{"other@v1": 2}, {}, {"third@v1": 1}])
@@ -111,3 +112,7 @@ def test_a_request_whose_holders_have_no_room_may_go_to_a_pod_that_has() -> None
     # the default config routes it to the pod with room instead of holding it for flow control
     decision = Scheduler.default().schedule(REQUEST, busy_holder_pool(), np.random.default_rng(0))
     assert decision.endpoints[0] == "10.0.0.2:8000" and decision.room
+    # pods of a real runtime: the holder only, and the default config holds the request for flow control
+    assert kept(busy_holder_pool(loads_on_demand=False), spill=True) == [True, False, False]
+    decision = Scheduler.default().schedule(REQUEST, busy_holder_pool(loads_on_demand=False), np.random.default_rng(0))
+    assert decision.endpoints == ("10.0.0.1:8000",) and decision.should_wait

@@ -9,7 +9,13 @@ import pytest
 from pydantic import ValidationError
 
 from loraplane.api import AdapterResidency, PodLoad, ResidencyReport, Tier
-from loraplane.picker.plugins import Cycle, PrefillQueueParameters, SchedulingRequest, prefill_queue_scorer
+from loraplane.picker.plugins import (
+    Cycle,
+    PrefillQueueParameters,
+    RevisionNotServedError,
+    SchedulingRequest,
+    prefill_queue_scorer,
+)
 from loraplane.picker.scheduler import (
     EndpointPickerConfig,
     NoEndpointError,
@@ -25,7 +31,9 @@ ADAPTER = "claims@v1"
 
 
 def pod(i: int, residency: dict[str, tuple[Tier, str | None]] | None = None, **load: object) -> EndpointState:
-    return EndpointState(name=f"pod-{i}", address=f"10.0.0.{i}:8000", residency=residency or {}, **load)  # type: ignore[arg-type]
+    """A simulated pod (it loads a revision it does not hold on demand) unless ``loads_on_demand=False``."""
+    return EndpointState(name=f"pod-{i}", address=f"10.0.0.{i}:8000", residency=residency or {},  # type: ignore[arg-type]
+                         **{"loads_on_demand": True, **load})
 
 
 def request(**kw: object) -> SchedulingRequest:
@@ -137,7 +145,16 @@ def test_only_pods_holding_the_revision_serve_it_unless_none_does(scheduler: Sch
     pool = PoolSnapshot([pod(1), pod(2, ON_DISK), pod(3)])
     assert scheduler.schedule(request(), pool, np.random.default_rng(0)).endpoints == ("10.0.0.2:8000",)
     nowhere = PoolSnapshot([pod(1), pod(2)])
-    assert len(scheduler.schedule(request(), nowhere, np.random.default_rng(0)).endpoints) == 2  # fail open
+    assert len(scheduler.schedule(request(), nowhere, np.random.default_rng(0)).endpoints) == 2  # either loads it
+    # pods of a real runtime answer 404 for a revision they have not registered: neither is sent it
+    real = [pod(1, loads_on_demand=False), pod(2, ON_DISK, loads_on_demand=False), pod(3, loads_on_demand=False)]
+    assert scheduler.schedule(request(), PoolSnapshot(real), np.random.default_rng(0)).endpoints == ("10.0.0.2:8000",)
+    with pytest.raises(RevisionNotServedError, match="would answer 404"):
+        scheduler.schedule(request(), PoolSnapshot([real[0], real[2]]), np.random.default_rng(0))
+    # nor when its one holder is not ready
+    holder_down = [real[0], pod(2, ON_DISK, loads_on_demand=False, ready=False)]
+    with pytest.raises(RevisionNotServedError):
+        scheduler.schedule(request(), PoolSnapshot(holder_down), np.random.default_rng(0))
 
 
 def test_a_draining_revision_is_never_warm_and_its_pod_serves_it_only_when_no_other_holds_it(scheduler: Scheduler) -> None:
@@ -204,7 +221,8 @@ def test_stale_reports_are_dropped_unless_they_last_held_what_no_fresh_pod_holds
     all_stale = PoolSnapshot.from_reports(reports, now=200.0)
     assert scheduler.schedule(request(), all_stale, np.random.default_rng(0)).endpoints == ("127.0.0.1:1",)
     other = SchedulingRequest(served_name="other@v1", digest=DIGEST_A)
-    assert scheduler.schedule(other, all_stale, np.random.default_rng(0)).endpoints  # held nowhere: fail open
+    with pytest.raises(RevisionNotServedError):  # held nowhere, and a sidecar's pod never loads on demand
+        scheduler.schedule(other, all_stale, np.random.default_rng(0))
     discovered = PoolSnapshot.from_reports(reports, now=104.5, endpoints=[("b", "127.0.0.1:2"), ("c", "127.0.0.1:3")])
     assert discovered.addresses == ("127.0.0.1:2", "127.0.0.1:3") and discovered.stale.tolist() == [False, True]
     assert discovered.last_heard.tolist() == [False, False]  # c has no report: unknown
@@ -322,3 +340,8 @@ def test_a_revision_no_pod_holds_goes_to_the_staging_pods(scheduler: Scheduler) 
     down = PoolSnapshot([*endpoints[:2], pod(3, ready=False), endpoints[3]], {"vip@v1": 1}, {"pod-3"})
     assert scheduler.schedule(cold, down, np.random.default_rng(0)).endpoints[0] == "10.0.0.4:8000"
     assert PoolSnapshot(endpoints, staging={"pod-9"}).staging is None  # names no member: any pod
+    # a staging pod of a real runtime does not load it either: the pods that do (here pod 4 only)
+    real_staging = [*endpoints[:2], pod(3, loads_on_demand=False), pod(4)]
+    staged = PoolSnapshot(real_staging, priorities={"vip@v1": 1}, staging={"pod-3"})
+    assert {scheduler.schedule(cold, staged, np.random.default_rng(s)).endpoints[0] for s in range(20)} == {
+        "10.0.0.4:8000"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -23,7 +24,7 @@ from loraplane.api.vllm_metrics import LoadedAdapter, parse_metrics, parse_serie
 from loraplane.picker.cli import main as picker_main
 from loraplane.picker.scrape import MetricsScraper, PassthroughResolver, ScrapedPool, scraping
 from loraplane.picker.server import ServerOptions, serve
-from loraplane.picker.snapshot import InFlightTracker
+from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from tests.picker.conftest import BUFFERED, REQUEST_HEADERS, body, eventually, header_map, headers
 from tests.picker.vllm_text import exposition
 
@@ -197,9 +198,12 @@ def test_passthrough_sends_a_model_name_rewrite_headers_name_as_given() -> None:
     from loraplane.picker.extproc import Exchange
     from tests.picker.conftest import make_context
 
-    ctx, _ = make_context(PickerSettings(body_mode=BUFFERED))
+    ctx, state = make_context(PickerSettings(body_mode=BUFFERED))
     resolver = PassthroughResolver(lambda: frozenset({"base-llm"}))
     ctx.resolver = lambda: resolver
+    # a scraped pool's pods serve any name (the scrape data source's endpoints load on demand)
+    scraped = PoolSnapshot([dataclasses.replace(e, loads_on_demand=True) for e in state.snapshot.endpoints])
+    ctx.snapshot = lambda: scraped
     for name, served in (("their-adapter", "their-adapter"), ("base-llm", None)):
         exchange = Exchange(ctx)
         exchange.handle(headers([*REQUEST_HEADERS, ("x-llm-d-model-name-rewrite", name)], body_mode=BUFFERED))

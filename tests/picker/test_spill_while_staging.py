@@ -24,14 +24,16 @@ def kept(pool: PoolSnapshot, **params: bool) -> list[bool]:
     return got.tolist()
 
 
-def sweep_pool(staging: set[str], gold_on: set[int]) -> PoolSnapshot:
+def sweep_pool(staging: set[str], gold_on: set[int], loads_on_demand: bool = True) -> PoolSnapshot:
     """Pod 1 (staging) holds the sweep's revision on disk but runs its one GPU slot's worth of another; pods 2 and 3
-    have a free slot, gold revisions GPU-resident on ``gold_on``; pod 4 runs another revision."""
+    have a free slot, gold revisions GPU-resident on ``gold_on``; pod 4 runs another revision. Simulated pods (they
+    load on demand) unless ``loads_on_demand`` is false."""
     def one(i: int) -> EndpointState:
         residency: dict[str, tuple[Tier, str | None]] = {ADAPTER: (Tier.DISK, DIGEST)} if i == 1 else {}
         if i in gold_on:
             residency[GOLD] = (Tier.GPU, GOLD_DIGEST)
-        return EndpointState(name=f"pod-{i}", address=f"10.0.0.{i}:8000", residency=residency, gpu_slots=1)
+        return EndpointState(name=f"pod-{i}", address=f"10.0.0.{i}:8000", residency=residency, gpu_slots=1,
+                             loads_on_demand=loads_on_demand)
 
     pool = PoolSnapshot([one(i) for i in range(1, 5)], {GOLD: 1}, staging=staging)
     pool.set_in_flight([{"other@v1": 2}, {}, {}, {"third@v1": 1}])
@@ -46,6 +48,9 @@ def test_a_sweeps_request_waits_for_its_holders_unless_spilling_while_staging() 
     # a second staging pod with room takes it before any other pod
     two = sweep_pool({"pod-1", "pod-2"}, gold_on={3})
     assert kept(two, spill_while_staging=True) == [True, True, False, False]
+    # pods of a real runtime would answer 404: the request waits for its holder
+    assert kept(sweep_pool({"pod-1"}, gold_on={2}, loads_on_demand=False), spill_while_staging=True) == [
+        True, False, False, False]
 
 
 def test_the_default_config_spills_while_staging() -> None:
