@@ -14,6 +14,13 @@ servable (the runtime reads it back from local disk when a request needs it), so
 keeps registered adapters servable from their path but cannot evict one (``Capabilities.disk_registered``: vLLM), a
 disk-tier target is registered and not kept resident: loaded when it is not (after every warmer target, one at a
 time), never unloaded for being disk-tier, and left to the runtime's LRU.
+
+On a runtime whose tiers follow its own LRU (no ``tier_control``, loads activate: vLLM) a GPU- or host-tier target is
+warmed once per target entry, not held there: once a load or activation put it at its tier, the runtime's LRU may
+move its copy down (requests for other adapters take the slots) and the sidecar leaves it (``left_to_runtime``),
+as the controller's plan is a prefetch. Re-asserting every drift was a one-token completion each, and each took a
+GPU slot from another adapter: the twin's vLLM pods made 2-7x the simulator's GPU loads (docs/twin.md). A changed
+target entry (another tier, another revision) or an unload warms it again.
 """
 
 from __future__ import annotations
@@ -192,6 +199,8 @@ class Reconciler:
         self.drain_grace_s = drain_grace_s
         #: adapters leaving the runtime -> when a report saying so was published (None: not yet)
         self.draining: dict[str, float | None] = {}
+        #: served name -> (cache key, tier) of the target entry a load or activation last put at its tier
+        self.warmed: dict[str, tuple[str, Tier]] = {}
 
     # --- identity ---------------------------------------------------------------------------------------------
 
@@ -263,12 +272,18 @@ class Reconciler:
         if caps.pin and held.pinned and not want_pin:
             return Action.UNPIN
         if held.tier is Tier.DISK or (target.tier is Tier.GPU and held.tier is Tier.CPU):
-            return Action.ACTIVATE
+            return None if self.left_to_runtime(target) else Action.ACTIVATE
         if target.tier is Tier.CPU and held.tier is Tier.GPU and caps.tier_control:
             return Action.OFFLOAD
         if caps.pin and want_pin and not held.pinned:
             return Action.PIN
         return None
+
+    def left_to_runtime(self, target: AdapterTarget) -> bool:
+        """Was this target entry warmed already on a runtime whose LRU moves copies down (see the module doc)?"""
+        caps = self.driver.capabilities
+        return (caps.load_activates and not caps.tier_control
+                and self.warmed.get(target.served_name) == (target.cache_key, target.tier))
 
     @staticmethod
     def within_capacity(target: TargetState, info: RuntimeInfo, landing_slot: bool = False,
@@ -524,6 +539,7 @@ class Reconciler:
         if action is Action.UNLOAD:
             await driver.unload(name)
             self.loaded.pop(name, None)
+            self.warmed.pop(name, None)
             self._removed_by_us.add(name)
         elif action in (Action.OFFLOAD, Action.DEMOTE):
             await (driver.offload if action is Action.OFFLOAD else driver.demote)(name)
@@ -542,6 +558,7 @@ class Reconciler:
             self.metrics.h2d.observe(seconds)
             self.load_costs.record(Tier.CPU if held is not None and held.tier is Tier.CPU else Tier.DISK, seconds)
             self._count_promotion(name)
+            self.warmed[name] = (target.cache_key, target.tier)
         else:
             assert target is not None
             start, fetched = time.perf_counter(), self.cache.get(target.cache_key) is None
@@ -558,6 +575,7 @@ class Reconciler:
                 self._count_promotion(name)
                 self.load_costs.record(Tier.ABSENT if fetched else Tier.DISK, time.perf_counter() - start)
             self.loaded[name] = LoadRecord(target.cache_key, entry.artifact_digest, entry.adapter_digest)
+            self.warmed[name] = (target.cache_key, target.tier)
             if driver.capabilities.priority:  # at once, so the runtime's eviction policy never weighs a default
                 await driver.set_priority(name, target.priority)
 
@@ -634,8 +652,9 @@ class Reconciler:
         self._keep = frozenset(t.cache_key for t in target.adapters)
 
     def reset(self) -> None:
-        """Forget backoffs and what was loaded (after a runtime restart)."""
+        """Forget backoffs and what was loaded and warmed (after a runtime restart)."""
         self.loaded.clear()
+        self.warmed.clear()
         for status in self.status.values():
             status.failures, status.not_before = 0, 0.0
 

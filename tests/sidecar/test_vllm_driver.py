@@ -247,11 +247,19 @@ def test_a_disk_tier_target_on_vllm_ends_registered_and_is_never_unloaded_for_be
             assert registered() == set(names)
             assert driver._gpu_keep == frozenset() and driver._host_keep == {warm.served_name}
             # its copy ages out by LRU: requests for the other disk-tier revisions push it out of the GPU and host
+            warm_ups = len(driver.posted("/v1/completions"))
             for t in cold:
                 await emu.http.post("/v1/completions", json={"model": t.served_name, "prompt": "hi", "max_tokens": 2})
             observation = await _converge(r, driver, state(demoted, warm, *cold))
             assert truth.tier(emu.engine.registered[hot.served_name].int_id) is not Tier.GPU
-            assert observation.adapters[warm.served_name].tier is not Tier.DISK  # the kept copy is still in
+            # so does the host-tier target's, warmed once already: the sidecar leaves it to vLLM's LRU instead of
+            # warming it again (a one-token completion that would take a GPU slot from another adapter)
+            assert observation.adapters[warm.served_name].tier is Tier.DISK and r.left_to_runtime(warm)
+            assert warm.served_name not in driver.posted("/v1/completions")[warm_ups:]
+            # a changed target entry warms it again
+            promoted = warm.model_copy(update={"tier": Tier.GPU})
+            observation = await _converge(r, driver, state(demoted, promoted, *cold))
+            assert observation.adapters[warm.served_name].tier is Tier.GPU
             assert driver.posted("/v1/unload_lora_adapter") == []
             await r.cancel()
 
