@@ -25,6 +25,12 @@ Prints one JSON object. Sections:
   ``max_rps_a_core_each`` = N / that CPU (every replica pinned to ``--picker-cpu`` here: the achieved rate of N
   replicas on one core cannot show scaling); ``max_rps_ratio`` = N replicas' over one's.
 
+- ``route_churn`` (``--route-churn S``): the picker's open-loop rows at ``--churn-rates`` (1 KiB bodies) with a
+  route table of ``--adapters`` names, quiet and with a route change every S seconds, alternated
+  ``--closed-rounds`` times in one run: each change is one name's revisions re-weighted, written as the controller
+  writes them (``RedisStore.write_routes``: one delta and the head, and the change notice), which the picker applies
+  off its request path. ``added_p99_ms`` = churn p99 - quiet p99 (medians), with the changes written and their bytes.
+
 Pinning: the picker (or the naive servicer) runs on ``--picker-cpu``; Envoy, nginx, wrk and this process's load
 generator on ``--load-cpu``.
 """
@@ -40,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -439,6 +446,113 @@ def _closed_loop(stack: _Stack, proc: ManagedProcess, listen: int) -> dict[str, 
             "closed_loop_rps": round(rps, 1), "picker_core_utilisation": round(utilisation, 3)}
 
 
+def _churn_models(adapters: int, changes: int) -> dict[str, RouteEntry]:
+    """The bench's route (``claims``) and ``adapters`` names; after ``changes`` changes, name ``changes - 1`` (mod
+    ``adapters``) has its traffic split between two revisions by a weight that differs from change to change."""
+    models = {"claims": RouteEntry(revisions=[WeightedRevision(revision="v1", served_name="claims@v1", digest=DIGEST,
+                                                               weight=100)])}
+    for i in range(adapters):
+        models[_adapter(i)] = RouteEntry(revisions=[
+            WeightedRevision(revision="v1", served_name=f"{_adapter(i)}@v1", digest=DIGEST, weight=100)])
+    if changes and adapters:
+        name, split = _adapter((changes - 1) % adapters), 1 + changes % 99
+        models[name] = RouteEntry(revisions=[
+            WeightedRevision(revision="v1", served_name=f"{name}@v1", digest=DIGEST, weight=100 - split),
+            WeightedRevision(revision="v2", served_name=f"{name}@v2", digest=DIGEST, weight=split)])
+    return models
+
+
+class RouteChurn:
+    """Route changes written as the controller writes them (``RedisStore``), from a thread with its own event loop:
+    the whole table once (``start``), then one change every ``interval`` seconds while ``churning``."""
+
+    def __init__(self, redis_url: str, adapters: int, interval: float) -> None:
+        self.redis_url, self.adapters, self.interval = redis_url, adapters, interval
+        self.changes = 0
+        self.bytes_written = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="route-churn", daemon=True)
+        self._churning = False
+
+    def start(self) -> None:
+        """Write the table whole (the snapshot the changes chain onto)."""
+        from redis import asyncio as aioredis
+
+        from loraplane.controller.store import RedisStore
+
+        self._thread.start()
+        self.client = aioredis.Redis.from_url(self.redis_url)
+        self.store = RedisStore(self.client, time.time, writer="bench-route-churn")
+        self._run(self.store.write_routes(POOL, _churn_models(self.adapters, 0), None))
+
+    def _run(self, work: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=60)
+
+    async def _churn(self) -> None:
+        next_at = time.monotonic()
+        while self._churning:
+            next_at += self.interval
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            if not self._churning:
+                return
+            before = self.store.bytes_written
+            await self.store.write_routes(POOL, _churn_models(self.adapters, self.changes + 1), None)
+            self.changes += 1
+            self.bytes_written += self.store.bytes_written - before
+
+    @contextlib.contextmanager
+    def churning(self) -> Any:
+        """Changes every ``interval`` seconds inside the block."""
+        self._churning = True
+        task = asyncio.run_coroutine_threadsafe(self._churn(), self._loop)
+        try:
+            yield
+        finally:
+            self._churning = False  # the change under way is written whole, then the loop ends
+            task.result(timeout=60)
+
+    def close(self) -> None:
+        """Stop the thread (after closing the client on it)."""
+        with contextlib.suppress(Exception):
+            self._run(self.client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+def _route_churn(stack: _Stack, listen: int) -> dict[str, Any]:
+    """The picker behind ``listen`` at ``--churn-rates``, quiet and churning, alternated ``--closed-rounds`` times."""
+    args = stack.args
+    churn = RouteChurn(stack.redis_url, args.adapters, args.route_churn)
+    churn.start()
+    time.sleep(1.0)  # the picker reads the new table (its notice, else its resync)
+    rows = []
+    try:
+        request = _http_request(listen, _body(1024))
+        for rate in args.churn_rates:
+            runs: dict[str, list[dict[str, float]]] = {"quiet": [], "churn": []}
+            changes = bytes_written = 0
+            for _ in range(args.closed_rounds):
+                runs["quiet"].append(asyncio.run(_open_loop(listen, request, rate, args.duration)))
+                before = (churn.changes, churn.bytes_written)
+                with churn.churning():
+                    runs["churn"].append(asyncio.run(_open_loop(listen, request, rate, args.duration)))
+                changes += churn.changes - before[0]
+                bytes_written += churn.bytes_written - before[1]
+            med = {side: {key: float(np.median([r[key] for r in got])) for key in ("p50_ms", "p99_ms", "achieved_rps")}
+                   for side, got in runs.items()}
+            rows.append({"offered_rps": rate, "body_bytes": 1024,
+                         "quiet_p99_ms": round(med["quiet"]["p99_ms"], 3), "churn_p99_ms": round(med["churn"]["p99_ms"], 3),
+                         "added_p99_ms": round(med["churn"]["p99_ms"] - med["quiet"]["p99_ms"], 3),
+                         "quiet_p50_ms": round(med["quiet"]["p50_ms"], 3), "churn_p50_ms": round(med["churn"]["p50_ms"], 3),
+                         "achieved_rps": {side: round(m["achieved_rps"], 1) for side, m in med.items()},
+                         "errors": {side: int(sum(r["errors"] for r in got)) for side, got in runs.items()},
+                         "changes": changes, "bytes_per_change": round(bytes_written / max(1, changes)),
+                         "runs": {side: [{k: round(v, 3) for k, v in r.items()} for r in got] for side, got in runs.items()}})
+    finally:
+        churn.close()
+    return {"interval_s": args.route_churn, "adapters": args.adapters, "rows": rows}
+
+
 #: the closed-loop figures each side reports: the median over the rounds
 CLOSED_LOOP_FIGURES = ("cpu_us_per_request", "max_rps_one_core", "closed_loop_rps", "picker_core_utilisation")
 
@@ -539,6 +653,8 @@ def envoy_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 running[name] = (proc, listen)
                 results[name] = {"envoy": _rows(stack, listen, direct)}
             results.update(_closed_loop_rounds(stack, running, results))
+            if args.route_churn > 0:
+                results["route_churn"] = _route_churn(stack, running["picker"][1])
             for proc, _listen in running.values():
                 proc.stop()
             if args.frame_layers:
@@ -579,6 +695,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=0,
                    help="also run this many picker replicas behind one Envoy against one, alternated --closed-rounds "
                         "times (the replicas section: CPU per request summed over them, req/s with a core each)")
+    p.add_argument("--route-churn", type=float, default=0.0, metavar="S",
+                   help="also run route_churn: the picker quiet and with a route change every S seconds (0.1 in issue "
+                        "34's target) in a table of --adapters names, written as the controller writes them")
+    p.add_argument("--churn-rates", type=int, nargs="+", default=[500], help="open-loop rates of route_churn (req/s)")
     p.add_argument("--picker-cpu", type=int, default=1, help="CPU the picker (or the naive baseline) is pinned to")
     p.add_argument("--load-cpu", type=int, default=0, help="CPU the load generator, Envoy and nginx are pinned to")
     return p
@@ -605,7 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "picker_core_utilisation": picker["picker_core_utilisation"],
                     "closed_loop_runs": picker["closed_loop_runs"], "naive": results["naive"],
                     "envoy_alone": results["envoy_alone"]})
-        for section in ("frame_layers", "replicas"):
+        for section in ("frame_layers", "replicas", "route_churn"):
             if section in results:
                 out[section] = results[section]
     out["machine"] = {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2)}
