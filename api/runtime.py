@@ -58,6 +58,12 @@ class AdapterTarget(PayloadModel):
     revision: str
     tier: TargetTier
     pinned: bool = False
+    hold: bool = Field(
+        default=False,
+        description="keep it at its tier: the controller's rollout gates read its tier on this pod (a canary pod "
+        "while the revision rolls out). A runtime whose LRU moves copies down (vLLM) has it warmed again whenever it "
+        "drifts; other targets are warmed once per entry and then left to that LRU",
+    )
     artifact: Artifact
     lora: LoraSpec
     base_model_digest: Digest

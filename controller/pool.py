@@ -160,7 +160,7 @@ _TARGETS_KEPT = 1 << 17
 
 
 def _target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier) -> AdapterTarget:
-    key = (id(rev), tier, status.cache_key)
+    key = (id(rev), tier, status.cache_key, status.phase in ROLLOUT_PHASES)
     hit = _TARGETS.get(key)
     if hit is not None and hit[0] is rev:
         return hit[1]
@@ -177,6 +177,7 @@ def _new_target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier)
         revision=rev.spec.revision,
         tier=tier,
         pinned=rev.spec.pinned and tier is Tier.GPU,
+        hold=status.phase in ROLLOUT_PHASES,  # its canary pods' tiers are what the rollout's gates read
         artifact=rev.spec.artifact,
         lora=rev.spec.lora,
         base_model_digest=rev.spec.base_model.digest,

@@ -20,7 +20,8 @@ warmed once per target entry, not held there: once a load or activation put it a
 move its copy down (requests for other adapters take the slots) and the sidecar leaves it (``left_to_runtime``),
 as the controller's plan is a prefetch. Re-asserting every drift was a one-token completion each, and each took a
 GPU slot from another adapter: the twin's vLLM pods made 2-7x the simulator's GPU loads (docs/twin.md). A changed
-target entry (another tier, another revision) or an unload warms it again.
+target entry (another tier, another revision) or an unload warms it again, and an entry the controller holds
+(``AdapterTarget.hold``: its rollout gates read the tier there) is warmed again whenever it drifts.
 """
 
 from __future__ import annotations
@@ -280,9 +281,10 @@ class Reconciler:
         return None
 
     def left_to_runtime(self, target: AdapterTarget) -> bool:
-        """Was this target entry warmed already on a runtime whose LRU moves copies down (see the module doc)?"""
+        """Was this target entry warmed already on a runtime whose LRU moves copies down, and need not be held
+        (``AdapterTarget.hold``)? See the module doc."""
         caps = self.driver.capabilities
-        return (caps.load_activates and not caps.tier_control
+        return (caps.load_activates and not caps.tier_control and not target.hold
                 and self.warmed.get(target.served_name) == (target.cache_key, target.tier))
 
     @staticmethod

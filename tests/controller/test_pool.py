@@ -67,6 +67,9 @@ def test_plan_pool_builds_targets_and_routes_from_rollouts_and_rates() -> None:
     assert {t.tier for ts in plan.targets.values() for t in ts if t.served_name == "cold@v1"} == {Tier.DISK}
     verifying = [t for ts in plan.targets.values() for t in ts if t.served_name == "hot@v2"]
     assert [t.tier for t in verifying] == [Tier.DISK]  # Pending -> Verifying: fetched on its one canary pod
+    # its rollout's gates read its tier on the canary pod: held there; a Stable revision's targets are a prefetch
+    assert [t.hold for t in verifying] == [True]
+    assert {t.hold for ts in plan.targets.values() for t in ts if t.served_name in ("hot@v1", "cold@v1")} == {False}
     assert plan.adapters[("default", "hot")].revisions["hot-v2"].status.phase == "Verifying"
     assert next(d for d in plan.demands if d.served_name == "hot@v1").bytes == 7 << 20  # the size sidecars report
 

@@ -256,6 +256,11 @@ def test_a_disk_tier_target_on_vllm_ends_registered_and_is_never_unloaded_for_be
             # warming it again (a one-token completion that would take a GPU slot from another adapter)
             assert observation.adapters[warm.served_name].tier is Tier.DISK and r.left_to_runtime(warm)
             assert warm.served_name not in driver.posted("/v1/completions")[warm_ups:]
+            # one the controller holds (a rollout gate reads its tier) is warmed again whenever it drifts
+            held_warm = warm.model_copy(update={"hold": True})
+            observation = await _converge(r, driver, state(demoted, held_warm, *cold))
+            assert observation.adapters[warm.served_name].tier is not Tier.DISK
+            assert warm.served_name in driver.posted("/v1/completions")[warm_ups:]
             # a changed target entry warms it again
             promoted = warm.model_copy(update={"tier": Tier.GPU})
             observation = await _converge(r, driver, state(demoted, promoted, *cold))
