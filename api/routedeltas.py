@@ -66,7 +66,9 @@ class RouteDelta(PayloadModel):
 
 def diff(old: RouteTable, new: RouteTable) -> RouteDelta:
     """The delta that turns ``old`` into ``new`` (``new``'s generation, writer and time)."""
-    upserts = {name: entry for name, entry in new.models.items() if old.models.get(name) != entry}
+    before = old.models
+    upserts = {name: entry for name, entry in new.models.items()
+               if (was := before.get(name)) is not entry and was != entry}  # identity first: models compare slowly
     removes = sorted(name for name in old.models if name not in new.models)
     return RouteDelta(
         pool=new.pool, generation=new.generation, base=old.generation, writer=new.writer, updated_at=new.updated_at,
@@ -88,17 +90,31 @@ def apply(table: RouteTable, deltas: Sequence[RouteDelta]) -> RouteTable | None:
         return table
     models = dict(table.models)
     update: dict[str, Any] = {}
+    names: set[str] = set()
     for delta in deltas:
         for name in delta.removes:
             models.pop(name, None)
         models.update(delta.upserts)
+        names.update(delta.removes)
+        names.update(delta.upserts)
         if delta.base_model_changed:
             update["base_model"] = delta.base_model
         if delta.staging_pods is not None:
             update["staging_pods"] = list(delta.staging_pods)
     last = deltas[-1]
-    return table.model_copy(update={**update, "models": models, "generation": last.generation,
-                                    "updated_at": last.updated_at})
+    applied = table.model_copy(update={**update, "models": models, "generation": last.generation,
+                                       "updated_at": last.updated_at})
+    if len(_APPLIED) >= _APPLIED_KEPT:
+        del _APPLIED[next(iter(_APPLIED))]
+    _APPLIED[id(applied)] = (applied, table.generation, frozenset(names))
+    return applied
+
+
+#: id of a table ``apply`` made -> (that table, the generation it was made from, the names its deltas set or removed):
+#: the latest few, so ``changed_names`` names a change without comparing every name (kept out of the model: it is
+#: this process's knowledge, and a model's private attributes take part in its equality)
+_APPLIED: dict[int, tuple[RouteTable, int, frozenset[str]]] = {}
+_APPLIED_KEPT = 8
 
 
 def changed_names(old: RouteTable | None, new: RouteTable | None) -> set[str] | None:
@@ -106,6 +122,9 @@ def changed_names(old: RouteTable | None, new: RouteTable | None) -> set[str] | 
     rebuilds everything)."""
     if old is None or new is None or old.writer != new.writer or old.pool != new.pool:
         return None
+    made = _APPLIED.get(id(new))
+    if made is not None and made[0] is new and made[1] == old.generation:  # ``apply`` made it from ``old``'s generation
+        return set(made[2])
     if len(old.models) != len(new.models) or old.models.keys() != new.models.keys():
         names = old.models.keys() ^ new.models.keys()
     else:

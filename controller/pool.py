@@ -155,7 +155,7 @@ def _reported_bytes(reports: Sequence[ResidencyReport]) -> dict[str, int]:
 
 #: (id of a revision, tier, cache key) -> (that revision, its target): a revision unchanged from plan to plan keeps
 #: its target objects (10,000 revisions' targets are not validated again each plan, and compare by identity)
-_TARGETS: dict[tuple[int, Tier, str | None], tuple[AdapterRevision, AdapterTarget]] = {}
+_TARGETS: dict[tuple[int, Tier, str | None, bool], tuple[AdapterRevision, AdapterTarget]] = {}
 _TARGETS_KEPT = 1 << 17
 
 

@@ -46,7 +46,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -89,7 +88,9 @@ def _adapter(i: int) -> str:
 
 
 def scoring(endpoint_counts: Sequence[int], adapters: int, decisions: int, seed: int = 0) -> list[dict[str, Any]]:
-    """p50/p99 of resolve + schedule over a pool where each endpoint holds 40 adapters (4 GPU, 12 CPU, 24 disk)."""
+    """p50/p99 of resolve + schedule over a pool where each endpoint holds 40 adapters (4 GPU, 12 CPU, 24 disk), for
+    adapters some endpoint holds (a request for one no endpoint holds waits in flow control: no endpoint can serve
+    it)."""
     rng = np.random.default_rng(seed)
     table = RouteTable(pool=POOL, generation=1, updated_at=0.0, models={
         _adapter(i): RouteEntry(revisions=[WeightedRevision(revision="v1", served_name=f"{_adapter(i)}@v1", digest=DIGEST, weight=100)])
@@ -111,7 +112,8 @@ def scoring(endpoint_counts: Sequence[int], adapters: int, decisions: int, seed:
             ))
         pool = PoolSnapshot(endpoints, resolver.priorities())
         pool.in_flight[:] = rng.integers(0, 10, count)
-        models = [_adapter(int(i)) for i in rng.integers(0, adapters, decisions)]
+        held_somewhere = sorted({name[:-3] for e in endpoints for name in e.residency})  # "adapter-N@v1" -> "adapter-N"
+        models = [held_somewhere[int(i)] for i in rng.integers(0, len(held_somewhere), decisions)]
         wall, cpu = np.empty(decisions), np.empty(decisions)
         for n, model in enumerate(models):
             w0, c0 = time.perf_counter_ns(), time.thread_time_ns()
@@ -446,77 +448,120 @@ def _closed_loop(stack: _Stack, proc: ManagedProcess, listen: int) -> dict[str, 
             "closed_loop_rps": round(rps, 1), "picker_core_utilisation": round(utilisation, 3)}
 
 
-def _churn_models(adapters: int, changes: int) -> dict[str, RouteEntry]:
-    """The bench's route (``claims``) and ``adapters`` names; after ``changes`` changes, name ``changes - 1`` (mod
-    ``adapters``) has its traffic split between two revisions by a weight that differs from change to change."""
+def _churn_models(adapters: int) -> dict[str, RouteEntry]:
+    """The bench's route (``claims``) and ``adapters`` names, one revision each."""
     models = {"claims": RouteEntry(revisions=[WeightedRevision(revision="v1", served_name="claims@v1", digest=DIGEST,
                                                                weight=100)])}
     for i in range(adapters):
         models[_adapter(i)] = RouteEntry(revisions=[
             WeightedRevision(revision="v1", served_name=f"{_adapter(i)}@v1", digest=DIGEST, weight=100)])
-    if changes and adapters:
-        name, split = _adapter((changes - 1) % adapters), 1 + changes % 99
-        models[name] = RouteEntry(revisions=[
-            WeightedRevision(revision="v1", served_name=f"{name}@v1", digest=DIGEST, weight=100 - split),
-            WeightedRevision(revision="v2", served_name=f"{name}@v2", digest=DIGEST, weight=split)])
     return models
 
 
+def _churned(base: dict[str, RouteEntry], adapters: int, change: int) -> dict[str, RouteEntry]:
+    """``base`` after ``change`` changes: name ``change - 1`` (mod ``adapters``) has its traffic split between two
+    revisions by a weight that differs from change to change (the others are ``base``'s own entries)."""
+    models = dict(base)
+    name, split = _adapter((change - 1) % adapters), 1 + change % 99
+    models[name] = RouteEntry(revisions=[
+        WeightedRevision(revision="v1", served_name=f"{name}@v1", digest=DIGEST, weight=100 - split),
+        WeightedRevision(revision="v2", served_name=f"{name}@v2", digest=DIGEST, weight=split)])
+    return models
+
+
+async def _write_churn(redis_url: str, adapters: int, interval: float, signals: dict[str, Any]) -> None:
+    """The writer process's loop: the table whole, then a change every ``interval`` s while ``go`` is set."""
+    from redis import asyncio as aioredis
+
+    from loraplane.controller.store import RedisStore
+
+    client = aioredis.Redis.from_url(redis_url)
+    store = RedisStore(client, time.time, writer="bench-route-churn")
+    base = _churn_models(adapters)
+    await store.write_routes(POOL, base, None)
+    signals["table_bytes"].value = store.bytes_written
+    signals["ready"].set()
+    change = 0
+    while not signals["quit"].is_set():
+        if not signals["go"].is_set():
+            signals["idle"].set()
+            await asyncio.sleep(0.01)
+            continue
+        signals["idle"].clear()
+        next_at = time.monotonic()
+        while signals["go"].is_set():
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            change += 1
+            before = store.bytes_written
+            await store.write_routes(POOL, _churned(base, adapters, change) if adapters else base, None)
+            with signals["changes"].get_lock():
+                signals["changes"].value += 1
+                signals["bytes"].value += store.bytes_written - before
+    await client.aclose()
+
+
+def _churn_process(redis_url: str, adapters: int, interval: float, signals: dict[str, Any]) -> None:
+    os.nice(19)  # a controller runs on another machine: here it takes only what the load CPU leaves idle
+    asyncio.run(_write_churn(redis_url, adapters, interval, signals))
+
+
 class RouteChurn:
-    """Route changes written as the controller writes them (``RedisStore``), from a thread with its own event loop:
-    the whole table once (``start``), then one change every ``interval`` seconds while ``churning``."""
+    """Route changes written as the controller writes them (``RedisStore``: a delta and the head per change) by a
+    process of their own, as a controller is: the whole table once (``start``), then one change every ``interval``
+    seconds while ``churning``. (A writer thread in the load generator's process held its GIL for milliseconds per
+    change and showed up as the picker's latency.)"""
 
     def __init__(self, redis_url: str, adapters: int, interval: float) -> None:
-        self.redis_url, self.adapters, self.interval = redis_url, adapters, interval
-        self.changes = 0
-        self.bytes_written = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="route-churn", daemon=True)
-        self._churning = False
+        import multiprocessing
+
+        self._context = multiprocessing.get_context("spawn")
+        self._signals: dict[str, Any] = {
+            **{name: self._context.Event() for name in ("ready", "go", "idle", "quit")},
+            "changes": self._context.Value("q", 0), "bytes": self._context.Value("q", 0),
+            "table_bytes": self._context.Value("q", 0, lock=False)}
+        self._process = self._context.Process(target=_churn_process, name="route-churn", daemon=True,
+                                              args=(redis_url, adapters, interval, self._signals))
+
+    @property
+    def changes(self) -> int:
+        """Changes written so far."""
+        return int(self._signals["changes"].value)
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the changes written so far (deltas, heads; a whole table where the store chose one)."""
+        return int(self._signals["bytes"].value)
+
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of the first write: the table whole and its head."""
+        return int(self._signals["table_bytes"].value)
 
     def start(self) -> None:
-        """Write the table whole (the snapshot the changes chain onto)."""
-        from redis import asyncio as aioredis
-
-        from loraplane.controller.store import RedisStore
-
-        self._thread.start()
-        self.client = aioredis.Redis.from_url(self.redis_url)
-        self.store = RedisStore(self.client, time.time, writer="bench-route-churn")
-        self._run(self.store.write_routes(POOL, _churn_models(self.adapters, 0), None))
-
-    def _run(self, work: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=60)
-
-    async def _churn(self) -> None:
-        next_at = time.monotonic()
-        while self._churning:
-            next_at += self.interval
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            if not self._churning:
-                return
-            before = self.store.bytes_written
-            await self.store.write_routes(POOL, _churn_models(self.adapters, self.changes + 1), None)
-            self.changes += 1
-            self.bytes_written += self.store.bytes_written - before
+        """Start the writer; returns once it wrote the table whole (the snapshot the changes chain onto)."""
+        self._process.start()
+        if not self._signals["ready"].wait(timeout=120):
+            raise RuntimeError("the route churn writer did not write its table within 120 s")
 
     @contextlib.contextmanager
     def churning(self) -> Any:
-        """Changes every ``interval`` seconds inside the block."""
-        self._churning = True
-        task = asyncio.run_coroutine_threadsafe(self._churn(), self._loop)
+        """Changes every ``interval`` seconds inside the block; the one under way is written whole after it."""
+        self._signals["idle"].clear()
+        self._signals["go"].set()
         try:
             yield
         finally:
-            self._churning = False  # the change under way is written whole, then the loop ends
-            task.result(timeout=60)
+            self._signals["go"].clear()
+            self._signals["idle"].wait(timeout=60)
 
     def close(self) -> None:
-        """Stop the thread (after closing the client on it)."""
-        with contextlib.suppress(Exception):
-            self._run(self.client.aclose())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        """Stop the writer."""
+        self._signals["go"].clear()
+        self._signals["quit"].set()
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
 
 
 def _route_churn(stack: _Stack, listen: int) -> dict[str, Any]:

@@ -63,6 +63,23 @@ def test_diff_and_apply_round_trip() -> None:
     assert applied.models["adapter-0000"] is old.models["adapter-0000"]  # untouched entries are shared
 
 
+def test_a_table_made_by_apply_names_its_change_so_a_reader_compares_nothing() -> None:
+    """``changed_names`` of a table ``apply`` made from the one held is the deltas' names, whatever the rest of the
+    table holds (10,000 names: O(the change), not O(the table)); compared with any other table, every name is."""
+    from loraplane.api.routedeltas import changed_names
+
+    old = RouteTable(pool=POOL, generation=7, models=_models(50), updated_at=1.0, writer="w")
+    same_again = RouteDelta(pool=POOL, generation=8, base=7, writer="w", updated_at=2.0,
+                            upserts={"adapter-0003": _entry("adapter-0003")}, removes=["adapter-0009"])
+    applied = apply(old, [same_again])
+    assert applied is not None
+    # the upsert equals the entry held: a comparison would not see it; the delta names it (indexed again: harmless)
+    assert changed_names(old, applied) == {"adapter-0003", "adapter-0009"}
+    rebuilt = RouteTable(pool=POOL, generation=8, models=dict(applied.models), updated_at=2.0, writer="w")
+    assert changed_names(old, rebuilt) == {"adapter-0009"}  # no record of how it was made: compared
+    assert applied == rebuilt  # the record is not part of the table
+
+
 def test_a_delta_that_does_not_chain_is_not_applied_at_all() -> None:
     old = RouteTable(pool=POOL, generation=4, models=_models(3), updated_at=1.0, writer="w")
     step5 = old.model_copy(update={"generation": 5, "models": {**old.models, "x": _entry("x")}})

@@ -31,7 +31,7 @@ def test_route_churn_writes_each_change_as_a_delta_a_reader_applies(tmp_path: Pa
 
         first = asyncio.run(read())
         assert first is not None and len(first.models) == 2_001  # type: ignore[attr-defined]
-        whole = churn.store.bytes_written
+        whole = churn.table_bytes
         with churn.churning():
             deadline = time.monotonic() + 30
             while churn.changes < 5 and time.monotonic() < deadline:
