@@ -20,6 +20,7 @@ repair rewrites a snapshot when any key of the chain is missing or not its own.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -36,6 +37,9 @@ log = logging.getLogger(__name__)
 
 #: the most deltas a reader fetches to catch up; further behind it reads the snapshot instead
 MAX_CATCH_UP = 512
+#: a snapshot larger than this is parsed in a worker thread: the event loop keeps its turns every GIL switch
+#: interval (5 ms) instead of stalling for the whole parse (~0.2 s at 10,000 names)
+PARSE_ASIDE_BYTES = 256 << 10
 
 
 class RouteHead(PayloadModel):
@@ -152,12 +156,17 @@ async def read_route_table(client: Any, pool: str, current: RouteTable | None = 
     if head is not None and current is not None and current.writer == head.writer:
         if current.generation == head.generation:
             return current
-        if head.snapshot <= current.generation < head.generation <= current.generation + MAX_CATCH_UP:
+        if current.generation < head.generation <= current.generation + MAX_CATCH_UP:
+            # a restarted chain (``head.snapshot`` past ``current``) usually kept the delta of its first generation
             deltas = await _deltas(client, pool, current.generation, head.generation)
             caught_up = apply(current, deltas) if deltas is not None else None
             if caught_up is not None:
                 return caught_up
-    snapshot = read_payload_or_none(RouteTable, await client.get(keys.route_table(pool)), log)
+    raw = await client.get(keys.route_table(pool))
+    if raw is not None and len(raw) > PARSE_ASIDE_BYTES:  # megabytes at 10,000 names: parsed off the event loop
+        snapshot = await asyncio.to_thread(read_payload_or_none, RouteTable, raw, log)
+    else:
+        snapshot = read_payload_or_none(RouteTable, raw, log)
     if snapshot is None or head is None or snapshot.writer != head.writer or snapshot.generation >= head.generation:
         return snapshot  # a table written whole (no chain after it), or newer than the head read before it
     upto = min(head.generation, snapshot.generation + MAX_CATCH_UP)

@@ -330,11 +330,20 @@ class RedisStore:
         raw = table.to_json()
         head_raw = RouteHead(pool=pool, generation=table.generation, snapshot=table.generation,
                              writer=table.writer).to_json()
+        # the change as a delta too, where it chains onto the table written before: a reader holding that one
+        # catches up by the delta instead of parsing the whole table again (a restarted chain)
+        first_delta = (diff(previous, table).to_json() if previous is not None and previous.writer == table.writer
+                       and previous.generation + 1 == table.generation else None)
+        if first_delta is not None and 2 * len(first_delta) > len(raw):
+            first_delta = None
         async with self.client.pipeline(transaction=False) as pipe:
+            if first_delta is not None:
+                pipe.set(keys.route_delta(pool, table.generation), first_delta, ex=DELTA_TTL_SECONDS)
             pipe.set(keys.route_table(pool), raw)
             pipe.set(head_key, head_raw)
             pipe.publish(keys.routes_changed_channel(pool), str(table.generation))
             await pipe.execute()
+        self.bytes_written += len(first_delta or b"")
         self._chains[pool] = _Chain(table.generation, len(raw), [(keys.route_table(pool), raw), (head_key, head_raw)],
                                     self.clock(), writer=table.writer)
         self.routes[pool] = table

@@ -124,6 +124,28 @@ async def test_deltas_add_up_to_a_new_snapshot(redis_srv: RedisServer) -> None:
     await client.aclose()
 
 
+async def test_a_restarted_chain_keeps_its_first_delta_so_readers_need_not_parse_the_table(
+        redis_srv: RedisServer) -> None:
+    """Where the writer starts a new chain (the table written whole again: deltas added up, the chain grew long or
+    old), it writes the change as a delta too: a reader holding the generation before catches up by it, without
+    reading the megabytes of the table (here: without the table key at all)."""
+    store, client, models = await _store(redis_srv, n=40)
+    for i in range(40):
+        before = await read_route_table(client, POOL)
+        models[f"adapter-{i:04d}"] = _entry(f"adapter-{i:04d}", "v2", 50)
+        assert await store.write_routes(POOL, models, "base")
+        head = RouteHead.from_json(await client.get(keys.route_head(POOL)))
+        if head.snapshot == head.generation:  # this change restarted the chain
+            break
+    else:
+        raise AssertionError("the chain never restarted")
+    assert before is not None and before.generation == head.generation - 1
+    await client.delete(keys.route_table(POOL))
+    caught_up = await read_route_table(client, POOL, before)
+    assert caught_up is not None and caught_up.generation == head.generation and caught_up.models == models
+    await client.aclose()
+
+
 async def test_a_reader_catches_up_from_its_generation_and_never_sees_half_a_change(redis_srv: RedisServer) -> None:
     store, client, models = await _store(redis_srv)
     reader = await read_route_table(client, POOL)
