@@ -411,7 +411,13 @@ class VllmDriver(VllmApiDriver):
 
     async def _keep_others(self, served_name: str, fresh: bool) -> None:
         for name in self.cache.touches_before(served_name, self._gpu_keep, self._host_keep, fresh=fresh):
-            await self._warm_up(name)
+            try:
+                await self._warm_up(name)
+            except RuntimeRejected as exc:  # gone from vLLM since the last look: nothing to keep, the load goes on
+                if exc.status != 404:
+                    raise
+                log.info("not keeping %s before %s: vLLM no longer has it", name, served_name)
+                self.cache.unload(name)
         lost = self.cache.pushed_out(served_name, self._gpu_keep, self._host_keep, fresh=fresh)
         if lost:
             log.warning("%s %s pushes %s out of their tier: vLLM has too few slots for the target",

@@ -269,3 +269,32 @@ def test_a_disk_tier_target_on_vllm_ends_registered_and_is_never_unloaded_for_be
             await r.cancel()
 
     asyncio.run(run())
+
+
+def test_a_kept_adapter_vllm_no_longer_has_does_not_fail_the_load(tmp_path: Path) -> None:
+    """Before a load the driver touches the kept GPU adapters LRU would push out; one vLLM has unloaded meanwhile
+    (the keep set is from the last pass) answers 404. That is nothing to keep, not a failed load: the load goes on
+    (before, it failed and backed off: `load X failed (LoadRejected): The model Y does not exist` in the twin)."""
+    from tests.emulator.conftest import emulator
+    from tests.sidecar.adapters import write_peft_dir
+
+    async def run() -> None:
+        async with emulator(tmp_path / "emu", EngineConfig(max_loras=2, max_cpu_loras=4), shapes=None) as emu:
+            driver = EmulatedVllm(emu, RuntimeInfo(base_model="m", max_loras=2, max_cpu_loras=4))
+            paths = {}
+            for i, name in enumerate(("kept", "other", "new")):
+                paths[name] = tmp_path / name
+                write_peft_dir(paths[name], seed=i)
+            for name in ("kept", "other"):
+                await driver.load(name, paths[name])
+            driver.keep_resident({"kept"}, {"kept"})
+            # unloaded behind the driver's back: its keep set and replayed caches still have it in a GPU slot, the
+            # least recently used one, so loading "new" would push it out and the driver touches it first
+            answer = await emu.http.post("/v1/unload_lora_adapter", json={"lora_name": "kept"})
+            assert answer.status_code == 200
+            await driver.load("new", paths["new"])
+            assert "kept" in driver.posted("/v1/completions")  # it was tried (404) and skipped
+            assert "new" in emu.engine.registered
+            await driver.close()
+
+    asyncio.run(run())
