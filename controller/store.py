@@ -343,12 +343,11 @@ class RedisStore:
             pipe.set(head_key, head_raw)
             pipe.publish(keys.routes_changed_channel(pool), str(table.generation))
             await pipe.execute()
-        self.bytes_written += len(first_delta or b"")
         self._chains[pool] = _Chain(table.generation, len(raw), [(keys.route_table(pool), raw), (head_key, head_raw)],
                                     self.clock(), writer=table.writer)
         self.routes[pool] = table
         self.writes += 1
-        self.bytes_written += len(raw) + len(head_raw)
+        self.bytes_written += len(raw) + len(head_raw) + len(first_delta or b"")
 
     async def _write_target_states(self, pool: str, states: Sequence[TargetState]) -> None:
         raws = [(keys.target_state(pool, state.pod), state.to_json()) for state in states]

@@ -243,7 +243,8 @@ def residency_filter(params: ResidencyFilterParameters) -> Filter:
                 return fallback
         staging = pool.staging
         if np.count_nonzero(mask & cycle.candidates):
-            if params.spill_without_room and (staging is None or params.spill_while_staging):
+            if (params.spill_without_room and pool.any_on_demand
+                    and (staging is None or params.spill_while_staging)):
                 return spill(request, pool, cycle, mask, staging)
             return mask
         draining = pool.draining_holders(request.served_name, request.digest)
@@ -257,7 +258,7 @@ def residency_filter(params: ResidencyFilterParameters) -> Filter:
             wider = pool.memo((holding_or_draining, request.served_name, request.digest), holders_or_draining)
             if np.count_nonzero(wider & cycle.candidates):
                 return wider
-        if not np.count_nonzero(pool.on_demand & cycle.candidates):
+        if not pool.any_on_demand or not np.count_nonzero(pool.on_demand & cycle.candidates):
             raise RevisionNotServedError(
                 f"no candidate endpoint holds {request.served_name} (revision {request.digest}), and a pod that has "
                 "not registered it would answer 404")

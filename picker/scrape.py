@@ -11,8 +11,8 @@ none. The scrapes run as tasks on the picker's event loop, one per endpoint: a d
 No Redis: model names are routed as given (``PassthroughResolver``). A peer's users register their adapters on the
 pods under their own names and the picker does not resolve them: every pod counts as serving every name
 (``EndpointState.loads_on_demand``, as llm-d-router assumes: vLLM registers the adapters at start-up or resolves
-them), and a name no pod serves gets vLLM's 404. A name the pods report as their base model (the ``model_name`` label of their metrics, or ``--base-model``) is a base-model
-request.
+them), and a name no pod serves gets vLLM's 404. A name the pods report as their base model (the ``model_name``
+label of their metrics, or ``--base-model``) is a base-model request.
 """
 
 from __future__ import annotations

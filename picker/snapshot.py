@@ -202,6 +202,8 @@ class PoolSnapshot:
         #: 1.0 where no gold revision is GPU-resident
         self.unprotected: FloatArray = (self.protected_warm == 0).astype(np.float64)
         self.fresh: BoolArray = ~self.stale
+        #: some endpoint loads on demand (simulated and scraped pools; never a pool of sidecars' reports)
+        self.any_on_demand = bool(self.on_demand.any())
 
     def _protected_count(self, endpoint: EndpointState) -> int:
         return sum(1 for (name, _), level, draining in _resident_rows(endpoint)
