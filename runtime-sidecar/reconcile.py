@@ -19,9 +19,10 @@ On a runtime whose tiers follow its own LRU (no ``tier_control``, loads activate
 warmed once per target entry, not held there: once a load or activation put it at its tier, the runtime's LRU may
 move its copy down (requests for other adapters take the slots) and the sidecar leaves it (``left_to_runtime``),
 as the controller's plan is a prefetch. Re-asserting every drift was a one-token completion each, and each took a
-GPU slot from another adapter: the twin's vLLM pods made 2-7x the simulator's GPU loads (docs/twin.md). A changed
-target entry (another tier, another revision) or an unload warms it again, and an entry the controller holds
-(``AdapterTarget.hold``: its rollout gates read the tier there) is warmed again whenever it drifts.
+GPU slot from another adapter: the twin's vLLM pods made 2-7x the simulator's GPU loads (docs/twin.md). Nor is such
+an entry defended before the sidecar's own loads (``keep_resident`` names only the entries not left to the runtime).
+A changed target entry (another tier, another revision) or an unload warms it again, and an entry the controller
+holds (``AdapterTarget.hold``: its rollout gates read the tier there) is warmed again whenever it drifts.
 """
 
 from __future__ import annotations
@@ -394,8 +395,11 @@ class Reconciler:
         self._forget_stale_status(target, observation)
         planned = self.plan(target, observation)
         wanted_tiers, clipped = self._within_capacity(target, observation.info)
-        self.driver.keep_resident({n for n, t in wanted_tiers.items() if t.tier is Tier.GPU},
-                                  {n for n, t in wanted_tiers.items() if t.tier in (Tier.GPU, Tier.CPU)})
+        # an entry left to the runtime's LRU is not defended either: touching it before each load to save its
+        # copy took a GPU slot for it, the churn warm-once removed (docs/twin.md)
+        kept = {n: t for n, t in wanted_tiers.items() if not self.left_to_runtime(t)}
+        self.driver.keep_resident({n for n, t in kept.items() if t.tier is Tier.GPU},
+                                  {n for n, t in kept.items() if t.tier in (Tier.GPU, Tier.CPU)})
         if self.drain_grace_s > 0:
             self.draining = {n: self.draining.get(n) for n in self.leaving(wanted_tiers, observation)}
         for name, wanted in target.by_name().items():

@@ -62,6 +62,9 @@ GATE_RETRY_S = 0.05
 _PRIORITY_SHIFT = 40
 #: ``SimResult.refused`` code of a served request (otherwise the HTTP status the client got: 429 or 503)
 SERVED = 0
+#: ``SimConfig.loraplane_runtime``: pods that load any revision on demand, or vLLM behind loraplane's sidecar
+ON_DEMAND, VLLM = "on-demand", "vllm"
+LORAPLANE_RUNTIMES = (ON_DEMAND, VLLM)
 
 
 class Refused(Exception):
@@ -159,6 +162,10 @@ class Pod:
         self.cpu: set[int] = set()
         self.disk: set[int] = set(disk)
         self.disk_used = 0
+        #: the revisions the runtime has registered, the only ones it serves (``SimConfig.loraplane_runtime`` vllm);
+        #: None: it serves any on its disk. ``registering``: fetched to disk first, registered when they land
+        self.registered: set[int] | None = None
+        self.registering: set[int] = set()
         #: what the last placement plans on this pod, at any tier (the sidecar's target state): its disk cache
         #: evicts other adapters first
         self.planned: set[int] = set()
@@ -291,15 +298,20 @@ class SimConfig:
     #: how often the peers' pickers scrape each pod's vLLM metrics (llm-d-router's default 50 ms; 0: before every
     #: decision)
     scrape_interval_s: float = 0.05
-    #: loraplane's pods serve only the revisions they hold, as real runtimes (vLLM without a LoRA resolver, the
-    #: engine) answer 404 for the rest: the picker then never sends a revision to a pod that does not hold it (it
-    #: waits for a holder instead). False: the serving model's pods load any revision on demand, and the picker
-    #: spills to them. The peers' pods serve every name either way (their adapters registered everywhere)
-    registered_only: bool = False
+    #: what loraplane's pods run (``LORAPLANE_RUNTIMES``). ``on-demand``: the serving model's pods serve any
+    #: revision on their disk (loading it on demand) and evict by the engine's keep score; the picker spills to
+    #: them. ``vllm``: vLLM behind loraplane's sidecar, as the chart and the twin run it: a pod serves only the
+    #: revisions its sidecar registered (every target of the controller's plan, at any tier; vLLM answers 404 for
+    #: the rest, so the picker waits for a holder), each registration is a load that activates into a GPU slot, a
+    #: GPU- or host-tier target is warmed once per target entry and then left to vLLM's LRU, and an adapter leaving
+    #: the plan is unregistered. The peers' pods serve every name either way (their adapters registered everywhere)
+    loraplane_runtime: str = ON_DEMAND
 
     def __post_init__(self) -> None:
         if self.pods < 1 or self.max_loras < 1 or self.max_cpu_loras < self.max_loras:
             raise ValueError("need pods >= 1, max_loras >= 1 and max_cpu_loras >= max_loras (as vLLM requires)")
+        if self.loraplane_runtime not in LORAPLANE_RUNTIMES:
+            raise ValueError(f"loraplane_runtime must be one of {', '.join(LORAPLANE_RUNTIMES)}")
         if not self.scrape_interval_s >= 0:
             raise ValueError("the scrape interval must be >= 0 seconds")
 
@@ -321,7 +333,10 @@ class SimResult:
     admitted: array = field(default_factory=lambda: array("i"))
     #: per request: prompt tokens served from its pod's prefix cache (all 0 on traces without prefix structure)
     cached_tokens: array = field(default_factory=lambda: array("i"))
+    #: loads into GPU slots once requests came; ``setup_loads``: the placement's before the first one, which set
+    #: the pool up (as the twin's sidecars do before its replay, which counts from its start)
     gpu_loads: int = 0
+    setup_loads: int = 0
     demand_loads: int = 0
     load_times: list[float] = field(default_factory=list)
     gpu_evictions: int = 0
@@ -1016,7 +1031,10 @@ class Simulator:
         pod.touch(a)
         pod.loaded_at[a] = now
         pod.residency_version += 1
-        res.gpu_loads += 1
+        if self.arrived:
+            res.gpu_loads += 1
+        else:
+            res.setup_loads += 1
         if demand:
             res.demand_loads += 1
             res.load_times.append(now)
@@ -1038,6 +1056,9 @@ class Simulator:
         placement no longer plans here first (as the sidecar keeps its target state's adapters)."""
         pod.downloading.discard(a)
         pod.disk.add(a)
+        if a in pod.registering:
+            pod.registering.discard(a)
+            self.register(pod, a)
         pod.disk_used += self.trace.adapters[a].nbytes
         pod.residency_version += 1
         cpu, waiting, last_use = pod.cpu, pod.waiting_adapters, pod.last_use.get
@@ -1090,6 +1111,36 @@ class Simulator:
         """Ask ``pod`` to have ``adapter`` on local disk (fetched in the background)."""
         if adapter not in pod.disk:
             self._download(pod, adapter)
+
+    def register(self, pod: Pod, adapter: int) -> None:
+        """Register ``adapter`` with ``pod``'s vLLM (``Pod.registered``), fetching it to disk first: vLLM's load
+        activates it, so it takes a GPU slot at the next step."""
+        assert pod.registered is not None
+        if adapter in pod.registered:
+            return
+        if adapter not in pod.disk:
+            pod.registering.add(adapter)
+            self._download(pod, adapter)
+            return
+        pod.registered.add(adapter)
+        pod.residency_version += 1
+        self.prefetch(pod, adapter)
+
+    def unregister(self, pod: Pod, adapter: int) -> None:
+        """``pod``'s vLLM forgets ``adapter``'s name; its copy leaves the caches unless requests there still use it
+        (vLLM keeps an unloaded copy until its LRU drops it, the least recently used of all by then)."""
+        assert pod.registered is not None
+        pod.registering.discard(adapter)
+        if adapter not in pod.registered:
+            return
+        pod.registered.discard(adapter)
+        pod.residency_version += 1
+        if adapter in pod.running_adapters or pod.waiting_adapters.get(adapter):
+            return
+        pod.cpu.discard(adapter)
+        pod.gpu.discard(adapter)
+        if adapter in pod.prefetch_queue:
+            pod.prefetch_queue.remove(adapter)
 
 
 def _as_scraper(router: Router) -> Scraper | None:

@@ -43,6 +43,7 @@ from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.sim.admission import OFF, QUEUES, FlowControlConfig
 from loraplane.sim.baselines import ROUND_ROBIN, RoundRobin
 from loraplane.sim.cluster import (
+    VLLM,
     Admission,
     Eviction,
     Placement,
@@ -164,10 +165,15 @@ class PickerRouter:
         cached = self._residency.get(pod.index)
         if cached is not None and cached[0] == pod.residency_version:
             return cached[1]
-        rows = self._rows
-        held = dict(map(rows[Tier.DISK].__getitem__, pod.disk))
-        held.update(map(rows[Tier.CPU].__getitem__, pod.cpu))
-        held.update(map(rows[Tier.GPU].__getitem__, pod.gpu))
+        rows, registered = self._rows, pod.registered
+        if registered is None:
+            held = dict(map(rows[Tier.DISK].__getitem__, pod.disk))
+            held.update(map(rows[Tier.CPU].__getitem__, pod.cpu))
+            held.update(map(rows[Tier.GPU].__getitem__, pod.gpu))
+        else:  # vLLM: only its registered names, at the tier of their copy (none left: read back from disk)
+            held = dict(map(rows[Tier.DISK].__getitem__, registered))
+            held.update(map(rows[Tier.CPU].__getitem__, pod.cpu & registered))
+            held.update(map(rows[Tier.GPU].__getitem__, pod.gpu & registered))
         self._residency[pod.index] = (pod.residency_version, held)
         return held
 
@@ -294,6 +300,9 @@ class ControllerPlacement:
         self.period_s = period_s
         self._trace = trace
         self._config = config.placement
+        #: vLLM pods: each pod's targets as last applied (adapter -> tier), what its sidecar registered
+        self._vllm = config.loraplane_runtime == VLLM
+        self._entries: list[dict[int, Tier]] = [{} for _ in range(config.pods)]
         # vLLM's host cache (``max_cpu_loras``) holds its GPU-resident adapters too, as the controller plans it
         cpu_slots = host_slots(config.max_cpu_loras, config.max_loras)
         self._pods = [PodCapacity(f"pod-{i}", config.max_loras, cpu_slots, disk_bytes=config.disk_bytes)
@@ -337,6 +346,9 @@ class ControllerPlacement:
         for pod in sim.pods:
             planned = plan.pods.get(f"pod-{pod.index}", {})
             pod.planned = {self._index[name] for name in planned}
+            if self._vllm:
+                self._register(sim, pod, {self._index[name]: tier for name, tier in planned.items()})
+                continue
             for name, tier in planned.items():
                 if tier is Tier.GPU:
                     sim.prefetch(pod, self._index[name])
@@ -344,6 +356,25 @@ class ControllerPlacement:
                     sim.stage_cpu(pod, self._index[name])
                 else:
                     sim.stage_disk(pod, self._index[name])
+
+    def _register(self, sim: Simulator, pod: Pod, targets: dict[int, Tier]) -> None:
+        """What a vLLM pod's sidecar does with its new targets: registers each target it has not (a load, which
+        activates), warms a GPU- or host-tier entry that is new or changed tier once (then leaves it to vLLM's LRU),
+        and unregisters the adapters no longer targeted."""
+        if pod.registered is None:
+            pod.registered = set()
+        entries = self._entries[pod.index]
+        for adapter in entries.keys() - targets.keys():
+            sim.unregister(pod, adapter)
+        warm = (Tier.GPU, Tier.CPU)
+        for adapter, tier in sorted(targets.items(), key=lambda item: item[1] not in warm):
+            if entries.get(adapter) is tier:
+                continue
+            if adapter not in pod.registered:
+                sim.register(pod, adapter)
+            elif tier in warm:
+                sim.prefetch(pod, adapter)
+        self._entries[pod.index] = targets
 
 
 def picker_config_for(profile: Profile, path: Path | None = None) -> EndpointPickerConfig:
@@ -427,7 +458,8 @@ def build_policy(
         endpoint_picker_config = picker_config_for(profile, picker_config)
         scheduler = Scheduler(endpoint_picker_config)
         placement = ControllerPlacement(trace, config)
-        router = PickerRouter(seed, trace, profile, scheduler, placement.staging, not config.registered_only)
+        vllm = config.loraplane_runtime == VLLM
+        router = PickerRouter(seed, trace, profile, scheduler, placement.staging, loads_on_demand=not vllm)
         admission = None
         if flow_control is None:
             flow_control = shipped_flow_control(endpoint_picker_config)
@@ -437,7 +469,7 @@ def build_policy(
                 router.choose, lambda rid: tenants[trace.tenant[rid]].priority, trace.tenant.__getitem__, flow_control
             )
         return Policy(
-            router, EngineEviction(KeepScorePolicy(), trace, profile), placement, admission,
+            router, EngineEviction(LruPolicy() if vllm else KeepScorePolicy(), trace, profile), placement, admission,
             runtime_priorities(trace) if chart_pods else None, loraplane_pod_profile(profile) if chart_pods else None,
         )
     eviction = EngineEviction(LruPolicy(), trace, profile)

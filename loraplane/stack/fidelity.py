@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loraplane.sim.cluster import SimConfig
+from loraplane.sim.cluster import VLLM, SimConfig
 from loraplane.sim.metrics import served_ttft, summarize
 from loraplane.sim.profile import Profile, load_profile
 from loraplane.sim.runner import simulate
@@ -103,7 +103,7 @@ def sim_report(trace: Trace, options: TwinOptions, profile: Profile, policy: str
     from loraplane.sim.bound import belady_misses
 
     config = SimConfig(pods=options.pods, max_loras=options.max_loras, max_cpu_loras=options.max_cpu_loras,
-                       scrape_interval_s=options.scrape_interval, registered_only=True)
+                       scrape_interval_s=options.scrape_interval, loraplane_runtime=VLLM)
     started = time.process_time()
     result = simulate(trace if policy == LORAPLANE else static_set(trace), config, profile, policy, seed)
     summary = summarize(result, config, belady_misses(trace.adapter, config.pods * config.max_loras),

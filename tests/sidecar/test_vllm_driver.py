@@ -229,12 +229,13 @@ def test_a_disk_tier_target_on_vllm_ends_registered_and_is_never_unloaded_for_be
             assert sorted(loads) == sorted(names)
             assert set(loads[-3:]) == {t.served_name for t in cold}  # after the GPU- and host-tier targets
             assert driver.posted("/v1/unload_lora_adapter") == []
-            rows = observation.adapters
-            assert rows[hot.served_name].tier is Tier.GPU and rows[warm.served_name].tier is not Tier.DISK
             assert all(r.status[n].error is None for n in names), r.status
+            # the GPU- and host-tier targets were warmed by their loads and are left to vLLM's LRU from then on:
+            # not defended by touches before the disk-tier registrations (each touch of a host copy took a GPU slot)
+            assert r.left_to_runtime(hot) and r.left_to_runtime(warm)
+            assert driver._gpu_keep == frozenset() and driver._host_keep == frozenset()
+            assert not {hot.served_name, warm.served_name} & set(driver.posted("/v1/completions"))
             truth = emu.engine.cache
-            assert truth.tier(emu.engine.registered[hot.served_name].int_id) is Tier.GPU
-            assert truth.tier(emu.engine.registered[warm.served_name].int_id) is not Tier.DISK
 
             # a request for a disk-tier revision is served (vLLM reads it from its path), and nothing is unloaded
             answer = await emu.http.post("/v1/completions", json={"model": cold[0].served_name, "prompt": "hi",
@@ -245,7 +246,7 @@ def test_a_disk_tier_target_on_vllm_ends_registered_and_is_never_unloaded_for_be
             await _converge(r, driver, state(demoted, warm, *cold))
             assert driver.posted("/v1/unload_lora_adapter") == [] and r.draining == {}
             assert registered() == set(names)
-            assert driver._gpu_keep == frozenset() and driver._host_keep == {warm.served_name}
+            assert driver._gpu_keep == frozenset() and driver._host_keep == frozenset()
             # its copy ages out by LRU: requests for the other disk-tier revisions push it out of the GPU and host
             warm_ups = len(driver.posted("/v1/completions"))
             for t in cold:
@@ -260,6 +261,7 @@ def test_a_disk_tier_target_on_vllm_ends_registered_and_is_never_unloaded_for_be
             held_warm = warm.model_copy(update={"hold": True})
             observation = await _converge(r, driver, state(demoted, held_warm, *cold))
             assert observation.adapters[warm.served_name].tier is not Tier.DISK
+            assert driver._host_keep == {warm.served_name}  # and defended before the sidecar's own loads
             assert warm.served_name in driver.posted("/v1/completions")[warm_ups:]
             # a changed target entry warms it again
             promoted = warm.model_copy(update={"tier": Tier.GPU})

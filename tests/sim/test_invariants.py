@@ -43,7 +43,7 @@ def test_single_pod_with_enough_slots_has_no_cold_start_after_warm_up(policy: st
     config = SimConfig(pods=1, max_loras=15, max_cpu_loras=15)
     result = simulate(trace, config, LARGE_GPU, policy, seed=5, flow_control=NO_QUEUE)
     adapters = len(set(trace.adapter))
-    assert result.gpu_loads == adapters
+    assert result.setup_loads + result.gpu_loads == adapters
     assert result.demand_loads <= adapters
     assert result.gpu_evictions == 0
     # after the last first-use load has finished, every request finds its adapter in a GPU slot

@@ -1,0 +1,78 @@
+"""loraplane's pods as vLLM behind its sidecar (``SimConfig.loraplane_runtime`` vllm): they serve only what the
+sidecar registered, every registration is a load into a GPU slot, and the picker routes only to registered pods."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplane.api import Tier
+from loraplane.sim.cluster import VLLM, SimConfig, Simulator
+from loraplane.sim.policies import LORAPLANE, ControllerPlacement, build_policy
+from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.trace import scenario
+from tests.sim.conftest import ADAPTER_BYTES
+
+CONFIG = SimConfig(pods=4, max_loras=4, max_cpu_loras=16, loraplane_runtime=VLLM)
+
+
+def simulator(requests: int = 400) -> Simulator:
+    trace = scenario("zipf-many", requests, seed=2, adapter_bytes=ADAPTER_BYTES)
+    built = build_policy(LORAPLANE, 2, trace, LARGE_GPU, CONFIG)
+    return Simulator(trace, CONFIG, built.pod_profile or LARGE_GPU, built.router, built.eviction, built.placement,
+                     admission=built.admission, priority=built.priority)
+
+
+def test_every_request_goes_to_a_pod_that_registered_its_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = simulator()
+    sent = Simulator.dispatch
+    unregistered: list[int] = []
+
+    def dispatch(self: Simulator, rid: int, pod_index: int) -> None:
+        registered = self.pods[pod_index].registered
+        assert registered is not None
+        if self.trace.adapter[rid] not in registered:
+            unregistered.append(rid)
+        sent(self, rid, pod_index)
+
+    monkeypatch.setattr(Simulator, "dispatch", dispatch)
+    result = sim.run()
+    served = sum(1 for r in result.refused if r == 0)
+    assert served > 100  # a burst beyond the pool: many wait out their deadline in the picker's queue
+    assert unregistered == []
+    # every pod registered exactly its last targets, and the pods hold fewer than every adapter
+    placement = sim.placement
+    assert isinstance(placement, ControllerPlacement)
+    assert all(pod.registered is not None and len(pod.registered) < len(sim.trace.adapters) for pod in sim.pods)
+
+
+def test_a_registration_is_a_load_into_a_gpu_slot_and_an_unregistered_copy_leaves() -> None:
+    sim = simulator()
+    pod = sim.pods[0]
+    pod.registered = set()
+    on_disk = next(a for a in range(len(sim.trace.adapters)) if a in pod.disk)
+    sim.arrived = 1  # past the set-up: the load counts
+    sim.register(pod, on_disk)  # the idle pod loads it at once
+    assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 1
+    sim.unregister(pod, on_disk)
+    assert on_disk not in pod.registered and on_disk not in pod.gpu and on_disk not in pod.cpu
+    # an adapter not on disk yet is fetched first and registered when it lands
+    pod.disk.discard(on_disk)
+    sim.register(pod, on_disk)
+    assert on_disk not in pod.registered and on_disk in pod.downloading
+    sim._downloaded(pod, on_disk)
+    assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 2
+
+
+def test_the_picker_sees_only_registered_adapters() -> None:
+    sim = simulator()
+    router = build_policy(LORAPLANE, 2, sim.trace, LARGE_GPU, CONFIG).router
+    pod = sim.pods[0]
+    pod.registered = {0, 1}
+    pod.cpu, pod.gpu = {1, 2}, {2}
+    rows = router._residency_of(pod)  # type: ignore[attr-defined]
+    names = [a.name for a in sim.trace.adapters]
+    assert {name: tier for name, (tier, _) in rows.items()} == {names[0]: Tier.DISK, names[1]: Tier.CPU}
+    # pods that load on demand report every adapter on their disk
+    pod.registered = None
+    pod.residency_version += 1
+    assert len(router._residency_of(pod)) == len(pod.disk)  # type: ignore[attr-defined]
