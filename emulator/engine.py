@@ -320,7 +320,7 @@ class Engine:
         tickets, self._loads = self._loads, []
         api_ms = 0.0
         for ticket in tickets:
-            api_ms += self._bring_in(ticket.lora)
+            api_ms += self._bring_in(ticket.lora, api=True)
             ticket.done_at = now + api_ms / 1e3
         plan = self._schedule(now)
         if not plan.batch and not tickets:
@@ -597,12 +597,14 @@ class Engine:
             self.waiting.append(req)
 
     # --- adapters -------------------------------------------------------------------------------------------------
-    def _bring_in(self, lora: Lora) -> float:
-        """Load and activate ``lora`` as the worker does; the milliseconds it stalls the step."""
+    def _bring_in(self, lora: Lora, api: bool = False) -> float:
+        """Load and activate ``lora`` as the worker does (``api``: for ``/v1/load_lora_adapter``, not a request);
+        the milliseconds it stalls the step."""
         cost: LoadCost | None = self.cache.bring_in(lora)
         if cost is None:
             return 0.0
         self.stats.lora_loads["disk" if cost.tier is Tier.DISK else "cpu"] += 1
+        self.stats.lora_api_loads += api
         self.stats.lora_load.observe(cost.ms / 1e3)
         return cost.ms
 

@@ -70,6 +70,8 @@ class EngineStats:
     lora_load: Histogram = field(default_factory=lambda: Histogram(LOAD_BUCKETS))
     #: adapters brought into a GPU slot, by the tier they came from ("cpu": host copy, "disk": read from disk)
     lora_loads: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
+    #: of those, the loads ``/v1/load_lora_adapter`` made (registrations; the rest: requests' loads)
+    lora_api_loads: int = 0
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -158,4 +160,7 @@ def render(engine: Engine, model_name: str, start_time: float, wall: Callable[[f
                "Adapters brought into a GPU slot, by the tier they came from.",
                [("loraplane_emulator_lora_loads_total", {**base, "tier": tier}, float(count))
                 for tier, count in stats.lora_loads.items()])
+    out.counter("loraplane_emulator_lora_api_loads",
+                "Of the adapters brought into a GPU slot, those /v1/load_lora_adapter brought (not a request).", base,
+                float(stats.lora_api_loads))
     return out.text()

@@ -21,7 +21,8 @@ move its copy down (requests for other adapters take the slots) and the sidecar 
 as the controller's plan is a prefetch. Re-asserting every drift was a one-token completion each, and each took a
 GPU slot from another adapter: the twin's vLLM pods made 2-7x the simulator's GPU loads (docs/twin.md). Nor is such
 an entry defended before the sidecar's own loads (``keep_resident`` names only the entries not left to the runtime).
-A changed target entry (another tier, another revision) or an unload warms it again, and an entry the controller
+A changed target entry (another revision, or from the disk tier to a warm one: GPU and host are one entry there,
+``warm_entry``) or an unload warms it again, and an entry the controller
 holds (``AdapterTarget.hold``: its rollout gates read the tier there) is warmed again whenever it drifts.
 """
 
@@ -64,6 +65,11 @@ log = logging.getLogger(__name__)
 #: Seconds between publishing an adapter's ``draining`` row and unloading it: about twice what the picker needs to
 #: apply a change notice and for a request it routed just before to reach the runtime.
 DEFAULT_DRAIN_GRACE_S = 1.0
+#: On a runtime whose loads activate (vLLM), the longest a load or warm-up waits while adapters with requests in
+#: flight fill every GPU slot (``Reconciler.step``): it would evict a running adapter, which the next step brings
+#: back, evicting the next one (the twin's emulated vLLM pods made three times the simulator's loads from host
+#: memory); after this long it goes ahead, so a busy pod still gets its revisions
+SLOTS_BUSY_WAIT_S = 2.0
 #: load-stage measurements each tier's mean in ``PodLoad.loadSeconds`` is taken over (the most recent ones)
 LOAD_COST_SAMPLES = 16
 
@@ -168,6 +174,13 @@ class ActionFailed(Exception):
         self.reason = reason
 
 
+def warm_entry(target: AdapterTarget) -> tuple[str, bool]:
+    """What makes a target entry new for warm-once: its revision and whether it is warm (GPU or host tier). On a
+    runtime whose LRU moves copies between its tiers, GPU and host are one entry: a plan moving an adapter between
+    them re-warmed it, a completion and a load each time, for a copy the next request brings in anyway."""
+    return target.cache_key, target.tier in (Tier.GPU, Tier.CPU)
+
+
 class Reconciler:
     """Starts actions that move the runtime towards the target; one action per adapter at a time."""
 
@@ -201,8 +214,10 @@ class Reconciler:
         self.drain_grace_s = drain_grace_s
         #: adapters leaving the runtime -> when a report saying so was published (None: not yet)
         self.draining: dict[str, float | None] = {}
-        #: served name -> (cache key, tier) of the target entry a load or activation last put at its tier
-        self.warmed: dict[str, tuple[str, Tier]] = {}
+        #: served name -> the target entry (``warm_entry``) a load or activation last put at its tier
+        self.warmed: dict[str, tuple[str, bool]] = {}
+        #: since when the runtime's GPU slots have all held adapters with requests in flight (None: not now)
+        self._slots_busy_since: float | None = None
 
     # --- identity ---------------------------------------------------------------------------------------------
 
@@ -286,7 +301,7 @@ class Reconciler:
         (``AdapterTarget.hold``)? See the module doc."""
         caps = self.driver.capabilities
         return (caps.load_activates and not caps.tier_control and not target.hold
-                and self.warmed.get(target.served_name) == (target.cache_key, target.tier))
+                and self.warmed.get(target.served_name) == warm_entry(target))
 
     @staticmethod
     def within_capacity(target: TargetState, info: RuntimeInfo, landing_slot: bool = False,
@@ -397,6 +412,9 @@ class Reconciler:
         wanted_tiers, clipped = self._within_capacity(target, observation.info)
         # an entry left to the runtime's LRU is not defended either: touching it before each load to save its
         # copy took a GPU slot for it, the churn warm-once removed (docs/twin.md)
+        for name, wanted in wanted_tiers.items():
+            if wanted.tier not in (Tier.GPU, Tier.CPU):  # out of the warm tiers: a move back is a new entry
+                self.warmed.pop(name, None)
         kept = {n: t for n, t in wanted_tiers.items() if not self.left_to_runtime(t)}
         self.driver.keep_resident({n for n, t in kept.items() if t.tier is Tier.GPU},
                                   {n for n, t in kept.items() if t.tier in (Tier.GPU, Tier.CPU)})
@@ -425,7 +443,8 @@ class Reconciler:
         # a runtime whose loads activate (vLLM) places one adapter at a time (it serialises loads anyway), host-tier
         # targets before GPU-tier ones, so the GPU-tier ones are the most recently used when all are in
         serial = self.driver.capabilities.load_activates
-        placing = serial and any(self._task_action[n] in _PLACING for n in busy)
+        placing = serial and (any(self._task_action[n] in _PLACING for n in busy)
+                              or self._slots_busy(observation, now))
         # disk-tier registrations (``disk_registered``) are the lowest priority: each waits until no warmer target
         # is being placed or due to be, and one at a time (each load takes the landing slot and a host copy)
 
@@ -475,6 +494,17 @@ class Reconciler:
             started.append((name, action))
             removing = removing or action.removes
         return started
+
+    def _slots_busy(self, observation: Observation, now: float) -> bool:
+        """Do adapters with requests in flight fill every GPU slot, for less than ``SLOTS_BUSY_WAIT_S`` so far?
+        A load or warm-up then waits (see ``SLOTS_BUSY_WAIT_S``)."""
+        slots = observation.info.max_loras
+        if slots is None or sum(h.in_flight > 0 for h in observation.adapters.values()) < slots:
+            self._slots_busy_since = None
+            return False
+        if self._slots_busy_since is None:
+            self._slots_busy_since = now
+        return now - self._slots_busy_since < SLOTS_BUSY_WAIT_S
 
     @staticmethod
     def _gpu_full(observation: Observation) -> bool:
@@ -564,7 +594,7 @@ class Reconciler:
             self.metrics.h2d.observe(seconds)
             self.load_costs.record(Tier.CPU if held is not None and held.tier is Tier.CPU else Tier.DISK, seconds)
             self._count_promotion(name)
-            self.warmed[name] = (target.cache_key, target.tier)
+            self.warmed[name] = warm_entry(target)
         else:
             assert target is not None
             start, fetched = time.perf_counter(), self.cache.get(target.cache_key) is None
@@ -581,7 +611,7 @@ class Reconciler:
                 self._count_promotion(name)
                 self.load_costs.record(Tier.ABSENT if fetched else Tier.DISK, time.perf_counter() - start)
             self.loaded[name] = LoadRecord(target.cache_key, entry.artifact_digest, entry.adapter_digest)
-            self.warmed[name] = (target.cache_key, target.tier)
+            self.warmed[name] = warm_entry(target)
             if driver.capabilities.priority:  # at once, so the runtime's eviction policy never weighs a default
                 await driver.set_priority(name, target.priority)
 

@@ -163,9 +163,11 @@ class Pod:
         self.disk: set[int] = set(disk)
         self.disk_used = 0
         #: the revisions the runtime has registered, the only ones it serves (``SimConfig.loraplane_runtime`` vllm);
-        #: None: it serves any on its disk. ``registering``: fetched to disk first, registered when they land
+        #: None: it serves any on its disk. ``registering``: fetched to disk first, registered when they land;
+        #: ``registered_load``: registered, their load (vLLM's load activates) not made yet
         self.registered: set[int] | None = None
         self.registering: set[int] = set()
+        self.registered_load: set[int] = set()
         #: what the last placement plans on this pod, at any tier (the sidecar's target state): its disk cache
         #: evicts other adapters first
         self.planned: set[int] = set()
@@ -338,6 +340,8 @@ class SimResult:
     gpu_loads: int = 0
     setup_loads: int = 0
     demand_loads: int = 0
+    #: of ``gpu_loads``, those a registration made (``Simulator.register``)
+    registration_loads: int = 0
     load_times: list[float] = field(default_factory=list)
     gpu_evictions: int = 0
     thrash_reloads: int = 0
@@ -756,9 +760,13 @@ class Simulator:
             self._departed(pod)
         stall = 0.0
         if pod.prefetch_queue:
+            waiting_loads = []
             for a in pod.prefetch_queue:
-                stall += max(0.0, self._load(pod, a, now, demand=False))
-            pod.prefetch_queue.clear()
+                load_s = self._load(pod, a, now, demand=False)
+                if load_s < 0 and a in pod.registered_load:
+                    waiting_loads.append(a)  # the sidecar's load waits while every slot runs (SLOTS_BUSY_WAIT_S)
+                stall += max(0.0, load_s)
+            pod.prefetch_queue = waiting_loads
         if preempted or budget <= 0 or not waiting:
             return stall, prefill_tokens, first_tokens, single or bool(waiting), batch, distinct
         tr, res = self.trace, self.result
@@ -1033,8 +1041,10 @@ class Simulator:
         pod.residency_version += 1
         if self.arrived:
             res.gpu_loads += 1
+            res.registration_loads += a in pod.registered_load
         else:
             res.setup_loads += 1
+        pod.registered_load.discard(a)
         if demand:
             res.demand_loads += 1
             res.load_times.append(now)
@@ -1124,6 +1134,8 @@ class Simulator:
             return
         pod.registered.add(adapter)
         pod.residency_version += 1
+        if adapter not in pod.gpu:
+            pod.registered_load.add(adapter)
         self.prefetch(pod, adapter)
 
     def unregister(self, pod: Pod, adapter: int) -> None:
@@ -1131,6 +1143,7 @@ class Simulator:
         (vLLM keeps an unloaded copy until its LRU drops it, the least recently used of all by then)."""
         assert pod.registered is not None
         pod.registering.discard(adapter)
+        pod.registered_load.discard(adapter)
         if adapter not in pod.registered:
             return
         pod.registered.discard(adapter)

@@ -111,6 +111,8 @@ def summarize(
         "cold_start_rate": round(result.gpu_loads / n, 6) if n else 0.0,
         "cold_starts_over_bound": round(result.gpu_loads / bound_cold_starts, 3) if bound_cold_starts else None,
         "demand_loads": result.demand_loads,
+        # of the cold starts, those a registration made (``--loraplane-runtime vllm``: vLLM's load activates)
+        "registration_loads": result.registration_loads,
         "bound_in_service_order": belady_misses(
             [trace.adapter[i] for i in result.admitted], config.pods * config.max_loras
         ),

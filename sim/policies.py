@@ -359,7 +359,7 @@ class ControllerPlacement:
 
     def _register(self, sim: Simulator, pod: Pod, targets: dict[int, Tier]) -> None:
         """What a vLLM pod's sidecar does with its new targets: registers each target it has not (a load, which
-        activates), warms a GPU- or host-tier entry that is new or changed tier once (then leaves it to vLLM's LRU),
+        activates), warms an entry that comes into the warm tiers (GPU or host) once, then leaves it to vLLM's LRU,
         and unregisters the adapters no longer targeted."""
         if pod.registered is None:
             pod.registered = set()
@@ -368,11 +368,9 @@ class ControllerPlacement:
             sim.unregister(pod, adapter)
         warm = (Tier.GPU, Tier.CPU)
         for adapter, tier in sorted(targets.items(), key=lambda item: item[1] not in warm):
-            if entries.get(adapter) is tier:
-                continue
             if adapter not in pod.registered:
                 sim.register(pod, adapter)
-            elif tier in warm:
+            elif tier in warm and entries.get(adapter) not in warm:  # GPU and host are one entry (warm_entry)
                 sim.prefetch(pod, adapter)
         self._entries[pod.index] = targets
 

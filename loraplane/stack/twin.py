@@ -484,6 +484,10 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
         "e2e_ms": finite_ms(o.e2e_s for o in outcomes if o.status == 200),
         "cold_starts": int(loads),
         "gpu_loads_by_tier": by_label(before.pods, after.pods, "loraplane_emulator_lora_loads_total", "tier"),
+        # of those, the loads the sidecars' registrations made (load_lora_adapter), as the simulator counts them
+        "registration_loads": int(sum(total(after.pods[p], "loraplane_emulator_lora_api_loads_total")
+                                      - total(before.pods[p], "loraplane_emulator_lora_api_loads_total")
+                                      for p in after.pods)),
         "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
         "refusal_reasons": dict(Counter(f"{o.status} {o.reason}" for o in outcomes if o.status != 200).most_common(8)),
         "wrong_revision": sum(o.wrong for o in outcomes),

@@ -68,6 +68,7 @@ def test_loads_by_tier_stall_the_step_and_lru_keeps_the_most_recently_served() -
     # a from disk pushed out c, the least recently served host copy
     assert [engine.cache.tier(x.int_id) for x in (a, b, c)] == [Tier.GPU, Tier.CPU, Tier.DISK]
     assert engine.stats.lora_loads == {"cpu": 1, "disk": 4}
+    assert engine.stats.lora_api_loads == 3  # the three registrations; the requests made the other two
 
 
 def test_every_step_touches_its_adapters_so_the_last_served_not_the_last_admitted_stays() -> None:

@@ -376,3 +376,28 @@ def test_a_refused_artifact_is_final_and_keeps_its_cause(tmp_path: Path, target)
             assert status.not_before - now[0] > 7.0  # final: retried only at the backoff cap (8 s)
 
     asyncio.run(run())
+
+
+def test_on_vllm_a_load_waits_a_bounded_while_requests_fill_every_gpu_slot(tmp_path: Path, target) -> None:
+    """vLLM's load activates into a GPU slot: with every slot held by an adapter with requests in flight it would
+    evict a running one, which the next step brings back, evicting the next. The load waits for a slot to free, at
+    most ``SLOTS_BUSY_WAIT_S``; with a slot not busy it goes at once."""
+    from loraplane.sidecar.reconcile import SLOTS_BUSY_WAIT_S
+
+    async def run() -> None:
+        now = [0.0]
+        r = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
+        wanted = target(Tier.GPU)
+        busy = observe(held("a@v1", Tier.GPU, in_flight=1), held("b@v1", Tier.GPU, in_flight=2))  # max_loras 2
+        assert (wanted.served_name, Action.LOAD) not in r.step(state(wanted), busy)
+        now[0] = SLOTS_BUSY_WAIT_S / 2
+        assert (wanted.served_name, Action.LOAD) not in r.step(state(wanted), busy)
+        now[0] = SLOTS_BUSY_WAIT_S + 0.1
+        assert (wanted.served_name, Action.LOAD) in r.step(state(wanted), busy)
+        await r.drain()
+        r2 = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
+        one_free = observe(held("a@v1", Tier.GPU, in_flight=1), held("b@v1", Tier.GPU))
+        assert (wanted.served_name, Action.LOAD) in r2.step(state(wanted), one_free)
+        await r2.drain()
+
+    asyncio.run(run())

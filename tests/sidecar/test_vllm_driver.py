@@ -263,10 +263,18 @@ def test_a_disk_tier_target_on_vllm_ends_registered_and_is_never_unloaded_for_be
             assert observation.adapters[warm.served_name].tier is not Tier.DISK
             assert driver._host_keep == {warm.served_name}  # and defended before the sidecar's own loads
             assert warm.served_name in driver.posted("/v1/completions")[warm_ups:]
-            # a changed target entry warms it again
+            # a move between the warm tiers is no new entry (vLLM's LRU moves copies between them anyway) ...
             promoted = warm.model_copy(update={"tier": Tier.GPU})
             observation = await _converge(r, driver, state(demoted, promoted, *cold))
-            assert observation.adapters[warm.served_name].tier is Tier.GPU
+            assert r.left_to_runtime(promoted)
+            # ... a move from the disk tier to a warm one is, and warms it again
+            warm_ups = len(driver.posted("/v1/completions"))
+            for t in cold:  # its copy leaves the host cache
+                await emu.http.post("/v1/completions", json={"model": t.served_name, "prompt": "hi", "max_tokens": 2})
+            await _converge(r, driver, state(demoted, warm.model_copy(update={"tier": Tier.DISK}), *cold))
+            observation = await _converge(r, driver, state(demoted, promoted, *cold))
+            assert observation.adapters[warm.served_name].tier is not Tier.DISK
+            assert warm.served_name in driver.posted("/v1/completions")[warm_ups:]
             assert driver.posted("/v1/unload_lora_adapter") == []
             await r.cancel()
 

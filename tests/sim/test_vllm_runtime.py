@@ -53,6 +53,7 @@ def test_a_registration_is_a_load_into_a_gpu_slot_and_an_unregistered_copy_leave
     sim.arrived = 1  # past the set-up: the load counts
     sim.register(pod, on_disk)  # the idle pod loads it at once
     assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 1
+    assert sim.result.registration_loads == 1
     sim.unregister(pod, on_disk)
     assert on_disk not in pod.registered and on_disk not in pod.gpu and on_disk not in pod.cpu
     # an adapter not on disk yet is fetched first and registered when it lands
