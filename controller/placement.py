@@ -22,9 +22,9 @@ The plan, in order:
    to another pod for it); a revision that loses its GPU or CPU place on a pod is demoted to CPU there, not
    dropped (both worth their score); GPU-placed adapters with traffic get ``host_copies`` CPU copies on other pods,
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
-5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed), one with
-   traffic on ``traffic_holders`` pods while every pod stages, as far as the pods' disk caches
-   (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then trickles; a revision no
+5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed), on
+   ``traffic_holders`` pods while every pod stages (idle revisions too: a sweep's burst spreads), as far as the
+   pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then trickles; a revision no
    disk has room for is fetched on its first request.
 
 Staging pods (``staging_share``, a quarter of the pods by default): where the pool has gold revisions, the other
@@ -155,9 +155,10 @@ class PlacementConfig:
     #: other pods' GPU slots hold ``gold_min_replicas`` of each and slots are scarce (docs/controller.md, "Staging
     #: pods")
     staging_share: float = 0.25
-    #: pods that hold each revision with traffic at some tier (disk included: step 5) where their disk caches have
-    #: room and every pod stages (no staging pods apart), so while one holder's GPU slots are all busy with other
-    #: revisions the picker can send a request to another holder (a read from its disk) instead of holding it
+    #: pods that hold each revision at some tier (disk included: step 5) where their disk caches have room and every
+    #: pod stages (no staging pods apart), so while one holder's GPU slots are all busy with other revisions the
+    #: picker can send a request to another holder (a read from its disk) instead of holding it; idle revisions too,
+    #: so the burst a sweep of them brings spreads over their holders
     traffic_holders: int = 3
 
 
@@ -812,8 +813,8 @@ class _Planner:
         return rank, -e.score, e.demand.served_name
 
     def place_disk(self) -> None:
-        """Every demand on at least ``min_replicas`` pods where disk caches have room, a revision with traffic on
-        ``traffic_holders`` while every pod stages (a second holder for the picker when the first has no GPU slot
+        """Every demand on at least ``min_replicas`` pods where disk caches have room, on ``traffic_holders``
+        while every pod stages (a second holder for the picker when the first has no GPU slot
         free): fill up with the disk tier (an idle revision on the staging pods only; where it was before, else on
         the pod holding the fewest). A revision no disk has room for is left to be fetched on its first request."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
@@ -825,7 +826,7 @@ class _Planner:
         for e in sorted(self.entries.values(), key=self.disk_order):
             placed = self.tiers(e)
             wanted = e.demand.min_replicas
-            if wanted > 0 and e.rate > 0 and every_pod_stages:
+            if wanted > 0 and every_pod_stages and (e.rate > 0 or not e.demand.required):  # not a rollout's
                 wanted = max(wanted, self.config.traffic_holders)
             missing = wanted - len(placed)
             if missing <= 0:

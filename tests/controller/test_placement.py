@@ -612,13 +612,15 @@ def test_floor_replicas_take_gpu_slots_only_while_every_trickle_has_one() -> Non
     assert "pinned@v1" in place(pod, [*many, pinned], config=config).replicas(Tier.GPU)
 
 
-def test_a_revision_with_traffic_is_held_on_traffic_holders_pods() -> None:
+def test_a_revision_is_held_on_traffic_holders_pods() -> None:
     pods = _pods(4, gpu=1, cpu=1)
     demands = [_demand("hot@v1", 1.0), _demand("trickle@v1", 0.05), _demand("idle@v1")]
     plan = place(pods, demands)
     assert len(plan.tiers_of("hot@v1")) == 3 and len(plan.tiers_of("trickle@v1")) == 3
-    assert len(plan.tiers_of("idle@v1")) == 1  # no traffic: its one floor
-    assert len(place(pods, demands, config=ONE_HOLDER).tiers_of("trickle@v1")) == 1
+    # idle too (a sweep yet to come): its traffic, when it comes, spreads over three holders
+    assert len(plan.tiers_of("idle@v1")) == 3
+    one = place(pods, demands, config=ONE_HOLDER)
+    assert len(one.tiers_of("trickle@v1")) == 1 and len(one.tiers_of("idle@v1")) == 1
     # as far as the disks hold them: 10 MB revisions on 25 MB disks
     small = [PodCapacity(p.name, 1, 1, disk_bytes=25 * MB) for p in pods]
     many = [_demand(f"t{i}@v1", 0.05) for i in range(4)]
@@ -632,3 +634,18 @@ def test_the_config_file_sets_traffic_holders() -> None:
 
     assert PlacementSettings.model_validate({"trafficHolders": 1}).traffic_holders == 1
     assert PlacementSettings().traffic_holders == PlacementConfig().traffic_holders == 3
+
+
+def test_a_sweep_of_idle_revisions_spreads_beyond_the_pods_with_free_gpu_slots() -> None:
+    """Hot revisions fill the GPU slots of 12 of 16 pods; 12 idle ones get their floor in the 4 pods' free slots.
+    With one holder each the sweep's burst would queue on those 4 pods; each idle revision is held on
+    ``traffic_holders`` pods, so the burst spreads."""
+    pods = _pods(16, gpu=1)
+    hot = [_demand(f"hot{i}@v1", 1.0) for i in range(12)]
+    sweep = [_demand(f"sweep{i}@v1") for i in range(12)]
+    plan = place(pods, hot + sweep, config=PlacementConfig(burst_slots_per_pod=0))
+    holders = {pod for d in sweep for pod in plan.tiers_of(d.served_name)}
+    assert all(len(plan.tiers_of(d.served_name)) == 3 for d in sweep)
+    assert len(holders) > 4
+    alone = place(pods, hot + sweep, config=PlacementConfig(burst_slots_per_pod=0, traffic_holders=1))
+    assert len({pod for d in sweep for pod in alone.tiers_of(d.served_name)}) < len(holders)
