@@ -1123,11 +1123,15 @@ class Simulator:
             self._download(pod, adapter)
 
     def register(self, pod: Pod, adapter: int) -> None:
-        """Register ``adapter`` with ``pod``'s vLLM (``Pod.registered``), fetching it to disk first: vLLM's load
+        """Register ``adapter`` with ``pod``'s vLLM (``Pod.registered``), fetching it to disk first (at once before the
+        first request: the pool is set up, as the twin onboards its revisions before it replays): vLLM's load
         activates it, so it takes a GPU slot at the next step."""
         assert pod.registered is not None
         if adapter in pod.registered:
             return
+        if adapter not in pod.disk and not self.arrived:  # set-up: the twin onboards every revision before its replay
+            pod.disk.add(adapter)
+            pod.disk_used += self.trace.adapters[adapter].nbytes
         if adapter not in pod.disk:
             pod.registering.add(adapter)
             self._download(pod, adapter)

@@ -65,6 +65,10 @@ LORAPLANE = "loraplane"
 TWIN_POLICIES = (LORAPLANE, *peer_configs())
 #: kubectl applies the manifests in files of this many objects
 APPLY_CHUNK = 100
+#: after every revision is Stable, the replay waits until the pods' registrations (``load_lora_adapter`` calls: the
+#: sidecars register each pod's targets one at a time, disk-tier ones last) have stopped for this long: Stable says
+#: a revision serves, not that every holder the plan gave it has it yet, and the simulator starts set up
+SETTLED_S = 3.0
 #: requests a scenario generates for the twin unless told (a few minutes of real time at the scenarios' rates)
 DEFAULT_REQUESTS = 3000
 
@@ -404,7 +408,23 @@ class Twin:
             path.write_text(yaml.safe_dump_all(manifests[first:first + APPLY_CHUNK], sort_keys=False))
             stack.cluster.kubectl("apply", "-f", str(path), timeout=120)
         asyncio.run(self._wait_stable({a.object_name for a in self.adapters}))
+        asyncio.run(self._wait_registered())
         return time.monotonic() - started
+
+    async def _wait_registered(self) -> None:
+        """Until the pods' registration loads (``loraplane_emulator_lora_api_loads_total``) stop for ``SETTLED_S``
+        (at most the Stable timeout: a pool that never settles is replayed as it is)."""
+        deadline = time.monotonic() + self.options.stable_timeout_s
+        last, since = -1.0, time.monotonic()
+        while time.monotonic() < deadline:
+            scrapes = await scrape_all(self.stack)
+            loads = sum(total(pod, "loraplane_emulator_lora_api_loads_total") for pod in scrapes.pods.values())
+            if loads != last:
+                last, since = loads, time.monotonic()
+            elif time.monotonic() - since >= SETTLED_S:
+                self.say(f"twin: {loads:.0f} registrations on the pods, settled")
+                return
+            await asyncio.sleep(0.5)
 
     async def _wait_stable(self, names: set[str]) -> None:
         assert self.stack.cluster is not None

@@ -62,6 +62,15 @@ def test_a_registration_is_a_load_into_a_gpu_slot_and_an_unregistered_copy_leave
     assert on_disk not in pod.registered and on_disk in pod.downloading
     sim._downloaded(pod, on_disk)
     assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 2
+    # before the first request the pool is set up at once (the twin onboards before it replays): no fetch, and
+    # the load is a set-up load
+    fresh = simulator()
+    pod = fresh.pods[0]
+    pod.registered = set()
+    absent = next(a for a in range(len(fresh.trace.adapters)) if a not in pod.disk)
+    fresh.register(pod, absent)
+    assert absent in pod.registered and absent in pod.gpu and not pod.downloading
+    assert fresh.result.gpu_loads == 0 and fresh.result.setup_loads == 1
 
 
 def test_the_picker_sees_only_registered_adapters() -> None:
