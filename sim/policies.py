@@ -72,6 +72,10 @@ POLICY_NAMES = [LORAPLANE, *BASELINES]
 REPORT_S = 1.0
 #: the controller's reconcile period for placement
 PLACEMENT_PERIOD_S = 10.0
+#: the controller's ``--resync-seconds`` default (``ControllerConfig.resync_seconds``): how often the real controller
+#: plans a pool. ``--loraplane-runtime vllm`` plans at this pace, as the twin's controller does: at 10 s the
+#: simulator's registrations (placement moves) were half the twin's (hot-plus-burst, 16 pods: 25 against 60)
+CONTROLLER_RESYNC_S = 2.0
 
 
 def adapter_digest(name: str) -> str:
@@ -296,7 +300,11 @@ class ControllerPlacement:
     Every adapter of the trace is a registered revision from the start (demand with zero rate until traffic comes),
     so the placement's disk floor stages each one on some pod before its first request."""
 
-    def __init__(self, trace: Trace, config: SimConfig, period_s: float = PLACEMENT_PERIOD_S) -> None:
+    def __init__(self, trace: Trace, config: SimConfig, period_s: float | None = None) -> None:
+        """``period_s``: how often it plans (default: the controller's resync on vLLM pods, else
+        ``PLACEMENT_PERIOD_S``)."""
+        if period_s is None:
+            period_s = CONTROLLER_RESYNC_S if config.loraplane_runtime == VLLM else PLACEMENT_PERIOD_S
         self.period_s = period_s
         self._trace = trace
         self._config = config.placement

@@ -86,3 +86,10 @@ def test_the_picker_sees_only_registered_adapters() -> None:
     pod.registered = None
     pod.residency_version += 1
     assert len(router._residency_of(pod)) == len(pod.disk)  # type: ignore[attr-defined]
+
+
+def test_vllm_pods_are_planned_at_the_controllers_resync() -> None:
+    from loraplane.controller.manager import ControllerConfig
+    from loraplane.sim.policies import CONTROLLER_RESYNC_S
+
+    assert simulator().placement.period_s == CONTROLLER_RESYNC_S == ControllerConfig().resync_seconds  # type: ignore[union-attr]
