@@ -27,7 +27,7 @@ The plan, in order:
    pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then trickles; a revision no
    disk has room for is fetched on its first request.
 
-Staging pods (``staging_share``, a quarter of the pods by default): where the pool has gold revisions, the other
+Staging pods (``staging_share`` of the pods; off by default: spreading a sweep over its ``traffic_holders`` beats it): where the pool has gold revisions, the other
 pods' GPU slots hold ``gold_min_replicas`` of each, slots are scarce (the pool needs at least those slots less one
 free each: what its traffic asks for, at least the gold minimum) and some revision is idle, idle revisions (no
 traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the pods only, the same ones from plan to plan
@@ -149,12 +149,12 @@ class PlacementConfig:
     #: worth its steady rate beyond ``replica_rate`` against the other host-slot claims: a burst to it can spill
     #: to a pod where it is a host->GPU copy away, not a read from disk (0: none)
     host_copies: int = 0
-    #: share of the pool's pods (rounded down; 0: none) that stage the idle revisions (no traffic in 24 h) in host
+    #: share of the pool's pods (rounded down; 0, the default: none) that stage the idle revisions (no traffic in 24 h) in host
     #: memory and on disk, so the cold traffic a sweep of new revisions brings lands on them; while that traffic
     #: shows they hold no gold revision (see the module docstring). Only where the pool has gold revisions, the
     #: other pods' GPU slots hold ``gold_min_replicas`` of each and slots are scarce (docs/controller.md, "Staging
     #: pods")
-    staging_share: float = 0.25
+    staging_share: float = 0.0
     #: pods that hold each revision at some tier (disk included: step 5) where their disk caches have room and every
     #: pod stages (no staging pods apart), so while one holder's GPU slots are all busy with other revisions the
     #: picker can send a request to another holder (a read from its disk) instead of holding it; idle revisions too,
