@@ -308,14 +308,16 @@ def test_sidecar_over_vllm_refusals_final_and_a_restart_heals(
         assert failures(metrics_url, ERROR_INCOMPATIBLE) == generation
 
     # host-tier loads with both GPU slots taken (hot, warm): without the driver touching hot first, loading cold would
-    # push hot (the least recently used) out of its slot; a request for hot must then find it in a slot
+    # push hot (the least recently used) out of its slot; a request for hot must then find it in a slot. The driver
+    # defends only entries not left to vLLM's LRU: hot is one the controller holds (a rollout gate reads its tier)
     cold = publish(adapter_dirs["c"], "cold@v1", 8)
+    held_hot = hot.target(Tier.GPU, base).model_copy(update={"hold": True})
     log = WorkerLog(vllm_server.process.log_path)
     resp = httpx.post(vllm_server.url + "/v1/completions", timeout=60,
                       json={"model": "warm@v1", "prompt": "probe", "max_tokens": 2, "temperature": 0})
     assert resp.status_code == 200, resp.text  # warm is now more recently used than hot
     time.sleep(1.5)  # five heartbeats: the sidecar has replayed that request from vLLM's metrics
-    write_target(client, 3, [hot.target(Tier.GPU, base), warm.target(Tier.CPU, base), cold.target(Tier.CPU, base)])
+    write_target(client, 3, [held_hot, warm.target(Tier.CPU, base), cold.target(Tier.CPU, base)])
     wait_until(lambda: (r := read_report(client)) is not None and r.by_name()["cold@v1"].registered, 60,
                "cold loaded", proc)
     assert read_report(client).by_name()["hot@v1"].tier is Tier.GPU  # type: ignore[union-attr]
