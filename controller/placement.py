@@ -24,11 +24,11 @@ The plan, in order:
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
 5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed), on
    ``traffic_holders`` pods while every pod stages (idle revisions too: a sweep's burst spreads), as far as the
-   pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then trickles; a revision no
-   disk has room for is fetched on its first request.
+   pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then
+   trickles; a revision no disk has room for is fetched on its first request.
 
-Staging pods (``staging_share`` of the pods; off by default: spreading a sweep over its ``traffic_holders`` beats it): where the pool has gold revisions, the other
-pods' GPU slots hold ``gold_min_replicas`` of each, slots are scarce (the pool needs at least those slots less one
+Staging pods (``staging_share`` of the pods; off by default: spreading a sweep over its ``traffic_holders`` beats
+it): where the pool has gold revisions, the other pods' GPU slots hold ``gold_min_replicas`` of each, slots are scarce (the pool needs at least those slots less one
 free each: what its traffic asks for, at least the gold minimum) and some revision is idle, idle revisions (no
 traffic in 24 h) are staged (steps 4 and 5) on ``staging_share`` of the pods only, the same ones from plan to plan
 (those holding the most idle revisions in the previous plan), named in the plan (``Placement.staging``; the route
@@ -149,8 +149,8 @@ class PlacementConfig:
     #: worth its steady rate beyond ``replica_rate`` against the other host-slot claims: a burst to it can spill
     #: to a pod where it is a host->GPU copy away, not a read from disk (0: none)
     host_copies: int = 0
-    #: share of the pool's pods (rounded down; 0, the default: none) that stage the idle revisions (no traffic in 24 h) in host
-    #: memory and on disk, so the cold traffic a sweep of new revisions brings lands on them; while that traffic
+    #: share of the pool's pods (rounded down; 0, the default: none) that stage the idle revisions (no traffic in
+    #: 24 h) in host memory and on disk, so the cold traffic a sweep of new revisions brings lands on them; while that traffic
     #: shows they hold no gold revision (see the module docstring). Only where the pool has gold revisions, the
     #: other pods' GPU slots hold ``gold_min_replicas`` of each and slots are scarce (docs/controller.md, "Staging
     #: pods")
@@ -814,8 +814,7 @@ class _Planner:
 
     def place_disk(self) -> None:
         """Every demand on at least ``min_replicas`` pods where disk caches have room, on ``traffic_holders``
-        while every pod stages (a second holder for the picker when the first has no GPU slot
-        free): fill up with the disk tier (an idle revision on the staging pods only; where it was before, else on
+        while every pod stages (a second holder for the picker when the first has no GPU slot free): fill up with the disk tier (an idle revision on the staging pods only; where it was before, else on
         the pod holding the fewest). A revision no disk has room for is left to be fetched on its first request."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
         every_pod_stages = len(self.staging) == len(self.pool.caps)
