@@ -17,7 +17,7 @@ from loraplane.controller.config import load_config
 from loraplane.helptext import HelpFormatter
 from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.azure import AzureOptions
-from loraplane.sim.cluster import LORAPLANE_RUNTIMES, ON_DEMAND, SimConfig
+from loraplane.sim.cluster import LORAPLANE_RUNTIMES, VLLM, SimConfig
 from loraplane.sim.metrics import DEFAULT_SLO_TTFT_MS
 from loraplane.sim.policies import POLICY_NAMES
 from loraplane.sim.profile import LARGE_GPU, PROFILES, ProfileError, load_profile
@@ -150,11 +150,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scrape-interval", type=_at_least_zero, default=0.05, metavar="S",
                    help="seconds between the peers' scrapes of each pod's vLLM metrics (llm-d's default; 0: every "
                         "decision reads the pods as they are)")
-    p.add_argument("--loraplane-runtime", choices=LORAPLANE_RUNTIMES, default=ON_DEMAND,
-                   help="what loraplane's pods run. on-demand: the serving model's pods load any revision on demand "
-                        "(engine eviction). vllm: vLLM behind loraplane's sidecar, as the chart and the twin run it: "
-                        "a pod serves only what its sidecar registered (the controller's targets; the picker waits "
-                        "for a holder), each registration a load into a GPU slot, vLLM's LRU")
+    p.add_argument("--loraplane-runtime", choices=LORAPLANE_RUNTIMES, default=VLLM,
+                   help="what loraplane's pods run. vllm (the default): vLLM behind loraplane's sidecar, as the "
+                        "chart and the twin run it: a pod serves only what its sidecar registered (the controller's "
+                        "targets; the picker waits for a holder), each registration a load into a GPU slot, vLLM's "
+                        "LRU. on-demand: an idealised runtime whose pods load any revision on demand (engine "
+                        "eviction)")
     p.add_argument("--profile", default=LARGE_GPU.name,
                    help=f"{', '.join(PROFILES)} or a JSON file (saved profile or bench output)")  # fmt: skip
     p.add_argument("--picker-config", type=Path, help="EndpointPickerConfig YAML for loraplane (default: packaged)")

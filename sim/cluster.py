@@ -300,14 +300,15 @@ class SimConfig:
     #: how often the peers' pickers scrape each pod's vLLM metrics (llm-d-router's default 50 ms; 0: before every
     #: decision)
     scrape_interval_s: float = 0.05
-    #: what loraplane's pods run (``LORAPLANE_RUNTIMES``). ``on-demand``: the serving model's pods serve any
-    #: revision on their disk (loading it on demand) and evict by the engine's keep score; the picker spills to
-    #: them. ``vllm``: vLLM behind loraplane's sidecar, as the chart and the twin run it: a pod serves only the
+    #: what loraplane's pods run (``LORAPLANE_RUNTIMES``). ``vllm`` (the default, what the real system runs):
+    #: vLLM behind loraplane's sidecar, as the chart and the twin run it: a pod serves only the
     #: revisions its sidecar registered (every target of the controller's plan, at any tier; vLLM answers 404 for
     #: the rest, so the picker waits for a holder), each registration is a load that activates into a GPU slot, a
     #: GPU- or host-tier target is warmed once per target entry and then left to vLLM's LRU, and an adapter leaving
-    #: the plan is unregistered. The peers' pods serve every name either way (their adapters registered everywhere)
-    loraplane_runtime: str = ON_DEMAND
+    #: the plan is unregistered. ``on-demand`` (an idealised runtime): the serving model's pods serve any revision
+    #: on their disk (loading it on demand) and evict by the engine's keep score; the picker spills to them. The
+    #: peers' pods serve every name either way (their adapters registered everywhere)
+    loraplane_runtime: str = VLLM
 
     def __post_init__(self) -> None:
         if self.pods < 1 or self.max_loras < 1 or self.max_cpu_loras < self.max_loras:

@@ -8,7 +8,7 @@ import pytest
 
 from loraplane.api import Tier
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot, _holds
-from loraplane.sim.cluster import Pod, SimConfig
+from loraplane.sim.cluster import ON_DEMAND, Pod, SimConfig
 from loraplane.sim.policies import PickerRouter
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import simulate
@@ -38,7 +38,9 @@ def _check_recounted(router: PickerRouter, snapshot: PoolSnapshot, now: float, p
     [
         ("hot-plus-burst", 1000, SimConfig(pods=2, max_loras=2, max_cpu_loras=4), None),  # overloaded: long queues
         ("hot-plus-burst", 1000, SimConfig(pods=6, max_loras=2, max_cpu_loras=4), NO_QUEUE),  # no picker queue
-        ("fleet", 600, SimConfig(pods=8, max_loras=4, max_cpu_loras=16), None),
+        ("hot-plus-burst", 1000, SimConfig(pods=2, max_loras=2, max_cpu_loras=4, loraplane_runtime=ON_DEMAND), None),
+        # pods that load on demand: on vLLM pods (the default) this fleet's queues stay short
+        ("fleet", 600, SimConfig(pods=8, max_loras=4, max_cpu_loras=16, loraplane_runtime=ON_DEMAND), None),
     ],
 )
 def test_in_flight_counts_kept_by_touched_pods_equal_a_full_recount(

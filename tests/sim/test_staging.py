@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from loraplane.controller.placement import PlacementConfig
 from loraplane.picker.scheduler import Decision
-from loraplane.sim.cluster import Pod, SimConfig, Simulator
+from loraplane.sim.cluster import ON_DEMAND, Pod, SimConfig, Simulator
 from loraplane.sim.policies import PickerRouter, build_policy
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.trace import Trace, scenario
@@ -14,8 +14,10 @@ from loraplane.sim.trace import Trace, scenario
 def _cold_decisions(share: float) -> list[tuple[frozenset[str], str]]:
     """(staging pods of the last plan, chosen pod) of every decision for a revision no pod's report held."""
     trace = scenario("hot-plus-burst", 6000, 0, LARGE_GPU.default_adapter_bytes)
-    # disks that hold six adapters each: most of the sweep's revisions have room on no disk (fetched on use)
-    config = SimConfig(disk_bytes=6 * LARGE_GPU.default_adapter_bytes, placement=PlacementConfig(staging_share=share))
+    # disks that hold six adapters each: most of the sweep's revisions have room on no disk (fetched on use); pods
+    # that load on demand (vLLM pods serve only what their sidecar registered: the picker waits for a holder)
+    config = SimConfig(disk_bytes=6 * LARGE_GPU.default_adapter_bytes, placement=PlacementConfig(staging_share=share),
+                       loraplane_runtime=ON_DEMAND)
     policy = build_policy("loraplane", 0, trace, LARGE_GPU, config)
     router, placement = policy.router, policy.placement
     assert isinstance(router, PickerRouter) and placement is not None
