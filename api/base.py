@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 import orjson
 from pydantic import BaseModel, ConfigDict
@@ -48,3 +48,6 @@ class PayloadModel(ApiModel):
     """
 
     model_config = ConfigDict(extra="ignore")
+
+    #: the schema versions a reader accepts (``read_payload``); empty: ``api.runtime.SCHEMA_VERSION`` alone
+    READ_VERSIONS: ClassVar[tuple[int, ...]] = ()

@@ -33,6 +33,19 @@ def target_state_pattern(pool: str) -> str:
     return f"{_pool(pool)}:target:*"
 
 
+def target_spec(pool: str, served_name: str) -> str:
+    """The pool's catalogue entry for one served revision (a ``TargetSpec``, written by the controller): what every
+    pod's ``TargetState`` names by reference."""
+    if not served_name or any(c in served_name for c in "*?[]\\ "):
+        raise ValueError(f"served name {served_name!r} cannot name a key")
+    return f"{_pool(pool)}:target-spec:{served_name}"
+
+
+def target_spec_pattern(pool: str) -> str:
+    """A SCAN pattern (and ACL key pattern) matching every catalogue entry of the pool."""
+    return f"{_pool(pool)}:target-spec:*"
+
+
 def residency_report(pool: str, pod: str) -> str:
     """The pod's ``ResidencyReport`` (written by its sidecar, with a TTL)."""
     return f"{_pool(pool)}:residency:{_pod(pod)}"

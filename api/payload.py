@@ -2,7 +2,7 @@
 
 Every payload (``TargetState``, ``ResidencyReport``, ``RouteTable``, ``RequestRates``, ``PickerCounters``,
 ``KvBlockSet``) carries ``schemaVersion``. The version is bumped only on an incompatible change, and a reader refuses
-any version but its own. A compatible (minor) change adds optional fields without bumping it: older readers ignore
+any version but its own (a model's ``READ_VERSIONS`` where it reads more than one: ``TargetState``). A compatible (minor) change adds optional fields without bumping it: older readers ignore
 fields they do not know (``PayloadModel``), so a payload from a newer writer of the same version is read.
 """
 
@@ -51,9 +51,10 @@ def read_payload(model: type[P], raw: bytes | str) -> P:
     version = data.get("schemaVersion", data.get("schema_version"))
     if version is None:
         raise PayloadError(model, PayloadRefusal.SCHEMA_MISSING, "no schemaVersion")
-    if version != SCHEMA_VERSION or isinstance(version, bool):
+    accepted = model.READ_VERSIONS or (SCHEMA_VERSION,)
+    if version not in accepted or isinstance(version, bool):
         raise PayloadError(model, PayloadRefusal.SCHEMA_UNSUPPORTED,
-                           f"schemaVersion {version!r}, this reader reads {SCHEMA_VERSION}")
+                           f"schemaVersion {version!r}, this reader reads {' or '.join(map(str, accepted))}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:

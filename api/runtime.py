@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from loraplane.api.adapterrevision import Artifact, Digest, LoraSpec
 from loraplane.api.base import PayloadModel
 
 #: Bumped on any incompatible change of the payloads in this module; readers refuse other versions.
 SCHEMA_VERSION = 1
+#: ``TargetState``'s own version: 2 lists its entries by reference (``refs``) into the pool's catalogue of
+#: ``TargetSpec`` keys. A reader of version 1 alone refuses it and keeps its last good target (it would read the
+#: empty ``adapters`` as "unload everything"); this reader reads both.
+TARGET_SCHEMA_VERSION = 2
 
 
 class Tier(StrEnum):
@@ -50,12 +55,53 @@ class ResidencySource(StrEnum):
 TargetTier = Annotated[Tier, Field(description="gpu, cpu or disk; adapters not listed should be absent")]
 
 
-class AdapterTarget(PayloadModel):
-    """One served revision a pod should hold, and everything the sidecar needs to fetch and check it."""
+def _target_tier(tier: Tier) -> Tier:
+    if tier is Tier.ABSENT:
+        raise ValueError("a target tier is gpu, cpu or disk; leave the adapter out to make it absent")
+    return tier
+
+
+class _RevisionFields(PayloadModel):
+    """What a sidecar needs to fetch, check and name one revision."""
 
     served_name: str = Field(min_length=3, max_length=128)
     adapter: str
     revision: str
+    artifact: Artifact
+    lora: LoraSpec
+    base_model_digest: Digest
+    cache_key: str
+    tenant: str = "default"
+    priority: int = 0
+
+
+class TargetSpec(_RevisionFields):
+    """One served revision's catalogue entry: the same on every pod that holds it. The controller writes it once per
+    pool (``keys.target_spec``); a pod's ``TargetState`` names it by ``TargetRef``."""
+
+    schema_version: int = SCHEMA_VERSION
+    pool: str
+
+
+class TargetRef(PayloadModel):
+    """One entry of a pod's target by reference: the served name, which spec (``cache_key``: a catalogue key that
+    holds another revision under the name is not it) and what this pod should do with it."""
+
+    served_name: str = Field(min_length=3, max_length=128)
+    cache_key: str
+    tier: TargetTier
+    pinned: bool = False
+    hold: bool = False
+
+    @field_validator("tier")
+    @classmethod
+    def _not_absent(cls, tier: Tier) -> Tier:
+        return _target_tier(tier)
+
+
+class AdapterTarget(_RevisionFields):
+    """One served revision a pod should hold, and everything the sidecar needs to fetch and check it."""
+
     tier: TargetTier
     pinned: bool = False
     hold: bool = Field(
@@ -64,29 +110,54 @@ class AdapterTarget(PayloadModel):
         "while the revision rolls out). A runtime whose LRU moves copies down (vLLM) has it warmed again whenever it "
         "drifts; other targets are warmed once per entry and then left to that LRU",
     )
-    artifact: Artifact
-    lora: LoraSpec
-    base_model_digest: Digest
-    cache_key: str
-    tenant: str = "default"
-    priority: int = 0
 
     @field_validator("tier")
     @classmethod
     def _not_absent(cls, tier: Tier) -> Tier:
-        if tier is Tier.ABSENT:
-            raise ValueError("a target tier is gpu, cpu or disk; leave the adapter out to make it absent")
-        return tier
+        return _target_tier(tier)
+
+    def spec(self, pool: str) -> TargetSpec:
+        """The part every pod holding it shares (its catalogue entry in ``pool``)."""
+        return TargetSpec.model_construct(pool=pool, schema_version=SCHEMA_VERSION,
+                                          **{name: getattr(self, name) for name in _RevisionFields.model_fields})
+
+    def ref(self) -> TargetRef:
+        """This pod's entry by reference."""
+        return TargetRef.model_construct(served_name=self.served_name, cache_key=self.cache_key, tier=self.tier,
+                                         pinned=self.pinned, hold=self.hold)
+
+    @classmethod
+    def of(cls, spec: TargetSpec, ref: TargetRef) -> AdapterTarget:
+        """The entry ``ref`` names, with its ``spec``."""
+        return cls.model_construct(**{name: getattr(spec, name) for name in _RevisionFields.model_fields},
+                                   tier=ref.tier, pinned=ref.pinned, hold=ref.hold)
+
+
+class MissingSpecs(ValueError):
+    """A target names specs its reader does not have (not in the catalogue, or another revision's under the name)."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(f"no catalogue spec for {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+        self.names = names
 
 
 class TargetState(PayloadModel):
-    """The controller's wish for one pod. Written only by the controller; ``generation`` increases on change."""
+    """The controller's wish for one pod. Written only by the controller; ``generation`` increases on change.
 
-    schema_version: int = SCHEMA_VERSION
+    Its entries are ``adapters`` (whole) and ``refs`` (by reference into the pool's catalogue: the controller writes
+    these, kilobytes per pod however large the specs); a reader resolves the refs (``resolve``) before acting."""
+
+    READ_VERSIONS: ClassVar[tuple[int, ...]] = (SCHEMA_VERSION, TARGET_SCHEMA_VERSION)
+
+    schema_version: int = TARGET_SCHEMA_VERSION
     pool: str
     pod: str
     generation: int = Field(ge=0)
     adapters: list[AdapterTarget] = Field(default_factory=list)
+    refs: list[TargetRef] = Field(
+        default_factory=list,
+        description="entries whose spec is the pool's catalogue key of their served name (``keys.target_spec``)",
+    )
     updated_at: float = Field(description="unix seconds when the controller wrote it")
     writer: str | None = Field(
         default=None,
@@ -99,17 +170,38 @@ class TargetState(PayloadModel):
         "entries once its runtime no longer holds them",
     )
 
-    @field_validator("adapters")
-    @classmethod
-    def _unique(cls, adapters: list[AdapterTarget]) -> list[AdapterTarget]:
-        names = [a.served_name for a in adapters]
+    @model_validator(mode="after")
+    def _unique(self) -> TargetState:
+        names = [a.served_name for a in self.adapters] + [r.served_name for r in self.refs]
         if len(names) != len(set(names)):
             raise ValueError("target state lists a served name twice")
-        return adapters
+        return self
 
     def by_name(self) -> dict[str, AdapterTarget]:
-        """The targets keyed by served name."""
+        """The targets keyed by served name (of a resolved state: ``resolve``)."""
         return {a.served_name: a for a in self.adapters}
+
+    def tiers(self) -> dict[str, Tier]:
+        """Served name -> the tier asked for, of every entry (whole or by reference)."""
+        return {**{a.served_name: a.tier for a in self.adapters}, **{r.served_name: r.tier for r in self.refs}}
+
+    def resolve(self, specs: Mapping[str, TargetSpec]) -> TargetState:
+        """This state with every ref made a whole entry from ``specs`` (served name -> spec); ``MissingSpecs`` when
+        one is not there or is another revision's (a different ``cache_key``)."""
+        if not self.refs:
+            return self
+        missing = [r.served_name for r in self.refs
+                   if (spec := specs.get(r.served_name)) is None or spec.cache_key != r.cache_key]
+        if missing:
+            raise MissingSpecs(missing)
+        resolved = [AdapterTarget.of(specs[r.served_name], r) for r in self.refs]
+        return self.model_copy(update={"adapters": sorted([*self.adapters, *resolved], key=lambda a: a.served_name),
+                                       "refs": []})
+
+    def by_reference(self) -> tuple[TargetState, list[TargetSpec]]:
+        """This state with every entry by reference (what the controller writes), and the specs its refs name."""
+        return (self.model_copy(update={"adapters": [], "refs": [*self.refs, *(a.ref() for a in self.adapters)]}),
+                [a.spec(self.pool) for a in self.adapters])
 
 
 #: ``AdapterResidency.error_reason`` values that end a rollout: the artifact's bytes do not hash to the declared digest.

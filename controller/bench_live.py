@@ -189,7 +189,7 @@ async def _apply_one(cluster: _Cluster, client: aioredis.Redis, pool: str, pods:
                 continue
             pod = message["data"].decode() if isinstance(message["data"], bytes) else str(message["data"])
             raw = await client.get(keys.target_state(pool, pod))
-            if raw and any(a.served_name == served for a in read_payload(TargetState, raw).adapters):
+            if raw and served in read_payload(TargetState, raw).tiers():
                 elapsed = (time.perf_counter() - started) * 1000
                 await create
                 return elapsed

@@ -10,7 +10,7 @@ benchmark feeds it synthetic pools.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -288,18 +288,55 @@ def fit_to_sidecars(placement: Placement, planned: Placement, reports: Sequence[
 
 def plan_pool(inputs: PoolInputs) -> PoolPlan:
     """Reconcile one pool (pure; see the module docstring)."""
+    groups = adapter_groups(inputs.revisions)
     observation = _observation(inputs)
+    reconciles, adapters = decide(inputs, groups, observation)
+    demands, by_served = adapter_demands(inputs, groups, adapters)
+    pods = [pod_capacity(r) for r in inputs.reports if r.ready]
+    previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
+    planned = place(pods, demands, previous, inputs.budgets, inputs.placement)
+    serving = serving_holders(inputs.reports)
+    placement = keep_until_replaced(planned, demands, serving, {r.pod for r in inputs.reports if r.demotes_to_disk})
+    placement = fit_to_sidecars(placement, planned, [r for r in inputs.reports if r.ready], demands, serving)
+    for reconcile in reconciles.values():
+        reconcile.finish(placement.notes)
+    targets = {
+        pod: [_target(*by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
+        for pod, held in placement.pods.items()
+    }
+    routes = {adapter: outcome.route for (_, adapter), outcome in adapters.items() if outcome.route is not None}
+    plan = PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement, base_model=None,
+                    capacity=pods, demands=demands)
+    collect(plan, inputs.revisions)
+    return plan
+
+
+def adapter_groups(revisions: Iterable[AdapterRevision]) -> dict[tuple[str, str], list[AdapterRevision]]:
+    """The revisions by logical adapter, ``(namespace, adapter)``."""
     groups: dict[tuple[str, str], list[AdapterRevision]] = defaultdict(list)
-    for rev in inputs.revisions:
+    for rev in revisions:
         groups[(rev.metadata.namespace or "default", rev.spec.adapter)].append(rev)
+    return groups
+
+
+def decide(inputs: PoolInputs, groups: Mapping[tuple[str, str], list[AdapterRevision]],
+           observation: Observation) -> tuple[dict[tuple[str, str], AdapterReconcile], dict[tuple[str, str], AdapterPlan]]:
+    """Run the rollout of each adapter of ``groups`` (the reconciles, for ``finish``, and their outcomes, in
+    ``groups``' order sorted)."""
     observation.hold_gpu_slots(inputs.revisions)  # every canary's GPU slot, before any adapter is admitted
     reconciles = {key: AdapterReconcile(revs, observation) for key, revs in sorted(groups.items())}
     # the longest-waiting rollout first: admission into Activating (free canary GPU slots) is first come, first served
     adapters = {key: reconciles[key].decide()
                 for key in sorted(reconciles, key=lambda k: (_waiting_since(groups[k], inputs.now), k))}
-    adapters = {key: adapters[key] for key in reconciles}
+    return reconciles, {key: adapters[key] for key in reconciles}
 
-    rates = _rates_by_adapter(inputs.rates, inputs.revisions)
+
+def adapter_demands(inputs: PoolInputs, groups: Mapping[tuple[str, str], list[AdapterRevision]],
+                    adapters: Mapping[tuple[str, str], AdapterPlan],
+                    ) -> tuple[list[AdapterDemand], dict[str, tuple[AdapterRevision, AdapterRevisionStatus]]]:
+    """What placement must hold for each placed revision of ``adapters``, and served name -> (revision, status)."""
+    revisions = [rev for key in adapters for rev in groups[key]]
+    rates = _rates_by_adapter(inputs.rates, revisions)
     sizes = _reported_bytes(inputs.reports)
     by_served: dict[str, tuple[AdapterRevision, AdapterRevisionStatus]] = {}
     demands = []
@@ -323,28 +360,23 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
                     min_replicas=1 if rp.rate_share > 0 else 0,
                 )
             )
+    return demands, by_served
 
-    pods = [pod_capacity(r) for r in inputs.reports if r.ready]
-    previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
-    planned = place(pods, demands, previous, inputs.budgets, inputs.placement)
-    serving = serving_holders(inputs.reports)
-    placement = keep_until_replaced(planned, demands, serving, {r.pod for r in inputs.reports if r.demotes_to_disk})
-    placement = fit_to_sidecars(placement, planned, [r for r in inputs.reports if r.ready], demands, serving)
-    for reconcile in reconciles.values():
-        reconcile.finish(placement.notes)
-    targets = {
-        pod: [_target(*by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
-        for pod, held in placement.pods.items()
-    }
-    routes = {adapter: outcome.route for (_, adapter), outcome in adapters.items() if outcome.route is not None}
-    base_model = next((r.spec.base_model.name for r in inputs.revisions if r.spec.adapter in routes), None)
-    plan = PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement, base_model=base_model,
-                    capacity=pods, demands=demands)
-    for (namespace, _), outcome in adapters.items():
+
+def collect(plan: PoolPlan, revisions: Sequence[AdapterRevision],
+            decided: Collection[tuple[str, str]] | None = None) -> None:
+    """Fill ``plan``'s per-object outcomes, events and probes from its adapters (only those ``decided`` this time
+    contribute events and probes; None: all), its base model and its next due time."""
+    plan.revisions = {}
+    plan.events, plan.probes, plan.discarded_probes = [], [], []
+    for key, outcome in plan.adapters.items():
+        namespace = key[0]
         plan.revisions.update({(namespace, name): rp for name, rp in outcome.revisions.items()})
+        if decided is not None and key not in decided:
+            continue
         plan.events.extend(((namespace, e.object_name), e) for e in outcome.events)
         name_of = {rp.served_name: name for name, rp in outcome.revisions.items()}
         plan.probes.extend(((namespace, name_of[p.served_name]), p) for p in outcome.probes)
         plan.discarded_probes.extend(outcome.discarded_probes)
-    plan.next_due = min((o.next_due for o in adapters.values() if o.next_due is not None), default=None)
-    return plan
+    plan.base_model = next((r.spec.base_model.name for r in revisions if r.spec.adapter in plan.routes), None)
+    plan.next_due = min((o.next_due for o in plan.adapters.values() if o.next_due is not None), default=None)

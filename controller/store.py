@@ -4,6 +4,12 @@ The controller is the only writer of ``TargetState`` and ``RouteTable`` keys. It
 back from Redis when it becomes leader) and writes a key only when its content changed, bumping the key's
 ``generation`` and publishing a change notice, so a reconcile that changes nothing writes nothing.
 
+A target state is written by reference (``TargetState.by_reference``): each served revision's ``TargetSpec`` once
+per pool in its catalogue key (``keys.target_spec``, before any state naming it), each pod's state as served names,
+tiers and the spec's ``cache_key`` -- about 100 bytes an entry instead of 800, so a change to one pod writes
+kilobytes. A catalogue entry no state names any more is left to expire (``SPEC_EXPIRY_SECONDS``). In memory the
+store keeps each state whole (planning reads ``previous_targets``).
+
 It is level-triggered against Redis too: ``repair`` (every reconcile pass) reads the keys back and rewrites any that
 is missing or differs from what was last written (a Redis restart, a forged or stale copy), with a generation above
 both, so a lost or overwritten key is back within one resync period. Every payload names its ``writer``.
@@ -22,11 +28,13 @@ import redis.asyncio as aioredis
 
 from loraplane.api import (
     AdapterTarget,
+    MissingSpecs,
     PickerCounters,
     RequestRates,
     ResidencyReport,
     RouteEntry,
     RouteTable,
+    TargetSpec,
     TargetState,
     keys,
     read_payload_or_none,
@@ -35,6 +43,10 @@ from loraplane.api import (
 from loraplane.api.routedeltas import RouteDelta, RouteHead, apply, diff
 
 log = logging.getLogger(__name__)
+
+#: a catalogue entry that no target state names any more expires after this long (a reader that read a state naming
+#: it just before has long resolved it)
+SPEC_EXPIRY_SECONDS = 3600
 
 
 @dataclass
@@ -186,7 +198,10 @@ class RedisStore:
         self.client = client
         self.clock = clock
         self.writer = writer
+        #: pool -> pod -> the target state last written, whole (its refs resolved)
         self.targets: dict[str, dict[str, TargetState]] = {}
+        #: pool -> served name -> the catalogue entry written (or read back) and named by some state
+        self.specs: dict[str, dict[str, TargetSpec]] = {}
         self.routes: dict[str, RouteTable | None] = {}
         #: SET commands issued since start (target states + route tables)
         self.writes = 0
@@ -246,10 +261,20 @@ class RedisStore:
         """Read back the target states and route table last written for ``pool`` (on becoming leader)."""
         target_keys = [k async for k in self.client.scan_iter(match=keys.target_state_pattern(pool), count=500)]
         raws = await self.client.mget(target_keys) if target_keys else []
-        states = [read_payload_or_none(TargetState, raw, log) for raw in raws]
-        self.targets[pool] = {s.pod: s for s in states if s is not None and s.pool == pool}
-        prefix = keys.target_state_pattern(pool).removesuffix("*")
-        self._raw = {k: v for k, v in self._raw.items() if not k.startswith(prefix)}
+        states = [s for raw in raws if (s := read_payload_or_none(TargetState, raw, log)) is not None and s.pool == pool]
+        spec_keys = [k async for k in self.client.scan_iter(match=keys.target_spec_pattern(pool), count=500)]
+        specs = [read_payload_or_none(TargetSpec, raw, log) for raw in (await self.client.mget(spec_keys) if spec_keys else [])]
+        catalogue = {s.served_name: s for s in specs if s is not None and s.pool == pool}
+        self.targets[pool] = {}
+        for state in states:
+            try:
+                self.targets[pool][state.pod] = state.resolve(catalogue)
+            except MissingSpecs as exc:  # not taken as written: the next plan writes the pod's state again
+                log.warning("target state of pod %s in pool %s not read back: %s", state.pod, pool, exc)
+        named = {a.served_name for state in self.targets[pool].values() for a in state.adapters}
+        self.specs[pool] = {n: s for n, s in catalogue.items() if n in named}
+        for prefix in (keys.target_state_pattern(pool), keys.target_spec_pattern(pool)):
+            self._raw = {k: v for k, v in self._raw.items() if not k.startswith(prefix.removesuffix("*"))}
         await self._load_routes(pool)
         return self.targets[pool]
 
@@ -350,31 +375,63 @@ class RedisStore:
         self.bytes_written += len(raw) + len(head_raw) + len(first_delta or b"")
 
     async def _write_target_states(self, pool: str, states: Sequence[TargetState]) -> None:
-        raws = [(keys.target_state(pool, state.pod), state.to_json()) for state in states]
+        """Write ``states`` (whole, in memory) by reference: the catalogue entries they name that are new or changed
+        first, then the states; then let the entries no state names any more expire."""
+        written = self.targets.setdefault(pool, {})
+        catalogue = self.specs.setdefault(pool, {})
+        specs: dict[str, TargetSpec] = {}
+        raws = []
+        for state in states:
+            compact, named = state.by_reference()
+            raws.append((keys.target_state(pool, state.pod), compact.to_json()))
+            specs.update((spec.served_name, spec) for spec in named if catalogue.get(spec.served_name) != spec)
+        for state in states:
+            written[state.pod] = state
+        unnamed = catalogue.keys() - {a.served_name for state in written.values() for a in state.adapters}
+        spec_raws = [(keys.target_spec(pool, name), spec.to_json()) for name, spec in sorted(specs.items())]
         async with self.client.pipeline(transaction=False) as pipe:
+            for key, raw in spec_raws:  # before any state that names them
+                pipe.set(key, raw)
             for state, (key, raw) in zip(states, raws, strict=True):
                 pipe.set(key, raw)
                 pipe.publish(keys.target_changed_channel(pool), state.pod)
+            for name in sorted(unnamed):
+                pipe.expire(keys.target_spec(pool, name), SPEC_EXPIRY_SECONDS)
             await pipe.execute()
-        written = self.targets.setdefault(pool, {})
-        for state in states:
-            written[state.pod] = state
+        catalogue.update(specs)
+        for name in unnamed:
+            del catalogue[name]
+            self._raw.pop(keys.target_spec(pool, name), None)
         self._raw.update(raws)
-        self.writes += len(states)
-        self.bytes_written += sum(len(raw) for _, raw in raws)
+        self._raw.update(spec_raws)
+        self.writes += len(states) + len(spec_raws)
+        self.bytes_written += sum(len(raw) for _, raw in raws) + sum(len(raw) for _, raw in spec_raws)
 
     def _owned(self, pool: str) -> list[tuple[str, bytes]]:
-        """Every key of ``pool`` this controller wrote, with the bytes it wrote there."""
+        """The target state and route keys of ``pool`` this controller wrote, with the bytes it wrote there (the
+        catalogue is left to ``repair``: a state names its entries, and a sidecar missing one keeps its last good
+        target until then)."""
         states = sorted(self.targets.get(pool, {}).values(), key=lambda s: s.pod)
         owned = [(keys.target_state(pool, s.pod), self._bytes(keys.target_state(pool, s.pod), s)) for s in states]
         chain = self._chains.get(pool)
         return owned + (chain.raws if chain is not None else [])
 
+    def _spec_raws(self, pool: str) -> list[tuple[str, bytes]]:
+        """The catalogue keys of ``pool`` this controller wrote, with their bytes."""
+        out = []
+        for name, spec in sorted(self.specs.get(pool, {}).items()):
+            key = keys.target_spec(pool, name)
+            raw = self._raw.get(key)
+            if raw is None:
+                raw = self._raw[key] = spec.to_json()
+            out.append((key, raw))
+        return out
+
     async def check(self, pool: str) -> list[str]:
         """``repair`` where it is cheap or due: a pool whose keys hold at most ``thorough_bytes`` is compared key by
         key every time; a larger one every ``thorough_seconds``, and in between only counted (one ``EXISTS`` over
-        its keys: a key lost to a Redis restart or a failover is back at once, a key overwritten in place within
-        ``thorough_seconds``)."""
+        its target state and route keys: a key lost to a Redis restart or a failover is back at once, a key
+        overwritten in place or a catalogue entry lost alone within ``thorough_seconds``)."""
         owned = self._owned(pool)
         size = sum(len(raw) for _, raw in owned)
         now = self.clock()
@@ -391,16 +448,30 @@ class RedisStore:
         states = sorted(self.targets.get(pool, {}).values(), key=lambda s: s.pod)
         wanted: list[tuple[str, bytes]] = [(keys.target_state(pool, s.pod), self._bytes(keys.target_state(pool, s.pod), s))
                                            for s in states]
+        spec_raws = self._spec_raws(pool)
         chain = self._chains.get(pool)
         route_raws = [] if table is None else chain.raws if chain is not None else [(keys.route_table(pool), b"")]
-        if not wanted and not route_raws:
+        if not wanted and not route_raws and not spec_raws:
             return []
-        stored = await self.client.mget([key for key, _ in wanted] + [key for key, _ in route_raws])
+        stored = await self.client.mget([key for key, _ in wanted] + [key for key, _ in spec_raws]
+                                        + [key for key, _ in route_raws])
         bad_states = [(state, raw) for state, (_, ours), raw in zip(states, wanted, stored, strict=False) if raw != ours]
-        bad_routes = [(key, raw) for (key, ours), raw in zip(route_raws, stored[len(wanted):], strict=True)
+        after_states = stored[len(wanted):]
+        bad_specs = [(key, ours) for (key, ours), raw in zip(spec_raws, after_states, strict=False) if raw != ours]
+        bad_routes = [(key, raw) for (key, ours), raw in zip(route_raws, after_states[len(spec_raws):], strict=True)
                       if raw != ours]
         now = self.clock()
-        repaired = []
+        repaired: list[str] = []
+        if bad_specs:  # content-addressed by their served name and cache key: written back as they were
+            for key, _ in bad_specs:
+                log.warning("redis key %s was missing or held another copy; rewriting it", key)
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key, ours in bad_specs:
+                    pipe.set(key, ours)
+                await pipe.execute()
+            self.writes += len(bad_specs)
+            self.bytes_written += sum(len(raw) for _, raw in bad_specs)
+            repaired.extend(key for key, _ in bad_specs)
         if bad_routes and table is not None:
             generation = max([table.generation, *(_generation(raw) for _, raw in bad_routes)]) + 1
             fixed = table.model_copy(update={"generation": generation, "updated_at": now, "writer": self.writer})
@@ -424,10 +495,10 @@ class RedisStore:
         return repaired
 
     def _bytes(self, key: str, ours: TargetState) -> bytes:
-        """What this controller wrote at ``key`` (``ours``, serialized once)."""
+        """What this controller wrote at ``key`` (``ours`` by reference, serialized once)."""
         raw = self._raw.get(key)
         if raw is None:
-            raw = self._raw[key] = ours.to_json()
+            raw = self._raw[key] = ours.by_reference()[0].to_json()
         return raw
 
     async def write_targets(self, pool: str, targets: Mapping[str, Sequence[AdapterTarget]],

@@ -28,7 +28,15 @@ import pytest
 import redis
 import yaml
 
-from loraplane.api import SERVED_ADAPTER_HEADER, RequestRates, ResidencyReport, TargetState, keys, served_name
+from loraplane.api import (
+    SERVED_ADAPTER_HEADER,
+    RequestRates,
+    ResidencyReport,
+    TargetState,
+    Tier,
+    keys,
+    served_name,
+)
 from loraplane.credentials import redis_options
 from loraplane.picker.envoy import UPSTREAM_HEADER
 from loraplane.processes import ManagedProcess
@@ -68,7 +76,7 @@ class World:
         out = set()
         for engine in self.stack.engines:
             raw = client.get(keys.target_state(POOL, engine.pod))
-            if raw and any(a.served_name == name and a.tier.value == "gpu" for a in TargetState.from_json(raw).adapters):
+            if raw and TargetState.from_json(raw).tiers().get(name) is Tier.GPU:
                 out.add(engine.pod)
         return out
 

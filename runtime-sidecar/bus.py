@@ -16,7 +16,16 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError, ResponseError
 
-from loraplane.api import KvBlockSet, PayloadError, ResidencyReport, TargetState, keys, read_payload
+from loraplane.api import (
+    KvBlockSet,
+    MissingSpecs,
+    PayloadError,
+    ResidencyReport,
+    TargetState,
+    keys,
+    read_payload,
+)
+from loraplane.api.catalogue import SpecCache
 from loraplane.credentials import async_redis
 from loraplane.sidecar.reconcile import Backoff
 from loraplane.waits import sleep_or_stop
@@ -51,6 +60,8 @@ class RedisBus:
     ) -> None:
         self.pool, self.pod = pool, pod
         self.target_key = keys.target_state(pool, pod)
+        #: the catalogue entries this pod's states named (a state's refs are resolved through it)
+        self.specs = SpecCache(pool)
         self.report_key = keys.residency_report(pool, pod)
         self._redis = async_redis(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s, retry_on_timeout=False
@@ -93,7 +104,9 @@ class RedisBus:
         return RedisUnavailable(str(exc))
 
     async def read_target(self) -> TargetState | None:
-        """The stored target (None when there is no key); RedisUnavailable or InvalidTarget otherwise."""
+        """The stored target, its refs resolved from the pool's catalogue (None when there is no key);
+        RedisUnavailable or InvalidTarget otherwise (a ref whose catalogue entry is missing included: the whole
+        target waits, never half of it)."""
         self._check_window()
         try:
             raw = await self._redis.get(self.target_key)
@@ -108,7 +121,12 @@ class RedisBus:
             raise InvalidTarget(f"{self.target_key}: {exc}") from exc
         if (target.pool, target.pod) != (self.pool, self.pod):
             raise InvalidTarget(f"{self.target_key} names pool/pod {target.pool}/{target.pod}")
-        return target
+        try:
+            return await self.specs.resolve(self._redis, target)
+        except (RedisError, OSError) as exc:
+            raise self._failed(exc) from exc
+        except MissingSpecs as exc:
+            raise InvalidTarget(f"{self.target_key} generation {target.generation}: {exc}") from exc
 
     async def publish(self, report: ResidencyReport) -> None:
         """SET the report with its TTL, add the pod to the index, and PUBLISH the change notice (one round trip)."""

@@ -6,8 +6,10 @@ of the passwords and has the ``default`` user switched off, so a client without 
 
 Who may do what (``acl_rules``), by the key names of ``loraplane.api.keys``:
 
-- ``controller``: reads the pool's keys; writes only target states and the route table, publishes their notices;
-- ``sidecar-<pod>``: reads its own pod's target state; writes only its own residency report and the report index;
+- ``controller``: reads the pool's keys; writes only target states, their catalogue and the route table, publishes
+  their notices;
+- ``sidecar-<pod>``: reads its own pod's target state and the pool's catalogue of target specs; writes only its own
+  residency report and the report index;
 - ``picker``: reads the pool's keys; writes only the request rates and its own counters;
 - ``observer``: reads the pool's keys (the demo and the tests watching the stack);
 - ``admin``: everything (an operator's ``redis-cli``; the tests that forge or delete keys on purpose).
@@ -48,9 +50,10 @@ def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = (
     """ACL rules (everything after ``user <name> on #<hash>``) of every component user of one pool."""
     prefix = _pool_prefix(pool)
     rules = {
-        "controller": f"resetkeys %R~{prefix}:* %W~{keys.target_state_pattern(pool)} %W~{keys.route_keys_pattern(pool)} "
+        "controller": f"resetkeys %R~{prefix}:* %W~{keys.target_state_pattern(pool)} %W~{keys.target_spec_pattern(pool)} "
+        f"%W~{keys.route_keys_pattern(pool)} "
         f"resetchannels &{keys.target_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
-        f"-@all {_CONNECT} {_READ} +set +publish",
+        f"-@all {_CONNECT} {_READ} +set +expire +publish",
         "picker": "resetkeys " + f"%R~{prefix}:* "
         + " ".join(f"%W~{keys.request_rates(pool, r)} %W~{keys.picker_counters(pool, r)} "
                    f"%W~{keys.picker_in_flight(pool, r)}" for r in picker_replicas)
@@ -61,10 +64,11 @@ def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = (
     }
     for pod in pods:
         rules[sidecar_user(pod)] = (
-            f"resetkeys %R~{keys.target_state(pool, pod)} %W~{keys.residency_report(pool, pod)} "
+            f"resetkeys %R~{keys.target_state(pool, pod)} %R~{keys.target_spec_pattern(pool)} "
+            f"%W~{keys.residency_report(pool, pod)} "
             f"%W~{keys.residency_index(pool)} %W~{keys.kv_blocks(pool, pod)} "
             f"resetchannels &{keys.target_changed_channel(pool)} &{keys.residency_changed_channel(pool)} "
-            f"&{keys.kv_blocks_changed_channel(pool)} -@all {_CONNECT} +get {_SUBSCRIBE} +set +sadd +publish "
+            f"&{keys.kv_blocks_changed_channel(pool)} -@all {_CONNECT} +get +mget {_SUBSCRIBE} +set +sadd +publish "
             "+multi +exec +discard"
         )
     return rules

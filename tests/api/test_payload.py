@@ -9,6 +9,7 @@ import pytest
 
 from loraplane.api import (
     SCHEMA_VERSION,
+    TARGET_SCHEMA_VERSION,
     KvBlockSet,
     PayloadError,
     PayloadRefusal,
@@ -62,7 +63,7 @@ def test_a_payload_without_a_schema_version_is_refused(payload: PayloadModel) ->
     assert _refusal(type(payload), orjson.dumps(data)).reason is PayloadRefusal.SCHEMA_MISSING
 
 
-@pytest.mark.parametrize("version", [SCHEMA_VERSION + 1, 0, "1", True, None])
+@pytest.mark.parametrize("version", [TARGET_SCHEMA_VERSION + 1, 0, "1", True, None])
 def test_another_schema_version_is_refused(version: object) -> None:
     data = {**_dict(PAYLOADS[0]), "schemaVersion": version}
     error = _refusal(TargetState, orjson.dumps(data))
@@ -70,6 +71,16 @@ def test_another_schema_version_is_refused(version: object) -> None:
     assert error.reason is expected
     if version is not None:
         assert f"schemaVersion {version!r}" in error.detail
+
+
+def test_target_state_reads_its_version_one_and_two_other_payloads_only_one() -> None:
+    # version 2 (entries by reference) is TargetState's alone: a whole-entry state of version 1 is still read
+    old = {**_dict(PAYLOADS[0]), "schemaVersion": SCHEMA_VERSION}
+    del old["refs"]
+    assert read_payload(TargetState, orjson.dumps(old)).generation == 3
+    assert _dict(PAYLOADS[0])["schemaVersion"] == TARGET_SCHEMA_VERSION
+    report = {**_dict(PAYLOADS[1]), "schemaVersion": TARGET_SCHEMA_VERSION}
+    assert _refusal(ResidencyReport, orjson.dumps(report)).reason is PayloadRefusal.SCHEMA_UNSUPPORTED
 
 
 def test_a_model_validation_error_names_the_field() -> None:
@@ -95,5 +106,5 @@ def test_the_skipping_reader_logs_the_reason_and_returns_none(caplog: pytest.Log
     assert read_payload_or_none(TargetState, None, log) is None
     assert read_payload_or_none(TargetState, PAYLOADS[0].to_json(), log) == PAYLOADS[0]
     with caplog.at_level(logging.WARNING, logger="test.payload"):
-        assert read_payload_or_none(TargetState, b'{"schemaVersion": 2}', log) is None
+        assert read_payload_or_none(TargetState, b'{"schemaVersion": 3}', log) is None
     assert "schema-unsupported" in caplog.text

@@ -41,6 +41,7 @@ from loraplane.api import (
     TargetState,
     keys,
 )
+from loraplane.api.catalogue import SpecCache
 from loraplane.controller.kube import KubeApi
 from loraplane.controller.leader import LeaseConfig, LeaseElector
 from loraplane.controller.manager import Controller, ControllerConfig
@@ -75,6 +76,8 @@ class ScriptedPods:
     #: served names the pods go on reporting as they last did after their targets drop them (a slow unload)
     slow_unload: set[str] = field(default_factory=set)
     reported: dict[str, dict[str, AdapterResidency]] = field(default_factory=dict)
+    #: the pool's catalogue entries the pods' target states named (their refs resolved as a sidecar does)
+    specs: SpecCache = field(default_factory=lambda: SpecCache(POOL))
 
     def app(self) -> Starlette:
         async def completions(request: Request) -> Response:
@@ -97,7 +100,7 @@ class ScriptedPods:
     async def publish_once(self) -> None:
         for pod in self.pods:
             raw = await self.redis.get(keys.target_state(POOL, pod))
-            target = TargetState.from_json(raw) if raw else None
+            target = await self.specs.resolve(self.redis, TargetState.from_json(raw)) if raw else None
             adapters = []
             for t in target.adapters if target else []:
                 bad = self.wrong_digest.get(t.served_name)

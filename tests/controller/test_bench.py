@@ -16,7 +16,8 @@ def test_bench_prints_one_json_object_and_writes_only_changes(capsys: pytest.Cap
     result = json.loads(capsys.readouterr().out)
     assert {"revisions", "pods", "reconcile_s", "redis_writes", "churn_adapters_moved", "churn_minimum"} <= set(result)
     assert (result["revisions"], result["pods"]) == (60, 6)
-    assert result["cold_redis_writes"] == 6 + 1  # every pod's target state and the route table
+    # every pod's target state, the route table and each revision's catalogue entry, once
+    assert result["cold_redis_writes"] == 6 + 1 + 60
     assert result["idle_redis_writes"] == 0  # nothing changed, nothing written
     assert result["rate_change_replanned"] is False and result["redis_writes"] == 0  # within the hysteresis
     assert result["spike_planned"] == "placement delta" and result["spike_redis_writes"] >= 1

@@ -91,9 +91,9 @@ class Env:
         out = {}
         for pod in self.pods.pods:
             raw = await self.redis.get(keys.target_state(POOL, pod))
-            for a in TargetState.from_json(raw).adapters if raw else []:
-                if a.served_name == served:
-                    out[pod] = a.tier.value
+            tier = TargetState.from_json(raw).tiers().get(served) if raw else None
+            if tier is not None:
+                out[pod] = tier.value
         return out
 
     async def traffic(self, *served: str, requests: int = 50, errors: int = 0) -> None:

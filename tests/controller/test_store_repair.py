@@ -10,21 +10,35 @@ from __future__ import annotations
 import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import RedisServer
+from loraplane import api
 from loraplane.api import (
+    AdapterTarget,
     PickerCounters,
     RequestRates,
     RouteEntry,
     RouteTable,
+    TargetSpec,
     TargetState,
+    Tier,
     WeightedRevision,
     keys,
 )
 from loraplane.api.routing import supersedes
-from loraplane.controller.store import RedisStore
+from loraplane.controller.store import SPEC_EXPIRY_SECONDS, RedisStore
 
 POOL = "p"
 ROUTES = {"claims": RouteEntry(revisions=[WeightedRevision(revision="v1", served_name="claims@v1",
                                                             digest="sha256:" + "1" * 64, weight=100)])}
+
+
+
+def _target(adapter: str, tier: Tier) -> AdapterTarget:
+    digest = "sha256:" + "a" * 64
+    return AdapterTarget(served_name=f"{adapter}@v1", adapter=adapter, revision="v1", tier=tier,
+                         artifact=api.Artifact(uri=f"oci://registry.local/{adapter}:v1", digest=digest),
+                         lora=api.LoraSpec(rank=8, alpha=16, target_modules=["q_proj"]),
+                         base_model_digest="sha256:" + "b" * 64,
+                         cache_key=api.cache_key("sha256:" + "b" * 64, adapter, "v1", digest))
 
 
 async def _written(redis_srv: RedisServer) -> tuple[RedisStore, aioredis.Redis]:
@@ -147,3 +161,34 @@ async def test_check_counts_keys_between_thorough_comparisons_of_a_large_pool(re
     now[0] += 10
     assert await store.check(POOL) == [keys.target_state(POOL, "pod-a")]
     await client.aclose()
+
+
+async def test_targets_are_written_by_reference_each_spec_once_and_a_lost_spec_comes_back(
+        redis_srv: RedisServer) -> None:
+    """A target state names its entries by reference: each revision's catalogue entry is written once however many
+    pods hold it, a pod's change writes only its state, an entry no state names expires, and ``repair`` writes a
+    lost entry back (a sidecar missing it keeps its last good target until then)."""
+    client = aioredis.Redis.from_url(redis_srv.url)
+    store = RedisStore(client, clock=lambda: 1000.0, writer="ctl@1")
+    claims, legal = _target("claims", Tier.GPU), _target("legal", Tier.CPU)
+    try:
+        await store.write_targets(POOL, {"pod-a": [claims, legal], "pod-b": [claims]})
+        assert store.writes == 2 + 2  # two states, two catalogue entries
+        stored = TargetState.from_json(await client.get(keys.target_state(POOL, "pod-b")))
+        assert stored.adapters == [] and stored.tiers() == {"claims@v1": Tier.GPU}
+        assert TargetSpec.from_json(await client.get(keys.target_spec(POOL, "claims@v1"))) == claims.spec(POOL)
+        writes = store.writes
+        await store.write_targets(POOL, {"pod-a": [claims, legal], "pod-b": [claims, legal.model_copy(
+            update={"tier": Tier.DISK})]})
+        assert store.writes == writes + 1  # pod-b's state alone: its new entry's spec is in the catalogue already
+        await store.write_targets(POOL, {"pod-a": [claims], "pod-b": [claims]})
+        assert 0 < await client.ttl(keys.target_spec(POOL, "legal@v1")) <= SPEC_EXPIRY_SECONDS  # named by none
+        assert await client.ttl(keys.target_spec(POOL, "claims@v1")) == -1
+        await client.delete(keys.target_spec(POOL, "claims@v1"))
+        assert await store.repair(POOL) == [keys.target_spec(POOL, "claims@v1")]
+        assert TargetSpec.from_json(await client.get(keys.target_spec(POOL, "claims@v1"))) == claims.spec(POOL)
+        # a new leader reads the states back whole, through the catalogue
+        leader = RedisStore(client, clock=lambda: 1001.0, writer="ctl@2")
+        assert (await leader.load_written(POOL))["pod-a"].adapters == [claims]
+    finally:
+        await client.aclose()

@@ -9,7 +9,16 @@ import pytest
 import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import wait_for_port
-from loraplane.api import ResidencyReport, TargetState, keys
+from loraplane.api import (
+    AdapterTarget,
+    Artifact,
+    LoraSpec,
+    ResidencyReport,
+    TargetState,
+    Tier,
+    cache_key,
+    keys,
+)
 from loraplane.sidecar.bus import InvalidTarget, RedisBus, RedisRefused, RedisUnavailable
 from loraplane.sidecar.reconcile import Backoff
 
@@ -44,6 +53,29 @@ async def test_target_report_and_notices(redis_srv) -> None:
             await client.set(keys.target_state("pool-a", "pod-0"), bad)
             with pytest.raises(InvalidTarget):
                 await bus.read_target()
+    finally:
+        await bus.close()
+        await client.aclose()
+
+
+async def test_a_target_by_reference_waits_whole_for_its_catalogue_entries(redis_srv) -> None:
+    """A state naming a catalogue entry that is not there is refused whole (the service keeps its last good target,
+    never acting on half of it); once the controller's repair writes the entry back, it is read resolved."""
+    bus = RedisBus(redis_srv.url, "pool-a", "pod-0")
+    client = aioredis.Redis.from_url(redis_srv.url)
+    digest = "sha256:" + "a" * 64
+    whole = TargetState(pool="pool-a", pod="pod-0", generation=5, updated_at=1.0, adapters=[AdapterTarget(
+        served_name="claims@v1", adapter="claims", revision="v1", tier=Tier.GPU,
+        artifact=Artifact(uri="oci://registry.local/claims:v1", digest=digest),
+        lora=LoraSpec(rank=8, alpha=16, target_modules=["q_proj"]), base_model_digest="sha256:" + "b" * 64,
+        cache_key=cache_key("sha256:" + "b" * 64, "claims", "v1", digest))])
+    compact, specs = whole.by_reference()
+    try:
+        await client.set(keys.target_state("pool-a", "pod-0"), compact.to_json())
+        with pytest.raises(InvalidTarget, match="claims@v1"):
+            await bus.read_target()
+        await client.set(keys.target_spec("pool-a", "claims@v1"), specs[0].to_json())
+        assert await bus.read_target() == whole
     finally:
         await bus.close()
         await client.aclose()
