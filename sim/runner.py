@@ -203,6 +203,7 @@ def run_all(
         "seed": seed,
         "pool": {"pods": config.pods, "max_loras": config.max_loras, "max_cpu_loras": config.max_cpu_loras},
         "peers_scrape_interval_s": config.scrape_interval_s,
+        "loraplane_runtime": config.loraplane_runtime,
         "profile": profile.name,
         "slo_ttft_ms": slo_ttft_ms,
         "flow_control": loraplane_queue(profile, picker_config, flow_control),

@@ -288,6 +288,7 @@ def test_the_report_has_the_slo_figures_for_every_policy_and_pods_scale_halves_t
     report = json.loads(capsys.readouterr().out)
     # loraplane runs the picker config's own queue (the packaged config ships it on)
     assert report["pool"]["pods"] == 2 and report["slo_ttft_ms"] == 500 and report["flow_control"] == "picker"
+    assert report["loraplane_runtime"] == "vllm"  # the default: vLLM behind loraplane's sidecar, as the chart runs it
     for entry in report["policies"].values():
         assert 0 <= entry["slo_attainment"] <= 1
         assert {"rejected", "p99_served_ttft_ms", "held"} <= set(entry)
