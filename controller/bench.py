@@ -124,8 +124,12 @@ class _Run:
     writes: int
     bytes: int
     plan: PoolPlan
-    reused: bool
-    delta: bool = False
+    #: how it was planned: reused, placement delta, part or full
+    how: str
+
+    @property
+    def reused(self) -> bool:
+        return self.how == "reused"
 
 
 async def _reconcile(store: RedisStore, planner: IncrementalPlanner, revs: list[AdapterRevision]) -> _Run:
@@ -140,18 +144,19 @@ async def _reconcile(store: RedisStore, planner: IncrementalPlanner, revs: list[
                                       rates=readings.rates, counters=readings.counters,
                                       previous_targets=store.written_targets(POOL)),
                            id(revs), readings.report_versions)
-    if outcome.reused:
-        await store.check(POOL)  # the level-triggered repair of a reused plan (the controller's ``_repair``)
-    elif outcome.delta:  # a few revisions placed again: target states only
-        await store.check(POOL)
-        await store.write_targets(POOL, outcome.plan.targets)
+    plan = outcome.plan
+    if outcome.reused or outcome.delta or outcome.decided is not None:
+        await store.check(POOL)  # the level-triggered repair where cheap (the controller's ``_repair``)
     else:
         await store.repair(POOL)
-        plan = outcome.plan
+    if not outcome.reused and not outcome.delta:  # a few revisions placed again: target states only
         await store.write_routes(POOL, plan.routes, plan.base_model, plan.placement.staging)
+    if not outcome.reused:
         await store.write_targets(POOL, plan.targets)
+    how = ("reused" if outcome.reused else "placement delta" if outcome.delta
+           else "part" if outcome.decided is not None else "full")
     return _Run(time.perf_counter() - started, time.process_time() - cpu, store.writes - writes,
-                store.bytes_written - written, outcome.plan, outcome.reused, outcome.delta)
+                store.bytes_written - written, plan, how)
 
 
 def _with_statuses(revs: list[AdapterRevision], plan: PoolPlan) -> list[AdapterRevision]:
@@ -218,10 +223,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "idle_reconcile_cpu_s": round(statistics.median(r.cpu_s for r in idle), 4),
         "idle_redis_writes": sum(r.writes for r in idle),
         "spike_reconcile_cpu_s": round(spike.cpu_s, 4),
-        "spike_planned": "placement delta" if spike.delta else "reused" if spike.reused else "full",
+        "spike_planned": spike.how,
         "spike_redis_writes": spike.writes,
         "spike_redis_bytes": spike.bytes,
         "new_revision_reconcile_cpu_s": round(added.cpu_s, 4),
+        "new_revision_planned": added.how,
         "new_revision_redis_writes": added.writes,
         "new_revision_redis_bytes": added.bytes,
         "redis_bytes_per_change": max(spike.bytes, added.bytes),

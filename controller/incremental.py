@@ -1,7 +1,8 @@
 """Planning in proportion to what changed: one pool's ``plan_pool`` is run again only when its inputs moved.
 
 ``plan_pool`` is pure: the same revisions, reports, rates, counters and probes give the same plan. A pool at rest
-(every revision Stable or terminal, no timed gate due) therefore keeps its last plan while
+(every adapter at rest: no rollout phase, deletion, required holding, timed gate or probe outstanding) therefore
+keeps its last plan while
 
 - its revisions are the same objects (the caller's ``revisions_token`` is unchanged),
 - each fresh member pod's report says the same to planning (``PoolReadings.report_versions``: heartbeats, load
@@ -11,10 +12,13 @@
   plan was made with: rates drift by a few per cent all the time, and a placement that follows every drift
   churns GPU slots (``PlacementConfig.stickiness`` is the same idea inside placement).
 
-Anything else -- a revision in a rollout phase or being deleted, a gate due, a report whose residency changed,
-a rate beyond the hysteresis -- plans the pool again, as does the ``full_plan_seconds`` period (so drift within
-the hysteresis is planned for at that pace). A reused plan writes nothing: the caller only runs its
-level-triggered repair of the Redis keys.
+A reused plan writes nothing: the caller only runs its level-triggered repair of the Redis keys. When something
+moved, a few revisions whose rates moved beyond the hysteresis are placed again alone (``delta_plan``), and a few
+adapters -- revisions added, changed or deleted, rollouts in progress, new probe results, report rows that changed
+-- are planned again alone (``plan_part``), each on what the rest of the pool leaves. Anything else (a pod coming,
+going or changing readiness or capacity, more than ``delta_share`` of the pool) plans the pool whole, as does the
+``full_plan_seconds`` period (so drift within the hysteresis, and anything a part did not see, is planned for at
+that pace).
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
+from typing import cast
 
-from loraplane.api import RequestRates
+from loraplane.api import AdapterRevision, AdapterRevisionStatus, AdapterTarget, RequestRates, ResidencyReport
 from loraplane.api.runtime import Tier
 from loraplane.controller.placement import (
     AdapterDemand,
@@ -38,13 +43,20 @@ from loraplane.controller.pool import (
     DEFAULT_ADAPTER_BYTES,
     PoolInputs,
     PoolPlan,
+    _observation,
     _rates_by_adapter,
     _target,
+    adapter_demands,
+    adapter_groups,
+    collect,
+    decide,
     fit_to_sidecars,
     plan_pool,
+    pod_capacity,
     serving_holders,
 )
 from loraplane.controller.rollout import ROLLOUT_PHASES
+from loraplane.kube import Key
 
 #: relative rate change (each window) below which an adapter's rates are taken as unchanged
 DEFAULT_HYSTERESIS = 0.25
@@ -92,12 +104,21 @@ class _Memo:
     #: the rates object last compared with them and found within the hysteresis (the same object: not compared)
     rates_source: RequestRates | None
     planned_at: float
-    #: False when the pool must be planned every time (a rollout in progress, a deletion, a gate due)
-    at_rest: bool
+    #: the logical adapters ((namespace, adapter)) not at rest: planned again at every pass (``_active``)
+    active: set[tuple[str, str]]
+    #: (namespace, name) -> the revision object the plan was made from (a changed one is another object)
+    revisions: dict[Key, AdapterRevision]
     #: the served names of the pool's revisions
     names: frozenset[str] = field(default_factory=frozenset)
     #: the served names whose rates moved beyond the hysteresis (found by ``_why``)
     moved: list[str] = field(default_factory=list)
+    #: pod -> its report as the plan read it (``_PodView``)
+    pods: dict[str, _PodView] = field(default_factory=dict)
+
+    @property
+    def at_rest(self) -> bool:
+        """Nothing needs planning again until an input moves."""
+        return not self.active
 
 
 @dataclass
@@ -112,16 +133,54 @@ class PlanOutcome:
     delta: bool = False
     #: why it was planned again ("" when reused)
     why: str = ""
+    #: the objects whose statuses this plan decided ((namespace, name)); None: every object of the pool. A plan of
+    #: a part (``plan_part``) decides only its adapters' revisions: the caller writes back only those statuses
+    decided: set[Key] | None = None
 
 
-def _at_rest(plan: PoolPlan) -> bool:
-    if plan.next_due is not None or plan.probes:
-        return False
-    for outcome in plan.adapters.values():
-        for rp in outcome.revisions.values():
-            if rp.status.phase in ROLLOUT_PHASES or rp.finalize or rp.required:
-                return False
-    return True
+def _active(plan: PoolPlan, adapters: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+    """Those of ``adapters`` not at rest in ``plan``: a rollout phase, a deletion, a required holding, a timed gate
+    or a probe outstanding."""
+    probed = {p.served_name for _, p in plan.probes}
+    active = set()
+    for key in adapters:
+        outcome = plan.adapters.get(key)
+        if outcome is None:
+            continue
+        if outcome.next_due is not None or any(
+                rp.status.phase in ROLLOUT_PHASES or rp.finalize or rp.required or rp.served_name in probed
+                for rp in outcome.revisions.values()):
+            active.add(key)
+    return active
+
+
+#: what planning reads of one adapter's row in a report (not its request counters)
+_PLANNED_FIELDS = ("tier", "registered", "draining", "error", "error_reason", "digest", "adapter_digest", "bytes",
+                   "pinned")
+
+
+@dataclass(frozen=True)
+class _PodView:
+    """One pod's report as a plan read it: its version (``PoolReadings.report_versions``), readiness, capacity and
+    each served name's planned fields."""
+
+    version: int
+    ready: bool
+    capacity: PodCapacity
+    residency: dict[str, tuple[object, ...]]
+
+    @classmethod
+    def of(cls, report: ResidencyReport, version: int) -> _PodView:
+        return cls(version, report.ready, pod_capacity(report),
+                   {a.served_name: tuple(getattr(a, f) for f in _PLANNED_FIELDS) for a in report.adapters})
+
+
+def _pod_views(reports: Iterable[ResidencyReport], versions: Mapping[str, int]) -> dict[str, _PodView]:
+    return {r.pod: _PodView.of(r, versions.get(r.pod, -1)) for r in reports}
+
+
+def _revision_objects(revisions: Iterable[AdapterRevision]) -> dict[Key, AdapterRevision]:
+    return {(r.metadata.namespace or "default", r.metadata.name): r for r in revisions}
 
 
 class IncrementalPlanner:
@@ -133,12 +192,14 @@ class IncrementalPlanner:
         self.full_plan_seconds = full_plan_seconds
         self.clock = clock
         self._memo: dict[str, _Memo] = {}
-        #: plans made, reused and made again for a few revisions since start (for tests and the benchmark)
+        #: plans made, reused, made again for a few revisions and for a few adapters since start (for tests and the
+        #: benchmark)
         self.planned = 0
         self.reused = 0
         self.deltas = 0
-        #: at most this share of a pool's revisions (at least 8) moving beyond the hysteresis is placed again alone;
-        #: more plans the pool whole
+        self.parts = 0
+        #: at most this share of a pool's revisions (at least 8) moving beyond the hysteresis is placed again alone,
+        #: and of its adapters changed or not at rest planned again alone; more plans the pool whole
         self.delta_share = 0.02
 
     def forget(self, pool: str | None = None) -> None:
@@ -167,11 +228,53 @@ class IncrementalPlanner:
             memo.rates_source = inputs.rates  # compared: the same object is not compared again (``memo.rates`` stays)
         return ""
 
+    def _part(self, memo: _Memo, inputs: PoolInputs, signature: tuple[Hashable, ...],
+              revisions: dict[Key, AdapterRevision], versions: Mapping[str, int],
+              ) -> tuple[set[tuple[str, str]], dict[str, _PodView]] | None:
+        """The adapters to plan again alone (``plan_part``) -- those whose revisions were added, changed or deleted,
+        those not at rest, those with new probe results and those whose rows in a report changed -- and the changed
+        pods' views; None where the pool must be planned whole: a pod came, went, changed readiness or capacity
+        (every adapter's), rates moved beyond the hysteresis, the full plan period, or too many adapters."""
+        if memo.moved or self.clock() - memo.planned_at >= self.full_plan_seconds:
+            return None
+        if memo.pods.keys() != {r.pod for r in inputs.reports}:
+            return None
+        views: dict[str, _PodView] = {}
+        touched: set[str] = set()
+        for report in inputs.reports:
+            old = memo.pods[report.pod]
+            if versions.get(report.pod, -1) == old.version and report.ready == old.ready:
+                continue
+            view = views[report.pod] = _PodView.of(report, versions.get(report.pod, -1))
+            if view.ready != old.ready or view.capacity != old.capacity:
+                return None
+            touched.update(n for n in view.residency.keys() | old.residency.keys()
+                           if view.residency.get(n) != old.residency.get(n))
+        if inputs.rates is not memo.rates_source and rates_moved(memo.rates, inputs.rates, memo.names, self.hysteresis):
+            return None
+
+        def adapter(rev: AdapterRevision) -> tuple[str, str]:
+            return rev.metadata.namespace or "default", rev.spec.adapter
+
+        part = set(memo.active)
+        part.update(adapter(rev) for rev in revisions.values() if rev.served_name in touched)
+        part.update(adapter(rev) for key, rev in revisions.items() if memo.revisions.get(key) is not rev)
+        part.update(adapter(rev) for key, rev in memo.revisions.items() if key not in revisions)
+        if memo.signature[2] != signature[2]:
+            probed = cast(frozenset[tuple[tuple[str, str], Hashable]], memo.signature[2]) ^ cast(
+                frozenset[tuple[tuple[str, str], Hashable]], signature[2])
+            touched = {name for (name, _), _ in probed}
+            part.update(adapter(rev) for rev in revisions.values() if rev.served_name in touched)
+        if not part or len(part) > max(8, len(memo.names) * self.delta_share):
+            return None
+        return part, views
+
     def plan(self, inputs: PoolInputs, revisions_token: Hashable,
              report_versions: Mapping[str, int]) -> PlanOutcome:
-        """``plan_pool(inputs)``, or the pool's last plan when nothing it depends on moved. ``revisions_token``
-        changes whenever the pool's revisions (specs, statuses, the set) do; ``report_versions`` as
-        ``PoolReadings.report_versions``."""
+        """``plan_pool(inputs)``, or the pool's last plan when nothing it depends on moved, or the last plan with a
+        few adapters planned again (``plan_part``) or a few revisions placed again (``delta_plan``).
+        ``revisions_token`` changes whenever the pool's revisions (specs, statuses, the set) do;
+        ``report_versions`` as ``PoolReadings.report_versions``."""
         signature: tuple[Hashable, ...] = (
             revisions_token,
             tuple(sorted((r.pod, report_versions.get(r.pod, -1), r.ready) for r in inputs.reports)),
@@ -187,18 +290,38 @@ class IncrementalPlanner:
             delta = delta_plan(memo.plan, inputs, moved)
             if delta is not None:
                 plan, changed = delta
-                for window, rates in memo.rates.items():  # the new baseline of the revisions placed again
-                    now = inputs.rates.windows.get(window, {}) if inputs.rates else {}  # type: ignore[call-overload]
-                    rates.update((name, now.get(name, 0.0)) for name in changed)
+                self._rebase_rates(memo, inputs, changed)
                 memo.plan, memo.rates_source = plan, inputs.rates
                 self.deltas += 1
                 return PlanOutcome(plan, reused=False, why=f"placement of {len(changed)} revisions", delta=True)
+        revisions = _revision_objects(inputs.revisions)
+        found = self._part(memo, inputs, signature, revisions, report_versions) if memo is not None else None
+        if memo is not None and found is not None and (made := plan_part(memo.plan, inputs, found[0])) is not None:
+            part, views = found
+            plan, again = made
+            memo.pods.update(views)
+            self._rebase_rates(memo, inputs, again)
+            memo.active = (memo.active - part) | _active(plan, part)
+            memo.plan, memo.signature, memo.revisions = plan, signature, revisions
+            memo.names = frozenset(r.served_name for r in inputs.revisions)
+            self.parts += 1
+            decided = {(key[0], name) for key in part if key in plan.adapters for name in plan.adapters[key].revisions}
+            return PlanOutcome(plan, reused=False, why=f"{len(part)} adapters planned again alone", decided=decided)
         plan = plan_pool(inputs)
         names = frozenset(r.served_name for r in inputs.revisions)
         self._memo[inputs.pool] = _Memo(signature, plan, windows_of(inputs.rates), inputs.rates, self.clock(),
-                                        _at_rest(plan), names)
+                                        _active(plan, plan.adapters), revisions, names,
+                                        pods=_pod_views(inputs.reports, report_versions))
         self.planned += 1
         return PlanOutcome(plan, reused=False, why=why)
+
+    @staticmethod
+    def _rebase_rates(memo: _Memo, inputs: PoolInputs, names: Iterable[str]) -> None:
+        """The rates of ``names`` as planned now (the baseline later rates are compared with)."""
+        names = list(names)
+        for window in WINDOWS:
+            now = inputs.rates.windows.get(window, {}) if inputs.rates else {}  # type: ignore[call-overload]
+            memo.rates.setdefault(window, {}).update((name, now.get(name, 0.0)) for name in names)
 
 
 def delta_plan(plan: PoolPlan, inputs: PoolInputs, moved: Sequence[str]) -> tuple[PoolPlan, set[str]] | None:
@@ -227,8 +350,51 @@ def delta_plan(plan: PoolPlan, inputs: PoolInputs, moved: Sequence[str]) -> tupl
         changed[rev.served_name] = new
     if not changed:
         return None
+    statuses = {name: (rev, by_served[name].status) for rev in revs if (name := rev.served_name) in changed}
+    placement, targets, all_demands = _place_again(plan, inputs, changed, set(changed), statuses)
+    return replace(plan, placement=placement, targets=targets, demands=all_demands, events=[], probes=[],
+                   discarded_probes=[]), set(changed)
+
+
+def plan_part(plan: PoolPlan, inputs: PoolInputs,
+              adapters: Collection[tuple[str, str]]) -> tuple[PoolPlan, set[str]] | None:
+    """``plan`` with the logical ``adapters`` ((namespace, adapter): revisions added, changed or deleted, rollouts
+    in progress) reconciled and placed again alone, on what the others leave of each pod: the others' statuses,
+    targets and routes stay as they were. What a pool's reconcile does, for a part: the rollout runs with the whole
+    pool's observation (canary GPU slots counted over every revision), placement with the residual capacity. None
+    where placement spans the pool (tenant budgets, staging pods). Returns the plan and the served names placed
+    again (before or now)."""
+    if inputs.budgets or plan.placement.staging:
+        return None
+    wanted = set(adapters)
+    groups = {key: revs for key, revs in adapter_groups(inputs.revisions).items() if key in wanted}
+    reconciles, decided = decide(inputs, groups, _observation(inputs))
+    demands, by_served = adapter_demands(inputs, groups, decided)
+    changed = {d.served_name: d for d in demands}
+    before = {rp.served_name for key in wanted if key in plan.adapters for rp in plan.adapters[key].revisions.values()}
+    placement, targets, all_demands = _place_again(plan, inputs, changed, before | set(changed), by_served)
+    for reconcile in reconciles.values():
+        reconcile.finish(placement.notes)
+    names = {adapter for _, adapter in wanted}
+    routes = {adapter: route for adapter, route in plan.routes.items() if adapter not in names}
+    routes.update((adapter, outcome.route) for (_, adapter), outcome in decided.items() if outcome.route is not None)
+    kept = {key: outcome for key, outcome in plan.adapters.items() if key not in wanted}
+    part = PoolPlan(adapters={**kept, **decided}, targets=targets, routes=routes, placement=placement,
+                    base_model=None, capacity=plan.capacity, demands=all_demands)
+    collect(part, inputs.revisions, decided)
+    return part, before | set(changed)
+
+
+def _place_again(plan: PoolPlan, inputs: PoolInputs, changed: Mapping[str, AdapterDemand], again: set[str],
+                 statuses: Mapping[str, tuple[AdapterRevision, AdapterRevisionStatus]],
+                 ) -> tuple[Placement, dict[str, list[AdapterTarget]], list[AdapterDemand]]:
+    """Place the ``changed`` demands alone on what the revisions not placed ``again`` (a superset of ``changed``:
+    those leaving the plan too) leave of each pod, and merge: the placement, every pod's targets (a pod whose
+    holdings did not change keeps its list) and the plan's demands. ``statuses``: served name -> (revision,
+    status) of each changed demand."""
+    demands = {d.served_name: d for d in plan.demands}
     before = plan.placement.pods
-    rest = {pod: {n: t for n, t in held.items() if n not in changed} for pod, held in before.items()}
+    rest = {pod: {n: t for n, t in held.items() if n not in again} for pod, held in before.items()}
     residual = []
     for cap in plan.capacity:
         held = rest.get(cap.name, {})
@@ -246,14 +412,14 @@ def delta_plan(plan: PoolPlan, inputs: PoolInputs, moved: Sequence[str]) -> tupl
     previous = Placement(pods={pod: {n: t for n, t in held.items() if n in changed} for pod, held in before.items()})
     local = place(residual, list(changed.values()), previous, {}, inputs.placement)
     merged = {pod: {**rest.get(pod, {}), **local.pods.get(pod, {})} for pod in before.keys() | local.pods.keys()}
-    notes = {**{n: why for n, why in plan.placement.notes.items() if n not in changed}, **local.notes}
-    all_demands = [changed.get(d.served_name, d) for d in plan.demands]
+    notes = {**{n: why for n, why in plan.placement.notes.items() if n not in again}, **local.notes}
+    all_demands = [changed.get(n, d) for d in plan.demands if (n := d.served_name) not in again or n in changed]
+    all_demands += [d for n, d in changed.items() if n not in demands]
     planned = Placement(pods=merged, notes=notes, staging=plan.placement.staging)
     serving = serving_holders(inputs.reports)
-    placement = keep_until_replaced(planned, [changed[n] for n in changed], serving,
+    placement = keep_until_replaced(planned, list(changed.values()), serving,
                                     {r.pod for r in inputs.reports if r.demotes_to_disk})
     placement = fit_to_sidecars(placement, planned, [r for r in inputs.reports if r.ready], all_demands, serving)
-    revision_of = {r.served_name: r for r in inputs.revisions}
     targets = dict(plan.targets)
     for pod, held in placement.pods.items():
         if held == before.get(pod):
@@ -261,8 +427,9 @@ def delta_plan(plan: PoolPlan, inputs: PoolInputs, moved: Sequence[str]) -> tupl
         old_targets = {t.served_name: t for t in plan.targets.get(pod, [])}
         targets[pod] = [
             old_targets[name] if name in old_targets and old_targets[name].tier is tier and name not in changed
-            else _target(revision_of[name], by_served[name].status, tier)
+            else _target(*statuses[name], tier)
             for name, tier in held.items() if tier is not Tier.ABSENT
         ]
-    return replace(plan, placement=placement, targets=targets, demands=all_demands, events=[], probes=[],
-                   discarded_probes=[]), set(changed)
+    for pod in before.keys() - placement.pods.keys():
+        targets.pop(pod, None)
+    return placement, targets, all_demands

@@ -403,7 +403,7 @@ class Controller:
         elif outcome is not None:
             plan = outcome.plan
             self._forget_probes(pool, plan)
-            await self._write(pool, plan, read.objects, revisions, stored)
+            await self._write(pool, plan, read.objects, revisions, stored, outcome.decided)
         self.reconciles += 1
         if self.metrics:
             self.metrics.reconcile_seconds.observe(time.perf_counter() - started)
@@ -491,9 +491,12 @@ class Controller:
 
     async def _write(self, pool: str, plan: PoolPlan, objects: dict[Key, dict[str, Any]],
                      revisions: list[tuple[dict[str, Any], AdapterRevision]],
-                     stored: dict[Key, AdapterRevisionStatus]) -> None:
+                     stored: dict[Key, AdapterRevisionStatus], decided: set[Key] | None = None) -> None:
+        """Write what ``plan`` changed: routes, target states, the statuses of the objects it ``decided`` (None:
+        every object), its events and probes."""
         writes_before, repairs_before = self.store.writes, self.store.repairs
-        await self.store.repair(pool)  # what Redis lost or someone overwrote since the last pass comes back first
+        # what Redis lost or someone overwrote since the last pass comes back first (a plan of a part: where cheap)
+        await (self.store.repair(pool) if decided is None else self.store.check(pool))
         # routes first: a revision leaves the route before any pod unloads it; one only enters it once warm
         await self.store.write_routes(pool, plan.routes, plan.base_model, plan.placement.staging)
         deleting = [rev.served_name for _, rev in revisions if rev.metadata.deletion_timestamp is not None]
@@ -503,7 +506,7 @@ class Controller:
             self.metrics.redis_repairs.inc(self.store.repairs - repairs_before)
         # one object's writes stay in order; different objects' go out side by side (each call blocks a thread)
         await asyncio.gather(*(self._write_back(objects[key], rp.status, finalize=rp.finalize, stored=stored[key])
-                               for key, rp in plan.revisions.items()))
+                               for key, rp in plan.revisions.items() if decided is None or key in decided))
         if plan.events:
             self._record_events([(objects[key], event) for key, event in plan.events])
         for key, request in plan.probes:

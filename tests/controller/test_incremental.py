@@ -87,14 +87,75 @@ def test_changed_revisions_or_reports_plan_again() -> None:
     assert not planner.plan(_inputs(revs, rates, reports[1:]), "t2", {"pod-01": 7}).reused  # a pod went away
 
 
-def test_a_rollout_in_progress_is_planned_every_time() -> None:
+def test_a_rollout_in_progress_is_planned_alone_every_time() -> None:
+    """An adapter rolling out is not at rest: every pass plans it again, alone (``plan_part``); the other adapters'
+    statuses are not decided again (the caller writes back only ``decided``)."""
     revs, rates, reports = _pool()
     canary = revs[0].model_copy(update={"status": revs[0].status.model_copy(update={"phase": Phase.PENDING})})
     planner = IncrementalPlanner(full_plan_seconds=60, clock=Clock())
     inputs = _inputs([canary, *revs[1:]], rates, reports)
-    assert not planner.plan(inputs, "t", {}).reused
-    again = planner.plan(inputs, "t", {})
-    assert not again.reused and again.why == "rollout in progress"
+    first = planner.plan(inputs, "t", {})
+    assert not first.reused and first.decided is None
+    for _ in range(2):
+        again = planner.plan(inputs, "t", {})
+        assert not again.reused and again.decided == {("default", canary.metadata.name)}
+        assert again.why == "1 adapters planned again alone" and planner.parts >= 1
+        assert again.plan.revisions[("default", revs[1].metadata.name)] is first.plan.revisions[
+            ("default", revs[1].metadata.name)]
+
+
+def _pods_holding(plan: PoolPlan, name: str) -> set[str]:
+    return {pod for pod, held in plan.placement.pods.items() if name in held}
+
+
+def test_a_new_revision_is_planned_and_placed_alone() -> None:
+    """A revision added to a pool at rest: planned alone -- routed, placed on what the others leave -- and only the
+    pods it lands on get new target lists; every other pod keeps its list object, every other revision its place."""
+    planner, _, revs, rates, reports, plan = _settled()
+    new = bench._revisions(1, random.Random(9), NOW, first=len(revs))[0]
+    rates = {**rates, new.served_name: 5.0}
+    outcome = planner.plan(_inputs([*revs, new], rates, reports), "t2", {})
+    assert outcome.decided == {("default", new.metadata.name)} and planner.planned == 1
+    after = outcome.plan
+    assert new.spec.adapter in after.routes and after.routes.keys() - {new.spec.adapter} == plan.routes.keys()
+    holders = _pods_holding(after, new.served_name)
+    assert holders
+    for pod, targets in after.targets.items():
+        if pod not in holders:
+            assert targets is plan.targets[pod]
+        assert {n: t for n, t in after.placement.pods[pod].items() if n != new.served_name} == \
+            plan.placement.pods[pod]
+        assert sum(t is Tier.GPU for t in after.placement.pods[pod].values()) <= 4  # within the pod's slots
+    # at rest again: the same inputs reuse it
+    assert planner.plan(_inputs([*revs, new], rates, reports), "t2", {}).reused
+
+
+def test_a_deleted_revision_leaves_routes_and_targets_alone() -> None:
+    planner, _, revs, rates, reports, plan = _settled()
+    gone = revs[3]
+    assert _pods_holding(plan, gone.served_name)
+    outcome = planner.plan(_inputs([r for r in revs if r is not gone], rates, reports), "t2", {})
+    assert outcome.decided == set() and planner.planned == 1  # no object of that adapter is left to decide
+    assert gone.spec.adapter not in outcome.plan.routes and not _pods_holding(outcome.plan, gone.served_name)
+    assert all(gone.served_name not in {t.served_name for t in targets} for targets in outcome.plan.targets.values())
+
+
+def test_a_report_change_plans_the_adapters_it_touches_and_a_capacity_change_the_pool() -> None:
+    planner, _, revs, rates, reports, plan = _settled()
+    reports = bench._reports(len(reports), plan, 4, 8)
+    assert not planner.plan(_inputs(revs, rates, reports), "t1", {r.pod: 1 for r in reports}).reused
+    pod = reports[0]
+    row = pod.adapters[0]
+    failed = row.model_copy(update={"tier": Tier.ABSENT, "error": "digest mismatch", "error_reason": "DigestMismatch"})
+    changed = [pod.model_copy(update={"adapters": [failed, *pod.adapters[1:]]}), *reports[1:]]
+    versions = {r.pod: 1 for r in reports} | {pod.pod: 2}
+    outcome = planner.plan(_inputs(revs, rates, changed), "t1", versions)
+    touched = next(r for r in revs if r.served_name == row.served_name)
+    assert outcome.decided == {("default", touched.metadata.name)}
+    bigger = [changed[0].model_copy(update={"load": changed[0].load.model_copy(update={"max_gpu_slots": 6})}),
+              *changed[1:]]
+    whole = planner.plan(_inputs(revs, rates, bigger), "t1", versions | {pod.pod: 3})
+    assert whole.decided is None and planner.planned == 3
 
 
 def test_rates_moved_counts_revisions_appearing_and_going_quiet() -> None:
