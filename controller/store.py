@@ -502,15 +502,26 @@ class RedisStore:
         return raw
 
     async def write_targets(self, pool: str, targets: Mapping[str, Sequence[AdapterTarget]],
-                            retired: Sequence[str] = ()) -> list[str]:
-        """Write each pod's target state whose adapters (or the pool's ``retired`` served names) changed; returns the
-        pods written."""
+                            retired: Collection[str] = ()) -> list[str]:
+        """Write each pod's target state whose adapters (or its ``retired`` served names) changed; returns the pods
+        written. A pod's ``retired`` names are those of the revisions being deleted (``retired``) that it holds: named
+        by its last state, or in its last report read (any tier, its disk cache included; with no report, those its
+        last state retired), so deleting a revision writes the pods that hold it, not the pool."""
         written = self.targets.setdefault(pool, {})
-        retired_names = sorted(retired)
+        deleting = set(retired)
+        reports = self._parsed[pool].reports if deleting and pool in self._parsed else {}
         changed = []
         for pod, adapters in sorted(targets.items()):
             wanted = sorted(adapters, key=lambda a: a.served_name)
             old = written.get(pod)
+            retired_names: list[str] = []
+            if deleting:
+                held = {a.served_name for a in old.adapters} if old is not None else set()
+                if pod in reports:
+                    held.update(a.served_name for a in reports[pod][1].adapters)
+                elif old is not None:
+                    held.update(old.retired)
+                retired_names = sorted(deleting & held)
             if old is not None and old.adapters == wanted and old.retired == retired_names:
                 continue
             changed.append(TargetState(pool=pool, pod=pod, generation=(old.generation + 1) if old else 1,

@@ -12,9 +12,11 @@ import redis.asyncio as aioredis
 from e2e.fixtures.processes import RedisServer
 from loraplane import api
 from loraplane.api import (
+    AdapterResidency,
     AdapterTarget,
     PickerCounters,
     RequestRates,
+    ResidencyReport,
     RouteEntry,
     RouteTable,
     TargetSpec,
@@ -190,5 +192,35 @@ async def test_targets_are_written_by_reference_each_spec_once_and_a_lost_spec_c
         # a new leader reads the states back whole, through the catalogue
         leader = RedisStore(client, clock=lambda: 1001.0, writer="ctl@2")
         assert (await leader.load_written(POOL))["pod-a"].adapters == [claims]
+    finally:
+        await client.aclose()
+
+
+async def test_a_deleted_revision_is_retired_on_the_pods_that_hold_it_only(redis_srv: RedisServer) -> None:
+    """``retired`` per pod: the revisions being deleted that the pod's last state named or its report lists (its
+    disk cache included), until its report no longer lists them; a pod that never held it is not written."""
+    client = aioredis.Redis.from_url(redis_srv.url)
+    store = RedisStore(client, clock=lambda: 1000.0, writer="ctl@1")
+    claims, legal = _target("claims", Tier.GPU), _target("legal", Tier.CPU)
+    try:
+        await store.write_targets(POOL, {"pod-a": [claims, legal], "pod-b": [claims], "pod-c": [claims]})
+        # pod-c's sidecar still has legal in its disk cache (a target of long ago): its report says so
+        row = AdapterResidency(served_name="legal@v1", tier=Tier.DISK)
+        for pod, rows in (("pod-a", [row]), ("pod-b", []), ("pod-c", [row])):
+            report = ResidencyReport(pool=POOL, pod=pod, address="10.0.0.1:8000", heartbeat_at=999.0,
+                                     ttl_seconds=60.0, adapters=rows)
+            await client.set(keys.residency_report(POOL, pod), report.to_json())
+            await client.sadd(keys.residency_index(POOL), pod)
+        await store.read(POOL)
+        written = await store.write_targets(POOL, {"pod-a": [claims], "pod-b": [claims], "pod-c": [claims]},
+                                            retired=["legal@v1"])
+        assert written == ["pod-a", "pod-c"]  # pod-b never held it: not rewritten
+        assert store.targets[POOL]["pod-c"].retired == ["legal@v1"]
+        again = ResidencyReport(pool=POOL, pod="pod-c", address="10.0.0.1:8000", heartbeat_at=1000.0, ttl_seconds=60.0)
+        await client.set(keys.residency_report(POOL, "pod-c"), again.to_json())  # released from its disk cache
+        await store.read(POOL)
+        assert await store.write_targets(POOL, {"pod-a": [claims], "pod-b": [claims], "pod-c": [claims]},
+                                         retired=["legal@v1"]) == ["pod-c"]
+        assert store.targets[POOL]["pod-c"].retired == [] and store.targets[POOL]["pod-a"].retired == ["legal@v1"]
     finally:
         await client.aclose()
