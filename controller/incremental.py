@@ -416,10 +416,14 @@ def _place_again(plan: PoolPlan, inputs: PoolInputs, changed: Mapping[str, Adapt
     all_demands = [changed.get(n, d) for d in plan.demands if (n := d.served_name) not in again or n in changed]
     all_demands += [d for n, d in changed.items() if n not in demands]
     planned = Placement(pods=merged, notes=notes, staging=plan.placement.staging)
-    serving = serving_holders(inputs.reports)
+    serving = serving_holders(inputs.reports, changed)
     placement = keep_until_replaced(planned, list(changed.values()), serving,
                                     {r.pod for r in inputs.reports if r.demotes_to_disk})
-    placement = fit_to_sidecars(placement, planned, [r for r in inputs.reports if r.ready], all_demands, serving)
+    # only the pods whose holdings changed are cut to their sidecars again (the others were, by the last plan)
+    moved = {pod for pod, held in placement.pods.items() if held != before.get(pod)}
+    serving.update(serving_holders(inputs.reports, {n for pod in moved for n in placement.pods[pod]} - changed.keys()))
+    placement = fit_to_sidecars(placement, planned, [r for r in inputs.reports if r.ready and r.pod in moved],
+                                all_demands, serving)
     targets = dict(plan.targets)
     for pod, held in placement.pods.items():
         if held == before.get(pod):

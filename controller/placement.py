@@ -902,10 +902,12 @@ def keep_until_replaced(placement: Placement, demands: Iterable[AdapterDemand],
     keeps a disk-tier revision registered and reads it back on a request: ``ResidencyReport.demotes_to_disk``); a
     kept revision stays at disk on those pods and at CPU on the others (where a disk target would unload it)."""
     pods = {pod: dict(held) for pod, held in placement.pods.items()}
+    demands = list(demands)
+    names = {d.served_name for d in demands}
     planned_serving: dict[str, set[str]] = {}
     for pod, tiers in pods.items():
         for name, tier in tiers.items():
-            if tier in (Tier.GPU, Tier.CPU) or (tier is Tier.DISK and pod in keeps_on_disk):
+            if name in names and (tier in (Tier.GPU, Tier.CPU) or (tier is Tier.DISK and pod in keeps_on_disk)):
                 planned_serving.setdefault(name, set()).add(pod)
     for demand in demands:
         now = set(serving.get(demand.served_name, ())) & pods.keys()

@@ -143,12 +143,12 @@ def _waiting_since(revisions: Sequence[AdapterRevision], now: datetime) -> datet
     return min((r.status.phase_since or now for r in revisions if r.status.phase in ROLLOUT_PHASES), default=now)
 
 
-def _reported_bytes(reports: Sequence[ResidencyReport]) -> dict[str, int]:
-    """Served name -> the largest size any sidecar reports for it."""
+def _reported_bytes(reports: Sequence[ResidencyReport], names: Collection[str] | None = None) -> dict[str, int]:
+    """Served name (of ``names``; None: every one) -> the largest size any sidecar reports for it."""
     sizes: dict[str, int] = {}
     for report in reports:
         for a in report.adapters:
-            if a.bytes > sizes.get(a.served_name, 0):
+            if a.bytes > sizes.get(a.served_name, 0) and (names is None or a.served_name in names):
                 sizes[a.served_name] = a.bytes
     return sizes
 
@@ -187,12 +187,14 @@ def _new_target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier)
     )
 
 
-def serving_holders(reports: Sequence[ResidencyReport]) -> dict[str, set[str]]:
-    """Served name -> the pods serving it now: those reporting it at GPU or CPU, and those whose runtime keeps
-    disk-tier revisions registered (``demotes_to_disk``) reporting it registered at disk."""
+def serving_holders(reports: Sequence[ResidencyReport], names: Collection[str] | None = None) -> dict[str, set[str]]:
+    """Served name (of ``names``; None: every one) -> the pods serving it now: those reporting it at GPU or CPU, and
+    those whose runtime keeps disk-tier revisions registered (``demotes_to_disk``) reporting it registered at disk."""
     serving: dict[str, set[str]] = defaultdict(set)
     for report in reports:
         for held in report.adapters:
+            if names is not None and held.served_name not in names:
+                continue
             if held.tier in (Tier.GPU, Tier.CPU) or (report.demotes_to_disk and held.tier is Tier.DISK and held.registered):
                 serving[held.served_name].add(report.pod)
     return serving
@@ -337,7 +339,7 @@ def adapter_demands(inputs: PoolInputs, groups: Mapping[tuple[str, str], list[Ad
     """What placement must hold for each placed revision of ``adapters``, and served name -> (revision, status)."""
     revisions = [rev for key in adapters for rev in groups[key]]
     rates = _rates_by_adapter(inputs.rates, revisions)
-    sizes = _reported_bytes(inputs.reports)
+    sizes = _reported_bytes(inputs.reports, {rev.served_name for rev in revisions})
     by_served: dict[str, tuple[AdapterRevision, AdapterRevisionStatus]] = {}
     demands = []
     for key, outcome in adapters.items():

@@ -134,12 +134,13 @@ class Observation:
         """Count the canary GPU slots ``revisions`` hold as their persisted status says (each revision once: the
         pool's reconcile counts every revision before any adapter decides)."""
         for rev in revisions:
+            if rev.status.phase not in SLOT_PHASES or rev.metadata.deletion_timestamp is not None:
+                continue  # holds no slot (the phase first: a served name is computed)
             if rev.served_name in self._slots_counted:
                 continue
             self._slots_counted.add(rev.served_name)
-            if rev.status.phase in SLOT_PHASES and rev.metadata.deletion_timestamp is None:
-                for pod in canary_pods(rev, self.compatible(rev)[0]):
-                    self._slot_holders.setdefault(pod.name, set()).add(rev.served_name)
+            for pod in canary_pods(rev, self.compatible(rev)[0]):
+                self._slot_holders.setdefault(pod.name, set()).add(rev.served_name)
 
     def full_pods(self, served_name: str, pods: Sequence[PodObservation]) -> list[PodObservation]:
         """Those of ``pods`` whose GPU slots are all held by other revisions' canaries."""

@@ -318,6 +318,9 @@ class RedisStore:
         old = self.routes.get(pool)
         staging = sorted(staging_pods)
         if old is not None and (old.models, old.base_model, old.staging_pods) == (dict(models), base_model, staging):
+            if any(old.models.get(name) is not entry for name, entry in models.items()):
+                # equal, other objects: kept as the plan's, so the next comparison is by identity (10,000 entries)
+                self.routes[pool] = old.model_copy(update={"models": dict(models)})
             return False
         table = RouteTable(pool=pool, generation=(old.generation + 1) if old else 1, base_model=base_model,
                            models=dict(sorted(models.items())), staging_pods=staging, updated_at=self.clock(),
@@ -523,6 +526,9 @@ class RedisStore:
                     held.update(old.retired)
                 retired_names = sorted(deleting & held)
             if old is not None and old.adapters == wanted and old.retired == retired_names:
+                if any(a is not b for a, b in zip(old.adapters, wanted, strict=True)):
+                    # equal, other objects: kept as the plan's, so the next comparison is by identity
+                    written[pod] = old.model_copy(update={"adapters": wanted})
                 continue
             changed.append(TargetState(pool=pool, pod=pod, generation=(old.generation + 1) if old else 1,
                                        adapters=wanted, updated_at=self.clock(), writer=self.writer,
