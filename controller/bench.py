@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import random
 import resource
@@ -46,7 +47,7 @@ from loraplane.api import (
 from loraplane.controller import bench_live
 from loraplane.controller.incremental import DEFAULT_FULL_PLAN_SECONDS, DEFAULT_HYSTERESIS, IncrementalPlanner
 from loraplane.controller.placement import Placement, gpu_loads, minimum_gpu_loads, place
-from loraplane.controller.pool import PoolInputs, PoolPlan
+from loraplane.controller.pool import PoolInputs, PoolPlan, clear_target_cache
 from loraplane.controller.store import RedisStore
 from loraplane.helptext import HelpFormatter
 from loraplane.processes import start_redis
@@ -166,46 +167,54 @@ def _with_statuses(revs: list[AdapterRevision], plan: PoolPlan) -> list[AdapterR
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    rng = random.Random(args.seed)
-    now = datetime.now(UTC)
-    revs = _revisions(args.revisions, rng, now)
-    rates = _rates(revs, rng, args.top_rate)
     with tempfile.TemporaryDirectory() as tmp:
         server = start_redis(Path(tmp))
         client = aioredis.from_url(server.url)
         try:
-            store = RedisStore(client, time.time)
-            planner = IncrementalPlanner(args.hysteresis, args.full_plan_seconds)
-            await _publish(client, _reports(args.pods, None, args.gpu_slots, args.cpu_slots), rates)
-            cold = await _reconcile(store, planner, revs)
-            plan = cold.plan
-            revs = _with_statuses(revs, plan)
-            await _publish(client, _reports(args.pods, plan, args.gpu_slots, args.cpu_slots), rates)
-            settle = await _reconcile(store, planner, revs)  # the statuses as patched: planned once more
-            await _publish(client, _reports(args.pods, settle.plan, args.gpu_slots, args.cpu_slots), rates)
-            idle = [await _reconcile(store, planner, revs) for _ in range(args.repeat)]
-            before = settle.plan.placement
-            changed = {n: r * (1 + rng.uniform(-args.rate_change, args.rate_change)) for n, r in rates.items()}
-            await _publish(client, _reports(args.pods, idle[-1].plan, args.gpu_slots, args.cpu_slots), changed)
-            change = await _reconcile(store, planner, revs)
-            after_plan = change.plan
-            # single changes that must be planned and written: one adapter's traffic grows tenfold (its placement
-            # grows), then a new adapter with traffic joins the pool (a new stable revision: placed and routed)
-            hot = revs[len(revs) // 2].served_name
-            changed[hot] *= 10
-            await _publish(client, _reports(args.pods, after_plan, args.gpu_slots, args.cpu_slots), changed)
-            spike = await _reconcile(store, planner, revs)
-            revs = [*revs, *_revisions(1, rng, now, first=args.revisions)]
-            changed[revs[-1].served_name] = changed[hot] / 10
-            await _publish(client, _reports(args.pods, spike.plan, args.gpu_slots, args.cpu_slots), changed)
-            added = await _reconcile(store, planner, revs)
-            max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            fresh = _fresh_placement(after_plan)
+            static = await _static(args, client)
             await client.flushdb()
+            clear_target_cache()  # the live half's controller starts as a process would: without the first's objects
+            gc.collect()
             live = {} if args.no_live else await bench_live.run(args, server.url, Path(tmp))
         finally:
             await client.aclose()
             server.stop()
+    return {**static, **live}
+
+
+async def _static(args: argparse.Namespace, client: aioredis.Redis) -> dict[str, Any]:
+    """The planned pool's figures (everything but the live loop's)."""
+    rng = random.Random(args.seed)
+    now = datetime.now(UTC)
+    revs = _revisions(args.revisions, rng, now)
+    rates = _rates(revs, rng, args.top_rate)
+    store = RedisStore(client, time.time)
+    planner = IncrementalPlanner(args.hysteresis, args.full_plan_seconds)
+    await _publish(client, _reports(args.pods, None, args.gpu_slots, args.cpu_slots), rates)
+    cold = await _reconcile(store, planner, revs)
+    plan = cold.plan
+    revs = _with_statuses(revs, plan)
+    await _publish(client, _reports(args.pods, plan, args.gpu_slots, args.cpu_slots), rates)
+    settle = await _reconcile(store, planner, revs)  # the statuses as patched: planned once more
+    await _publish(client, _reports(args.pods, settle.plan, args.gpu_slots, args.cpu_slots), rates)
+    idle = [await _reconcile(store, planner, revs) for _ in range(args.repeat)]
+    before = settle.plan.placement
+    changed = {n: r * (1 + rng.uniform(-args.rate_change, args.rate_change)) for n, r in rates.items()}
+    await _publish(client, _reports(args.pods, idle[-1].plan, args.gpu_slots, args.cpu_slots), changed)
+    change = await _reconcile(store, planner, revs)
+    after_plan = change.plan
+    # single changes that must be planned and written: one adapter's traffic grows tenfold (its placement
+    # grows), then a new adapter with traffic joins the pool (a new stable revision: placed and routed)
+    hot = revs[len(revs) // 2].served_name
+    changed[hot] *= 10
+    await _publish(client, _reports(args.pods, after_plan, args.gpu_slots, args.cpu_slots), changed)
+    spike = await _reconcile(store, planner, revs)
+    revs = [*revs, *_revisions(1, rng, now, first=args.revisions)]
+    changed[revs[-1].served_name] = changed[hot] / 10
+    await _publish(client, _reports(args.pods, spike.plan, args.gpu_slots, args.cpu_slots), changed)
+    added = await _reconcile(store, planner, revs)
+    max_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    fresh = _fresh_placement(after_plan)
     return {
         "revisions": args.revisions,
         "pods": args.pods,
@@ -237,7 +246,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "churn_adapters_moved": gpu_loads(before, after_plan.placement),
         "churn_minimum": minimum_gpu_loads(before, fresh),
         "gpu_replicas": sum(len(p) for p in after_plan.placement.replicas(Tier.GPU).values()),
-        **live,
     }
 
 

@@ -102,7 +102,7 @@ async def _seed(cluster: _Cluster, client: aioredis.Redis, args: argparse.Namesp
     stamp = datetime.now(UTC).isoformat()
     stable = {"phase": "Stable", "trafficWeight": 100, "phaseSince": stamp}
     jobs: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for i in range(args.live_revisions):
+    for i in range(_live_revisions(args)):
         jobs.append((_manifest(f"adapter-{i:04d}", "v1", f"pool-{i % args.live_pools:02d}", i + 1), stable))
     steps = [{"weight": 10 * (k + 1), "pauseSeconds": 1} for k in range(args.gate_steps)]
     for i in range(args.gate_adapters):
@@ -197,6 +197,11 @@ async def _apply_one(cluster: _Cluster, client: aioredis.Redis, pool: str, pods:
         await pubsub.aclose()
 
 
+def _live_revisions(args: argparse.Namespace) -> int:
+    """``--live-revisions``, or as many as the planned pool's ``--revisions``."""
+    return int(args.live_revisions if args.live_revisions is not None else args.revisions)
+
+
 async def run(args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[str, Any]:
     """Seed the cluster, run the controller, measure both figures."""
     from loraplane.stack.services import start_devcluster
@@ -216,7 +221,7 @@ async def run(args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[s
                                     metrics=ControllerMetrics())
             task = asyncio.ensure_future(controller.run(stop))
             # the first passes patch every revision's conditions and finalizer: ~2 API calls per revision
-            await _wait_idle(controller, within=120.0 + 0.06 * args.live_revisions)
+            await _wait_idle(controller, within=120.0 + 0.06 * _live_revisions(args))
             gates.after = time.time()
             with ThreadPoolExecutor(max_workers=4) as threads:  # their first step is overdue: only later ones count
                 await asyncio.get_running_loop().run_in_executor(
@@ -234,23 +239,35 @@ async def run(args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[s
             stop.set()
             await task
             await controller.aclose()
+        peaks = {"live_process_rss_mb": _rss_mb("self", "VmRSS"),
+                 "devcluster_peak_rss_mb": _rss_mb(str(devcluster.process.pid), "VmHWM")}
     finally:
         stop.set()
         await client.aclose()
         cluster.api_client.close()
         devcluster.stop()
     return {
-        "live_revisions": args.live_revisions + 2 * args.gate_adapters,
+        "live_revisions": _live_revisions(args) + 2 * args.gate_adapters,
         "live_pools": args.live_pools + 1,
         "apply_to_target_ms": _percentiles(applied),
         "gate_delay_ms": _percentiles(gates.delays_ms),
+        **peaks,
     }
+
+
+def _rss_mb(pid: str, field: str) -> float | None:
+    """A process's RSS now (``VmRSS``) or at its peak (``VmHWM``) in MiB; None where /proc does not say."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The live benchmark's flags."""
-    p.add_argument("--live-revisions", type=int, default=1000,
-                   help="stable revisions in the devcluster for the live figures (default 1000)")
+    p.add_argument("--live-revisions", type=int, default=None,
+                   help="stable revisions in the devcluster for the live figures (default: as many as --revisions)")
     p.add_argument("--live-pools", type=int, default=20, help="pools they are spread over (default 20)")
     p.add_argument("--live-pods", type=int, default=4, help="pods reporting per pool (default 4)")
     p.add_argument("--apply-samples", type=int, default=40, help="revisions created for apply_to_target_ms (default 40)")

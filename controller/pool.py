@@ -159,6 +159,11 @@ _TARGETS: dict[tuple[int, Tier, str | None, bool], tuple[AdapterRevision, Adapte
 _TARGETS_KEPT = 1 << 17
 
 
+def clear_target_cache() -> None:
+    """Forget every cached target (a process that plans other pools from now on: the benchmark's second half)."""
+    _TARGETS.clear()
+
+
 def _target(rev: AdapterRevision, status: AdapterRevisionStatus, tier: Tier) -> AdapterTarget:
     key = (id(rev), tier, status.cache_key, status.phase in ROLLOUT_PHASES)
     hit = _TARGETS.get(key)

@@ -27,5 +27,6 @@ def test_bench_prints_one_json_object_and_writes_only_changes(capsys: pytest.Cap
     # the live loop: every created revision reached a target state, and every timed step after the first was seen
     assert (result["live_revisions"], result["live_pools"]) == (40 + 2 * 2, 2 + 1)
     assert result["apply_to_target_ms"]["n"] == 3 and result["apply_to_target_ms"]["p50"] > 0
+    assert result["live_process_rss_mb"] > 0 and result["devcluster_peak_rss_mb"] > 0
     # each canary's steps after its first are timed; the first one too when its due time fell after the warm-up
     assert 2 * 2 <= result["gate_delay_ms"]["n"] <= 2 * 3 and result["gate_delay_ms"]["p99"] >= 0
