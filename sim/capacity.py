@@ -29,7 +29,7 @@ from loraplane.helptext import HelpFormatter
 from loraplane.sim.admission import FlowControlConfig
 from loraplane.sim.bound import belady_misses
 from loraplane.sim.cli import AZURE_FLAGS, azure_options
-from loraplane.sim.cluster import SimConfig
+from loraplane.sim.cluster import LORAPLANE_RUNTIMES, VLLM, SimConfig
 from loraplane.sim.metrics import DEFAULT_SLO_TTFT_MS, slo_figures
 from loraplane.sim.policies import LORAPLANE, POLICY_NAMES
 from loraplane.sim.profile import LARGE_GPU, Profile, ProfileError, load_profile
@@ -150,6 +150,7 @@ def plan_pods(search: Search, policies: Sequence[str], jobs: int | None = None) 
         "seed": search.seed,
         "profile": search.profile.name,
         "pool": {"max_loras": search.config.max_loras, "max_cpu_loras": search.config.max_cpu_loras},
+        "loraplane_runtime": search.config.loraplane_runtime,
         "slo_ttft_ms": search.slo_ttft_ms,
         "target_attainment": search.target,
         "search": SEARCH,
@@ -221,6 +222,9 @@ def parser() -> argparse.ArgumentParser:
                    help="loraplane's queue (as loraplane sim; default: the picker config's own)")  # fmt: skip
     p.add_argument("--loraplane-pods", choices=["chart", "vllm-defaults"], default="chart",
                    help="loraplane's pods as the chart starts them or with vLLM's defaults (as loraplane sim)")
+    p.add_argument("--loraplane-runtime", choices=LORAPLANE_RUNTIMES, default=VLLM,
+                   help="what loraplane's pods run (as loraplane sim): vLLM behind loraplane's sidecar (the default) "
+                        "or pods that load any revision on demand")  # fmt: skip
     p.add_argument("--jobs", type=_positive, help="worker processes, one policy each (default: one per CPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     azure = p.add_argument_group("real-arrival scenarios", "the options of loraplane sim's azure-* scenarios")
@@ -260,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = load_profile(args.profile)
         placement = load_config(args.controller_config).placement_config()
         config = SimConfig(pods=args.pods, max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
-                           placement=placement)  # fmt: skip
+                           placement=placement, loraplane_runtime=args.loraplane_runtime)  # fmt: skip
         if args.trace is not None:
             trace = load_csv(args.trace, profile.default_adapter_bytes)
         else:

@@ -50,6 +50,7 @@ def test_plan_with_a_scenario_reports_each_policys_fewest_pods(capsys: pytest.Ca
     assert plan_main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["target_attainment"] == 0.99 and out["slo_ttft_ms"] == 2000.0 and out["requests"] == 1500
+    assert out["loraplane_runtime"] == "vllm"  # as loraplane sim: vLLM behind loraplane's sidecar by default
     assert set(out["policies"]) == {"loraplane", "round-robin"}
     for found in out["policies"].values():
         pods = found["pods"]
@@ -66,10 +67,12 @@ def test_plan_with_a_scenario_reports_each_policys_fewest_pods(capsys: pytest.Ca
 def test_plan_with_a_recorded_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     csv = tmp_path / "trace.csv"
     csv.write_text(scenario("gie-multilora", 800, 1, 84_000_000).to_csv())
-    argv = ["--trace", str(csv), "--policies", "least-request", "--pods", "2", "--jobs", "1", "--json"]
+    argv = ["--trace", str(csv), "--policies", "least-request", "--pods", "2", "--jobs", "1", "--json",
+            "--loraplane-runtime", "on-demand"]  # fmt: skip
     assert plan_main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 800 and out["policies"]["least-request"]["pods"] >= 1
+    assert out["loraplane_runtime"] == "on-demand"
     assert "loraplane_pods_over_best_baseline" not in out  # no loraplane in the list
 
 
