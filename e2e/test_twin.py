@@ -38,7 +38,7 @@ def _run_loraplane(trace: Trace, options: TwinOptions, workdir: Path) -> tuple[T
 
 def test_eight_emulated_pods_serve_a_trace_through_the_real_control_plane(tmp_path: Path) -> None:
     trace = scenario("gie-multilora", 400, 0, LARGE_GPU.default_adapter_bytes)
-    options = TwinOptions(pods=PODS)
+    options = TwinOptions(pods=PODS, pickers=2)  # two picker replicas behind the one Envoy
     twin, report = _run_loraplane(trace, options, tmp_path / "twin")
     assert report["requests"] == len(trace)
     assert report["wrong_revision"] == 0, report
@@ -56,6 +56,8 @@ def test_eight_emulated_pods_serve_a_trace_through_the_real_control_plane(tmp_pa
     assert set(report["processes"]) >= {"pod", "sidecar", "picker", "envoy", "controller"}
     assert report["processes"]["pod"]["processes"] == PODS
     assert np.isfinite(report["ttft_ms"]["p99"])
+    # every replica's decisions are counted (their histograms summed), each request decided once at least
+    assert report["control_plane"]["picker_decision"]["count"] >= len(trace), report["control_plane"]
     # Envoy's access log names every served request: its TTFT splits into the pod's part and the path around it
     path = report["gateway_path"]
     assert path["requests"] == len(trace), path

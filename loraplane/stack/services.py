@@ -188,6 +188,8 @@ class LocalStack:
     controller: ManagedProcess | None = None
     gateway_port: int = 0
     picker_metrics_port: int = 0
+    #: every picker replica's metrics port (the first is ``picker_metrics_port``)
+    picker_metrics_ports: list[int] = field(default_factory=list)
     controller_metrics_port: int = 0
     #: with the ``vllm`` runtime: the checkpoint directory every vLLM pod serves, and its digest
     model_dir: Path | None = None
@@ -417,6 +419,7 @@ class LocalStack:
         for i in range(max(1, self.options.pickers)):
             picker_port, health_port, metrics_port = free_port(), free_port(), free_port()
             self.picker_metrics_port = self.picker_metrics_port or metrics_port
+            self.picker_metrics_ports.append(metrics_port)
             picker = ManagedProcess(
                 [sys.executable, "-m", "loraplane.picker.cli", "--pool", POOL, "--redis-url", self.redis_url,
                  "--grpc-address", f"{LOOPBACK}:{picker_port}", "--health-address", f"{LOOPBACK}:{health_port}",

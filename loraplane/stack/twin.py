@@ -369,14 +369,18 @@ class Scrapes:
 
 
 async def scrape_all(stack: LocalStack) -> Scrapes:
-    """Scrape every pod's, the picker's and the controller's metrics directly (not through Envoy)."""
+    """Scrape every pod's, every picker replica's and the controller's metrics directly (not through Envoy)."""
     async def one(http: aiohttp.ClientSession, url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
         async with http.get(url, timeout=aiohttp.ClientTimeout(total=30)) as response:
             return metric_samples(await response.text())
 
     async with aiohttp.ClientSession() as http:
         pods = await asyncio.gather(*(one(http, f"http://{e.address}/metrics") for e in stack.engines))
-        picker = await one(http, f"http://127.0.0.1:{stack.picker_metrics_port}/metrics")
+        picker: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for replica in await asyncio.gather(*(one(http, f"http://127.0.0.1:{port}/metrics")
+                                              for port in stack.picker_metrics_ports or [stack.picker_metrics_port])):
+            for name, samples in replica.items():  # every replica's series: histograms sum their buckets
+                picker.setdefault(name, []).extend(samples)
         controller = (await one(http, f"http://127.0.0.1:{stack.controller_metrics_port}/metrics")
                       if stack.controller is not None else {})
     return Scrapes(dict(zip((e.pod for e in stack.engines), pods, strict=True)), picker, controller)
