@@ -19,7 +19,7 @@ from loraplane.api import AdapterRevision, Phase, RequestRates, ResidencyReport,
 from loraplane.controller import bench
 from loraplane.controller.incremental import IncrementalPlanner, rates_moved, windows_of
 from loraplane.controller.placement import TenantBudget
-from loraplane.controller.pool import PoolInputs, PoolPlan
+from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
 from loraplane.controller.store import RedisStore
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -126,6 +126,11 @@ def test_a_new_revision_is_planned_and_placed_alone() -> None:
         assert {n: t for n, t in after.placement.pods[pod].items() if n != new.served_name} == \
             plan.placement.pods[pod]
         assert sum(t is Tier.GPU for t in after.placement.pods[pod].values()) <= 4  # within the pod's slots
+    # what the pool would be planned whole routes the same and decides the same statuses
+    whole = plan_pool(_inputs([*revs, new], rates, reports))
+    assert after.routes == whole.routes
+    assert {k: rp.status.phase for k, rp in after.revisions.items()} == {
+        k: rp.status.phase for k, rp in whole.revisions.items()}
     # at rest again: the same inputs reuse it
     assert planner.plan(_inputs([*revs, new], rates, reports), "t2", {}).reused
 
