@@ -381,7 +381,7 @@ def plan_part(plan: PoolPlan, inputs: PoolInputs,
     kept = {key: outcome for key, outcome in plan.adapters.items() if key not in wanted}
     part = PoolPlan(adapters={**kept, **decided}, targets=targets, routes=routes, placement=placement,
                     base_model=None, capacity=plan.capacity, demands=all_demands)
-    collect(part, inputs.revisions, decided)
+    collect(part, inputs.revisions, wanted, plan)
     return part, before | set(changed)
 
 

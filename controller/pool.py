@@ -371,16 +371,25 @@ def adapter_demands(inputs: PoolInputs, groups: Mapping[tuple[str, str], list[Ad
 
 
 def collect(plan: PoolPlan, revisions: Sequence[AdapterRevision],
-            decided: Collection[tuple[str, str]] | None = None) -> None:
-    """Fill ``plan``'s per-object outcomes, events and probes from its adapters (only those ``decided`` this time
-    contribute events and probes; None: all), its base model and its next due time."""
-    plan.revisions = {}
+            part: Collection[tuple[str, str]] | None = None, before: PoolPlan | None = None) -> None:
+    """Fill ``plan``'s per-object outcomes, events and probes from its adapters, its base model and its next due
+    time. For a plan of a ``part`` of the adapters made on ``before``: the objects of the others are ``before``'s
+    (not walked again), and only the part's adapters contribute events and probes."""
     plan.events, plan.probes, plan.discarded_probes = [], [], []
-    for key, outcome in plan.adapters.items():
+    if part is None or before is None:
+        plan.revisions = {}
+        walked: Collection[tuple[str, str]] = plan.adapters.keys()
+    else:
+        plan.revisions = dict(before.revisions)
+        for key in part:
+            if (old := before.adapters.get(key)) is not None:
+                for name in old.revisions:
+                    plan.revisions.pop((key[0], name), None)
+        walked = [key for key in part if key in plan.adapters]
+    for key in walked:
+        outcome = plan.adapters[key]
         namespace = key[0]
         plan.revisions.update({(namespace, name): rp for name, rp in outcome.revisions.items()})
-        if decided is not None and key not in decided:
-            continue
         plan.events.extend(((namespace, e.object_name), e) for e in outcome.events)
         name_of = {rp.served_name: name for name, rp in outcome.revisions.items()}
         plan.probes.extend(((namespace, name_of[p.served_name]), p) for p in outcome.probes)
