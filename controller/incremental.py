@@ -108,8 +108,8 @@ class _Memo:
     active: set[tuple[str, str]]
     #: (namespace, name) -> the revision object the plan was made from (a changed one is another object)
     revisions: dict[Key, AdapterRevision]
-    #: the served names of the pool's revisions
-    names: frozenset[str] = field(default_factory=frozenset)
+    #: the served names of the pool's revisions -> their logical adapter ((namespace, adapter))
+    names: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: the served names whose rates moved beyond the hysteresis (found by ``_why``)
     moved: list[str] = field(default_factory=list)
     #: pod -> its report as the plan read it (``_PodView``)
@@ -183,6 +183,21 @@ def _revision_objects(revisions: Iterable[AdapterRevision]) -> dict[Key, Adapter
     return {(r.metadata.namespace or "default", r.metadata.name): r for r in revisions}
 
 
+def _adapter(rev: AdapterRevision) -> tuple[str, str]:
+    return rev.metadata.namespace or "default", rev.spec.adapter
+
+
+@dataclass
+class _Part:
+    """What ``IncrementalPlanner._part`` found: the adapters to plan again, the pods' changed views and the
+    revision objects added or changed and removed."""
+
+    adapters: set[tuple[str, str]]
+    views: dict[str, _PodView]
+    changed: list[Key]
+    removed: list[Key]
+
+
 class IncrementalPlanner:
     """Keeps each pool's last plan and plans again only when its inputs moved (see the module docstring)."""
 
@@ -229,8 +244,7 @@ class IncrementalPlanner:
         return ""
 
     def _part(self, memo: _Memo, inputs: PoolInputs, signature: tuple[Hashable, ...],
-              revisions: dict[Key, AdapterRevision], versions: Mapping[str, int],
-              ) -> tuple[set[tuple[str, str]], dict[str, _PodView]] | None:
+              revisions: dict[Key, AdapterRevision], versions: Mapping[str, int]) -> _Part | None:
         """The adapters to plan again alone (``plan_part``) -- those whose revisions were added, changed or deleted,
         those not at rest, those with new probe results and those whose rows in a report changed -- and the changed
         pods' views; None where the pool must be planned whole: a pod came, went, changed readiness or capacity
@@ -252,22 +266,19 @@ class IncrementalPlanner:
                            if view.residency.get(n) != old.residency.get(n))
         if inputs.rates is not memo.rates_source and rates_moved(memo.rates, inputs.rates, memo.names, self.hysteresis):
             return None
-
-        def adapter(rev: AdapterRevision) -> tuple[str, str]:
-            return rev.metadata.namespace or "default", rev.spec.adapter
-
-        part = set(memo.active)
-        part.update(adapter(rev) for rev in revisions.values() if rev.served_name in touched)
-        part.update(adapter(rev) for key, rev in revisions.items() if memo.revisions.get(key) is not rev)
-        part.update(adapter(rev) for key, rev in memo.revisions.items() if key not in revisions)
         if memo.signature[2] != signature[2]:
             probed = cast(frozenset[tuple[tuple[str, str], Hashable]], memo.signature[2]) ^ cast(
                 frozenset[tuple[tuple[str, str], Hashable]], signature[2])
-            touched = {name for (name, _), _ in probed}
-            part.update(adapter(rev) for rev in revisions.values() if rev.served_name in touched)
+            touched.update(name for (name, _), _ in probed)
+        changed = [key for key, rev in revisions.items() if memo.revisions.get(key) is not rev]
+        removed = [key for key in memo.revisions if key not in revisions]
+        part = set(memo.active)
+        part.update(memo.names[name] for name in touched if name in memo.names)
+        part.update(_adapter(revisions[key]) for key in changed)
+        part.update(_adapter(memo.revisions[key]) for key in removed)
         if not part or len(part) > max(8, len(memo.names) * self.delta_share):
             return None
-        return part, views
+        return _Part(part, views, changed, removed)
 
     def plan(self, inputs: PoolInputs, revisions_token: Hashable,
              report_versions: Mapping[str, int]) -> PlanOutcome:
@@ -296,19 +307,22 @@ class IncrementalPlanner:
                 return PlanOutcome(plan, reused=False, why=f"placement of {len(changed)} revisions", delta=True)
         revisions = _revision_objects(inputs.revisions)
         found = self._part(memo, inputs, signature, revisions, report_versions) if memo is not None else None
-        if memo is not None and found is not None and (made := plan_part(memo.plan, inputs, found[0])) is not None:
-            part, views = found
+        if memo is not None and found is not None and (made := plan_part(memo.plan, inputs, found.adapters)) is not None:
+            part = found.adapters
             plan, again = made
-            memo.pods.update(views)
+            memo.pods.update(found.views)
             self._rebase_rates(memo, inputs, again)
             memo.active = (memo.active - part) | _active(plan, part)
+            for key in found.removed + found.changed:  # the served names as the revisions are now
+                if (old := memo.revisions.get(key)) is not None:
+                    memo.names.pop(old.served_name, None)
+            memo.names.update((revisions[key].served_name, _adapter(revisions[key])) for key in found.changed)
             memo.plan, memo.signature, memo.revisions = plan, signature, revisions
-            memo.names = frozenset(r.served_name for r in inputs.revisions)
             self.parts += 1
             decided = {(key[0], name) for key in part if key in plan.adapters for name in plan.adapters[key].revisions}
             return PlanOutcome(plan, reused=False, why=f"{len(part)} adapters planned again alone", decided=decided)
         plan = plan_pool(inputs)
-        names = frozenset(r.served_name for r in inputs.revisions)
+        names = {r.served_name: _adapter(r) for r in inputs.revisions}
         self._memo[inputs.pool] = _Memo(signature, plan, windows_of(inputs.rates), inputs.rates, self.clock(),
                                         _active(plan, plan.adapters), revisions, names,
                                         pods=_pod_views(inputs.reports, report_versions))

@@ -133,6 +133,10 @@ def test_a_new_revision_is_planned_and_placed_alone() -> None:
         k: rp.status.phase for k, rp in whole.revisions.items()}
     # at rest again: the same inputs reuse it
     assert planner.plan(_inputs([*revs, new], rates, reports), "t2", {}).reused
+    # and it is one of the pool's revisions from now on: its rates moving is a placement delta of its own
+    spiked = planner.plan(_inputs([*revs, new], {**rates, new.served_name: 40.0}, reports), "t2", {})
+    assert spiked.delta and "1 revisions" in spiked.why
+    assert len(_pods_holding(spiked.plan, new.served_name)) > len(holders)
 
 
 def test_a_deleted_revision_leaves_routes_and_targets_alone() -> None:
