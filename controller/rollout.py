@@ -87,6 +87,10 @@ class ProbeResult:
     status: int | None = None
 
 
+#: names ``Observation.held`` looks up pod by pod before it indexes every pod's adapters
+_HELD_LOOKUPS = 32
+
+
 @dataclass(frozen=True)
 class Observation:
     """What the pool looks like now."""
@@ -99,7 +103,9 @@ class Observation:
     probes: Mapping[tuple[str, str], ProbeResult] = field(default_factory=dict)
     _compatible: dict[tuple[str, int], tuple[list[PodObservation], str]] = field(
         default_factory=dict, compare=False, repr=False)
+    #: served name -> what the pods report of it: the names looked up one by one, then (``_held_all``) every name
     _held: dict[str, list[AdapterResidency]] = field(default_factory=dict, compare=False, repr=False)
+    _held_all: dict[str, list[AdapterResidency]] = field(default_factory=dict, compare=False, repr=False)
     #: pod -> served names of the revisions holding a canary GPU slot there (``hold_gpu_slots``, ``admit``)
     _slot_holders: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
     _slots_counted: set[str] = field(default_factory=set, compare=False, repr=False)
@@ -115,12 +121,20 @@ class Observation:
         return hit[1]
 
     def held(self, served_name: str) -> list[AdapterResidency]:
-        """What the pods report of ``served_name`` (one entry per pod that holds it at any tier), indexed once."""
-        if not self._held:
-            for pod in self.pods:
-                for name, held in pod.adapters.items():
-                    self._held.setdefault(name, []).append(held)
-        return self._held.get(served_name, [])
+        """What the pods report of ``served_name`` (one entry per pod that holds it at any tier): looked up pod by
+        pod for the first names asked (a reconcile of a few adapters), then indexed once (of the whole pool)."""
+        if self._held_all:
+            return self._held_all.get(served_name, [])
+        hit = self._held.get(served_name)
+        if hit is None and len(self._held) < _HELD_LOOKUPS:
+            hit = self._held[served_name] = [held for pod in self.pods
+                                              if (held := pod.adapters.get(served_name)) is not None]
+        if hit is not None:
+            return hit
+        for pod in self.pods:
+            for name, held in pod.adapters.items():
+                self._held_all.setdefault(name, []).append(held)
+        return self._held_all.get(served_name, [])
 
     def compatible(self, rev: AdapterRevision) -> tuple[list[PodObservation], str]:
         """``compatible_pods`` for the revision, computed once per base model digest and rank."""

@@ -202,6 +202,8 @@ class RedisStore:
         self.targets: dict[str, dict[str, TargetState]] = {}
         #: pool -> served name -> the catalogue entry written (or read back) and named by some state
         self.specs: dict[str, dict[str, TargetSpec]] = {}
+        #: pool -> pod -> the target list last compared with its written state (``write_targets``)
+        self._compared: dict[str, dict[str, Sequence[AdapterTarget]]] = {}
         self.routes: dict[str, RouteTable | None] = {}
         #: SET commands issued since start (target states + route tables)
         self.writes = 0
@@ -266,6 +268,7 @@ class RedisStore:
         specs = [read_payload_or_none(TargetSpec, raw, log) for raw in (await self.client.mget(spec_keys) if spec_keys else [])]
         catalogue = {s.served_name: s for s in specs if s is not None and s.pool == pool}
         self.targets[pool] = {}
+        self._compared.pop(pool, None)
         for state in states:
             try:
                 self.targets[pool][state.pod] = state.resolve(catalogue)
@@ -511,12 +514,16 @@ class RedisStore:
         by its last state, or in its last report read (any tier, its disk cache included; with no report, those its
         last state retired), so deleting a revision writes the pods that hold it, not the pool."""
         written = self.targets.setdefault(pool, {})
+        compared = self._compared.setdefault(pool, {})
         deleting = set(retired)
         reports = self._parsed[pool].reports if deleting and pool in self._parsed else {}
         changed = []
         for pod, adapters in sorted(targets.items()):
-            wanted = sorted(adapters, key=lambda a: a.served_name)
             old = written.get(pod)
+            if not deleting and old is not None and not old.retired and compared.get(pod) is adapters:
+                continue  # the very list last found equal to what is written (a plan keeps an unchanged pod's list)
+            compared[pod] = adapters
+            wanted = sorted(adapters, key=lambda a: a.served_name)
             retired_names: list[str] = []
             if deleting:
                 held = {a.served_name for a in old.adapters} if old is not None else set()
