@@ -105,7 +105,7 @@ class Observation:
         default_factory=dict, compare=False, repr=False)
     #: served name -> what the pods report of it: the names looked up one by one, then (``_held_all``) every name
     _held: dict[str, list[AdapterResidency]] = field(default_factory=dict, compare=False, repr=False)
-    _held_all: dict[str, list[AdapterResidency]] = field(default_factory=dict, compare=False, repr=False)
+    _held_all: dict[str, list[AdapterResidency]] | None = field(default=None, compare=False, repr=False)
     #: pod -> served names of the revisions holding a canary GPU slot there (``hold_gpu_slots``, ``admit``)
     _slot_holders: dict[str, set[str]] = field(default_factory=dict, compare=False, repr=False)
     _slots_counted: set[str] = field(default_factory=set, compare=False, repr=False)
@@ -123,7 +123,7 @@ class Observation:
     def held(self, served_name: str) -> list[AdapterResidency]:
         """What the pods report of ``served_name`` (one entry per pod that holds it at any tier): looked up pod by
         pod for the first names asked (a reconcile of a few adapters), then indexed once (of the whole pool)."""
-        if self._held_all:
+        if self._held_all is not None:
             return self._held_all.get(served_name, [])
         hit = self._held.get(served_name)
         if hit is None and len(self._held) < _HELD_LOOKUPS:
@@ -131,10 +131,12 @@ class Observation:
                                               if (held := pod.adapters.get(served_name)) is not None]
         if hit is not None:
             return hit
+        index: dict[str, list[AdapterResidency]] = {}
         for pod in self.pods:
             for name, held in pod.adapters.items():
-                self._held_all.setdefault(name, []).append(held)
-        return self._held_all.get(served_name, [])
+                index.setdefault(name, []).append(held)
+        object.__setattr__(self, "_held_all", index)  # a cache on a frozen observation
+        return index.get(served_name, [])
 
     def compatible(self, rev: AdapterRevision) -> tuple[list[PodObservation], str]:
         """``compatible_pods`` for the revision, computed once per base model digest and rank."""
