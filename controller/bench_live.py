@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
@@ -37,10 +38,12 @@ from loraplane.controller.metrics import ControllerMetrics
 from loraplane.controller.probe import HealthProber
 from loraplane.controller.store import RedisStore
 from loraplane.kube import Informer
+from loraplane.processes import process_usage
 
 BASE_DIGEST = "sha256:" + "b" * 64
 GATES_POOL = "gates"
 MERGE_PATCH = "application/merge-patch+json"
+MIB = 1 << 20
 
 
 def _manifest(adapter: str, revision: str, pool: str, n: int, rollout: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -239,8 +242,8 @@ async def run(args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[s
             stop.set()
             await task
             await controller.aclose()
-        peaks = {"live_process_rss_mb": _rss_mb("self", "VmRSS"),
-                 "devcluster_peak_rss_mb": _rss_mb(str(devcluster.process.pid), "VmHWM")}
+        peaks = {"live_process_rss_mb": round(process_usage(os.getpid())[1] / MIB, 1),
+                 "devcluster_peak_rss_mb": round(process_usage(devcluster.process.pid)[2] / MIB, 1)}
     finally:
         stop.set()
         await client.aclose()
@@ -253,15 +256,6 @@ async def run(args: argparse.Namespace, redis_url: str, workdir: Path) -> dict[s
         "gate_delay_ms": _percentiles(gates.delays_ms),
         **peaks,
     }
-
-
-def _rss_mb(pid: str, field: str) -> float | None:
-    """A process's RSS now (``VmRSS``) or at its peak (``VmHWM``) in MiB; None where /proc does not say."""
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

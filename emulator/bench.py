@@ -18,19 +18,9 @@ from pathlib import Path
 import aiohttp
 
 from loraplane.helptext import HelpFormatter
+from loraplane.processes import process_usage
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.vllm_server import VllmOptions, VllmServer, start_vllm
-
-#: clock ticks per second of /proc/<pid>/stat
-TICKS = 100.0
-
-
-def process_usage(pid: int) -> tuple[float, int]:
-    """(CPU seconds so far, RSS in bytes) of process ``pid``, from /proc."""
-    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    rss = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))
-    return (int(stat[11]) + int(stat[12])) / TICKS, rss
 
 
 def write_adapter(path: Path, rank: int = 16) -> Path:
@@ -81,12 +71,12 @@ def run(options: argparse.Namespace, workdir: Path) -> dict[str, object]:
         server.wait_ready(timeout=60)
         time.sleep(1.0)
         pid = server.process.pid
-        cpu0, _ = process_usage(pid)
+        cpu0, _ = process_usage(pid)[:2]
         time.sleep(options.idle_s)
-        cpu1, idle_rss = process_usage(pid)
+        cpu1, idle_rss = process_usage(pid)[:2]
         load = asyncio.run(drive(server.url, ["base", "a", "b"], options.rate, options.duration_s,
                                  options.prompt_words, options.max_tokens))
-        cpu2, busy_rss = process_usage(pid)
+        cpu2, busy_rss = process_usage(pid)[:2]
     finally:
         server.stop()
     drive_s = options.duration_s

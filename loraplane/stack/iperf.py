@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from loraplane.processes import process_usage
 from loraplane.sim.trace import Adapter, Tenant, Trace, zipf_weights
 from loraplane.stack.twin import (
     ARTIFACTS,
@@ -37,7 +38,6 @@ from loraplane.stack.twin import (
     TwinOptions,
     add_pool_options,
     pool_options,
-    process_usage,
     scrape_all,
     start_stack,
     total,

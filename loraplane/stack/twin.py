@@ -35,6 +35,7 @@ from loraplane.api import AdapterRevision, PriorityClass, parse_served_name
 from loraplane.emulator.tokens import expected_text
 from loraplane.picker.envoy import CLIENT_REQUEST_ID_HEADER
 from loraplane.picker.peers import peer_configs
+from loraplane.processes import process_usage
 from loraplane.sim.cluster import SERVED, SimResult
 from loraplane.sim.metrics import (
     DEFAULT_SLO_TTFT_MS,
@@ -340,23 +341,6 @@ def histogram_quantiles(before: dict[str, list[tuple[dict[str, str], float]]],
         bound = next((b for b, c in delta if count and c >= q * count), None)
         out[f"p{round(q * 100)}_ms_le"] = None if bound is None else (math.inf if math.isinf(bound) else bound * 1e3)
     return out
-
-
-def process_usage(pid: int) -> tuple[float, int, int]:
-    """(CPU seconds used so far, RSS and peak RSS in bytes) of process ``pid`` (from /proc; zeros once it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0, 0, 0
-    ticks = 100.0
-    cpu = (int(stat[11]) + int(stat[12])) / ticks
-    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-
-    def kib(key: str) -> int:
-        return int(fields.get(key, "0 kB").split()[0]) * 1024
-
-    return cpu, kib("VmRSS"), kib("VmHWM")
 
 
 @dataclass
