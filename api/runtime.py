@@ -55,12 +55,6 @@ class ResidencySource(StrEnum):
 TargetTier = Annotated[Tier, Field(description="gpu, cpu or disk; adapters not listed should be absent")]
 
 
-def _target_tier(tier: Tier) -> Tier:
-    if tier is Tier.ABSENT:
-        raise ValueError("a target tier is gpu, cpu or disk; leave the adapter out to make it absent")
-    return tier
-
-
 class _RevisionFields(PayloadModel):
     """What a sidecar needs to fetch, check and name one revision."""
 
@@ -83,24 +77,8 @@ class TargetSpec(_RevisionFields):
     pool: str
 
 
-class TargetRef(PayloadModel):
-    """One entry of a pod's target by reference: the served name, which spec (``cache_key``: a catalogue key that
-    holds another revision under the name is not it) and what this pod should do with it."""
-
-    served_name: str = Field(min_length=3, max_length=128)
-    cache_key: str
-    tier: TargetTier
-    pinned: bool = False
-    hold: bool = False
-
-    @field_validator("tier")
-    @classmethod
-    def _not_absent(cls, tier: Tier) -> Tier:
-        return _target_tier(tier)
-
-
-class AdapterTarget(_RevisionFields):
-    """One served revision a pod should hold, and everything the sidecar needs to fetch and check it."""
+class _PodFields(PayloadModel):
+    """What one pod should do with a revision it holds."""
 
     tier: TargetTier
     pinned: bool = False
@@ -114,7 +92,21 @@ class AdapterTarget(_RevisionFields):
     @field_validator("tier")
     @classmethod
     def _not_absent(cls, tier: Tier) -> Tier:
-        return _target_tier(tier)
+        if tier is Tier.ABSENT:
+            raise ValueError("a target tier is gpu, cpu or disk; leave the adapter out to make it absent")
+        return tier
+
+
+class TargetRef(_PodFields):
+    """One entry of a pod's target by reference: the served name, which spec (``cache_key``: a catalogue key that
+    holds another revision under the name is not it) and what this pod should do with it."""
+
+    served_name: str = Field(min_length=3, max_length=128)
+    cache_key: str
+
+
+class AdapterTarget(_RevisionFields, _PodFields):
+    """One served revision a pod should hold, and everything the sidecar needs to fetch and check it."""
 
     def spec(self, pool: str) -> TargetSpec:
         """The part every pod holding it shares (its catalogue entry in ``pool``)."""
@@ -123,14 +115,14 @@ class AdapterTarget(_RevisionFields):
 
     def ref(self) -> TargetRef:
         """This pod's entry by reference."""
-        return TargetRef.model_construct(served_name=self.served_name, cache_key=self.cache_key, tier=self.tier,
-                                         pinned=self.pinned, hold=self.hold)
+        return TargetRef.model_construct(served_name=self.served_name, cache_key=self.cache_key,
+                                         **{name: getattr(self, name) for name in _PodFields.model_fields})
 
     @classmethod
     def of(cls, spec: TargetSpec, ref: TargetRef) -> AdapterTarget:
         """The entry ``ref`` names, with its ``spec``."""
         return cls.model_construct(**{name: getattr(spec, name) for name in _RevisionFields.model_fields},
-                                   tier=ref.tier, pinned=ref.pinned, hold=ref.hold)
+                                   **{name: getattr(ref, name) for name in _PodFields.model_fields})
 
 
 class MissingSpecs(ValueError):
