@@ -390,10 +390,15 @@ def plan_part(plan: PoolPlan, inputs: PoolInputs,
     for reconcile in reconciles.values():
         reconcile.finish(placement.notes)
     names = {adapter for _, adapter in wanted}
-    routes = {adapter: route for adapter, route in plan.routes.items() if adapter not in names}
-    routes.update((adapter, outcome.route) for (_, adapter), outcome in decided.items() if outcome.route is not None)
     kept = {key: outcome for key, outcome in plan.adapters.items() if key not in wanted}
-    part = PoolPlan(adapters={**kept, **decided}, targets=targets, routes=routes, placement=placement,
+    adapters = {**kept, **decided}
+    # a route is keyed by the adapter's name: its entry is made again from every namespace's adapter of that name,
+    # as the whole pool's plan makes it (in key order, the last one with a route)
+    routes = {adapter: route for adapter, route in plan.routes.items() if adapter not in names}
+    for key in sorted(k for k in adapters if k[1] in names):
+        if (route := adapters[key].route) is not None:
+            routes[key[1]] = route
+    part = PoolPlan(adapters=adapters, targets=targets, routes=routes, placement=placement,
                     base_model=None, capacity=plan.capacity, demands=all_demands)
     collect(part, inputs.revisions, wanted, plan)
     return part, before | set(changed)

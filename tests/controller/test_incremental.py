@@ -256,3 +256,23 @@ async def test_rates_republished_unchanged_are_not_parsed_again(redis_srv: Redis
     await client.set(keys.request_rates(bench.POOL, "bench"), moved.to_json())
     assert (await store.read(bench.POOL)).replica_rates[0].windows == {"5m": {"adapter-0001@v1": 3.0}}
     await client.aclose()
+
+
+def test_a_part_routes_an_adapter_name_two_namespaces_share_as_the_whole_plan_does() -> None:
+    """Routes are keyed by the adapter's name: when one namespace's adapter is planned alone, the entry for that
+    name is made from every namespace's adapter of the name, as the whole pool's plan makes it."""
+    revs, rates, reports = _pool()
+    shared = revs[5]
+    spec = shared.spec.model_copy(update={"artifact": shared.spec.artifact.model_copy(
+        update={"digest": "sha256:" + "e" * 64})})  # another revision under the name: its route entry differs
+    other = shared.model_copy(update={"metadata": shared.metadata.model_copy(update={"namespace": "team-b"}),
+                                      "spec": spec})
+    planner = IncrementalPlanner(clock=Clock())
+    assert planner.plan(_inputs([*revs, other], rates, reports), "t1", {}).decided is None
+    changed = shared.model_copy()  # another object: its adapter (default namespace) is planned alone
+    now = [*revs[:5], changed, *revs[6:], other]
+    outcome = planner.plan(_inputs(now, rates, reports), "t2", {})
+    assert outcome.decided == {("default", shared.metadata.name)}
+    whole = plan_pool(_inputs(now, rates, reports)).routes
+    alone = plan_pool(_inputs(revs, rates, reports)).routes  # the default namespace's entry alone
+    assert outcome.plan.routes == whole and whole[shared.spec.adapter] != alone[shared.spec.adapter]
