@@ -6,7 +6,8 @@ canary steps, promoted, v1 Retiring then evicted from every engine; v3 with a wr
 while v2 keeps 100 %; v4 whose probe fails -> rolled back; v5 mid-canary: the leading controller is killed (SIGKILL)
 and the other replica resumes without repeating or skipping a gate, then a manual rollback returns all traffic to
 v2 at once. An invalid AdapterRevision is refused by the API server with the schema's message. Throughout, a client
-sends requests through Envoy and every response must come from a revision the RouteTable named at that moment.
+sends requests through Envoy and every response must come from a revision the RouteTable named at that moment
+(or one request earlier: the picker follows a change by a notice).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Traffic:
 
     def run(self) -> None:
         i = 0
+        earlier: set[str] = set()
         with httpx.Client(timeout=60) as http:
             while not self.stop.is_set():
                 i += 1
@@ -77,7 +79,10 @@ class Traffic:
                     self.errors.append(f"{self.phase} via {upstream}: {response.status_code} {response.text[:100]}")
                     continue
                 served = response.headers[SERVED_ADAPTER_HEADER]
-                self.records.append((self.phase, served, served in before | after))
+                # the picker follows the table by a change notice: a request sent just after a change may still be
+                # routed by the table read before the previous request, never by an older one
+                self.records.append((self.phase, served, served in earlier | before | after))
+                earlier = before
 
     def served_during(self, phase: str) -> Counter[str]:
         return Counter(served for label, served, _ in self.records if label == phase)
