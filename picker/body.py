@@ -30,6 +30,10 @@ class ClientError(Exception):
         self.reason = reason
 
 
+#: bytes of a request body per prompt token (about 4 of English text, as the prefix scorer's 64-byte blocks assume)
+BYTES_PER_TOKEN = 4
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedBody:
     """The fields of an OpenAI-style request body the picker uses."""
@@ -37,6 +41,9 @@ class ParsedBody:
     model: str
     stream: bool
     document: dict[str, Any]
+    #: the prompt's length in tokens as estimated from the body's size (``BYTES_PER_TOKEN``): what the request adds
+    #: to its pod's prefill queue until its first token
+    prompt_tokens: int = 0
 
 
 def parse_body(body: bytes, limit: int, model_optional: bool = False) -> ParsedBody:
@@ -62,7 +69,7 @@ def parse_body(body: bytes, limit: int, model_optional: bool = False) -> ParsedB
         model = ""
     if len(model) > _MAX_MODEL_NAME:
         raise ClientError(400, f"model name longer than {_MAX_MODEL_NAME} characters")
-    return ParsedBody(model, document.get("stream") is True, document)
+    return ParsedBody(model, document.get("stream") is True, document, len(body) // BYTES_PER_TOKEN)
 
 
 #: the request headers the API type is read from, in order (llm-d-router v0.10's ``GetRequestPath``)

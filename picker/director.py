@@ -207,7 +207,8 @@ class RequestDirector:
         prefix_scorer = self.ctx.scheduler.prefix
         prefix = (None if prefix_scorer is None
                   else prefix_scorer.hash_request(route.served_name, route.digest, parsed.document))
-        return SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset, prefix)
+        return SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset, prefix,
+                                 parsed.prompt_tokens)
 
     def body_less_request(self) -> SchedulingRequest:
         """A request without a body to read (or one not parsed): scheduled like the base model's, within the subset."""

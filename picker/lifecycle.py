@@ -164,17 +164,19 @@ class InFlightAccounting(RequestPlugin):
     def pre_request(self, request: InFlightRequest) -> None:
         """One more in flight at the endpoint (and waiting for its first token, unless its response started)."""
         assert request.endpoint is not None
-        self.tracker.start(request.endpoint, request.scheduling.served_name, prefilling=not request.responding)
+        scheduling = request.scheduling
+        self.tracker.start(request.endpoint, scheduling.served_name, not request.responding, scheduling.prompt_tokens)
 
     def response_started(self, request: InFlightRequest) -> None:
         """One fewer waiting for its first token."""
         assert request.endpoint is not None
-        self.tracker.first_token(request.endpoint)
+        self.tracker.first_token(request.endpoint, request.scheduling.prompt_tokens)
 
     def response_complete(self, request: InFlightRequest) -> None:
         """One fewer in flight (and waiting for its first token, if its response never started)."""
         assert request.endpoint is not None
-        self.tracker.finish(request.endpoint, request.scheduling.served_name, prefilling=not request.responding)
+        scheduling = request.scheduling
+        self.tracker.finish(request.endpoint, scheduling.served_name, not request.responding, scheduling.prompt_tokens)
 
 
 class FairShareExceededError(SchedulingError):

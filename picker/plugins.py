@@ -40,6 +40,9 @@ class SchedulingRequest:
     subset: frozenset[str] | None = None
     #: the prompt's prefix blocks, hashed once per request (``PrefixCacheScorer.hash_request``); None: no prefix signal
     prefix: PrefixRequest | None = None
+    #: the prompt's estimated length in tokens (``ParsedBody.prompt_tokens``; 0: unknown): its pod's prefill queue
+    #: counts it until the first token
+    prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -382,6 +385,10 @@ class PrefillQueueParameters(ApiModel):
     load_cost: bool = False
     #: the prefill wait one request awaiting its first token stands for (a ~1,000-token prompt at 0.1 ms a token)
     request_seconds: float = Field(default=0.1, gt=0)
+    #: count the queue by its prompts instead (needs ``capacity``): the estimated prompt tokens of the requests
+    #: awaiting their first token (``PoolSnapshot.prefill_tokens``) at this many seconds a token, in requests of
+    #: ``request_seconds``; on prompts of a few thousand tokens one request is not one request's wait
+    prefill_seconds_per_token: float | None = Field(default=None, gt=0)
     #: load time of the revision from each tier where the pod reports no measurement (``PodLoad.load_seconds``);
     #: the same defaults as the ``predicted-ttft-scorer``'s
     cpu_load_seconds: float = Field(default=0.02, ge=0)
@@ -392,7 +399,15 @@ class PrefillQueueParameters(ApiModel):
     def _one_mode(self) -> PrefillQueueParameters:
         if self.load_cost and (self.warm_only or self.capacity is None):
             raise ValueError("loadCost needs a capacity and excludes warmOnly")
+        if self.prefill_seconds_per_token is not None and self.capacity is None:
+            raise ValueError("prefillSecondsPerToken needs a capacity")
         return self
+
+    def queued(self, pool: PoolSnapshot) -> FloatArray:
+        """Per endpoint, its first-token queue in requests (of ``request_seconds`` each when counted by tokens)."""
+        if self.prefill_seconds_per_token is None:
+            return pool.prefilling
+        return pool.prefill_tokens * (self.prefill_seconds_per_token / self.request_seconds)
 
 
 def prefill_queue_scorer(params: PrefillQueueParameters) -> Scorer:
@@ -410,7 +425,7 @@ def prefill_queue_scorer(params: PrefillQueueParameters) -> Scorer:
             if scores is None:
                 return None
         else:
-            scores = np.maximum(0.0, 1.0 - pool.prefilling * per_request)
+            scores = np.maximum(0.0, 1.0 - params.queued(pool) * per_request)
         if not params.warm_only:
             return scores
         entry = pool.lookup(request.served_name, request.digest)
@@ -428,7 +443,7 @@ def prefill_queue_scorer(params: PrefillQueueParameters) -> Scorer:
 
 
 def _load_cost_scorer(params: PrefillQueueParameters, per_request: float) -> Scorer:
-    """``max(0, 1 - (prefilling + load seconds / request_seconds) / capacity)`` on every endpoint below saturation:
+    """``max(0, 1 - (queued + load seconds / request_seconds) / capacity)`` on every endpoint below saturation:
     the first-token queue in requests, a pod that lacks the revision in a GPU slot charged its load as requests."""
     defaults = np.asarray([0.0, params.cpu_load_seconds, params.disk_load_seconds, params.fetch_load_seconds])
     in_requests = 1.0 / params.request_seconds
@@ -448,7 +463,7 @@ def _load_cost_scorer(params: PrefillQueueParameters, per_request: float) -> Sco
                 return np.asarray(costs[pool.all_indices, levels] * in_requests)
 
             charge = pool.per_version((token, request.served_name, request.digest), load_charge)
-        return np.maximum(0.0, 1.0 - (pool.prefilling + charge) * per_request) * cycle.unsaturated
+        return np.maximum(0.0, 1.0 - (params.queued(pool) + charge) * per_request) * cycle.unsaturated
 
     return run
 

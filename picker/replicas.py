@@ -45,6 +45,7 @@ def summed(parts: Sequence[PickerInFlight]) -> dict[str, EndpointInFlight]:
                 continue
             into.requests += counts.requests
             into.prefilling += counts.prefilling
+            into.prefill_tokens += counts.prefill_tokens
             for name, n in counts.by_name.items():
                 into.by_name[name] = into.by_name.get(name, 0) + n
     return total

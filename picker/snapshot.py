@@ -137,6 +137,8 @@ class PoolSnapshot:
         self.in_flight: FloatArray = np.zeros(n, dtype=np.float64)
         #: of those, the requests whose response has not started (no first token yet: queued for or in prefill)
         self.prefilling: FloatArray = np.zeros(n, dtype=np.float64)
+        #: their prompts' estimated tokens (``SchedulingRequest.prompt_tokens``): the prefill queued there
+        self.prefill_tokens: FloatArray = np.zeros(n, dtype=np.float64)
         #: the picker's own in-flight requests per served name: name -> {endpoint index: count} (``InFlightTracker``)
         self.in_flight_by_name: dict[str, dict[int, int]] = {}
         #: per endpoint, the distinct served names among those in flight
@@ -368,12 +370,15 @@ class PoolSnapshot:
         """Does some endpoint have requests in flight for a revision it does not hold (fetching it)?"""
         return bool(np.count_nonzero(self.fetching))
 
-    def set_in_flight(self, by_endpoint: Sequence[Mapping[str, int]], prefilling: Sequence[int] | None = None) -> None:
+    def set_in_flight(self, by_endpoint: Sequence[Mapping[str, int]], prefilling: Sequence[int] | None = None,
+                      prefill_tokens: Sequence[int] | None = None) -> None:
         """Every endpoint's in-flight requests per served name at once (a driver that counts them itself: the
         simulator), replacing the counts an ``InFlightTracker`` keeps; ``prefilling``: per endpoint, how many of
-        them have no first token yet (None: leave ``prefilling`` as it is)."""
+        them have no first token yet, ``prefill_tokens`` their prompt tokens (None: leave as it is)."""
         if prefilling is not None:
             self.prefilling[:] = prefilling
+        if prefill_tokens is not None:
+            self.prefill_tokens[:] = prefill_tokens
         self.in_flight_by_name.clear()
         for index, by_name in enumerate(by_endpoint):
             self.in_flight[index] = sum(by_name.values())
@@ -524,6 +529,8 @@ class InFlightTracker:
         self.counts: dict[str, int] = {}
         #: address -> requests in flight there whose response has not started (no first token yet)
         self.prefilling: dict[str, int] = {}
+        #: address -> those requests' estimated prompt tokens
+        self.prefill_tokens: dict[str, int] = {}
         #: address -> served name -> requests in flight
         self.by_name: dict[str, dict[str, int]] = {}
         #: address -> the other replicas' requests in flight there, summed
@@ -533,6 +540,7 @@ class InFlightTracker:
     def own(self) -> dict[str, EndpointInFlight]:
         """This replica's counts, per address, in the shape replicas publish."""
         return {address: EndpointInFlight(requests=count, prefilling=self.prefilling.get(address, 0),
+                                          prefill_tokens=self.prefill_tokens.get(address, 0),
                                           by_name=dict(self.by_name.get(address, {})))
                 for address, count in self.counts.items()}
 
@@ -563,39 +571,45 @@ class InFlightTracker:
         """Endpoint ``i``'s counts in ``snapshot`` (total, prefilling, and the served names ``names``): own + remote."""
         remote = self.remote.get(address)
         snapshot.in_flight[i] = self.counts.get(address, 0) + (remote.requests if remote is not None else 0)
-        snapshot.prefilling[i] = self.prefilling.get(address, 0) + (remote.prefilling if remote is not None else 0)
+        self._write_prefilling(snapshot, i, address, remote)
         own = self.by_name.get(address, {})
         for name in names:
             snapshot.note_in_flight(i, name, own.get(name, 0) + (remote.by_name.get(name, 0) if remote is not None else 0))
 
-    def start(self, address: str, served_name: str | None = None, prefilling: bool = True) -> None:
-        """A request (of ``served_name``; None: the base model) was sent to ``address``; ``prefilling``: its
-        response has not started yet."""
+    def start(self, address: str, served_name: str | None = None, prefilling: bool = True,
+              prompt_tokens: int = 0) -> None:
+        """A request (of ``served_name``; None: the base model) with a prompt of ``prompt_tokens`` was sent to
+        ``address``; ``prefilling``: its response has not started yet."""
         self._add(address, served_name, 1)
         if prefilling:
-            self._add_prefilling(address, 1)
+            self._add_prefilling(address, 1, prompt_tokens)
 
-    def first_token(self, address: str) -> None:
-        """The response of a request in flight at ``address`` started (its first token came back)."""
-        self._add_prefilling(address, -1)
+    def first_token(self, address: str, prompt_tokens: int = 0) -> None:
+        """The response of a request in flight at ``address`` (``start``'s ``prompt_tokens``) started."""
+        self._add_prefilling(address, -1, -prompt_tokens)
 
-    def finish(self, address: str, served_name: str | None = None, prefilling: bool = False) -> None:
+    def finish(self, address: str, served_name: str | None = None, prefilling: bool = False,
+               prompt_tokens: int = 0) -> None:
         """A request to ``address`` finished (response end, error or client abort); ``prefilling``: before its
         response started."""
         self._add(address, served_name, -1)
         if prefilling:
-            self._add_prefilling(address, -1)
+            self._add_prefilling(address, -1, -prompt_tokens)
 
-    def _add_prefilling(self, address: str, delta: int) -> None:
-        count = max(0, self.prefilling.get(address, 0) + delta)
-        if count:
-            self.prefilling[address] = count
-        else:
-            self.prefilling.pop(address, None)
+    def _add_prefilling(self, address: str, delta: int, tokens: int) -> None:
+        for counts, change in ((self.prefilling, delta), (self.prefill_tokens, tokens)):
+            count = max(0, counts.get(address, 0) + change)
+            if count:
+                counts[address] = count
+            else:
+                counts.pop(address, None)
         snapshot = self._snapshot
         if snapshot is not None and (i := snapshot.index_by_address.get(address)) is not None:
-            remote = self.remote.get(address)
-            snapshot.prefilling[i] = count + (remote.prefilling if remote is not None else 0)
+            self._write_prefilling(snapshot, i, address, self.remote.get(address))
+
+    def _write_prefilling(self, snapshot: PoolSnapshot, i: int, address: str, remote: EndpointInFlight | None) -> None:
+        snapshot.prefilling[i] = self.prefilling.get(address, 0) + (remote.prefilling if remote is not None else 0)
+        snapshot.prefill_tokens[i] = self.prefill_tokens.get(address, 0) + (remote.prefill_tokens if remote is not None else 0)
 
     def _add(self, address: str, served_name: str | None, delta: int) -> None:
         count = max(0, self.counts.get(address, 0) + delta)

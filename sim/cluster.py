@@ -40,6 +40,7 @@ from typing import Protocol
 
 from loraplane.api import Tier
 from loraplane.controller.placement import PlacementConfig
+from loraplane.sidecar.reconcile import DEFAULT_DRAIN_GRACE_S
 from loraplane.sim.prefix import BLOCK_TOKENS, PodPrefixCaches
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
@@ -54,7 +55,7 @@ THRASH_WINDOW_S = 60.0
 #: idle pods with blocked waiting requests re-check this often (e.g. a minimum residency time ran out)
 RETRY_S = 0.05
 
-_STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE, _GATE_RETRY = 0, 1, 2, 3, 4, 5
+_STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE, _GATE_RETRY, _UNREGISTER = 0, 1, 2, 3, 4, 5, 6
 #: while the admission gate holds requests it is also asked to dispatch this often (besides on every finish), so
 #: held requests go out when something other than a finish makes room (a fetch done, an idle pod, fresher reports)
 GATE_RETRY_S = 0.05
@@ -168,6 +169,9 @@ class Pod:
         self.registered: set[int] | None = None
         self.registering: set[int] = set()
         self.registered_load: set[int] = set()
+        #: registered revisions no longer targeted, reported draining (the picker stops routing to them) until the
+        #: sidecar's drain grace has passed and they are unregistered (``Simulator.drain``)
+        self.draining: set[int] = set()
         #: what the last placement plans on this pod, at any tier (the sidecar's target state): its disk cache
         #: evicts other adapters first
         self.planned: set[int] = set()
@@ -222,6 +226,9 @@ class Pod:
         self.run_steps = 0
         #: requests whose prefill ends in the first step of the current run (first token at ``run_first_end``)
         self.run_admitted = 0
+        #: their prompt tokens, and those of the waiting requests (what the picker counts until a first token)
+        self.run_admitted_tokens = 0
+        self.waiting_tokens = 0
         self.event_time = math.inf
         self.version = 0
         #: bumped before and after the simulator handles anything for this pod (an event of its own, a request sent
@@ -251,6 +258,11 @@ class Pod:
         """Requests sent here that have no first token yet at ``now``: waiting, part-way through a chunked prefill,
         or finishing their prefill in the step under way."""
         return len(self.waiting) + len(self.prefilling) + (self.run_admitted if now < self.run_first_end else 0)
+
+    def awaiting_first_token_tokens(self, now: float, input_tokens: Sequence[int]) -> int:
+        """The prompt tokens of ``awaiting_first_token``'s requests (``input_tokens``: the trace's, per request)."""
+        chunked = sum(input_tokens[rid] for rid, _ in self.prefilling) if self.prefilling else 0
+        return self.waiting_tokens + chunked + (self.run_admitted_tokens if now < self.run_first_end else 0)
 
     @property
     def num_running(self) -> int:
@@ -494,6 +506,9 @@ class Simulator:
                 elif kind == _RETRY:
                     if not pod.busy and arg == pod.version:
                         self._begin(pod, when)
+                elif kind == _UNREGISTER:
+                    if arg in pod.draining:
+                        self.unregister(pod, arg)
                 elif kind == _DEADLINE:
                     if gate is not None:
                         self._deadline_at = math.inf
@@ -560,6 +575,7 @@ class Simulator:
         order = self._queue_key
         order[rid] = key
         _insert(pod.waiting, rid, key, order)
+        pod.waiting_tokens += self.trace.input_tokens[rid]
         queued = pod.waiting_adapters.get(a)
         if queued is None:
             pod.waiting_adapters[a] = deque((rid,))
@@ -683,6 +699,8 @@ class Simulator:
         pod.run_t0 = now
         pod.run_first_end = first_end
         pod.run_admitted = len(first_tokens)
+        inputs = self.trace.input_tokens
+        pod.run_admitted_tokens = sum(inputs[rid] for rid in first_tokens)
         pod.run_step_s = step
         pod.run_distinct = distinct
         if single or pod.prefilling:
@@ -807,6 +825,7 @@ class Simulator:
                     tiers[rid] = tier
             # admit
             del waiting[pos]
+            pod.waiting_tokens -= in_tokens[rid]
             queued = waiting_adapters[a]
             queued.popleft()  # its oldest: an adapter's earlier requests were admitted or it would be skipped too
             if not queued:
@@ -999,6 +1018,7 @@ class Simulator:
             self._front_key -= 1
             order[rid] = self._front_key
         _insert(pod.waiting, rid, order[rid], order)
+        pod.waiting_tokens += in_tokens
         queued = pod.waiting_adapters.get(a)
         if queued is None:
             pod.waiting_adapters[a] = deque((rid,))
@@ -1129,6 +1149,9 @@ class Simulator:
         activates it, so it takes a GPU slot at the next step."""
         assert pod.registered is not None
         if adapter in pod.registered:
+            if adapter in pod.draining:  # targeted again before it left: reported as held again
+                pod.draining.discard(adapter)
+                pod.residency_version += 1
             return
         if adapter not in pod.disk and not self.arrived:  # set-up: the twin onboards every revision before its replay
             pod.disk.add(adapter)
@@ -1143,12 +1166,25 @@ class Simulator:
             pod.registered_load.add(adapter)
         self.prefetch(pod, adapter)
 
+    def drain(self, pod: Pod, adapter: int) -> None:
+        """``pod``'s sidecar no longer targets ``adapter``: it reports it draining at once (the picker stops routing
+        there) and unregisters it after its drain grace (``DEFAULT_DRAIN_GRACE_S``), as the real sidecar does, so no
+        request the picker routed on the report before reaches a runtime that forgot the name."""
+        assert pod.registered is not None
+        pod.registering.discard(adapter)
+        if adapter not in pod.registered or adapter in pod.draining:
+            return
+        pod.draining.add(adapter)
+        pod.residency_version += 1
+        self._push(self.now + DEFAULT_DRAIN_GRACE_S, _UNREGISTER, pod.index, adapter)
+
     def unregister(self, pod: Pod, adapter: int) -> None:
         """``pod``'s vLLM forgets ``adapter``'s name; its copy leaves the caches unless requests there still use it
         (vLLM keeps an unloaded copy until its LRU drops it, the least recently used of all by then)."""
         assert pod.registered is not None
         pod.registering.discard(adapter)
         pod.registered_load.discard(adapter)
+        pod.draining.discard(adapter)
         if adapter not in pod.registered:
             return
         pod.registered.discard(adapter)

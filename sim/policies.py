@@ -141,6 +141,7 @@ class PickerRouter:
         self._last_request: SchedulingRequest | None = None
         self._rng = np.random.default_rng(seed)
         self._kv = profile.kv_capacity_tokens
+        self._inputs = trace.input_tokens
         names = self._names = [a.name for a in trace.adapters]
         self._digests = [adapter_digest(n) for n in names]
         prio = [trace.tenants[a.tenant].priority for a in trace.adapters]
@@ -174,10 +175,11 @@ class PickerRouter:
             held = dict(map(rows[Tier.DISK].__getitem__, pod.disk))
             held.update(map(rows[Tier.CPU].__getitem__, pod.cpu))
             held.update(map(rows[Tier.GPU].__getitem__, pod.gpu))
-        else:  # vLLM: only its registered names, at the tier of their copy (none left: read back from disk)
-            held = dict(map(rows[Tier.DISK].__getitem__, registered))
-            held.update(map(rows[Tier.CPU].__getitem__, pod.cpu & registered))
-            held.update(map(rows[Tier.GPU].__getitem__, pod.gpu & registered))
+        else:  # vLLM: only its registered names not draining, at the tier of their copy (none: read from disk)
+            serving = registered - pod.draining if pod.draining else registered
+            held = dict(map(rows[Tier.DISK].__getitem__, serving))
+            held.update(map(rows[Tier.CPU].__getitem__, pod.cpu & serving))
+            held.update(map(rows[Tier.GPU].__getitem__, pod.gpu & serving))
         self._residency[pod.index] = (pod.residency_version, held)
         return held
 
@@ -238,7 +240,8 @@ class PickerRouter:
         ends = self._first_ends
         if snapshot is not self._synced:
             self._synced, self._flights = snapshot, [self._in_flight(p) for p in pods]
-            snapshot.set_in_flight(self._flights, [p.awaiting_first_token(now) for p in pods])
+            snapshot.set_in_flight(self._flights, [p.awaiting_first_token(now) for p in pods],
+                                   [p.awaiting_first_token_tokens(now, self._inputs) for p in pods])
             self._touched = [p.touched for p in pods]
             ends.clear()
             ends.extend((p.run_first_end, p.index) for p in pods if p.run_admitted and now < p.run_first_end)
@@ -259,12 +262,15 @@ class PickerRouter:
                         snapshot.note_in_flight(i, name, count)
                 snapshot.in_flight[i] = sum(counts.values())
                 flights[i] = counts
-            snapshot.prefilling[i] = pod.awaiting_first_token(now)
+            self._set_prefilling(snapshot, pod, now)
             if pod.run_admitted and now < pod.run_first_end:
                 heapq.heappush(ends, (pod.run_first_end, i))
         while ends and ends[0][0] <= now:  # a first step ended: its requests have their first token
-            i = heapq.heappop(ends)[1]
-            snapshot.prefilling[i] = pods[i].awaiting_first_token(now)
+            self._set_prefilling(snapshot, pods[heapq.heappop(ends)[1]], now)
+
+    def _set_prefilling(self, snapshot: PoolSnapshot, pod: Pod, now: float) -> None:
+        snapshot.prefilling[pod.index] = pod.awaiting_first_token(now)
+        snapshot.prefill_tokens[pod.index] = pod.awaiting_first_token_tokens(now, self._inputs)
 
     def _in_flight(self, pod: Pod) -> dict[str, int]:
         """``pod``'s requests running or waiting, per served name."""
@@ -368,12 +374,12 @@ class ControllerPlacement:
     def _register(self, sim: Simulator, pod: Pod, targets: dict[int, Tier]) -> None:
         """What a vLLM pod's sidecar does with its new targets: registers each target it has not (a load, which
         activates), warms an entry that comes into the warm tiers (GPU or host) once, then leaves it to vLLM's LRU,
-        and unregisters the adapters no longer targeted."""
+        and drains the adapters no longer targeted (unregistered after the drain grace: ``Simulator.drain``)."""
         if pod.registered is None:
             pod.registered = set()
         entries = self._entries[pod.index]
         for adapter in entries.keys() - targets.keys():
-            sim.unregister(pod, adapter)
+            sim.drain(pod, adapter)
         warm = (Tier.GPU, Tier.CPU)
         for adapter, tier in sorted(targets.items(), key=lambda item: item[1] not in warm):
             if adapter not in pod.registered:

@@ -110,11 +110,12 @@ def _sent(body_mode: int = BUFFERED) -> tuple[Exchange, StartRecorder, PoolSnaps
 def test_the_first_response_body_chunk_starts_the_response_once() -> None:
     exchange, recorder, snapshot, chosen = _sent(STREAMED)
     assert snapshot.prefilling[chosen] == 1 and snapshot.in_flight[chosen] == 1
+    assert snapshot.prefill_tokens[chosen] == len(COMPLETION) // 4  # the prompt estimated from the body's size
     exchange.handle(response_headers(200, "text/event-stream"))
     assert snapshot.prefilling[chosen] == 1  # headers come before the first token (vLLM streams them at once)
     exchange.handle(response_body(b'data: {"choices": [{"text": "a"}]}\n\n', end_of_stream=False))
     exchange.handle(response_body(b'data: {"choices": [{"text": "b"}]}\n\n', end_of_stream=False))
-    assert snapshot.prefilling[chosen] == 0 and snapshot.in_flight[chosen] == 1
+    assert snapshot.prefilling[chosen] == 0 and snapshot.in_flight[chosen] == 1 and snapshot.prefill_tokens.sum() == 0
     exchange.handle(response_body(b"data: [DONE]\n\n", end_of_stream=True))
     address = snapshot.addresses[chosen]
     assert recorder.events == [("pre", address), ("started", address), ("complete", address)]
@@ -144,13 +145,16 @@ def test_moving_to_the_endpoint_envoy_reports_moves_the_prefill_count_only_befor
     snapshot = PoolSnapshot([EndpointState(name=f"p{i}", address=a) for i, a in enumerate(ADDRESSES)])
     tracker.attach(snapshot)
     plugins = Lifecycle(PluginRuntime(tracker, lambda: 0.0))
-    first = InFlightRequest(SchedulingRequest("claims@v1"), "acme", ADDRESSES[0])
+    first = InFlightRequest(SchedulingRequest("claims@v1", prompt_tokens=500), "acme", ADDRESSES[0])
     plugins.pre_request(first)
+    assert snapshot.prefill_tokens.tolist() == [500, 0, 0]
     plugins.moved(first, ADDRESSES[1])  # before its response started: the prefill count moves with it
     assert snapshot.prefilling.tolist() == [0, 1, 0] and snapshot.in_flight.tolist() == [0, 1, 0]
+    assert snapshot.prefill_tokens.tolist() == [0, 500, 0]
+    assert tracker.own()[ADDRESSES[1]].prefill_tokens == 500  # what this replica publishes to the others
     plugins.response_started(first)
     plugins.response_started(first)  # once only
-    assert snapshot.prefilling.tolist() == [0, 0, 0]
+    assert snapshot.prefilling.tolist() == [0, 0, 0] and snapshot.prefill_tokens.tolist() == [0, 0, 0]
     plugins.moved(first, ADDRESSES[2])  # after: only the in-flight count moves
     assert snapshot.prefilling.tolist() == [0, 0, 0] and snapshot.in_flight.tolist() == [0, 0, 1]
     plugins.response_complete(first)

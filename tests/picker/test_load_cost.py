@@ -23,6 +23,12 @@ def pod(i: int, tier: Tier | None = None, digest: str = DIGEST, **load: object) 
     return EndpointState(name=f"pod-{i}", address=f"10.0.0.{i}:8000", residency=residency, **load)  # type: ignore[arg-type]
 
 
+def queue(pool: PoolSnapshot, requests: list[int], tokens_each: int) -> None:
+    """Each endpoint's requests awaiting their first token, every prompt ``tokens_each`` tokens long."""
+    pool.in_flight[:] = pool.prefilling[:] = requests
+    pool.prefill_tokens[:] = [n * tokens_each for n in requests]
+
+
 def scores(pool: PoolSnapshot, unsaturated: list[bool] | None = None, **params: object) -> list[float]:
     scorer = prefill_queue_scorer(PrefillQueueParameters.model_validate({"capacity": 16, "loadCost": True, **params}))
     n = pool.size
@@ -54,17 +60,37 @@ def test_the_default_config_sends_a_request_to_a_cold_holder_once_the_warm_queue
     scheduler = Scheduler.default()
     rng = np.random.default_rng(0)
     pool = PoolSnapshot([pod(1, Tier.GPU), pod(2, Tier.DISK)])
-    pool.in_flight[:] = pool.prefilling[:] = [2, 0]
+    queue(pool, [2, 0], 1_000)
     decision = scheduler.schedule(REQUEST, pool, rng)
     assert decision.endpoints[0] == "10.0.0.1:8000" and decision.outcome is Outcome.WARM_GPU
-    # twelve requests awaiting their first token on the GPU pod (still below saturation): ~1.2 s of prefill ahead,
-    # against a 0.25 s read from the other pod's disk
-    pool.in_flight[:] = pool.prefilling[:] = [12, 0]
+    # twelve 1,000-token prompts awaiting their first token on the GPU pod (still below saturation): ~1.2 s of
+    # prefill ahead, against a 0.25 s read from the other pod's disk
+    queue(pool, [12, 0], 1_000)
     assert scheduler.schedule(REQUEST, pool, rng).endpoints[0] == "10.0.0.2:8000"
     # a pod that lacks the revision altogether (a 3 s fetch) is no such alternative
     absent = PoolSnapshot([pod(1, Tier.GPU), pod(2)])
-    absent.in_flight[:] = absent.prefilling[:] = [12, 0]
+    queue(absent, [12, 0], 1_000)
     assert scheduler.schedule(REQUEST, absent, rng).endpoints[0] == "10.0.0.1:8000"
+
+
+def test_the_default_config_counts_the_queue_by_its_prompts() -> None:
+    """Two requests of 4,000-token prompts wait longer than the disk read; twelve of 50 tokens do not."""
+    scheduler = Scheduler.default()
+    rng = np.random.default_rng(0)
+    pool = PoolSnapshot([pod(1, Tier.GPU), pod(2, Tier.DISK)])
+    queue(pool, [2, 0], 4_000)
+    assert scheduler.schedule(REQUEST, pool, rng).endpoints[0] == "10.0.0.2:8000"
+    queue(pool, [12, 0], 50)
+    assert scheduler.schedule(REQUEST, pool, rng).endpoints[0] == "10.0.0.1:8000"
+
+
+def test_counted_by_tokens_the_queue_is_its_prompts_at_the_seconds_a_token() -> None:
+    pool = PoolSnapshot([pod(1, Tier.GPU), pod(2, Tier.GPU), pod(3, Tier.DISK)])
+    queue(pool, [4, 1, 0], 0)
+    pool.prefill_tokens[:] = [400, 6_000, 0]
+    # 400 tokens at 0.1 ms = 0.04 s = 0.4 requests of 0.1 s; 6,000 = 6 requests; the disk read 2.5 as before
+    assert scores(pool, prefillSecondsPerToken=0.0001) == [0.975, 0.625, 0.8438]
+    assert scores(pool) == [0.75, 0.9375, 0.8438]  # by count: the pod of one long prompt looked the least loaded
 
 
 def test_the_default_config_runs_the_load_cost_mode() -> None:
@@ -72,9 +98,11 @@ def test_the_default_config_runs_the_load_cost_mode() -> None:
     spec = next(p for p in config.plugins if p.type == "prefill-queue-scorer")
     params = PrefillQueueParameters.model_validate(spec.parameters)
     assert params.load_cost and not params.warm_only and params.capacity == 10
+    assert params.prefill_seconds_per_token == 0.0001
 
 
-@pytest.mark.parametrize("params", [{"loadCost": True}, {"capacity": 16, "loadCost": True, "warmOnly": True}])
+@pytest.mark.parametrize("params", [{"loadCost": True}, {"capacity": 16, "loadCost": True, "warmOnly": True},
+                                    {"prefillSecondsPerToken": 0.0001}])
 def test_load_cost_needs_a_capacity_and_excludes_warm_only(params: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         PrefillQueueParameters.model_validate(params)

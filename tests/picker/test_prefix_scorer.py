@@ -243,7 +243,8 @@ def _awaiting_first_token(snapshot: PoolSnapshot, counts: tuple[int, int]) -> Po
     tracker = InFlightTracker()
     for i, count in enumerate(counts):
         for _ in range(count):
-            tracker.start(snapshot.addresses[i], "claims@v17")  # in flight, no first token yet
+            # in flight, no first token yet; a 1,000-token prompt: 0.1 s of prefill, one request of the queue scorer
+            tracker.start(snapshot.addresses[i], "claims@v17", prompt_tokens=1_000)
     tracker.attach(snapshot)
     return snapshot
 

@@ -60,12 +60,13 @@ async def test_each_replica_routes_on_its_own_counts_plus_the_others(client: aio
     mine, seen_by_0, share_0 = replica(client, "picker-0", clock)
     theirs, seen_by_1, share_1 = replica(client, "picker-1", clock)
     for name in ("a@v1", "a@v1", "b@v1"):
-        theirs.start(A, name)
-    mine.start(A, "c@v1")
+        theirs.start(A, name, prompt_tokens=100)
+    mine.start(A, "c@v1", prompt_tokens=7)
     await share_1.once()
     await share_0.once()  # finds picker-1's key, adds its counts
     assert seen_by_0.in_flight.tolist() == [4.0, 0.0]
     assert seen_by_0.prefilling.tolist() == [4.0, 0.0]
+    assert seen_by_0.prefill_tokens.tolist() == [307.0, 0.0]  # the prompts queued there, from both replicas
     assert seen_by_0.adapters_in_flight.tolist() == [3.0, 0.0]  # a, b (picker-1's) and c (its own)
     assert set(seen_by_0.in_flight_by_name) == {"a@v1", "b@v1", "c@v1"}
     assert not seen_by_0.room_at(0, "d@v1")  # two GPU slots, three revisions in flight: no room for a fourth
@@ -79,11 +80,11 @@ async def test_each_replica_routes_on_its_own_counts_plus_the_others(client: aio
     await share_1.once()
     assert seen_by_1.in_flight.tolist() == [5.0, 0.0]
     for name in ("a@v1", "a@v1", "b@v1"):
-        theirs.finish(A, name, prefilling=True)
+        theirs.finish(A, name, prefilling=True, prompt_tokens=100)
     await share_1.once()
     await share_0.once()
     assert seen_by_0.in_flight.tolist() == [2.0, 0.0] and set(seen_by_0.in_flight_by_name) == {"a@v1", "c@v1"}
-    assert seen_by_0.prefilling.tolist() == [2.0, 0.0]
+    assert seen_by_0.prefilling.tolist() == [2.0, 0.0] and seen_by_0.prefill_tokens.tolist() == [7.0, 0.0]
 
 
 async def test_a_rebuilt_snapshot_gets_the_others_counts_too(client: aioredis.Redis) -> None:
@@ -141,9 +142,10 @@ async def test_a_withdrawn_replica_counts_nothing_and_unreadable_redis_drops_the
 
 def test_summed_adds_counts_per_address_and_name() -> None:
     parts = [PickerInFlight(pool=POOL, replica=f"picker-{i}", published_at=0.0,
-                            endpoints={A: EndpointInFlight(requests=2, prefilling=1, by_name={"a@v1": 2})})
+                            endpoints={A: EndpointInFlight(requests=2, prefilling=1, prefill_tokens=90,
+                                                            by_name={"a@v1": 2})})
              for i in range(2)]
     total = summed(parts)
-    assert total == {A: EndpointInFlight(requests=4, prefilling=2, by_name={"a@v1": 4})}
+    assert total == {A: EndpointInFlight(requests=4, prefilling=2, prefill_tokens=180, by_name={"a@v1": 4})}
     assert parts[0].endpoints[A].requests == 2  # the parts are not changed
     assert keys.picker_in_flight(POOL, "picker-0").startswith(keys.route_table(POOL).removesuffix(":routes"))

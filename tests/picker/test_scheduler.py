@@ -277,6 +277,7 @@ def test_the_warm_pod_with_fewer_requests_awaiting_their_first_token_wins(schedu
     pool = PoolSnapshot([pod(1, warm), pod(2, warm), pod(3)])
     pool.in_flight[:] = [4, 4, 0]  # the same in flight and the same (old) reports: only the fresh signal differs
     pool.prefilling[:] = [3, 0, 0]  # pod 1 has three requests whose response has not started yet
+    pool.prefill_tokens[:] = [3_000, 0, 0]  # of 1,000 tokens each
     picks = {scheduler.schedule(request(), pool, np.random.default_rng(seed)).endpoints[0] for seed in range(20)}
     assert picks == {"10.0.0.2:8000"}
 

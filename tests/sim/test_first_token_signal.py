@@ -26,9 +26,11 @@ class FirstPod:
 
     def __init__(self) -> None:
         self.seen: list[int] = []
+        self.tokens: list[int] = []
 
     def pick(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> int:
         self.seen.append(pods[0].awaiting_first_token(now))
+        self.tokens.append(pods[0].awaiting_first_token_tokens(now, trace.input_tokens))
         return 0
 
 
@@ -40,6 +42,7 @@ def test_requests_count_until_the_step_that_admitted_them_ends() -> None:
     # the first request is admitted at once and its 2,000-token prefill runs ~0.2 s: the next two arrive while it
     # (then it and the one waiting) have no first token; by 1 s all three are decoding
     assert router.seen == [0, 1, 2, 0]
+    assert router.tokens == [0, 2000, 4000, 0]  # their prompts, as the picker counts them until the first token
     assert all(t > 0.1 for t in result.ttft)
 
 
@@ -53,11 +56,14 @@ def test_the_picker_in_the_simulator_reads_the_same_count() -> None:
         decision = decide(now, rid, trace, pods)
         snapshot = policy.router._snapshot  # type: ignore[attr-defined]
         seen.append([(snapshot.prefilling[p.index], p.awaiting_first_token(now)) for p in pods])
+        seen.append([(snapshot.prefill_tokens[p.index], p.awaiting_first_token_tokens(now, trace.input_tokens))
+                     for p in pods])
         return decision
 
     policy.router.decide = recording  # type: ignore[attr-defined]
     Simulator(trace, config, LARGE_GPU, policy.router, policy.eviction, policy.placement,
               admission=policy.admission).run()
-    assert len(seen) == len(ARRIVALS)
+    assert len(seen) == 2 * len(ARRIVALS)
     assert all(fed == counted for row in seen for fed, counted in row)
-    assert sum(counted for row in seen for _, counted in row) >= 2  # the 2nd and 3rd arrivals found some
+    assert sum(counted for row in seen[::2] for _, counted in row) >= 2  # the 2nd and 3rd arrivals found some
+    assert sum(counted for row in seen[1::2] for _, counted in row) >= 4000
