@@ -31,6 +31,8 @@ class PlacementSettings(_Strict):
     host_copies: int = Field(default=PlacementConfig.host_copies, ge=0, alias="hostCopies")
     staging_share: float = Field(default=PlacementConfig.staging_share, ge=0, le=1, alias="stagingShare")
     traffic_holders: int = Field(default=PlacementConfig.traffic_holders, ge=1, alias="trafficHolders")
+    holder_spread: float = Field(default=PlacementConfig.holder_spread, ge=0, alias="holderSpread")
+    max_spread_holders: int = Field(default=PlacementConfig.max_spread_holders, ge=1, alias="maxSpreadHolders")
 
 
 class BudgetSettings(_Strict):

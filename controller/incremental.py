@@ -38,6 +38,7 @@ from loraplane.controller.placement import (
     Rates,
     keep_until_replaced,
     place,
+    pool_rate,
 )
 from loraplane.controller.pool import (
     DEFAULT_ADAPTER_BYTES,
@@ -429,11 +430,12 @@ def _place_again(plan: PoolPlan, inputs: PoolInputs, changed: Mapping[str, Adapt
             None if cap.cpu_bytes is None else max(0, cap.cpu_bytes - size(cpu)),
             None if cap.disk_bytes is None else max(0, cap.disk_bytes - size(held))))
     previous = Placement(pods={pod: {n: t for n, t in held.items() if n in changed} for pod, held in before.items()})
-    local = place(residual, list(changed.values()), previous, {}, inputs.placement)
-    merged = {pod: {**rest.get(pod, {}), **local.pods.get(pod, {})} for pod in before.keys() | local.pods.keys()}
-    notes = {**{n: why for n, why in plan.placement.notes.items() if n not in again}, **local.notes}
     all_demands = [changed.get(n, d) for d in plan.demands if (n := d.served_name) not in again or n in changed]
     all_demands += [d for n, d in changed.items() if n not in demands]
+    config = inputs.placement
+    local = place(residual, list(changed.values()), previous, {}, config, pool_rate(all_demands, config))
+    merged = {pod: {**rest.get(pod, {}), **local.pods.get(pod, {})} for pod in before.keys() | local.pods.keys()}
+    notes = {**{n: why for n, why in plan.placement.notes.items() if n not in again}, **local.notes}
     planned = Placement(pods=merged, notes=notes, staging=plan.placement.staging)
     serving = serving_holders(inputs.reports, changed)
     placement = keep_until_replaced(planned, list(changed.values()), serving,

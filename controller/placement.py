@@ -23,7 +23,8 @@ The plan, in order:
    dropped (both worth their score); GPU-placed adapters with traffic get ``host_copies`` CPU copies on other pods,
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
 5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed), on
-   ``traffic_holders`` pods while every pod stages (idle revisions too: a sweep's burst spreads), as far as the
+   ``traffic_holders`` pods while every pod stages (idle revisions too: a sweep's burst spreads), a busy one on
+   more in proportion to its share of the traffic (``holder_spread``, on pods with GPU slots free), as far as the
    pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then
    trickles; a revision no disk has room for is fetched on its first request.
 
@@ -51,7 +52,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from loraplane.api import WarmPolicy
@@ -160,6 +161,14 @@ class PlacementConfig:
     #: picker can send a request to another holder (a read from its disk) instead of holding it; idle revisions too,
     #: so the burst a sweep of them brings spreads over their holders
     traffic_holders: int = 3
+    #: holders (step 5, as ``traffic_holders``) of a revision with traffic, in proportion to its share of the pool's
+    #: steady traffic: ``ceil(holder_spread x share x pods)``, so a busy revision's bursts (a few times its mean on
+    #: real arrivals) spread over pods enough to prefill them, where a fixed count left its holders queueing while
+    #: pods without it idled; 0: off
+    holder_spread: float = 8.0
+    #: the most pods ``holder_spread`` puts a revision on (a revision with a fifth of a 500-pod fleet's traffic is
+    #: not registered on 800 pods, nor does its rate moving rewrite them all)
+    max_spread_holders: int = 16
 
 
 @dataclass
@@ -312,6 +321,7 @@ class _Planner:
         previous: Placement | None,
         budgets: Mapping[str, TenantBudget],
         config: PlacementConfig,
+        pool_rate: float | None = None,
     ) -> None:
         self.config = config
         self.pool = _Pool(pods, config)
@@ -343,6 +353,8 @@ class _Planner:
             # a tiny positive score for idle floors keeps them behind every adapter with traffic
             score = rate * weight if rate > 0 else 1e-9 * weight
             self.entries[d.served_name] = _Entry(d, rate, score, need, is_burst(d.rates, config))
+        #: the pool's steady traffic (requests/s), which ``spread_holders`` shares out
+        self.total_rate = sum(e.rate for e in self.entries.values()) if pool_rate is None else pool_rate
         if not self.floors_fit():
             for e in self.entries.values():
                 if self.is_floor(e):
@@ -812,6 +824,30 @@ class _Planner:
         rank = 0 if not self.is_floor(e) else 1 if self.is_idle(e) else 2
         return rank, -e.score, e.demand.served_name
 
+    def spread_holders(self, e: _Entry) -> int:
+        """Pods ``e`` is held on for its share of the pool's traffic (``holder_spread``; at most every pod)."""
+        if self.config.holder_spread <= 0 or e.rate <= 0 or self.total_rate <= 0:
+            return 0
+        pods = len(self.pool.caps)
+        wanted = math.ceil(self.config.holder_spread * e.rate / self.total_rate * pods - 1e-9)
+        return min(pods, self.config.max_spread_holders, wanted)
+
+    @staticmethod
+    def disk_candidates(order: list[tuple[int, str]], counts: Mapping[str, int], previous: Collection[str],
+                        wanted: int, eligible: Callable[[str], bool]) -> list[tuple[int, str]]:
+        """Up to ``wanted`` (revisions held, pod) of the ``eligible`` pods: those that held it before first, then
+        the rest; each by (revisions held, name)."""
+        if wanted <= 0:
+            return []
+        candidates = sorted((counts[p], p) for p in previous if eligible(p))[:wanted]
+        if len(candidates) < wanted:
+            for n, p in order:
+                if p not in previous and eligible(p):
+                    candidates.append((n, p))
+                    if len(candidates) == wanted:
+                        break
+        return candidates
+
     def place_disk(self) -> None:
         """Every demand on at least ``min_replicas`` pods where disk caches have room, on ``traffic_holders``
         while every pod stages (a second holder for the picker when the first has no GPU slot free): fill up with the disk tier (an idle revision on the staging pods only; where it was before, else on
@@ -822,13 +858,17 @@ class _Planner:
         # are the first that qualify, found without sorting the pool for each of (10,000) revisions
         order = sorted((n, pod) for pod, n in counts.items())
         caps = self.pool.caps
+        gpu_room = self.pool.roomy[Tier.GPU]
         for e in sorted(self.entries.values(), key=self.disk_order):
             placed = self.tiers(e)
-            wanted = e.demand.min_replicas
+            wanted = spread = e.demand.min_replicas
             if wanted > 0 and every_pod_stages and (e.rate > 0 or not e.demand.required):  # not a rollout's
                 wanted = max(wanted, self.config.traffic_holders)
+                spread = self.spread_holders(e)
             missing = wanted - len(placed)
-            if missing <= 0:
+            # holders beyond ``wanted`` for its share of the traffic, on pods the plan leaves GPU slots free
+            extra = spread - max(wanted, len(placed))
+            if missing <= 0 and extra <= 0:
                 continue
             previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)))
             hosts = self.hosts(e)  # an idle revision waits on the staging pods only: elsewhere it draws a sweep there
@@ -838,15 +878,14 @@ class _Planner:
                          allowed: Collection[str] | None = allowed) -> bool:
                 return p in caps and p not in placed and p in hosts and (allowed is None or p in allowed)
 
-            # the pods that held it before first, then the rest; each by (revisions held, name)
-            candidates = sorted((counts[p], p) for p in previous
-                                if eligible(p) and self.pool.fits(p, Tier.DISK, size))[:missing]
-            if len(candidates) < missing:
-                for n, p in order:
-                    if p not in previous and eligible(p) and self.pool.fits(p, Tier.DISK, size):
-                        candidates.append((n, p))
-                        if len(candidates) == missing:
-                            break
+            def room(p: str, size: int = size, eligible: Callable[[str], bool] = eligible) -> bool:
+                return eligible(p) and self.pool.fits(p, Tier.DISK, size)
+
+            candidates = self.disk_candidates(order, counts, previous, missing, room)
+            if extra > 0:
+                taken = {p for _, p in candidates}
+                candidates += self.disk_candidates(order, counts, previous, extra,
+                                                   lambda p: p in gpu_room and p not in taken and room(p))
             for n, pod in candidates:
                 self.pool.put(pod, e.demand.served_name, Tier.DISK, size)
                 del order[bisect.bisect_left(order, (n, pod))]
@@ -875,9 +914,16 @@ def place(
     previous: Placement | None = None,
     budgets: Mapping[str, TenantBudget] | None = None,
     config: PlacementConfig | None = None,
+    pool_rate: float | None = None,
 ) -> Placement:
-    """Plan which served revisions each pod holds at which tier (pure; see the module docstring)."""
-    return _Planner(pods, demands, previous, budgets or {}, config or PlacementConfig()).run()
+    """Plan which served revisions each pod holds at which tier (pure; see the module docstring). ``pool_rate``:
+    the pool's steady traffic when ``demands`` are part of it (planned alone), else theirs."""
+    return _Planner(pods, demands, previous, budgets or {}, config or PlacementConfig(), pool_rate).run()
+
+
+def pool_rate(demands: Iterable[AdapterDemand], config: PlacementConfig) -> float:
+    """The steady traffic (requests/s) of ``demands``, as ``place`` shares it out (``holder_spread``)."""
+    return sum(steady_rate(d.rates, config) for d in demands)
 
 
 def gpu_loads(previous: Placement, new: Placement) -> int:

@@ -129,6 +129,8 @@ def test_a_new_revision_is_planned_and_placed_alone() -> None:
     # what the pool would be planned whole routes the same and decides the same statuses
     whole = plan_pool(_inputs([*revs, new], rates, reports))
     assert after.routes == whole.routes
+    # as many holders as the whole plan gives it: its share of the pool's traffic, not of the part's (all of it)
+    assert len(holders) == len(_pods_holding(whole, new.served_name)) < len(after.targets)
     assert {k: rp.status.phase for k, rp in after.revisions.items()} == {
         k: rp.status.phase for k, rp in whole.revisions.items()}
     # at rest again: the same inputs reuse it
@@ -136,7 +138,8 @@ def test_a_new_revision_is_planned_and_placed_alone() -> None:
     # and it is one of the pool's revisions from now on: its rates moving is a placement delta of its own
     spiked = planner.plan(_inputs([*revs, new], {**rates, new.served_name: 40.0}, reports), "t2", {})
     assert spiked.delta and "1 revisions" in spiked.why
-    assert len(_pods_holding(spiked.plan, new.served_name)) > len(holders)
+    assert len(spiked.plan.placement.replicas(Tier.GPU)[new.served_name]) > len(
+        after.placement.replicas(Tier.GPU)[new.served_name])  # more GPU replicas for its rate
 
 
 def test_a_deleted_revision_leaves_routes_and_targets_alone() -> None:

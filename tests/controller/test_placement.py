@@ -29,8 +29,9 @@ from loraplane.controller.placement import (
 MB = 1 << 20
 
 
-#: one holder per revision with traffic (no extra disk copies: ``traffic_holders``), where a test checks every tier
-ONE_HOLDER = PlacementConfig(traffic_holders=1)
+#: one holder per revision with traffic (no extra disk copies: ``traffic_holders``, ``holder_spread``), where a test
+#: checks every tier
+ONE_HOLDER = PlacementConfig(traffic_holders=1, holder_spread=0)
 
 
 def _pods(n: int, gpu: int = 4, cpu: int = 8, gpu_bytes: int | None = None) -> list[PodCapacity]:
@@ -615,7 +616,7 @@ def test_floor_replicas_take_gpu_slots_only_while_every_trickle_has_one() -> Non
 def test_a_revision_is_held_on_traffic_holders_pods() -> None:
     pods = _pods(4, gpu=1, cpu=1)
     demands = [_demand("hot@v1", 1.0), _demand("trickle@v1", 0.05), _demand("idle@v1")]
-    plan = place(pods, demands)
+    plan = place(pods, demands, config=PlacementConfig(holder_spread=0))
     assert len(plan.tiers_of("hot@v1")) == 3 and len(plan.tiers_of("trickle@v1")) == 3
     # idle too (a sweep yet to come): its traffic, when it comes, spreads over three holders
     assert len(plan.tiers_of("idle@v1")) == 3
@@ -629,11 +630,31 @@ def test_a_revision_is_held_on_traffic_holders_pods() -> None:
     assert all(len(h) <= 2 for h in held.pods.values())
 
 
+def test_a_busy_revision_gets_holders_for_its_share_of_the_traffic_on_pods_with_free_gpu_slots() -> None:
+    """Twelve pods with four GPU slots (one kept for bursts), 21 revisions at 1 req/s and one at 3 (an eighth of the
+    traffic): ``ceil(8 x 1/8 x 12)`` = 12 holders asked for, one on every pod the plan leaves a GPU slot free."""
+    demands = [_demand("busy@v1", 3.0)] + [_demand(f"t{i:02d}@v1", 1.0) for i in range(21)]
+    plan = place(_pods(12, gpu=4, cpu=8), demands)
+    assert all(sum(t is Tier.GPU for t in held.values()) < 3 for held in plan.pods.values())
+    assert len(plan.tiers_of("busy@v1")) == 12
+    assert len(plan.tiers_of("t00@v1")) == 4  # 1/24 of the traffic: ceil(8 x 1/24 x 12)
+    unspread = place(_pods(12, gpu=4, cpu=8), demands, config=PlacementConfig(holder_spread=0))
+    assert len(unspread.tiers_of("busy@v1")) == len(unspread.tiers_of("t00@v1")) == 3  # traffic_holders
+    capped = place(_pods(12, gpu=4, cpu=8), demands, config=PlacementConfig(max_spread_holders=5))
+    assert len(capped.tiers_of("busy@v1")) == 5
+    # a pool whose GPU slots the plan fills: no holders beyond traffic_holders
+    full = place(_pods(12, gpu=4, cpu=8), [_demand("busy@v1", 3.0)] + [_demand(f"t{i:02d}@v1", 1.0) for i in range(40)])
+    assert all(sum(t is Tier.GPU for t in held.values()) == 3 for held in full.pods.values())
+    assert len(full.tiers_of("busy@v1")) == 3
+
+
 def test_the_config_file_sets_traffic_holders() -> None:
     from loraplane.controller.config import PlacementSettings
 
     assert PlacementSettings.model_validate({"trafficHolders": 1}).traffic_holders == 1
     assert PlacementSettings().traffic_holders == PlacementConfig().traffic_holders == 3
+    assert PlacementSettings.model_validate({"holderSpread": 0}).holder_spread == 0
+    assert PlacementSettings().holder_spread == PlacementConfig().holder_spread
 
 
 def test_a_sweep_of_idle_revisions_spreads_beyond_the_pods_with_free_gpu_slots() -> None:
