@@ -162,9 +162,16 @@ def manifest(adapter: TwinAdapter, base_model: str, base_digest: str) -> dict[st
     return body
 
 
+#: the words that make a replayed prompt's first blocks its own (no accidental prefix-cache hits)
+UNIQUE_WORDS = 32
+
+
 def prompt_text(rid: int, tokens: int) -> str:
-    """A prompt of ``tokens`` words no other request shares a first block with (no accidental prefix-cache hits)."""
-    return " ".join(f"q{rid}w{i}" for i in range(tokens))
+    """A prompt of ``tokens`` words (the emulator's tokens) no other request shares a first block with, about four
+    bytes a word after the first ``UNIQUE_WORDS``, as English text has a token: the picker estimates a prompt's
+    tokens from its body's size (``picker.body.BYTES_PER_TOKEN``), as the simulator knows them."""
+    unique = min(tokens, UNIQUE_WORDS)
+    return " ".join([f"q{rid}w{i}" for i in range(unique)] + ["abc"] * (tokens - unique))
 
 
 def request_id(index: int) -> str:
