@@ -35,10 +35,10 @@ from loraplane.controller.placement import (
     AdapterDemand,
     Placement,
     PodCapacity,
+    PoolTraffic,
     Rates,
     keep_until_replaced,
     place,
-    pool_rate,
 )
 from loraplane.controller.pool import (
     DEFAULT_ADAPTER_BYTES,
@@ -433,7 +433,8 @@ def _place_again(plan: PoolPlan, inputs: PoolInputs, changed: Mapping[str, Adapt
     all_demands = [changed.get(n, d) for d in plan.demands if (n := d.served_name) not in again or n in changed]
     all_demands += [d for n, d in changed.items() if n not in demands]
     config = inputs.placement
-    local = place(residual, list(changed.values()), previous, {}, config, pool_rate(all_demands, config))
+    traffic = PoolTraffic.of_demands(plan.capacity, all_demands, config)
+    local = place(residual, list(changed.values()), previous, {}, config, traffic)
     merged = {pod: {**rest.get(pod, {}), **local.pods.get(pod, {})} for pod in before.keys() | local.pods.keys()}
     notes = {**{n: why for n, why in plan.placement.notes.items() if n not in again}, **local.notes}
     planned = Placement(pods=merged, notes=notes, staging=plan.placement.staging)

@@ -24,7 +24,8 @@ The plan, in order:
    each worth the adapter's steady rate beyond ``replica_rate`` (the traffic that may spill off one pod);
 5. every demand ends up on at least ``min_replicas`` pods (disk tier where nothing warmer was placed), on
    ``traffic_holders`` pods while every pod stages (idle revisions too: a sweep's burst spreads), a busy one on
-   more in proportion to its share of the traffic (``holder_spread``, on pods with GPU slots free), as far as the
+   more in proportion to its share of the traffic (``holder_spread``, on pods with GPU slots free, where the
+   revisions with traffic outnumber the GPU slots), as far as the
    pods' disk caches (``PodCapacity.disk_bytes``) hold them: real demand first, then idle revisions, then
    trickles; a revision no disk has room for is fetched on its first request.
 
@@ -164,7 +165,7 @@ class PlacementConfig:
     #: holders (step 5, as ``traffic_holders``) of a revision with traffic, in proportion to its share of the pool's
     #: steady traffic: ``ceil(holder_spread x share x pods)``, so a busy revision's bursts (a few times its mean on
     #: real arrivals) spread over pods enough to prefill them, where a fixed count left its holders queueing while
-    #: pods without it idled; 0: off
+    #: pods without it idled; only where the revisions with traffic outnumber the GPU slots (``PoolTraffic``); 0: off
     holder_spread: float = 8.0
     #: the most pods ``holder_spread`` puts a revision on (a revision with a fifth of a 500-pod fleet's traffic is
     #: not registered on 800 pods, nor does its rate moving rewrite them all)
@@ -288,6 +289,28 @@ class _Pool:
             self._track(pod, tier)
 
 
+@dataclass(frozen=True)
+class PoolTraffic:
+    """What ``holder_spread`` reads of the whole pool: its steady traffic (requests/s) and whether its revisions with
+    traffic outnumber its GPU slots (where they do not, each has its GPU replicas and more holders only cost loads:
+    every registration activates into a slot)."""
+
+    rate: float
+    contended: bool
+
+    @classmethod
+    def of(cls, pods: Iterable[PodCapacity], rates: Iterable[float]) -> PoolTraffic:
+        """The traffic of ``rates`` (each revision's steady rate) on ``pods``."""
+        busy = [r for r in rates if r > 0]
+        return cls(sum(busy), len(busy) > sum(p.gpu_slots for p in pods))
+
+    @classmethod
+    def of_demands(cls, pods: Iterable[PodCapacity], demands: Iterable[AdapterDemand],
+                   config: PlacementConfig) -> PoolTraffic:
+        """The traffic of ``demands`` on ``pods`` (``steady_rate`` of each)."""
+        return cls.of(pods, (steady_rate(d.rates, config) for d in demands))
+
+
 @dataclass
 class _Entry:
     demand: AdapterDemand
@@ -321,7 +344,7 @@ class _Planner:
         previous: Placement | None,
         budgets: Mapping[str, TenantBudget],
         config: PlacementConfig,
-        pool_rate: float | None = None,
+        traffic: PoolTraffic | None = None,
     ) -> None:
         self.config = config
         self.pool = _Pool(pods, config)
@@ -353,8 +376,8 @@ class _Planner:
             # a tiny positive score for idle floors keeps them behind every adapter with traffic
             score = rate * weight if rate > 0 else 1e-9 * weight
             self.entries[d.served_name] = _Entry(d, rate, score, need, is_burst(d.rates, config))
-        #: the pool's steady traffic (requests/s), which ``spread_holders`` shares out
-        self.total_rate = sum(e.rate for e in self.entries.values()) if pool_rate is None else pool_rate
+        #: the pool's traffic, which ``spread_holders`` shares out
+        self.traffic = traffic or PoolTraffic.of(self.pool.caps.values(), [e.rate for e in self.entries.values()])
         if not self.floors_fit():
             for e in self.entries.values():
                 if self.is_floor(e):
@@ -825,11 +848,16 @@ class _Planner:
         return rank, -e.score, e.demand.served_name
 
     def spread_holders(self, e: _Entry) -> int:
-        """Pods ``e`` is held on for its share of the pool's traffic (``holder_spread``; at most every pod)."""
-        if self.config.holder_spread <= 0 or e.rate <= 0 or self.total_rate <= 0:
+        """Pods ``e`` is held on for its share of the pool's traffic (``holder_spread``; at most every pod). The
+        holders it had stay while its share, raised by ``stickiness``, still asks for them: a share moving a little
+        across a step registers and unregisters nothing."""
+        traffic = self.traffic
+        if self.config.holder_spread <= 0 or e.rate <= 0 or not traffic.contended:
             return 0
         pods = len(self.pool.caps)
-        wanted = math.ceil(self.config.holder_spread * e.rate / self.total_rate * pods - 1e-9)
+        asked = self.config.holder_spread * e.rate / traffic.rate * pods
+        held = len(self.previous_by_name.get(e.demand.served_name, ()))
+        wanted = max(math.ceil(asked - 1e-9), min(held, math.ceil(asked * (1.0 + self.config.stickiness) - 1e-9)))
         return min(pods, self.config.max_spread_holders, wanted)
 
     @staticmethod
@@ -884,8 +912,9 @@ class _Planner:
             candidates = self.disk_candidates(order, counts, previous, missing, room)
             if extra > 0:
                 taken = {p for _, p in candidates}
-                candidates += self.disk_candidates(order, counts, previous, extra,
-                                                   lambda p: p in gpu_room and p not in taken and room(p))
+                candidates += self.disk_candidates(
+                    order, counts, previous, extra,
+                    lambda p, taken=taken, room=room: p in gpu_room and p not in taken and room(p))  # type: ignore[misc]
             for n, pod in candidates:
                 self.pool.put(pod, e.demand.served_name, Tier.DISK, size)
                 del order[bisect.bisect_left(order, (n, pod))]
@@ -914,16 +943,11 @@ def place(
     previous: Placement | None = None,
     budgets: Mapping[str, TenantBudget] | None = None,
     config: PlacementConfig | None = None,
-    pool_rate: float | None = None,
+    traffic: PoolTraffic | None = None,
 ) -> Placement:
-    """Plan which served revisions each pod holds at which tier (pure; see the module docstring). ``pool_rate``:
-    the pool's steady traffic when ``demands`` are part of it (planned alone), else theirs."""
-    return _Planner(pods, demands, previous, budgets or {}, config or PlacementConfig(), pool_rate).run()
-
-
-def pool_rate(demands: Iterable[AdapterDemand], config: PlacementConfig) -> float:
-    """The steady traffic (requests/s) of ``demands``, as ``place`` shares it out (``holder_spread``)."""
-    return sum(steady_rate(d.rates, config) for d in demands)
+    """Plan which served revisions each pod holds at which tier (pure; see the module docstring). ``traffic``: the
+    whole pool's when ``pods`` and ``demands`` are part of it (planned alone), else theirs."""
+    return _Planner(pods, demands, previous, budgets or {}, config or PlacementConfig(), traffic).run()
 
 
 def gpu_loads(previous: Placement, new: Placement) -> int:

@@ -631,21 +631,31 @@ def test_a_revision_is_held_on_traffic_holders_pods() -> None:
 
 
 def test_a_busy_revision_gets_holders_for_its_share_of_the_traffic_on_pods_with_free_gpu_slots() -> None:
-    """Twelve pods with four GPU slots (one kept for bursts), 21 revisions at 1 req/s and one at 3 (an eighth of the
-    traffic): ``ceil(8 x 1/8 x 12)`` = 12 holders asked for, one on every pod the plan leaves a GPU slot free."""
-    demands = [_demand("busy@v1", 3.0)] + [_demand(f"t{i:02d}@v1", 1.0) for i in range(21)]
+    """Twelve pods with four GPU slots (one kept for bursts); one revision at 3 req/s, 21 at 1 and 40 trickles at
+    0.1 (more revisions with traffic than GPU slots): the busy one has 3/28 of the traffic, ``ceil(8 x 3/28 x 12)`` =
+    11 holders, the ones beyond three on pods the plan leaves a GPU slot free."""
+    busy = _demand("busy@v1", 3.0)
+    trickles = [_demand(f"r{i:02d}@v1", 0.1) for i in range(40)]
+    demands = [busy] + [_demand(f"t{i:02d}@v1", 1.0) for i in range(21)] + trickles
     plan = place(_pods(12, gpu=4, cpu=8), demands)
     assert all(sum(t is Tier.GPU for t in held.values()) < 3 for held in plan.pods.values())
-    assert len(plan.tiers_of("busy@v1")) == 12
-    assert len(plan.tiers_of("t00@v1")) == 4  # 1/24 of the traffic: ceil(8 x 1/24 x 12)
+    assert len(plan.tiers_of("busy@v1")) == 11
+    assert len(plan.tiers_of("t00@v1")) == 4  # 1/28 of the traffic: ceil(8 x 1/28 x 12)
+    assert len(plan.tiers_of("r00@v1")) == 3  # traffic_holders
     unspread = place(_pods(12, gpu=4, cpu=8), demands, config=PlacementConfig(holder_spread=0))
-    assert len(unspread.tiers_of("busy@v1")) == len(unspread.tiers_of("t00@v1")) == 3  # traffic_holders
+    assert len(unspread.tiers_of("busy@v1")) == len(unspread.tiers_of("t00@v1")) == 3
     capped = place(_pods(12, gpu=4, cpu=8), demands, config=PlacementConfig(max_spread_holders=5))
     assert len(capped.tiers_of("busy@v1")) == 5
+    # the share moving a little does not take holders away (stickiness), nor does a small rise add them
+    calmer = [_demand("busy@v1", 2.7), *demands[1:]]
+    assert len(place(_pods(12, gpu=4, cpu=8), calmer, previous=plan).tiers_of("busy@v1")) == 11
+    assert len(place(_pods(12, gpu=4, cpu=8), calmer).tiers_of("busy@v1")) == 10
     # a pool whose GPU slots the plan fills: no holders beyond traffic_holders
-    full = place(_pods(12, gpu=4, cpu=8), [_demand("busy@v1", 3.0)] + [_demand(f"t{i:02d}@v1", 1.0) for i in range(40)])
+    full = place(_pods(12, gpu=4, cpu=8), [busy] + [_demand(f"t{i:02d}@v1", 1.0) for i in range(40)] + trickles)
     assert all(sum(t is Tier.GPU for t in held.values()) == 3 for held in full.pods.values())
     assert len(full.tiers_of("busy@v1")) == 3
+    # a pool whose revisions with traffic fit its GPU slots: each has its GPU replicas, no more holders
+    assert len(place(_pods(12, gpu=4, cpu=8), demands[:22]).tiers_of("busy@v1")) == 3
 
 
 def test_the_config_file_sets_traffic_holders() -> None:
