@@ -912,9 +912,11 @@ class _Planner:
             candidates = self.disk_candidates(order, counts, previous, missing, room)
             if extra > 0:
                 taken = {p for _, p in candidates}
-                candidates += self.disk_candidates(
-                    order, counts, previous, extra,
-                    lambda p, taken=taken, room=room: p in gpu_room and p not in taken and room(p))  # type: ignore[misc]
+
+                def spare(p: str, taken: Collection[str] = taken, room: Callable[[str], bool] = room) -> bool:
+                    return p in gpu_room and p not in taken and room(p)
+
+                candidates += self.disk_candidates(order, counts, previous, extra, spare)
             for n, pod in candidates:
                 self.pool.put(pod, e.demand.served_name, Tier.DISK, size)
                 del order[bisect.bisect_left(order, (n, pod))]

@@ -692,15 +692,16 @@ class Simulator:
         step = self._overhead + self._decode_base + self._per_seq * batch + lora
         first = step + stall + self._prefill * prefill_tokens
         first_end = now + first
-        res, arrivals = self.result, self.trace.arrival
+        res, arrivals, inputs = self.result, self.trace.arrival, self.trace.input_tokens
+        admitted_tokens = 0
         for rid in first_tokens:
             res.ttft[rid] = first_end - arrivals[rid] + self._request_overhead
+            admitted_tokens += inputs[rid]
         pod.busy = True
         pod.run_t0 = now
         pod.run_first_end = first_end
         pod.run_admitted = len(first_tokens)
-        inputs = self.trace.input_tokens
-        pod.run_admitted_tokens = sum(inputs[rid] for rid in first_tokens)
+        pod.run_admitted_tokens = admitted_tokens
         pod.run_step_s = step
         pod.run_distinct = distinct
         if single or pod.prefilling:
