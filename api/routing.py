@@ -147,7 +147,8 @@ class EndpointInFlight(PayloadModel):
     requests: int = Field(default=0, ge=0)
     prefilling: int = Field(default=0, ge=0, description="of which no response byte has come back yet")
     prefill_tokens: int = Field(default=0, ge=0, description="the prompt tokens of those prefilling, as the picker "
-                                "estimates them from their bodies' size")
+                                "estimates them from their bodies' size, less the prefix it expects the endpoint to "
+                                "hold")
     by_name: dict[str, int] = Field(default_factory=dict, description="per served name (the base model is left out)")
 
     @field_validator("by_name")

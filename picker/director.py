@@ -285,7 +285,8 @@ class RequestDirector:
     def _send(self, request: SchedulingRequest, route: Resolution | None, decision: Decision) -> Decision:
         """Admit the decision through the request plugins and account it as sent."""
         ctx = self.ctx
-        inflight = InFlightRequest(request, self.fairness_key(request), decision.endpoints[0])
+        inflight = InFlightRequest(request, self.fairness_key(request), decision.endpoints[0],
+                                   prefill_tokens=decision.prefill_tokens)
         ctx.plugins.admit(inflight, decision.saturated)
         ctx.metrics.decisions[decision.outcome].inc()
         self.destination = decision.endpoints[0]

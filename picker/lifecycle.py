@@ -134,6 +134,8 @@ class InFlightRequest:
     endpoint: str | None = None
     #: its response has started (``response_started`` ran): no longer waiting for its first token
     responding: bool = False
+    #: the prompt tokens its endpoint's prefill queue counts until its first token (``Decision.prefill_tokens``)
+    prefill_tokens: int = 0
 
 
 class RequestPlugin:
@@ -165,18 +167,18 @@ class InFlightAccounting(RequestPlugin):
         """One more in flight at the endpoint (and waiting for its first token, unless its response started)."""
         assert request.endpoint is not None
         scheduling = request.scheduling
-        self.tracker.start(request.endpoint, scheduling.served_name, not request.responding, scheduling.prompt_tokens)
+        self.tracker.start(request.endpoint, scheduling.served_name, not request.responding, request.prefill_tokens)
 
     def response_started(self, request: InFlightRequest) -> None:
         """One fewer waiting for its first token."""
         assert request.endpoint is not None
-        self.tracker.first_token(request.endpoint, request.scheduling.prompt_tokens)
+        self.tracker.first_token(request.endpoint, request.prefill_tokens)
 
     def response_complete(self, request: InFlightRequest) -> None:
         """One fewer in flight (and waiting for its first token, if its response never started)."""
         assert request.endpoint is not None
         scheduling = request.scheduling
-        self.tracker.finish(request.endpoint, scheduling.served_name, not request.responding, scheduling.prompt_tokens)
+        self.tracker.finish(request.endpoint, scheduling.served_name, not request.responding, request.prefill_tokens)
 
 
 class FairShareExceededError(SchedulingError):
@@ -277,9 +279,11 @@ class Lifecycle:
             hook(request)
 
     def moved(self, request: InFlightRequest, endpoint: str) -> None:
-        """Envoy reports ``endpoint`` served it, not the one chosen: complete on the old, start on the new."""
+        """Envoy reports ``endpoint`` served it, not the one chosen: complete on the old, start on the new (with its
+        whole prompt to prefill: the prefix expected was the chosen one's)."""
         self.response_complete(request)
         request.endpoint = endpoint
+        request.prefill_tokens = request.scheduling.prompt_tokens
         self.pre_request(request)
 
 

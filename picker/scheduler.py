@@ -176,6 +176,9 @@ class Decision:
     saturated: bool = False
     #: the primary endpoint has room for the revision: a GPU slot, no other fetch ahead (``PoolSnapshot.room_at``)
     room: bool = True
+    #: the prompt tokens the primary endpoint has to prefill: the request's estimate less the prefix the picker
+    #: expects it to hold (``Cycle.prefix_hit``); its prefill queue counts these until the first token
+    prefill_tokens: int = 0
 
     @property
     def should_wait(self) -> bool:
@@ -330,7 +333,7 @@ class Scheduler:
                 for score, weight in scored:
                     np.add(scores, np.multiply(score, weight, out=cache.term), out=scores)
             indices = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
-        return self._decide(request, pool, unsaturated, indices, saturated)
+        return self._decide(request, pool, cycle, indices, saturated)
 
     def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
         n = pool.size
@@ -353,22 +356,26 @@ class Scheduler:
         return self._cache
 
     def _decide(
-        self, request: SchedulingRequest, pool: PoolSnapshot, unsaturated: BoolArray, indices: tuple[int, ...],
+        self, request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle, indices: tuple[int, ...],
         saturated: bool,
     ) -> Decision:
         addresses = pool.addresses
         endpoints = tuple([addresses[i] for i in indices])
+        prefill = request.prompt_tokens
+        if prefill and cycle.prefix_hit is not None:
+            prefill = max(0, prefill - int(cycle.prefix_hit[indices[0]] * cycle.prefix_tokens))
         if request.served_name is None:
-            return Decision(endpoints, indices, Outcome.BASE, Tier.GPU, saturated)
+            return Decision(endpoints, indices, Outcome.BASE, Tier.GPU, saturated, prefill_tokens=prefill)
         entry = pool.lookup(request.served_name, request.digest)
         level = entry.level_of.get(indices[0], 3) if entry is not None else 3
         tier = _TIER_OF_LEVEL[level]
         room = pool.room_at(indices[0], request.served_name, request.digest)
-        if level > 0 and entry is not None and np.count_nonzero((entry.levels < level) & ~unsaturated[entry.indices]):
-            # a warmer pod was saturated
-            return Decision(endpoints, indices, Outcome.SPILLED_SATURATED, tier, saturated, room)
-        outcome = Outcome.WARM_GPU if level == 0 else Outcome.WARM_CPU if level == 1 else Outcome.COLD
-        return Decision(endpoints, indices, outcome, tier, saturated, room)
+        if level > 0 and entry is not None and np.count_nonzero((entry.levels < level)
+                                                                & ~cycle.unsaturated[entry.indices]):
+            outcome = Outcome.SPILLED_SATURATED  # a warmer pod was saturated
+        else:
+            outcome = Outcome.WARM_GPU if level == 0 else Outcome.WARM_CPU if level == 1 else Outcome.COLD
+        return Decision(endpoints, indices, outcome, tier, saturated, room, prefill)
 
 
 _TIER_OF_LEVEL = {t.level: t for t in Tier}

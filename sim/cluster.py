@@ -226,7 +226,8 @@ class Pod:
         self.run_steps = 0
         #: requests whose prefill ends in the first step of the current run (first token at ``run_first_end``)
         self.run_admitted = 0
-        #: their prompt tokens, and those of the waiting requests (what the picker counts until a first token)
+        #: their prompt tokens, and those of the waiting requests (what the picker counts until a first token:
+        #: ``Simulator.counted_tokens``)
         self.run_admitted_tokens = 0
         self.waiting_tokens = 0
         self.event_time = math.inf
@@ -259,9 +260,10 @@ class Pod:
         or finishing their prefill in the step under way."""
         return len(self.waiting) + len(self.prefilling) + (self.run_admitted if now < self.run_first_end else 0)
 
-    def awaiting_first_token_tokens(self, now: float, input_tokens: Sequence[int]) -> int:
-        """The prompt tokens of ``awaiting_first_token``'s requests (``input_tokens``: the trace's, per request)."""
-        chunked = sum(input_tokens[rid] for rid, _ in self.prefilling) if self.prefilling else 0
+    def awaiting_first_token_tokens(self, now: float, counted_tokens: Sequence[int]) -> int:
+        """The prompt tokens of ``awaiting_first_token``'s requests (``counted_tokens``: the simulator's, per
+        request)."""
+        chunked = sum(counted_tokens[rid] for rid, _ in self.prefilling) if self.prefilling else 0
         return self.waiting_tokens + chunked + (self.run_admitted_tokens if now < self.run_first_end else 0)
 
     @property
@@ -380,8 +382,13 @@ class Simulator:
         admission: Admission | None = None,
         priority: Sequence[int] | None = None,
         scraper: Scraper | None = None,
+        counted_tokens: Sequence[int] | None = None,
     ) -> None:
+        """``counted_tokens``: per request, the prompt tokens the router counts in its pod's prefill queue until the
+        first token (``Pod.awaiting_first_token_tokens``; the router may write them as it routes); None: the trace's
+        prompt lengths."""
         self.trace = trace
+        self.counted_tokens = trace.input_tokens if counted_tokens is None else counted_tokens
         self.admission = admission
         #: reads the pods' metrics on its own clock (the peers' routers: ``loraplane.sim.peers``); a router that is
         #: a ``Scraper`` itself is one unless another is given
@@ -575,7 +582,7 @@ class Simulator:
         order = self._queue_key
         order[rid] = key
         _insert(pod.waiting, rid, key, order)
-        pod.waiting_tokens += self.trace.input_tokens[rid]
+        pod.waiting_tokens += self.counted_tokens[rid]
         queued = pod.waiting_adapters.get(a)
         if queued is None:
             pod.waiting_adapters[a] = deque((rid,))
@@ -692,11 +699,11 @@ class Simulator:
         step = self._overhead + self._decode_base + self._per_seq * batch + lora
         first = step + stall + self._prefill * prefill_tokens
         first_end = now + first
-        res, arrivals, inputs = self.result, self.trace.arrival, self.trace.input_tokens
+        res, arrivals, counted = self.result, self.trace.arrival, self.counted_tokens
         admitted_tokens = 0
         for rid in first_tokens:
             res.ttft[rid] = first_end - arrivals[rid] + self._request_overhead
-            admitted_tokens += inputs[rid]
+            admitted_tokens += counted[rid]
         pod.busy = True
         pod.run_t0 = now
         pod.run_first_end = first_end
@@ -797,6 +804,7 @@ class Simulator:
         max_seqs = prof.max_num_seqs
         freed_end, freed_full, order = self._freed_end, self._freed_full, self._queue_key
         out_tokens, offsets, phase, stamps = tr.output_tokens, self._offset, pod.block_phase, self._admitted_at
+        counted = self.counted_tokens
         step_next = pod.steps + 1
         free = pod.kv_capacity_blocks - pod.kv_blocks
         admitted = False
@@ -826,7 +834,7 @@ class Simulator:
                     tiers[rid] = tier
             # admit
             del waiting[pos]
-            pod.waiting_tokens -= in_tokens[rid]
+            pod.waiting_tokens -= counted[rid]
             queued = waiting_adapters[a]
             queued.popleft()  # its oldest: an adapter's earlier requests were admitted or it would be skipped too
             if not queued:
@@ -1019,7 +1027,7 @@ class Simulator:
             self._front_key -= 1
             order[rid] = self._front_key
         _insert(pod.waiting, rid, order[rid], order)
-        pod.waiting_tokens += in_tokens
+        pod.waiting_tokens += self.counted_tokens[rid]
         queued = pod.waiting_adapters.get(a)
         if queued is None:
             pod.waiting_adapters[a] = deque((rid,))

@@ -139,6 +139,10 @@ class PickerRouter:
         self._prefix = (PickerPrefixSignal(scheduler.prefix, trace, lambda: self._now)
                         if scheduler.prefix is not None and trace.has_prefixes else None)  # fmt: skip
         self._last_request: SchedulingRequest | None = None
+        self._last_rid = -1
+        #: per request, the prompt tokens the picker counts in its pod's prefill queue (``Decision.prefill_tokens``:
+        #: less the prefix it expects the pod to hold, on prefix traces); the simulator's ``counted_tokens``
+        self.counted_tokens = array("i", trace.input_tokens)
         self._rng = np.random.default_rng(seed)
         self._kv = profile.kv_capacity_tokens
         self._inputs = trace.input_tokens
@@ -222,8 +226,8 @@ class PickerRouter:
         request = self._requests[trace.adapter[rid]]
         if self._prefix is not None:
             self._now = now
-            request = replace(request, prefix=self._prefix.request(rid))
-        self._last_request = request
+            request = replace(request, prefix=self._prefix.request(rid), prompt_tokens=self._inputs[rid])
+        self._last_request, self._last_rid = request, rid
         return self.scheduler.schedule(request, snapshot, self._rng)
 
     def _sent(self, decision: Decision) -> int:
@@ -231,6 +235,7 @@ class PickerRouter:
         prefix = self._last_request.prefix if self._last_request is not None else None
         if self._prefix is not None and prefix is not None:
             self._prefix.routed(prefix, decision.endpoints[0])
+            self.counted_tokens[self._last_rid] = decision.prefill_tokens
         return decision.indices[0]
 
     def _sync_in_flight(self, snapshot: PoolSnapshot, now: float, pods: list[Pod]) -> None:
@@ -241,7 +246,7 @@ class PickerRouter:
         if snapshot is not self._synced:
             self._synced, self._flights = snapshot, [self._in_flight(p) for p in pods]
             snapshot.set_in_flight(self._flights, [p.awaiting_first_token(now) for p in pods],
-                                   [p.awaiting_first_token_tokens(now, self._inputs) for p in pods])
+                                   [p.awaiting_first_token_tokens(now, self.counted_tokens) for p in pods])
             self._touched = [p.touched for p in pods]
             ends.clear()
             ends.extend((p.run_first_end, p.index) for p in pods if p.run_admitted and now < p.run_first_end)
@@ -270,7 +275,7 @@ class PickerRouter:
 
     def _set_prefilling(self, snapshot: PoolSnapshot, pod: Pod, now: float) -> None:
         snapshot.prefilling[pod.index] = pod.awaiting_first_token(now)
-        snapshot.prefill_tokens[pod.index] = pod.awaiting_first_token_tokens(now, self._inputs)
+        snapshot.prefill_tokens[pod.index] = pod.awaiting_first_token_tokens(now, self.counted_tokens)
 
     def _in_flight(self, pod: Pod) -> dict[str, int]:
         """``pod``'s requests running or waiting, per served name."""
@@ -450,6 +455,8 @@ class Policy:
     pod_profile: Profile | None = None
     #: reads the pods' metrics on its own clock (the peers' routers)
     scraper: Scraper | None = None
+    #: per request, the prompt tokens its router counts in a pod's prefill queue (``Simulator.counted_tokens``)
+    counted_tokens: Sequence[int] | None = None
 
 
 def build_policy(
@@ -483,6 +490,7 @@ def build_policy(
         return Policy(
             router, EngineEviction(LruPolicy() if vllm else KeepScorePolicy(), trace, profile), placement, admission,
             runtime_priorities(trace) if chart_pods else None, loraplane_pod_profile(profile) if chart_pods else None,
+            counted_tokens=router.counted_tokens,
         )
     eviction = EngineEviction(LruPolicy(), trace, profile)
     if name == ROUND_ROBIN:

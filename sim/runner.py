@@ -80,7 +80,7 @@ def simulate(
     built = build_policy(policy, seed, trace, profile, config, picker_config, flow_control, chart_pods)
     sim = Simulator(
         trace, config, built.pod_profile or profile, built.router, built.eviction, built.placement, progress=progress,
-        admission=built.admission, priority=built.priority, scraper=built.scraper,
+        admission=built.admission, priority=built.priority, scraper=built.scraper, counted_tokens=built.counted_tokens,
     )  # fmt: skip
     return sim.run()
 

@@ -145,9 +145,11 @@ def test_moving_to_the_endpoint_envoy_reports_moves_the_prefill_count_only_befor
     snapshot = PoolSnapshot([EndpointState(name=f"p{i}", address=a) for i, a in enumerate(ADDRESSES)])
     tracker.attach(snapshot)
     plugins = Lifecycle(PluginRuntime(tracker, lambda: 0.0))
-    first = InFlightRequest(SchedulingRequest("claims@v1", prompt_tokens=500), "acme", ADDRESSES[0])
+    # the chosen endpoint was expected to hold 200 of its 500 tokens; the one Envoy reports holds none of them
+    first = InFlightRequest(SchedulingRequest("claims@v1", prompt_tokens=500), "acme", ADDRESSES[0],
+                            prefill_tokens=300)
     plugins.pre_request(first)
-    assert snapshot.prefill_tokens.tolist() == [500, 0, 0]
+    assert snapshot.prefill_tokens.tolist() == [300, 0, 0]
     plugins.moved(first, ADDRESSES[1])  # before its response started: the prefill count moves with it
     assert snapshot.prefilling.tolist() == [0, 1, 0] and snapshot.in_flight.tolist() == [0, 1, 0]
     assert snapshot.prefill_tokens.tolist() == [0, 500, 0]

@@ -277,3 +277,26 @@ def test_a_prefix_hit_wins_over_a_shorter_first_token_queue_only_when_it_saves_m
     second = send(scheduler, lifecycle, _awaiting_first_token(pool(), (behind + 1, 1)), "claims@v17", D17, prompt)
     assert second == ("10.0.0.1:8000" if prefix_points > queue_points else "10.0.0.2:8000")
     assert (prefix_points > queue_points) == (repeats == 32 and behind == 2)  # the cases test both sides
+
+
+def test_the_prefill_queue_counts_only_the_prompt_the_chosen_pod_is_expected_to_hold() -> None:
+    # a turn of a conversation whose history its pod holds waits for the prefill of its new tokens only: counting
+    # its whole prompt made pods serving long conversations look busy and sent turns away from their history
+    ctx, state = make_context()
+    data = orjson.dumps({"model": "claims", "prompt": SYSTEM})
+    estimate = len(data) // 4
+    handlers = []
+    for _ in range(2):  # both stay in flight, before their first token
+        handler = ExtProcHandler(ctx)
+        handler.on_message(headers(REQUEST_HEADERS).SerializeToString())
+        handler.on_message(body(data).SerializeToString())
+        handlers.append(handler)
+    first, second = (h.exchange.director.destination for h in handlers)
+    assert first == second  # the second went to the prefix
+    held = len(SYSTEM.encode()) // 64 * 64 // 4  # the matched blocks (64 bytes, 4 bytes a token)
+    assert 0 < held < estimate
+    tokens = state.snapshot.prefill_tokens[state.snapshot.index_by_address[first]]
+    assert tokens == estimate + (estimate - held)
+    for handler in handlers:
+        handler.on_close()
+    assert state.snapshot.prefill_tokens.sum() == 0

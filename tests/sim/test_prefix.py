@@ -102,7 +102,8 @@ def run(trace: Trace, policy: str = "least-request", pods: int = 1, picker_confi
     profile = free_loads()
     config = SimConfig(pods=pods)
     built = build_policy(policy, 0, trace, profile, config, picker_config)
-    sim = Simulator(trace, config, profile, built.router, built.eviction, built.placement)
+    sim = Simulator(trace, config, profile, built.router, built.eviction, built.placement,
+                    counted_tokens=built.counted_tokens)
     sim.run()
     return sim
 
@@ -226,6 +227,16 @@ def test_loraplane_runs_the_pickers_prefix_scorer_on_its_own_routing(tmp_path: P
     assert with_scorer.router.scheduler.prefix is not None and without.router.scheduler.prefix is None
     assert sticky_share(trace, with_scorer) > sticky_share(trace, without) + 0.05
     assert prefix_hit_rate(with_scorer.result) > prefix_hit_rate(without.result)
+
+
+def test_loraplane_counts_a_turns_prefill_queue_without_the_history_it_expects_its_pod_to_hold() -> None:
+    # as the picker (``Decision.prefill_tokens``): the pods' first-token queues count what is left to prefill
+    rows = [(0.0, 0, 2000, 100, 0, 1000, 0), (60.0, 0, 2200, 10, 0, 1000, 0)]
+    sim = run(chat(rows, adapters=1), "loraplane", pods=2)
+    counted = list(sim.counted_tokens)
+    # the second turn's pod was sent the first turn's prompt (the picker never sees the answer): that much is held
+    assert counted == [2000, 2200 - 2000]
+    assert sim.result.pod[0] == sim.result.pod[1]
 
 
 def test_picker_prefix_signal_keys_by_adapter_and_expires_on_the_simulators_clock() -> None:
