@@ -877,54 +877,77 @@ class _Planner:
         return candidates
 
     def place_disk(self) -> None:
-        """Every demand on at least ``min_replicas`` pods where disk caches have room, on ``traffic_holders``
-        while every pod stages (a second holder for the picker when the first has no GPU slot free): fill up with the disk tier (an idle revision on the staging pods only; where it was before, else on
-        the pod holding the fewest). A revision no disk has room for is left to be fetched on its first request."""
+        """Every demand on at least ``min_replicas`` pods where disk caches have room, on ``traffic_holders`` while
+        every pod stages (a second holder for the picker when the first has no GPU slot free) and on more for its
+        share of the traffic (``spread_holders``): fill up with the disk tier (an idle revision on the staging pods
+        only; where it was before, else on the pod holding the fewest). Revisions with real demand first, then the
+        floor of every other revision (idle ones, then trickles), then their further holders: where the disks cannot
+        hold ``traffic_holders`` of every revision (a sweep of more than a thousand), a revision held nowhere waits
+        for a fetch on its first request while a missing further holder only spreads less. A revision no disk has
+        room for is left to be fetched on its first request."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
         every_pod_stages = len(self.staging) == len(self.pool.caps)
         # every pod by (revisions held, name), kept in order as revisions are placed: the candidates of a revision
         # are the first that qualify, found without sorting the pool for each of (10,000) revisions
         order = sorted((n, pod) for pod, n in counts.items())
-        caps = self.pool.caps
-        gpu_room = self.pool.roomy[Tier.GPU]
+        later = []
         for e in sorted(self.entries.values(), key=self.disk_order):
-            placed = self.tiers(e)
-            wanted = spread = e.demand.min_replicas
-            if wanted > 0 and every_pod_stages and (e.rate > 0 or not e.demand.required):  # not a rollout's
-                wanted = max(wanted, self.config.traffic_holders)
-                spread = self.spread_holders(e)
-            missing = wanted - len(placed)
-            # holders beyond ``wanted`` for its share of the traffic, on pods the plan leaves GPU slots free
-            extra = spread - max(wanted, len(placed))
-            if missing <= 0 and extra <= 0:
-                continue
-            previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)))
-            hosts = self.hosts(e)  # an idle revision waits on the staging pods only: elsewhere it draws a sweep there
-            allowed, size = e.demand.eligible, e.demand.bytes
-
-            def eligible(p: str, placed: dict[str, Tier] = placed, hosts: Collection[str] = hosts,
-                         allowed: Collection[str] | None = allowed) -> bool:
-                return p in caps and p not in placed and p in hosts and (allowed is None or p in allowed)
-
-            def room(p: str, size: int = size, eligible: Callable[[str], bool] = eligible) -> bool:
-                return eligible(p) and self.pool.fits(p, Tier.DISK, size)
-
-            candidates = self.disk_candidates(order, counts, previous, missing, room)
-            if extra > 0:
-                taken = {p for _, p in candidates}
-
-                def spare(p: str, taken: Collection[str] = taken, room: Callable[[str], bool] = room) -> bool:
-                    return p in gpu_room and p not in taken and room(p)
-
-                candidates += self.disk_candidates(order, counts, previous, extra, spare)
-            for n, pod in candidates:
-                self.pool.put(pod, e.demand.served_name, Tier.DISK, size)
-                del order[bisect.bisect_left(order, (n, pod))]
-                bisect.insort(order, (n + 1, pod))
-                counts[pod] = n + 1
-            if not placed and not candidates:  # held nowhere: that is the reason to give, over any earlier note
-                self.notes[e.demand.served_name] = ("no disk room" if any(eligible(p) for p in caps)
+            floor = e.demand.min_replicas
+            wanted, spread = floor, 0
+            if floor > 0 and every_pod_stages and (e.rate > 0 or not e.demand.required):  # not a rollout's
+                if self.is_floor(e):
+                    later.append(e)
+                else:
+                    wanted, spread = max(floor, self.config.traffic_holders), self.spread_holders(e)
+            if floor and not self.hold_on_disk(e, wanted, spread, order, counts):
+                # held nowhere: that is the reason to give, over any earlier note
+                eligible = self.disk_eligible(e, ())
+                self.notes[e.demand.served_name] = ("no disk room" if any(map(eligible, self.pool.caps))
                                                     else "no eligible pod")
+        for e in later:
+            self.hold_on_disk(e, max(e.demand.min_replicas, self.config.traffic_holders), self.spread_holders(e),
+                              order, counts)
+
+    def disk_eligible(self, e: _Entry, placed: Collection[str]) -> Callable[[str], bool]:
+        """Whether a pod may hold ``e`` on disk besides those in ``placed`` (room aside)."""
+        caps, hosts, allowed = self.pool.caps, self.hosts(e), e.demand.eligible  # an idle revision: staging pods only
+
+        def eligible(p: str) -> bool:
+            return p in caps and p not in placed and p in hosts and (allowed is None or p in allowed)
+
+        return eligible
+
+    def hold_on_disk(self, e: _Entry, wanted: int, spread: int, order: list[tuple[int, str]],
+                     counts: dict[str, int]) -> dict[str, Tier]:
+        """``e`` on ``wanted`` pods at least (on disk where it is held nowhere warmer), and on ``spread`` where the
+        further ones have GPU slots free; ``order`` and ``counts`` follow what is placed. Returns its holders."""
+        placed = self.tiers(e)
+        missing = wanted - len(placed)
+        # holders beyond ``wanted`` for its share of the traffic, on pods the plan leaves GPU slots free
+        extra = spread - max(wanted, len(placed))
+        if missing <= 0 and extra <= 0:
+            return placed
+        previous = set(self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)))
+        eligible, size, fits = self.disk_eligible(e, placed), e.demand.bytes, self.pool.fits
+
+        def room(p: str) -> bool:
+            return eligible(p) and fits(p, Tier.DISK, size)
+
+        candidates = self.disk_candidates(order, counts, previous, missing, room)
+        if extra > 0:
+            taken, gpu_room = {p for _, p in candidates}, self.pool.roomy[Tier.GPU]
+
+            def spare(p: str) -> bool:
+                return p in gpu_room and p not in taken and room(p)
+
+            candidates += self.disk_candidates(order, counts, previous, extra, spare)
+        for n, pod in candidates:
+            self.pool.put(pod, e.demand.served_name, Tier.DISK, size)
+            placed[pod] = Tier.DISK
+            del order[bisect.bisect_left(order, (n, pod))]
+            bisect.insort(order, (n + 1, pod))
+            counts[pod] = n + 1
+        return placed
 
     def run(self) -> Placement:
         self.place_required()

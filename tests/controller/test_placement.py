@@ -630,6 +630,22 @@ def test_a_revision_is_held_on_traffic_holders_pods() -> None:
     assert all(len(h) <= 2 for h in held.pods.values())
 
 
+def test_every_revision_gets_its_floor_before_any_gets_further_holders() -> None:
+    """A sweep of more revisions than the disks hold ``traffic_holders`` copies of: each is held somewhere (else its
+    first requests wait for a fetch, longer than their deadline), the room left spreads the first ones further."""
+    pods = [dataclasses.replace(p, disk_bytes=50 * MB) for p in _pods(4, gpu=1, cpu=1)]  # 20 copies of 10 MB
+    busy = _demand("busy@v1", 1.0)
+    sweep = [_demand(f"sweep-{i:02d}@v1") for i in range(14)]
+    plan = place(pods, [busy, *sweep])
+    assert len(plan.tiers_of("busy@v1")) == 3  # real demand first, on traffic_holders pods
+    holders = [len(plan.tiers_of(d.served_name)) for d in sweep]
+    assert min(holders) == 1 and sum(holders) == 20 - 3  # every one held, the rest of the room spread
+    assert holders == sorted(holders, reverse=True)  # further holders in the disk order
+    assert "no disk room" not in plan.notes.values()
+    # with room for all, every one on traffic_holders pods
+    assert {len(place(_pods(4, gpu=1, cpu=1), [busy, *sweep]).tiers_of(d.served_name)) for d in sweep} == {3}
+
+
 def test_a_busy_revision_gets_holders_for_its_share_of_the_traffic_on_pods_with_free_gpu_slots() -> None:
     """Twelve pods with four GPU slots (one kept for bursts); one revision at 3 req/s, 21 at 1 and 40 trickles at
     0.1 (more revisions with traffic than GPU slots): the busy one has 3/28 of the traffic, ``ceil(8 x 3/28 x 12)`` =
