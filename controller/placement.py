@@ -880,22 +880,25 @@ class _Planner:
         """Every demand on at least ``min_replicas`` pods where disk caches have room, on ``traffic_holders`` while
         every pod stages (a second holder for the picker when the first has no GPU slot free) and on more for its
         share of the traffic (``spread_holders``): fill up with the disk tier (an idle revision on the staging pods
-        only; where it was before, else on the pod holding the fewest). Revisions with real demand first, then the
-        floor of every other revision (idle ones, then trickles), then their further holders: where the disks cannot
-        hold ``traffic_holders`` of every revision (a sweep of more than a thousand), a revision held nowhere waits
-        for a fetch on its first request while a missing further holder only spreads less. A revision no disk has
-        room for is left to be fetched on its first request."""
+        only; where it was before, else on the pod holding the fewest): revisions with real demand first, then idle
+        ones (a sweep yet to come), then trickles. Where the disks cannot hold ``traffic_holders`` of every revision
+        (``disks_hold_holders``: a sweep of more than a thousand), every idle revision's and trickle's floor comes
+        before any of their further holders: a revision held nowhere waits for a fetch on its first request, a
+        missing further holder only spreads less. A revision no disk has room for is left to be fetched on its first
+        request."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
         every_pod_stages = len(self.staging) == len(self.pool.caps)
         # every pod by (revisions held, name), kept in order as revisions are placed: the candidates of a revision
         # are the first that qualify, found without sorting the pool for each of (10,000) revisions
         order = sorted((n, pod) for pod, n in counts.items())
+        entries = sorted(self.entries.values(), key=self.disk_order)
+        defer = every_pod_stages and not self.disks_hold_holders(entries)
         later = []
-        for e in sorted(self.entries.values(), key=self.disk_order):
+        for e in entries:
             floor = e.demand.min_replicas
             wanted, spread = floor, 0
             if floor > 0 and every_pod_stages and (e.rate > 0 or not e.demand.required):  # not a rollout's
-                if self.is_floor(e):
+                if defer and self.is_floor(e):
                     later.append(e)
                 else:
                     wanted, spread = max(floor, self.config.traffic_holders), self.spread_holders(e)
@@ -907,6 +910,18 @@ class _Planner:
         for e in later:
             self.hold_on_disk(e, max(e.demand.min_replicas, self.config.traffic_holders), self.spread_holders(e),
                               order, counts)
+
+    def disks_hold_holders(self, entries: Iterable[_Entry]) -> bool:
+        """Whether the pool's free disk bytes hold ``traffic_holders`` copies of every revision (as far as it is not
+        held already): then each gets them in one go, in the disk order, as it always did."""
+        caps, used = self.pool.caps, self.pool.disk_used
+        if any(cap.disk_bytes is None for cap in caps.values()):
+            return True
+        free = sum(max(0, (cap.disk_bytes or 0) - used[pod]) for pod, cap in caps.items())
+        holders, where = self.config.traffic_holders, self.pool.where
+        need = sum(max(0, max(holders, e.demand.min_replicas) - len(where.get(e.demand.served_name, ())))
+                   * e.demand.bytes for e in entries if e.demand.min_replicas)
+        return need <= free
 
     def disk_eligible(self, e: _Entry, placed: Collection[str]) -> Callable[[str], bool]:
         """Whether a pod may hold ``e`` on disk besides those in ``placed`` (room aside)."""
