@@ -29,6 +29,7 @@ from loraplane.api import (
     WeightedRevision,
     keys,
 )
+from loraplane.api.headers import DROPPED_REASON_HEADER
 from loraplane.picker.envoy import UPSTREAM_HEADER, ExtProcModes
 
 pytestmark = pytest.mark.slow
@@ -114,21 +115,25 @@ def test_sse_is_streamed_through_with_the_model_rewritten_back(setup: Setup) -> 
 
 
 @pytest.mark.parametrize(
-    ("body", "path", "status", "code"),
-    [(b'{"model": "unknown", "prompt": "p"}', "/v1/completions", 404, "NotFound"),
-     (b"{broken", "/v1/completions", 400, "BadRequest"),
-     (b'{"prompt": "no model"}', "/v1/completions", 400, "BadRequest"),
-     (b'{"model": "claims"}', "/v1/completions", 400, "BadRequest"),  # a completion needs a prompt
-     (b'{"model": "claims", "messages": []}', "/v1/chat/completions", 400, "BadRequest"),
+    ("body", "path", "status", "code", "reason"),
+    [(b'{"model": "unknown", "prompt": "p"}', "/v1/completions", 404, "NotFound", "model-not-found"),
+     (b"{broken", "/v1/completions", 400, "BadRequest", "bad-request"),
+     (b'{"prompt": "no model"}', "/v1/completions", 400, "BadRequest", "bad-request"),
+     (b'{"model": "claims"}', "/v1/completions", 400, "BadRequest", "bad-request"),  # a completion needs a prompt
+     (b'{"model": "claims", "messages": []}', "/v1/chat/completions", 400, "BadRequest", "bad-request"),
      # llm-d-router v0.10's parser: a message's role must be a string; an image generation needs a prompt
-     (b'{"model": "claims", "messages": [{"role": 1, "content": "hi"}]}', "/v1/chat/completions", 400, "BadRequest"),
-     (b'{"model": "claims", "n": 1}', "/v1/images/generations", 400, "BadRequest"),
-     (json.dumps({"model": "claims", "prompt": "y" * (MAX_BODY + 1)}).encode(), "/v1/completions", 413, "PayloadTooLarge")],
+     (b'{"model": "claims", "messages": [{"role": 1, "content": "hi"}]}', "/v1/chat/completions", 400, "BadRequest",
+      "bad-request"),
+     (b'{"model": "claims", "n": 1}', "/v1/images/generations", 400, "BadRequest", "bad-request"),
+     (json.dumps({"model": "claims", "prompt": "y" * (MAX_BODY + 1)}).encode(), "/v1/completions", 413,
+      "PayloadTooLarge", "body-too-large")],
 )
-def test_client_errors_come_back_as_http_statuses(setup: Setup, body: bytes, path: str, status: int, code: str) -> None:
+def test_client_errors_come_back_as_http_statuses(setup: Setup, body: bytes, path: str, status: int, code: str,
+                                                  reason: str) -> None:
     response = setup.post(body, path)
     assert response.status_code == status
     assert response.text.startswith(f"inference error: {code} - ")
+    assert response.headers[DROPPED_REASON_HEADER] == reason  # every refusal says why, through Envoy too
 
 
 def test_subset_hints_through_envoy_metadata(setup: Setup) -> None:
@@ -145,6 +150,7 @@ def test_subset_hints_through_envoy_metadata(setup: Setup) -> None:
         refused = setup.post(body, subset=hint)
         assert refused.status_code == 503, (hint, refused.text)
         assert refused.text.startswith("inference error: ServiceUnavailable - ")
+        assert refused.headers[DROPPED_REASON_HEADER] == "rejected-no-endpoints"
 
 
 def _picker_gauges(setup: Setup) -> tuple[float, float]:
