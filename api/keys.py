@@ -85,11 +85,6 @@ def request_rates(pool: str, replica: str) -> str:
     return f"{_pool(pool)}:rates:{_pod(replica)}"
 
 
-def request_rates_pattern(pool: str) -> str:
-    """A SCAN pattern matching every picker replica's rates key in the pool."""
-    return f"{_pool(pool)}:rates:*"
-
-
 def picker_counters(pool: str, replica: str) -> str:
     """One picker replica's ``PickerCounters``."""
     return f"{_pool(pool)}:counters:{_pod(replica)}"

@@ -147,11 +147,6 @@ def load_service(service: str) -> ServiceTrace:
     return ServiceTrace(service, *arrays)
 
 
-def trace_length(name: str) -> int:
-    """The requests of the whole timeline of Azure scenario ``name``."""
-    return sum(len(load_service(s)) for s in _services(name))
-
-
 def _services(name: str) -> tuple[str, ...]:
     if name not in SCENARIO_SERVICES:
         raise TraceError(f"unknown Azure scenario {name!r}; choose from {', '.join(SCENARIO_SERVICES)}")
