@@ -308,3 +308,78 @@ def test_a_kept_adapter_vllm_no_longer_has_does_not_fail_the_load(tmp_path: Path
             await driver.close()
 
     asyncio.run(run())
+
+
+#: the residency series (vLLM's open PR stack, or loraplane's plugin) a vLLM without them does not export
+RESIDENCY_SERIES = ("vllm:lora_adapter_", "vllm:num_gpu_loaded_lora_adapters", "vllm:num_cpu_loaded_lora_adapters",
+                    "vllm:max_gpu_lora_adapters", "loraplane_vllm_")
+
+
+class StockVllm(EmulatedVllm):
+    """The emulated vLLM less every residency series on its /metrics: vLLM 0.32 as released, or with loraplane's
+    plugin and ``LORAPLANE_VLLM_RESIDENCY=0``."""
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> RuntimeResponse:
+        answer = await super()._request(method, path, body)
+        if path != "/metrics":
+            return answer
+        kept = [line for line in answer.text.splitlines()
+                if not any(name in line.split("{")[0] for name in RESIDENCY_SERIES)]
+        return RuntimeResponse(answer.status_code, "\n".join(kept).encode())
+
+
+async def test_without_residency_series_the_report_says_lru_model_and_inferred(tmp_path: Path, redis_srv) -> None:
+    """The sidecar prefers vLLM's residency series and falls back to its LRU model only when /metrics has none: the
+    published report says which (``residency_source`` lru-model and ``residency_inferred``, else vllm-metrics and
+    not inferred), and the fallback's tiers are the model's."""
+    import redis.asyncio as aioredis
+
+    from loraplane.api import ResidencyReport, ResidencySource, keys
+    from loraplane.sidecar.bus import RedisBus
+    from loraplane.sidecar.service import Sidecar, SidecarConfig
+    from tests.emulator.conftest import emulator
+    from tests.sidecar.adapters import sha256_of, target_for, write_weights
+    from tests.sidecar.test_reconcile import INFO, make_reconciler
+
+    client = aioredis.Redis.from_url(redis_srv.url)
+    names = ("hot@v1", "warm@v1")
+
+    async def published(driver_type: type[EmulatedVllm], pod: str) -> ResidencyReport:
+        (tmp_path / pod / "artifacts").mkdir(parents=True)
+        weights = {name: write_weights(tmp_path / pod / "artifacts" / f"{name}.safetensors", seed=i)
+                   for i, name in enumerate(("hot", "warm"))}
+        hot = target_for(f"file://{weights['hot']}", sha256_of(weights["hot"]), adapter="hot", tier=Tier.GPU)
+        warm = target_for(f"file://{weights['warm']}", sha256_of(weights["warm"]), adapter="warm", tier=Tier.CPU)
+        assert (hot.served_name, warm.served_name) == names
+        async with emulator(tmp_path / pod, EngineConfig(max_loras=2, max_cpu_loras=4), shapes=None) as emu:
+            r = make_reconciler(tmp_path / pod, runtime="vllm")
+            driver = r.driver = driver_type(emu, INFO)
+            bus = RedisBus(redis_srv.url, "pool-a", pod)
+            sidecar = Sidecar(SidecarConfig("pool-a", pod, "10.0.0.1:8000", "vllm"), r, bus)
+            target = TargetState(pool="pool-a", pod=pod, generation=1, adapters=[hot, warm], updated_at=0.0)
+            await client.set(keys.target_state("pool-a", pod), target.to_json())
+            try:
+                for _ in range(30):
+                    await sidecar.run_once()
+                    if not r.busy() and set(emu.engine.registered) == set(names):
+                        break
+                    await r.drain()
+                await sidecar.run_once()
+                stored = ResidencyReport.from_json(await client.get(keys.residency_report("pool-a", pod)))
+                rows = stored.by_name()
+                assert all(rows[name].registered for name in names), rows
+                assert {n: row.tier for n, row in rows.items()} == {n: driver.cache.tier(n) for n in rows}
+                return stored
+            finally:
+                await r.cancel()
+                await driver.close()
+                await bus.close()
+
+    try:
+        exact = await published(EmulatedVllm, "pod-exact")
+        assert exact.residency_source is ResidencySource.VLLM_METRICS and not exact.residency_inferred
+        inferred = await published(StockVllm, "pod-stock")
+        assert inferred.residency_source is ResidencySource.LRU_MODEL and inferred.residency_inferred
+        assert inferred.by_name()["hot@v1"].tier is Tier.GPU  # the model's: hot's load took a GPU slot
+    finally:
+        await client.aclose()
