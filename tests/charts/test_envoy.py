@@ -21,6 +21,9 @@ from e2e.fixtures.processes import ManagedProcess, free_port, wait_for_port
 from tests.charts.conftest import ModelServerStandIn, RenderFn, model_server_stand_in, name_of
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+#: the runtimes' adapter admin endpoints: vLLM's own and the pin, unpin and offload routes of loraplane's vLLM plugin
+ADMIN_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/loraplane/pin_lora_adapter",
+               "/v1/loraplane/unpin_lora_adapter", "/v1/loraplane/offload_lora_adapter")
 
 
 def envoy_command(render: RenderFn, values: dict[str, Any], envoy_bin: str, config_path: Path) -> list[str]:
@@ -178,8 +181,9 @@ def test_live_envoy_routes_only_inference_paths_and_ignores_a_client_destination
         try:
             ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10)
             assert ready.status_code == 200, f"{failure_mode}: readiness must not depend on the picker"
-            admin = _completion(port, "/v1/load_lora_adapter", spoofed)
-            assert admin.status_code == 404, failure_mode
+            for path in ADMIN_PATHS:
+                admin = _completion(port, path, spoofed)
+                assert (admin.status_code, admin.text) == (404, "not an inference path\n"), (failure_mode, path)
             completion = _completion(port, "/v1/completions", spoofed)
             assert completion.status_code >= 500, (failure_mode, completion.status_code, completion.text)
         finally:

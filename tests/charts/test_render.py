@@ -493,6 +493,7 @@ def test_picker_config_and_pool_settings_come_from_values(render: RenderFn) -> N
     ({"modelServer": {"lora": {"maxLoras": 8, "maxCpuLoras": 4, "maxLoraRank": 16}}}, "maxCpuLoras must be >="),
     ({"modelServer": {"lora": {"maxLoras": 1, "maxCpuLoras": 4, "maxLoraRank": 24}}}, "maxLoraRank"),
     ({"inferencePaths": ["/v1/completions", "/v1/load_lora_adapter"]}, "adapter admin endpoints"),
+    ({"inferencePaths": ["/v1/completions", "/v1/loraplane/pin_lora_adapter"]}, "adapter admin endpoints"),
     ({"gateway": {"mode": "httproute", "clientPeers": [GATEWAY_PEER]}}, "parentRefs must name"),
     ({"gateway": {"mode": "none"}}, "set gateway.clientPeers"),
     ({"redis": {"bundled": False}}, "redis.external.url (or redis.external.sentinel.addresses) is required"),
@@ -506,8 +507,8 @@ def test_picker_config_and_pool_settings_come_from_values(render: RenderFn) -> N
     ({"pool": {"failureMode": "Sometimes"}}, "pool/failureMode"),
     ({"replicas": 3}, "additional properties 'replicas' not allowed"),
     ({"modelServer": {"lora": {"maxLora": 2}}}, "additional properties 'maxLora' not allowed"),
-], ids=["runtime", "vllm-model", "cpu-loras", "rank", "admin-path", "parent-refs", "peers", "redis-url",
-        "redis-password-in-url", "sentinel-service", "url-and-sentinel", "sentinel-credentials", "failure-mode",
+], ids=["runtime", "vllm-model", "cpu-loras", "rank", "admin-path", "plugin-admin-path", "parent-refs", "peers",
+        "redis-url", "redis-password-in-url", "sentinel-service", "url-and-sentinel", "sentinel-credentials", "failure-mode",
         "typo", "nested-typo"])
 def test_bad_values_fail_with_a_clear_message(helm_bin: str, tmp_path: Path, values: dict[str, Any],
                                               message: str) -> None:
