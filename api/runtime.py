@@ -286,6 +286,11 @@ class PodLoad(PayloadModel):
     )
 
 
+#: The longest TTL a reader counts a report with (the picker's ``--max-report-ttl-seconds``, the controller): a
+#: sidecar asking for more (a typo, or one that wants to look alive for long) is aged as if it had asked for this.
+MAX_REPORT_TTL_S = 60.0
+
+
 class ResidencyReport(PayloadModel):
     """A pod's heartbeat: what is warm where, and how loaded it is. Written only by that pod's sidecar."""
 
@@ -327,9 +332,10 @@ class ResidencyReport(PayloadModel):
     adapters: list[AdapterResidency] = Field(default_factory=list)
     load: PodLoad = Field(default_factory=PodLoad)
 
-    def is_stale(self, now: float) -> bool:
-        """True when the report is older than its TTL: treat the pod as unknown, not as truth."""
-        return now - self.heartbeat_at > self.ttl_seconds
+    def is_stale(self, now: float, max_ttl_s: float = MAX_REPORT_TTL_S) -> bool:
+        """True when the report is older than its TTL (up to ``max_ttl_s``): treat the pod as unknown, not as truth.
+        ``now`` and ``heartbeat_at`` must be one clock's: readers age a report by when they received it."""
+        return now - self.heartbeat_at > min(self.ttl_seconds, max_ttl_s)
 
     def by_name(self) -> dict[str, AdapterResidency]:
         """The adapters keyed by served name."""

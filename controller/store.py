@@ -102,32 +102,37 @@ class _ReadCache:
     """One pool's payloads as last read: each parsed again only when its bytes change."""
 
     def __init__(self) -> None:
-        #: pod -> (its report's bytes without the heartbeat, the parsed report, what planning reads of it)
-        self.reports: dict[str, tuple[bytes, ResidencyReport, dict[str, Any]]] = {}
+        #: pod -> (its report's bytes without the heartbeat, the report as read, what planning reads of it, the
+        #: heartbeat its sidecar wrote)
+        self.reports: dict[str, tuple[bytes, ResidencyReport, dict[str, Any], float]] = {}
         self.versions: dict[str, int] = {}
         self.payloads: dict[tuple[str, str], tuple[bytes, Any]] = {}
         self._combined: tuple[tuple[int, ...], RequestRates | None] | None = None
 
-    def report(self, pod: str, raw: bytes | str | None) -> ResidencyReport | None:
+    def report(self, pod: str, raw: bytes | str | None, now: float) -> ResidencyReport | None:
+        """``pod``'s report with ``heartbeat_at`` the time this controller first read its heartbeat (``now`` when the
+        sidecar wrote a new one): reports are aged by the controller's clock, never the sidecar's."""
         if raw is None:
             return None
         data = raw.encode() if isinstance(raw, str) else raw
         rest, heartbeat = _without_heartbeat(data)
         hit = self.reports.get(pod)
         if hit is not None and heartbeat is not None and hit[0] == rest:
-            report = hit[1]
-            if report.heartbeat_at != heartbeat:
-                report = report.model_copy(update={"heartbeat_at": heartbeat})
-                self.reports[pod] = (rest, report, hit[2])
+            if hit[3] == heartbeat:
+                return hit[1]
+            report = hit[1].model_copy(update={"heartbeat_at": now})
+            self.reports[pod] = (rest, report, hit[2], heartbeat)
             return report
         parsed = read_payload_or_none(ResidencyReport, data, log)
         if parsed is None:
             return None
-        report = parsed
+        sent = parsed.heartbeat_at
+        received = hit[1].heartbeat_at if hit is not None and hit[3] == sent else now
+        report = parsed.model_copy(update={"heartbeat_at": received})
         view = report.model_dump(exclude=_DYNAMIC)
         if hit is None or hit[2] != view:
             self.versions[pod] = self.versions.get(pod, 0) + 1
-        self.reports[pod] = (rest if heartbeat is not None else b"", report, view)
+        self.reports[pod] = (rest if heartbeat is not None else b"", report, view, sent)
         return report
 
     def payload(self, model: type[Any], key: tuple[str, str], raw: bytes | str | None) -> Any:
@@ -225,8 +230,9 @@ class RedisStore:
         self._thorough_at: dict[str, float] = {}
 
     async def read(self, pool: str) -> PoolReadings:
-        """Every report (stale ones included; the caller filters), the rates summed over every picker replica and
-        every replica's counters. The replicas are those with a counters key; each writes its rates with them.
+        """Every report (stale ones included; the caller filters), each with ``heartbeat_at`` when this controller
+        received it (its own clock: a sidecar's clock that runs ahead or behind ages nothing), the rates summed over
+        every picker replica and every replica's counters. The replicas are those with a counters key; each writes its rates with them.
 
         A payload is parsed only when its bytes changed since the last read (a report whose only change is its
         heartbeat is not parsed again), and ``report_versions`` counts, per pod, the changes of what planning reads
@@ -243,7 +249,8 @@ class RedisStore:
             pipe.mget(counter_keys or [keys.picker_counters(pool, "none")])
             raw_reports, raw_rates, raw_counters = await pipe.execute()
         cache = self._parsed.setdefault(pool, _ReadCache())
-        reports = [cache.report(pod, raw) for pod, raw in zip(pods or ["none"], raw_reports, strict=True)]
+        now = self.clock()
+        reports = [cache.report(pod, raw, now) for pod, raw in zip(pods or ["none"], raw_reports, strict=True)]
         rates = [cache.payload(RequestRates, ("rates", r), raw) for r, raw in zip(replicas or ["none"], raw_rates,
                                                                                     strict=True)]
         counters = [cache.payload(PickerCounters, ("counters", k), raw)

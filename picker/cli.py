@@ -13,13 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loraplane.api import validation
+from loraplane.api.runtime import MAX_REPORT_TTL_S
 from loraplane.helptext import HelpFormatter
 from loraplane.picker.director import PickerSettings
 from loraplane.picker.extproc import BUFFERED, FULL_DUPLEX, STREAMED
 from loraplane.picker.peers import PEER_PREFIX, peer_configs
 from loraplane.picker.replicas import SHARE_PERIOD_S
 from loraplane.picker.server import ServerOptions, serve
-from loraplane.picker.state import FORGET_S, MAX_REPORT_TTL_S
+from loraplane.picker.state import FORGET_S
 from loraplane.picker.transport import TransportLimits
 
 BODY_MODES = {"buffered": BUFFERED, "streamed": STREAMED, "full-duplex-streamed": FULL_DUPLEX}

@@ -21,6 +21,7 @@ from kubernetes import client as k8s
 from prometheus_client import start_http_server
 
 from loraplane.api import validation
+from loraplane.api.runtime import MAX_REPORT_TTL_S
 from loraplane.credentials import async_redis
 from loraplane.picker.director import PickerContext, PickerSettings
 from loraplane.picker.discovery import PoolDiscovery
@@ -30,7 +31,7 @@ from loraplane.picker.replicas import SHARE_PERIOD_S, InFlightShare
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.scrape import MetricsScraper, ScrapedPool
 from loraplane.picker.snapshot import InFlightTracker
-from loraplane.picker.state import FORGET_S, MAX_REPORT_TTL_S, PoolState, RedisSync
+from loraplane.picker.state import FORGET_S, PoolState, RedisSync
 from loraplane.picker.telemetry import NoRequestStats, PickerMetrics, RequestStats
 from loraplane.picker.transport import FrameLayer, GrpcStatusError, Routes, TransportLimits, start_server
 from loraplane.waits import sleep_or_stop

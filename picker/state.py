@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from loraplane.api import ResidencyReport, RouteTable, keys, read_payload_or_none, validation
 from loraplane.api.routedeltas import read_route_table
 from loraplane.api.routing import supersedes
+from loraplane.api.runtime import MAX_REPORT_TTL_S
 from loraplane.picker.body import ClientError
 from loraplane.picker.prefix import PreciseIndex
 from loraplane.picker.routes import Resolution, RouteResolver
@@ -49,9 +50,6 @@ class NotLoadedResolver(RouteResolver):
         raise ClientError(503, "the picker has not read the pool's route table yet", "not-ready")
 
 
-#: The longest TTL a report counts with (``--max-report-ttl-seconds``): a sidecar asking for more (a typo, or one
-#: that wants to look alive for long) is aged as if it had asked for this.
-MAX_REPORT_TTL_S = 60.0
 #: How long a member whose reports stopped stays in the pool (``--forget-seconds``), once another member is fresh.
 FORGET_S = 300.0
 

@@ -183,7 +183,8 @@ def test_rates_moved_counts_revisions_appearing_and_going_quiet() -> None:
 
 async def test_reads_parse_a_report_again_only_when_planning_would_see_a_change(redis_srv: RedisServer) -> None:
     client = aioredis.Redis.from_url(redis_srv.url)
-    store = RedisStore(client, time.time)
+    now = [1000.0]
+    store = RedisStore(client, lambda: now[0])
     report = bench._reports(1, None, 4, 8)[0]
     await client.sadd(keys.residency_index(bench.POOL), report.pod)
 
@@ -193,8 +194,9 @@ async def test_reads_parse_a_report_again_only_when_planning_would_see_a_change(
         return readings.reports[0], readings.report_versions[r.pod]
 
     _, version = await publish(report)
+    now[0] += 5
     beat, beat_version = await publish(report.model_copy(update={"heartbeat_at": report.heartbeat_at + 5}))
-    assert beat_version == version and beat.heartbeat_at == report.heartbeat_at + 5
+    assert beat_version == version and beat.heartbeat_at == now[0]  # received now, on the controller's clock
     busy = report.model_copy(update={"load": report.load.model_copy(update={"running": 9, "queue_depth": 3})})
     parsed, busy_version = await publish(busy)
     assert busy_version == version and parsed.load.running == 9  # parsed again, but planning reads no load figure
