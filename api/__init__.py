@@ -65,6 +65,7 @@ from loraplane.api.routing import (
     RevisionRole,
     RouteEntry,
     RouteTable,
+    StatusRecord,
     WeightedRevision,
 )
 from loraplane.api.runtime import (
@@ -151,6 +152,7 @@ __all__ = [
     "Rollout",
     "RouteEntry",
     "RouteTable",
+    "StatusRecord",
     "TargetRef",
     "TargetSpec",
     "TargetState",

@@ -73,6 +73,18 @@ def route_delta(pool: str, generation: int) -> str:
     return f"{_pool(pool)}:routes:delta:{generation}"
 
 
+def revision_status(pool: str, namespace: str, name: str) -> str:
+    """The ``StatusRecord`` of one AdapterRevision (written by the controller before the status itself)."""
+    if not v.matches(v.DNS1123_LABEL, namespace) or not v.matches(v.DNS1123_SUBDOMAIN, name):
+        raise ValueError(f"revision {namespace!r}/{name!r} is not a Kubernetes namespace and name")
+    return f"{_pool(pool)}:status:{namespace}/{name}"
+
+
+def revision_status_pattern(pool: str) -> str:
+    """A SCAN pattern (and ACL key pattern) matching every revision's status record in the pool."""
+    return f"{_pool(pool)}:status:*"
+
+
 def route_keys_pattern(pool: str) -> str:
     """A pattern matching the route table, its head and its deltas (the controller's ACL write pattern)."""
     return f"{_pool(pool)}:routes*"

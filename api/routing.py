@@ -8,7 +8,7 @@ from typing import Literal, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
-from loraplane.api.adapterrevision import DnsLabel
+from loraplane.api.adapterrevision import AdapterRevisionStatus, DnsLabel
 from loraplane.api.base import PayloadModel
 from loraplane.api.runtime import SCHEMA_VERSION
 
@@ -169,3 +169,17 @@ class PickerInFlight(PayloadModel):
     replica: str
     published_at: float
     endpoints: dict[str, EndpointInFlight] = Field(default_factory=dict, description="by endpoint address")
+
+
+class StatusRecord(PayloadModel):
+    """The status the controller last wrote to one AdapterRevision (``keys.revision_status``), written just before
+    the status itself. Only the controller writes it (Redis ACL), while a status subresource may be patched by anyone
+    with RBAC on it: a replica that becomes leader acts on this record, not on an object's status someone else
+    patched (a forged ``phase: Stable`` during a canary)."""
+
+    schema_version: int = SCHEMA_VERSION
+    pool: str
+    namespace: str
+    name: str
+    uid: str = Field(description="the object's metadata.uid: a record of an object deleted and made again is not its")
+    status: AdapterRevisionStatus

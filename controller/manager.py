@@ -31,7 +31,7 @@ from typing import Any
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from loraplane.api import AdapterRevision, AdapterRevisionStatus
+from loraplane.api import AdapterRevision, AdapterRevisionStatus, StatusRecord
 from loraplane.controller.incremental import (
     DEFAULT_FULL_PLAN_SECONDS,
     DEFAULT_HYSTERESIS,
@@ -156,8 +156,11 @@ class Controller:
         #: pool -> its terminal error (not retried by the resync; any change of its objects clears it)
         self.terminal: dict[str, TerminalError] = {}
         #: revision -> (uid, the status this replica last wrote or confirmed): the status the state machine goes on
-        #: from. One found changed by someone else is not trusted (see ``_trusted``); forgotten on losing the lead.
+        #: from. One found changed by someone else is not trusted (see ``_trusted``). Each is recorded in Redis too
+        #: (``StatusRecord``, before the status is written), where a replica that becomes leader reads it back.
         self.written: dict[Key, tuple[str, AdapterRevisionStatus]] = {}
+        #: pools whose status records this replica read back since it became leader
+        self._records_read: set[str] = set()
         #: completed pool reconciles (for tests and metrics)
         self.reconciles = 0
         self.planner = IncrementalPlanner(config.rate_hysteresis, config.full_plan_seconds, monotonic)
@@ -326,7 +329,8 @@ class Controller:
         if leader and not self._was_leader:
             self.store.targets.clear()  # another replica may have written meanwhile: read back from Redis
             self.store.routes.clear()
-            self.written.clear()  # ... and the statuses: the last leader's are the record now
+            self.written.clear()  # ... and the statuses: the last leader's records, read back per pool
+            self._records_read.clear()
             self.planner.forget()
             self._read_revisions.clear()
         self._was_leader = leader
@@ -380,6 +384,8 @@ class Controller:
         if not self._acting():
             return None
         started = time.perf_counter()
+        if pool not in self._records_read:
+            await self._read_records(pool)
         epoch = self._epoch.get(pool, 0)
         cached = self._read_revisions.get(pool)
         if cached is not None and cached[0] == epoch:
@@ -410,6 +416,14 @@ class Controller:
         if outcome is None or outcome.plan.next_due is None:
             return None
         return max(0.0, outcome.plan.next_due.timestamp() - self.wall_clock())
+
+    async def _read_records(self, pool: str) -> None:
+        """Take the pool's status records from Redis as this replica's own (a new leader's first pass): a status
+        someone patched while no replica led, or while the lead changed hands, is not trusted either."""
+        for record in await self.store.read_status_records(pool):
+            self.written.setdefault((record.namespace, record.name), (record.uid, record.status))
+        self._records_read.add(pool)
+        self._read_revisions.pop(pool, None)
 
     async def _read(self, pool: str) -> _Revisions:
         """The pool's revisions as the state machine goes on from them (``_trusted``); invalid ones recorded."""
@@ -446,7 +460,8 @@ class Controller:
         """The revision with the status the state machine may go on from: the one this replica last wrote (or
         confirmed) when the stored one differs from it, for nobody else writes a revision's status; a status patched
         by someone else (``phase: Stable`` during a canary) is never acted on, and the reconcile writes the record
-        back. With no record (a new leader's first pass) the stored status is the last leader's: taken as is."""
+        back. A new leader starts from the records in Redis (``_read_records``); only a revision with none (never
+        written by a controller that records) is taken as stored."""
         key, uid = object_key(obj), str(obj["metadata"].get("uid", ""))
         record = self.written.get(key)
         if record is None or record[0] != uid or record[1] == rev.status:
@@ -535,7 +550,11 @@ class Controller:
         once the revision is unloaded."""
         informer = self.informers["revisions"]
         key, uid = object_key(obj), str(obj["metadata"].get("uid", ""))
+        pool = _pool_of(obj)
         try:
+            if self.written.get(key) != (uid, status) and pool is not None and obj["metadata"].get("deletionTimestamp") is None:
+                await self.store.write_status_record(StatusRecord(pool=pool, namespace=_namespace(obj), name=key[1],
+                                                                  uid=uid, status=status))
             if stored != status and obj["metadata"].get("deletionTimestamp") is None:
                 obj = await self.kube.patch_status(_namespace(obj), obj["metadata"]["name"],
                                                    status.model_dump(mode="json", by_alias=True))
@@ -552,6 +571,8 @@ class Controller:
                 self._touch_object(obj)
             elif deleting and finalize and FINALIZER in finalizers:
                 await self.kube.set_finalizers(obj, [f for f in finalizers if f != FINALIZER])
+                if pool is not None:
+                    await self.store.forget_status_record(pool, _namespace(obj), key[1])
         except ApiException as exc:
             if exc.status not in (404, 409):  # gone or changed meanwhile: the next pass sees the new object
                 log.warning("writing %s failed: %s %s", obj["metadata"]["name"], exc.status, exc.reason)

@@ -34,6 +34,7 @@ from loraplane.api import (
     ResidencyReport,
     RouteEntry,
     RouteTable,
+    StatusRecord,
     TargetSpec,
     TargetState,
     keys,
@@ -321,6 +322,22 @@ class RedisStore:
     def written_targets(self, pool: str) -> dict[str, TargetState]:
         """The target states last written (or read back) for ``pool``."""
         return self.targets.get(pool, {})
+
+    async def write_status_record(self, record: StatusRecord) -> None:
+        """Record the status about to be written to a revision (before it is: a leader that dies between the two
+        leaves its successor the status it meant, never an older one)."""
+        await self.client.set(keys.revision_status(record.pool, record.namespace, record.name), record.to_json())
+        self.writes += 1
+
+    async def forget_status_record(self, pool: str, namespace: str, name: str) -> None:
+        """Drop a deleted revision's record (``EXPIRE 0``: the controller's ACL allows no ``DEL``)."""
+        await self.client.expire(keys.revision_status(pool, namespace, name), 0)
+
+    async def read_status_records(self, pool: str) -> list[StatusRecord]:
+        """Every revision's status record in ``pool`` (a replica that becomes leader reads them back)."""
+        found = [k async for k in self.client.scan_iter(match=keys.revision_status_pattern(pool), count=500)]
+        raws = await self.client.mget(found) if found else []
+        return [r for raw in raws if (r := read_payload_or_none(StatusRecord, raw, log)) is not None and r.pool == pool]
 
     async def write_routes(self, pool: str, models: Mapping[str, RouteEntry], base_model: str | None,
                            staging_pods: Collection[str] = ()) -> bool:

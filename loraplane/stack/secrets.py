@@ -6,8 +6,8 @@ of the passwords and has the ``default`` user switched off, so a client without 
 
 Who may do what (``acl_rules``), by the key names of ``loraplane.api.keys``:
 
-- ``controller``: reads the pool's keys; writes only target states, their catalogue and the route table, publishes
-  their notices;
+- ``controller``: reads the pool's keys; writes only target states, their catalogue, the route table and the
+  revisions' status records, publishes their notices;
 - ``sidecar-<pod>``: reads its own pod's target state and the pool's catalogue of target specs; writes only its own
   residency report and the report index;
 - ``picker``: reads the pool's keys; writes only the request rates and its own counters;
@@ -51,7 +51,7 @@ def acl_rules(pool: str, pods: Sequence[str], picker_replicas: Sequence[str] = (
     prefix = _pool_prefix(pool)
     rules = {
         "controller": f"resetkeys %R~{prefix}:* %W~{keys.target_state_pattern(pool)} %W~{keys.target_spec_pattern(pool)} "
-        f"%W~{keys.route_keys_pattern(pool)} "
+        f"%W~{keys.route_keys_pattern(pool)} %W~{keys.revision_status_pattern(pool)} "
         f"resetchannels &{keys.target_changed_channel(pool)} &{keys.routes_changed_channel(pool)} "
         f"-@all {_CONNECT} {_READ} +set +expire +publish",
         "picker": "resetkeys " + f"%R~{prefix}:* "

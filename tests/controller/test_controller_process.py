@@ -333,3 +333,39 @@ async def test_a_status_patch_cannot_skip_a_gate(env: Env) -> None:
         assert any(reason == "StatusOverwritten" and "restored Canary step 1" in message for reason, message in events)
         seen = await _watch_phases(env, "claims-v2", "Stable", within=30)
         assert "Canary(1)" in seen  # step 2 was not skipped
+
+
+async def test_a_status_patched_while_no_controller_leads_skips_no_gate(env: Env) -> None:
+    """The forged ``phase: Stable`` lands between two leaders (the first stopped, the next not yet started): the new
+    leader reads the status the last one recorded in Redis (``StatusRecord``, which only the controller writes) and
+    restores it, instead of taking the stored status as the last leader's."""
+    manifest = body("v2", 2)
+    manifest["spec"]["rollout"] = {**FAST, "steps": [{"weight": 10, "pauseSeconds": 4},
+                                                     {"weight": 50, "pauseSeconds": 1}]}
+    async with running(env.controller("controller-a")):
+        await asyncio.to_thread(create, env.kube, body("v1", 1))
+        await _watch_phases(env, "claims-v1", "Stable")
+        await env.traffic("claims@v1", "claims@v2")
+        await asyncio.to_thread(create, env.kube, manifest)
+        await _watch_phases(env, "claims-v2", "Canary(0)")
+    ours = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
+    forged = {"status": {"phase": "Stable", "trafficWeight": 100, "reason": "Promoted"}}
+    await asyncio.to_thread(k8s.CustomObjectsApi(env.kube).patch_namespaced_custom_object_status,
+                            "loraplane.io", "v1alpha1", "default", "adapterrevisions", "claims-v2", forged)
+    successor = env.controller("controller-b")
+    successor.metrics = ControllerMetrics()
+    async with running(successor):
+        weights: list[int] = []
+
+        def sample() -> bool:
+            weights.append(env.routes_now().get("v2", 0))
+            status = get(env.kube, "claims-v2")["status"]
+            return status["phase"] == "Canary" and status.get("canaryStep") == 0 and len(weights) >= 10
+
+        await eventually(sample, 10, "the last leader's status back")
+        restored = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
+        assert max(weights) == 10, weights
+        assert restored["phaseSince"] == ours["phaseSince"]
+        assert successor.metrics.registry.get_sample_value("loraplane_controller_status_repairs_total") >= 1
+        seen = await _watch_phases(env, "claims-v2", "Stable", within=30)
+        assert "Canary(1)" in seen  # step 2 was not skipped

@@ -65,14 +65,15 @@ def test_each_component_writes_only_its_own_keys(secured: tuple[RedisServer, Sta
     sidecar = _as(secured, sidecar_user(PODS[0]))
     allowed = [
         (controller, keys.route_table(POOL)), (controller, keys.target_state(POOL, PODS[1])),
+        (controller, keys.revision_status(POOL, "default", "claims-v2")),
         (picker, keys.request_rates(POOL, "picker-0")), (picker, keys.picker_counters(POOL, "picker-0")),
         (sidecar, keys.residency_report(POOL, PODS[0])),
     ]
     refused = [
         (controller, keys.residency_report(POOL, PODS[0])), (controller, keys.request_rates(POOL, "picker-0")),
         (picker, keys.route_table(POOL)), (picker, keys.target_state(POOL, PODS[0])),
-        (picker, keys.residency_report(POOL, PODS[0])),
-        (sidecar, keys.route_table(POOL)), (sidecar, keys.target_state(POOL, PODS[0])),
+        (picker, keys.residency_report(POOL, PODS[0])), (picker, keys.revision_status(POOL, "default", "claims-v2")),
+        (sidecar, keys.route_table(POOL)), (sidecar, keys.revision_status(POOL, "default", "claims-v2")), (sidecar, keys.target_state(POOL, PODS[0])),
         (sidecar, keys.residency_report(POOL, PODS[1])), (sidecar, keys.request_rates(POOL, "picker-0")),
         (observer, keys.route_table(POOL)),
         (controller, keys.route_table("other-pool")),

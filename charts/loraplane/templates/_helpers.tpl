@@ -198,7 +198,7 @@ target states. The default user is off: without a password nothing runs. */}}
 {{- $read := "+get +mget +smembers +scan +exists +ttl +pttl +type" -}}
 user default off resetkeys resetchannels -@all
 user admin on #ADMIN_HASH ~* &* +@all
-user controller on #CONTROLLER_HASH resetkeys %R~{{ $p }}:* %W~{{ $p }}:target:* %W~{{ $p }}:target-spec:* %W~{{ $p }}:routes* resetchannels &{{ $p }}:target-changed &{{ $p }}:routes-changed -@all {{ $connect }} {{ $read }} +set +expire +publish
+user controller on #CONTROLLER_HASH resetkeys %R~{{ $p }}:* %W~{{ $p }}:target:* %W~{{ $p }}:target-spec:* %W~{{ $p }}:routes* %W~{{ $p }}:status:* resetchannels &{{ $p }}:target-changed &{{ $p }}:routes-changed -@all {{ $connect }} {{ $read }} +set +expire +publish
 user picker on #PICKER_HASH resetkeys %R~{{ $p }}:* %W~{{ $p }}:rates:* %W~{{ $p }}:counters:* %W~{{ $p }}:in-flight:* resetchannels &{{ $p }}:residency-changed &{{ $p }}:routes-changed &{{ $p }}:kv-blocks-changed -@all {{ $connect }} {{ $read }} +subscribe +unsubscribe +set
 user sidecar on #SIDECAR_HASH resetkeys %R~{{ $p }}:target:* %R~{{ $p }}:target-spec:* %W~{{ $p }}:residency:* %W~{{ $p }}:residency-pods %W~{{ $p }}:kv-blocks:* resetchannels &{{ $p }}:target-changed &{{ $p }}:residency-changed &{{ $p }}:kv-blocks-changed -@all {{ $connect }} +get +mget +subscribe +unsubscribe +set +sadd +publish +multi +exec +discard
 {{- end -}}
