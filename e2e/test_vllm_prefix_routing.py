@@ -29,6 +29,7 @@ from e2e.fixtures.picker import Gateway, start_gateway
 from e2e.fixtures.processes import LOOPBACK, ManagedProcess, RedisServer, free_port, start_redis
 from e2e.fixtures.vllm import ServableModel, require_vllm
 from e2e.fixtures.waiting import wait_until
+from e2e.test_vllm_stack import expected_source
 from loraplane.api import (
     AdapterTarget,
     Artifact,
@@ -106,6 +107,20 @@ class Stack:
 
     def tokens(self, prompt: str) -> int:
         return len(self.tokenizer.encode(prompt).ids)
+
+    def decisions(self) -> dict[str, float]:
+        """The picker's ``loraplane_picker_decisions_total`` by outcome (those not 0)."""
+        text = httpx.get(f"http://{LOOPBACK}:{self.gateway.metrics_port}/metrics", timeout=5).text
+        return {line.split('outcome="', 1)[1].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("loraplane_picker_decisions_total{") and float(line.rsplit(" ", 1)[1])}
+
+    def residency_sources(self) -> dict[str, str | None]:
+        """Each pod's ``residency_source`` in its sidecar's last report."""
+        reports = {pod.name: self.client.get(keys.residency_report(POOL, pod.name)) for pod in self.pods}
+        sources = {name: ResidencyReport.from_json(raw).residency_source if raw else None
+                   for name, raw in reports.items()}
+        return {name: None if source is None else str(source) for name, source in sources.items()}
 
 
 def _routes(generation: int, served_name: str, digest: str) -> RouteTable:
@@ -341,6 +356,7 @@ def test_second_turn_follows_its_prefix_and_a_new_revision_is_no_hit(stack: Stac
     # every full block of the first turn
     assert matched_now == first_turn_blocks, explain_match(stack, holder, "claims@v17", FIRST_TURN)
     assert cached > 0 and cached == expected_cached(stack, second_turn, matched_now)  # vLLM agrees
+    turn_two_cached = cached
     busy.finish()
 
     # the next revision: the same prompt is a hit neither for the picker nor for vLLM
@@ -358,3 +374,9 @@ def test_second_turn_follows_its_prefix_and_a_new_revision_is_no_hit(stack: Stac
     assert stack.pod_of(response) is v18_pod
     assert cached > 0 and cached == expected_cached(stack, second_turn, stack.matched_blocks() - matched)
     assert v18_pod.prefix_hits() - hits_there == cached
+    # the sidecars' tiers came from the plugin's exact series (or, with LORAPLANE_VLLM_RESIDENCY=0, their LRU model)
+    sources = stack.residency_sources()
+    print(f"\nvllm-prefix-routing residency {sources}: turn 2 on the prefix holder after {len(tries)} retries, "
+          f"{matched_now:.0f} blocks matched, {turn_two_cached} tokens cached; v18 again: {cached} cached; picker "
+          f"decisions {stack.decisions()}")
+    assert set(sources.values()) == {expected_source()}, sources

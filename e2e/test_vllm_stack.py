@@ -16,13 +16,15 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import yaml
 
 from e2e.fixtures.waiting import wait_until
 from e2e.test_vllm_model import PROMPTS, reference_tokens, served_tokens
-from loraplane.api import RouteTable, keys
+from loraplane.api import ResidencyReport, ResidencySource, RouteTable, keys
+from loraplane.kernels import vllm_residency
 from loraplane.stack.demo import manifest, write_artifacts
 from loraplane.stack.services import POOL, LocalStack, StackOptions
 
@@ -47,6 +49,29 @@ def _named(client: redis.Redis) -> set[str]:
     raw = client.get(keys.route_table(POOL))
     return set() if raw is None else {w.served_name for e in RouteTable.from_json(raw).models.values()
                                       for w in e.revisions}
+
+
+def residency_sources(client: redis.Redis, pods: list[str]) -> dict[str, ResidencySource | None]:
+    """Each pod's ``residency_source`` in its sidecar's last report."""
+    reports = {pod: client.get(keys.residency_report(POOL, pod)) for pod in pods}
+    return {pod: ResidencyReport.from_json(raw).residency_source if raw else None for pod, raw in reports.items()}
+
+
+def expected_source() -> ResidencySource:
+    """loraplane's plugin exports exact residency unless ``LORAPLANE_VLLM_RESIDENCY`` (passed on to vLLM) turns it
+    off: then the sidecars fall back to their LRU model."""
+    return ResidencySource.PLUGIN if vllm_residency.enabled() else ResidencySource.LRU_MODEL
+
+
+def picker_decisions(stack: LocalStack) -> dict[str, float]:
+    """``loraplane_picker_decisions_total`` by outcome, summed over the picker replicas."""
+    counts: dict[str, float] = {}
+    for port in stack.picker_metrics_ports:
+        for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+            if line.startswith("loraplane_picker_decisions_total{"):
+                outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+                counts[outcome] = counts.get(outcome, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {k: v for k, v in sorted(counts.items()) if v}
 
 
 def _phase(stack: LocalStack, name: str) -> str:
@@ -105,7 +130,13 @@ def test_two_revisions_roll_out_over_vllm_and_every_token_is_the_named_revisions
     with ThreadPoolExecutor(max_workers=8) as pool:
         answers = list(pool.map(lambda job: served(*job), jobs))
     expected = ["base" if model == MODEL else "support@v2" for model, _ in jobs]
+    # the sidecars' tiers came from the plugin's exact series (or, with LORAPLANE_VLLM_RESIDENCY=0, their LRU model)
+    sources = residency_sources(client, [e.pod for e in stack.engines])
+    print(f"\nvllm-stack residency {({pod: str(v) for pod, v in sources.items()})}: rollout {i} requests, {len(wrong)} from an unnamed revision, seen "
+          f"{sorted(map(str, seen))}; concurrent {sum(a == b for a, b in zip(answers, expected, strict=True))}/"
+          f"{len(jobs)} right; picker decisions {picker_decisions(stack)}")
     assert answers == expected
+    assert set(sources.values()) == {expected_source()}, sources
     logs = [Path(e.engine.log_path).read_text(errors="replace") for e in stack.engines]
     assert all("Using LoraplanePunicaWrapperCPU" in text for text in logs), "loraplane's kernels are not plugged in"
 
