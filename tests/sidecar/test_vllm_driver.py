@@ -365,7 +365,9 @@ async def test_without_residency_series_the_report_says_lru_model_and_inferred(t
                         break
                     await r.drain()
                 await sidecar.run_once()
-                stored = ResidencyReport.from_json(await client.get(keys.residency_report("pool-a", pod)))
+                raw = await client.get(keys.residency_report("pool-a", pod))
+                assert raw is not None
+                stored = ResidencyReport.from_json(raw)
                 rows = stored.by_name()
                 assert all(rows[name].registered for name in names), rows
                 assert {n: row.tier for n, row in rows.items()} == {n: driver.cache.tier(n) for n in rows}
