@@ -39,7 +39,8 @@ gold replica. While that cold traffic shows (revisions below ``gpu_min_rate`` he
 ``gpu_min_rate`` or more) the staging pods are shielded: the other pods keep no burst slot and hold the gold
 replicas, a gold revision is held on a staging pod at no tier except a GPU replica the other pods have no room for
 (one replica per staging pod at most: its other slots are for the cold traffic's own loads), and no floor replica of
-a non-gold revision takes a GPU slot anywhere.
+a non-gold revision takes a GPU slot anywhere. These rules are the named predicates of
+``loraplane.controller.staging``.
 
 ``keep_until_replaced`` (make before break) runs after ``place``: a routed revision the plan moves keeps its
 current holders serving it (at CPU, or at disk where the runtime keeps disk-tier revisions registered) until a
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 
 from loraplane.api import WarmPolicy
 from loraplane.api.runtime import Tier
+from loraplane.controller.staging import Staging, floors_fit, is_floor, is_idle
 
 
 @dataclass(frozen=True)
@@ -331,6 +333,14 @@ class _Entry:
         """Value of holding ``k`` GPU replicas' k-th replica."""
         return self.score / k
 
+    @property
+    def gold(self) -> bool:
+        return self.demand.priority > 0
+
+    @property
+    def pinned(self) -> bool:
+        return self.demand.pinned
+
 
 #: kinds of host-tier claim, in the order they win at equal worth (``_Planner.place_host_tier``)
 _CPU_REPLICA, _DEMOTED, _HOST_COPY = range(3)
@@ -378,84 +388,20 @@ class _Planner:
             self.entries[d.served_name] = _Entry(d, rate, score, need, is_burst(d.rates, config))
         #: the pool's traffic, which ``spread_holders`` shares out
         self.traffic = traffic or PoolTraffic.of(self.pool.caps.values(), [e.rate for e in self.entries.values()])
-        if not self.floors_fit():
+        free = sum(cap.gpu_slots - self.pool.reserved[pod] for pod, cap in self.pool.caps.items())
+        if not floors_fit(self.entries.values(), free, config):
             for e in self.entries.values():
-                if self.is_floor(e):
+                if is_floor(e, config):
                     e.need = 0
-        self.staging = self.staging_pods()
-        self.shielded = self.shields_staging()
-        if self.shielded:  # the other pods' burst slots hold gold replicas; a staging pod plans one replica at most
+        gpu_slots = {pod: cap.gpu_slots for pod, cap in self.pool.caps.items()}
+        #: the staging pods and their shield (``staging``)
+        self.staging = Staging.of(gpu_slots, self.entries, self.previous_by_name, config)
+        if self.staging.shielded:
             for pod, cap in self.pool.caps.items():
-                self.pool.reserved[pod] = max(0, cap.gpu_slots - 1) if pod in self.staging else 0
+                self.pool.reserved[pod] = self.staging.gpu_reserve(pod, cap.gpu_slots, self.pool.reserved[pod])
             self.pool.roomy[Tier.GPU] = {p for p in self.pool.caps if self.pool.room(p, Tier.GPU) > 0}
 
     # -- helpers -------------------------------------------------------------------------------------------------
-    def is_idle(self, e: _Entry) -> bool:
-        """No traffic in any window: a revision staged on the staging pods only."""
-        return e.rate <= 0
-
-    def hosts(self, e: _Entry) -> Collection[str]:
-        """The pods that may stage ``e`` in host memory or on disk: the staging pods for an idle revision."""
-        return self.staging if self.is_idle(e) else self.pool.caps.keys()
-
-    def is_floor(self, e: _Entry) -> bool:
-        """True when ``e`` plans like an idle adapter: below ``gpu_min_rate``, not pinned."""
-        return not e.demand.pinned and e.rate < self.config.gpu_min_rate
-
-    def floors_fit(self) -> bool:
-        """Whether the GPU slots left beyond the burst reserve and the replicas of adapters with real demand hold a
-        slot for every adapter with a trickle of traffic (below ``gpu_min_rate``). Only then do warm-policy floor
-        replicas get GPU slots: otherwise the trickles' on-demand loads evict them, and every plan would load them
-        again (a GPU load per on-demand load, each stalling its pod's batch), so the floors stay in host memory."""
-        free = sum(cap.gpu_slots - self.pool.reserved[pod] for pod, cap in self.pool.caps.items())
-        wanted = sum(e.need for e in self.entries.values() if not self.is_floor(e))
-        trickles = sum(1 for e in self.entries.values() if self.is_floor(e) and e.rate > 0)
-        return trickles <= free - wanted
-
-    def staging_pods(self) -> frozenset[str]:
-        """The pods that stage idle revisions: ``staging_share`` of the pool, those that held the most idle revisions
-        in the previous plan, then those with the fewest gold GPU replicas in it, so the set stays the same from plan
-        to plan. Every pod when that share rounds to none or all of them, when no revision is idle (no sweep is to
-        come), when no revision is gold (there is no one to shield from the cold traffic), when the other pods'
-        GPU slots cannot hold ``gold_min_replicas`` replicas of every gold revision (the pool has no pods to
-        spare), or when they hold every replica the pool needs (what the revisions with traffic ask for, at least
-        the gold minimum) and a free slot each besides: slots are not scarce, cold loads take free slots without
-        evicting anyone, and a few staging pods would only concentrate the cold traffic's loads and prefill on
-        themselves."""
-        count = math.floor(len(self.pool.caps) * self.config.staging_share + 1e-9)
-        if count <= 0 or count >= len(self.pool.caps) or not any(self.is_idle(e) for e in self.entries.values()):
-            return frozenset(self.pool.caps)
-        idle_held = dict.fromkeys(self.pool.caps, 0)
-        gold_gpu = dict.fromkeys(self.pool.caps, 0)
-        for pod, held in self.previous.items():
-            for name, tier in held.items():
-                e = self.entries.get(name)
-                if e is None:
-                    continue
-                if tier is Tier.GPU:
-                    gold_gpu[pod] += e.demand.priority > 0
-                elif self.is_idle(e):
-                    idle_held[pod] += 1
-        staging = frozenset(sorted(self.pool.caps, key=lambda p: (-idle_held[p], gold_gpu[p], p))[:count])
-        room = sum(cap.gpu_slots for pod, cap in self.pool.caps.items() if pod not in staging)
-        gold_replicas = sum(self.config.gold_min_replicas for e in self.entries.values() if e.demand.priority > 0)
-        # the replicas the pool must hold: what its traffic asks for, and the gold minimum (before traffic shows)
-        needed = max(gold_replicas, sum(e.need for e in self.entries.values() if not self.is_floor(e)))
-        scarce = needed >= room - (len(self.pool.caps) - count)
-        return staging if 0 < gold_replicas <= room and scarce else frozenset(self.pool.caps)
-
-    def shields_staging(self) -> bool:
-        """True while cold traffic shows on the staging pods: revisions below ``gpu_min_rate`` that the previous
-        plan held on staging pods only carry ``gpu_min_rate`` or more."""
-        if len(self.staging) == len(self.pool.caps):
-            return False
-        cold = 0.0
-        for name, pods in self.previous_by_name.items():
-            e = self.entries.get(name)
-            if e is not None and self.is_floor(e) and pods.keys() <= self.staging:
-                cold += e.rate
-        return cold >= self.config.gpu_min_rate
-
     def eligible(self, e: _Entry) -> list[str]:
         allowed = e.demand.eligible
         return [p for p in self.pool.caps if allowed is None or p in allowed]
@@ -555,25 +501,17 @@ class _Planner:
                         self.add_gpu(e, pod)
 
     def is_eligible(self, e: _Entry, pod: str) -> bool:
-        return not self.shields(e, pod) and self.may_run(e, pod)
+        return not self.staging.shields(e, pod) and self.may_run(e, pod)
 
     def may_run(self, e: _Entry, pod: str) -> bool:
         """The demand's own eligibility (compatible base model, rank)."""
         return e.demand.eligible is None or pod in e.demand.eligible
 
-    def shields(self, e: _Entry, pod: str) -> bool:
-        """True for a gold revision on a shielded staging pod: it is held there at no tier, except a GPU replica
-        the other pods have no room for (``least_loaded``)."""
-        return self.shielded and e.demand.priority > 0 and pod in self.staging
-
     def takes_gpu_slot(self, e: _Entry, pod: str) -> bool:
         """True when a (non-burst) GPU replica of ``e`` may be planned on ``pod``: eligible, and, while the staging
         pods are shielded, no floor replica of a non-gold revision anywhere (on a staging pod it would take a slot
         the cold traffic's own loads need, elsewhere it would draw that traffic to the gold adapters' pods)."""
-        return self.is_eligible(e, pod) and not self.floor_barred(e)
-
-    def floor_barred(self, e: _Entry) -> bool:
-        return self.shielded and e.demand.priority <= 0 and self.is_floor(e)
+        return self.is_eligible(e, pod) and not self.staging.floor_barred(e)
 
     def add_gpu_replicas(self) -> None:
         """Grant further replicas by marginal value, evicting weaker replicas when the pool is full."""
@@ -649,13 +587,13 @@ class _Planner:
         was = self.previous_by_name.get(e.demand.served_name, {}) if not e.gpu else {}
         best: tuple[bool, int, float, int, str] | None = None
         for pod in self.pool.roomy[Tier.GPU]:
-            if not self.may_run(e, pod) or self.floor_barred(e) or pod in e.gpu:
+            if not self.may_run(e, pod) or self.staging.floor_barred(e) or pod in e.gpu:
                 continue
             if e.demand.served_name in self.pool.held[pod]:
                 continue
             if not self.pool.fits(pod, Tier.GPU, e.demand.bytes, reserve=self.pool.reserved[pod]):
                 continue
-            shielded = self.shields(e, pod)
+            shielded = self.staging.shields(e, pod)
             key = (shielded, was.get(pod, Tier.ABSENT).level, load[pod], self.pool.slots_used[Tier.GPU][pod], pod)
             if best is None or key < best:
                 best = key
@@ -763,7 +701,7 @@ class _Planner:
                 worth = self.host_copy_worth(e)
                 claims.extend((-worth, _HOST_COPY, name, "") for _ in range(self.config.host_copies))
             if e.demand.min_replicas > 0:
-                hosts = self.hosts(e)
+                hosts = self.staging.hosts(e)
                 for pod, tier in self.previous_by_name.get(name, {}).items():
                     if tier in (Tier.GPU, Tier.CPU) and name not in self.pool.held[pod] and pod in hosts:
                         if self.is_eligible(e, pod):
@@ -794,7 +732,7 @@ class _Planner:
         A held revision is never copied to another pod for its CPU replica: the fetch would cost download time and
         disk space for a host-memory copy, and requests keep going to the holder meanwhile.
         """
-        hosts = self.hosts(e)
+        hosts = self.staging.hosts(e)
         holders = [p for p in self.previously(e.demand.served_name, (Tier.GPU, Tier.CPU, Tier.DISK)) if p in hosts]
         if holders:
             was = self.previous_by_name[e.demand.served_name]
@@ -844,7 +782,7 @@ class _Planner:
     def disk_order(self, e: _Entry) -> tuple[int, float, str]:
         """Who gets the disk floor first where disks fill up: revisions with real demand (``gpu_min_rate`` or more,
         by score), then idle ones (new revisions: a sweep yet to come), then those with a trickle (by score)."""
-        rank = 0 if not self.is_floor(e) else 1 if self.is_idle(e) else 2
+        rank = 0 if not is_floor(e, self.config) else 1 if is_idle(e) else 2
         return rank, -e.score, e.demand.served_name
 
     def spread_holders(self, e: _Entry) -> int:
@@ -887,7 +825,7 @@ class _Planner:
         missing further holder only spreads less. A revision no disk has room for is left to be fetched on its first
         request."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
-        every_pod_stages = len(self.staging) == len(self.pool.caps)
+        every_pod_stages = not self.staging.apart
         # every pod by (revisions held, name), kept in order as revisions are placed: the candidates of a revision
         # are the first that qualify, found without sorting the pool for each of (10,000) revisions
         order = sorted((n, pod) for pod, n in counts.items())
@@ -898,7 +836,7 @@ class _Planner:
             floor = e.demand.min_replicas
             wanted, spread = floor, 0
             if floor > 0 and every_pod_stages and (e.rate > 0 or not e.demand.required):  # not a rollout's
-                if defer and self.is_floor(e):
+                if defer and is_floor(e, self.config):
                     later.append(e)
                 else:
                     wanted, spread = max(floor, self.config.traffic_holders), self.spread_holders(e)
@@ -925,7 +863,7 @@ class _Planner:
 
     def disk_eligible(self, e: _Entry, placed: Collection[str]) -> Callable[[str], bool]:
         """Whether a pod may hold ``e`` on disk besides those in ``placed`` (room aside)."""
-        caps, hosts, allowed = self.pool.caps, self.hosts(e), e.demand.eligible  # an idle revision: staging pods only
+        caps, hosts, allowed = self.pool.caps, self.staging.hosts(e), e.demand.eligible  # an idle revision: staging pods only
 
         def eligible(p: str) -> bool:
             return p in caps and p not in placed and p in hosts and (allowed is None or p in allowed)
@@ -973,8 +911,7 @@ class _Planner:
         self.place_host_tier()
         self.place_disk()
         pods = {pod: dict(sorted(held.items())) for pod, held in sorted(self.pool.held.items())}
-        apart = self.staging if len(self.staging) < len(self.pool.caps) else frozenset()
-        return Placement(pods=pods, notes=self.notes, staging=apart)
+        return Placement(pods=pods, notes=self.notes, staging=self.staging.routed)
 
 
 def place(
