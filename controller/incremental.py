@@ -56,7 +56,7 @@ from loraplane.controller.pool import (
     pod_capacity,
     serving_holders,
 )
-from loraplane.controller.rollout import ROLLOUT_PHASES
+from loraplane.controller.rollout import ROLLOUT_PHASES, write_outcome
 from loraplane.kube import Key
 
 #: relative rate change (each window) below which an adapter's rates are taken as unchanged
@@ -383,13 +383,12 @@ def plan_part(plan: PoolPlan, inputs: PoolInputs,
         return None
     wanted = set(adapters)
     groups = {key: revs for key, revs in adapter_groups(inputs.revisions).items() if key in wanted}
-    reconciles, decided = decide(inputs, groups, _observation(inputs))
+    decided = decide(inputs, groups, _observation(inputs))
     demands, by_served = adapter_demands(inputs, groups, decided)
     changed = {d.served_name: d for d in demands}
     before = {rp.served_name for key in wanted if key in plan.adapters for rp in plan.adapters[key].revisions.values()}
     placement, targets, all_demands = _place_again(plan, inputs, changed, before | set(changed), by_served)
-    for reconcile in reconciles.values():
-        reconcile.finish(placement.notes)
+    write_outcome(decided.values(), placement.notes, inputs.now)
     names = {adapter for _, adapter in wanted}
     kept = {key: outcome for key, outcome in plan.adapters.items() if key not in wanted}
     adapters = {**kept, **decided}

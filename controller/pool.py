@@ -1,9 +1,9 @@
 """One pool's reconcile as a pure function: revisions + reports + rates + counters -> statuses, targets, routes.
 
 ``plan_pool`` runs the rollout state machine for every logical adapter of the pool, turns what each revision
-needs into placement demands, runs placement (every placement rule lives in ``placement``), lets the rollout
-finish its conditions with placement's notes, and builds every fresh pod's ``TargetState`` adapters and the
-pool's route entries. Its outcome is keyed by object, ``(namespace, name)`` as the informers key them. The controller feeds it from the API server and Redis and writes back what changed; the
+needs into placement demands, runs placement (every placement rule lives in ``placement``), writes the rollout's
+outcomes and placement's notes into the statuses once (``write_outcome``), and builds every fresh pod's
+``TargetState`` adapters and the pool's route entries. Its outcome is keyed by object, ``(namespace, name)`` as the informers key them. The controller feeds it from the API server and Redis and writes back what changed; the
 benchmark feeds it synthetic pools.
 """
 
@@ -47,6 +47,7 @@ from loraplane.controller.rollout import (
     ProbeRequest,
     ProbeResult,
     RevisionPlan,
+    write_outcome,
 )
 from loraplane.kube import Key
 
@@ -297,7 +298,7 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     """Reconcile one pool (pure; see the module docstring)."""
     groups = adapter_groups(inputs.revisions)
     observation = _observation(inputs)
-    reconciles, adapters = decide(inputs, groups, observation)
+    adapters = decide(inputs, groups, observation)
     demands, by_served = adapter_demands(inputs, groups, adapters)
     pods = [pod_capacity(r) for r in inputs.reports if r.ready]
     previous = Placement(pods={pod: {a.served_name: a.tier for a in t.adapters} for pod, t in inputs.previous_targets.items()})
@@ -305,8 +306,7 @@ def plan_pool(inputs: PoolInputs) -> PoolPlan:
     serving = serving_holders(inputs.reports)
     placement = keep_until_replaced(planned, demands, serving, {r.pod for r in inputs.reports if r.demotes_to_disk})
     placement = fit_to_sidecars(placement, planned, [r for r in inputs.reports if r.ready], demands, serving)
-    for reconcile in reconciles.values():
-        reconcile.finish(placement.notes)
+    write_outcome(adapters.values(), placement.notes, inputs.now)
     targets = {
         pod: [_target(*by_served[name], tier) for name, tier in held.items() if tier is not Tier.ABSENT]
         for pod, held in placement.pods.items()
@@ -327,15 +327,15 @@ def adapter_groups(revisions: Iterable[AdapterRevision]) -> dict[tuple[str, str]
 
 
 def decide(inputs: PoolInputs, groups: Mapping[tuple[str, str], list[AdapterRevision]],
-           observation: Observation) -> tuple[dict[tuple[str, str], AdapterReconcile], dict[tuple[str, str], AdapterPlan]]:
-    """Run the rollout of each adapter of ``groups`` (the reconciles, for ``finish``, and their outcomes, in
-    ``groups``' order sorted)."""
+           observation: Observation) -> dict[tuple[str, str], AdapterPlan]:
+    """Run the rollout of each adapter of ``groups``: their outcomes, in ``groups``' order sorted (their ``Ready`` and
+    ``Placed`` conditions wait for placement: ``write_outcome``)."""
     observation.hold_gpu_slots(inputs.revisions)  # every canary's GPU slot, before any adapter is admitted
     reconciles = {key: AdapterReconcile(revs, observation) for key, revs in sorted(groups.items())}
     # the longest-waiting rollout first: admission into Activating (free canary GPU slots) is first come, first served
     adapters = {key: reconciles[key].decide()
                 for key in sorted(reconciles, key=lambda k: (_waiting_since(groups[k], inputs.now), k))}
-    return reconciles, {key: adapters[key] for key in reconciles}
+    return {key: adapters[key] for key in reconciles}
 
 
 def adapter_demands(inputs: PoolInputs, groups: Mapping[tuple[str, str], list[AdapterRevision]],

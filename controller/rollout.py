@@ -7,16 +7,17 @@ route entry, what placement must hold where, which probes to send and when a tim
 I/O and reads no clock, so the same input always gives the same output and a restarted controller continues from
 the persisted status: a gate is passed exactly when the phase moves past it (see ``docs/rollout.md``).
 
-Every condition of a revision's status is written here. ``plan_pool`` runs an ``AdapterReconcile`` in two steps:
-``decide`` (gates, route, what placement must hold) and, once placement ran, ``finish`` with placement's notes
-(the ``Ready`` and ``Placed`` conditions); ``reconcile_adapter`` does both with no placement notes.
+Every condition of a revision's status is written here. ``AdapterReconcile.decide`` returns the adapter's outcome
+(gates, route, what placement must hold); once placement ran, ``write_outcome`` combines each outcome with
+placement's notes into the ``Reconciled``, ``Ready`` and ``Placed`` conditions, the one place placement's result
+reaches a status. ``plan_pool`` does both around placement; ``reconcile_adapter`` with no placement notes.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Literal
@@ -321,7 +322,7 @@ def record_terminal_error(status: AdapterRevisionStatus, reason: str, message: s
 
 
 class AdapterReconcile:
-    """One logical adapter's reconcile: ``decide`` then ``finish`` (see the module docstring)."""
+    """One logical adapter's rollout: ``decide`` (see the module docstring)."""
 
     def __init__(self, revisions: Sequence[AdapterRevision], obs: Observation) -> None:
         self.obs = obs
@@ -521,7 +522,7 @@ class AdapterReconcile:
 
     # -- the adapter ---------------------------------------------------------------------------------------------
     def decide(self) -> AdapterPlan:
-        """Gates, route and what placement must hold; the plan's ``Ready``/``Placed`` conditions wait for ``finish``."""
+        """Gates, route and what placement must hold; the ``Ready``/``Placed`` conditions wait for ``write_outcome``."""
         live = [r for r in self.revs if r.metadata.deletion_timestamp is None]
         stable = self.current_stable(live)
         stable = self.manual_rollback_of_stable(stable, live)
@@ -533,19 +534,6 @@ class AdapterReconcile:
         for rev in self.revs:
             self.plan(rev)
         return AdapterPlan(self.plans, self.route_entry, self.events, self.probes, self.due, self.discarded)
-
-    def finish(self, placement_notes: Mapping[str, str]) -> None:
-        """Write the ``Ready`` condition, and ``Placed`` on every placed revision: False with placement's note (served
-        name -> why it got less than it asked) when it got less."""
-        for rev in self.revs:
-            rp = self.plans[rev.metadata.name]
-            st = rp.status
-            self.condition(rev, "Reconciled", True, "Reconciled")
-            self.condition(rev, "Ready", st.traffic_weight > 0, "Serving" if st.traffic_weight else st.phase.value,
-                           f"{st.traffic_weight}% of traffic")
-            if rp.placed:
-                note = placement_notes.get(rp.served_name)
-                self.condition(rev, "Placed", note is None, "Placed" if note is None else "CapacityOrBudget", note or "")
 
     def current_stable(self, live: list[AdapterRevision]) -> AdapterRevision | None:
         stables = [r for r in live if self.phase(r) is Phase.STABLE]
@@ -705,10 +693,26 @@ class AdapterReconcile:
             }
 
 
+def write_outcome(outcomes: Iterable[AdapterPlan], placement_notes: Mapping[str, str], now: datetime) -> None:
+    """Combine the rollout's ``outcomes`` with placement's notes (served name -> why it got less than it asked) into
+    each revision's status: ``Reconciled``, ``Ready`` (serving a share of the traffic), and ``Placed`` on every placed
+    revision, False with placement's note where it got less."""
+    for outcome in outcomes:
+        for rp in outcome.revisions.values():
+            st = rp.status
+            generation = st.observed_generation  # its revision's, set by ``decide``
+            _set_condition(st, "Reconciled", True, "Reconciled", "", now, generation)
+            _set_condition(st, "Ready", st.traffic_weight > 0, "Serving" if st.traffic_weight else st.phase.value,
+                           f"{st.traffic_weight}% of traffic", now, generation)
+            if rp.placed:
+                note = placement_notes.get(rp.served_name)
+                _set_condition(st, "Placed", note is None, "Placed" if note is None else "CapacityOrBudget", note or "",
+                               now, generation)
+
+
 def reconcile_adapter(revisions: Sequence[AdapterRevision], observation: Observation) -> AdapterPlan:
     """Reconcile every revision of one logical adapter in one pool, without placement notes (pure; see the module
     docstring)."""
-    reconcile = AdapterReconcile(revisions, observation)
-    plan = reconcile.decide()
-    reconcile.finish({})
+    plan = AdapterReconcile(revisions, observation).decide()
+    write_outcome([plan], {}, observation.now)
     return plan
