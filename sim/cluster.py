@@ -155,8 +155,11 @@ class Placement(Protocol):
 class Pod:
     """One model server. Attributes are read by routers and eviction policies; only the simulator changes them."""
 
-    def __init__(self, index: int, max_loras: int, max_cpu_loras: int, disk: set[int]) -> None:
+    def __init__(self, index: int, max_loras: int, max_cpu_loras: int, disk: set[int],
+                 touched_pods: set[int] | None = None) -> None:
         self.index = index
+        #: the pool's indices of the pods touched since a reader last emptied it (shared by every pod of a simulator)
+        self.touched_pods: set[int] = set() if touched_pods is None else touched_pods
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
         self.gpu: set[int] = set()
@@ -232,10 +235,20 @@ class Pod:
         self.waiting_tokens = 0
         self.event_time = math.inf
         self.version = 0
-        #: bumped before and after the simulator handles anything for this pod (an event of its own, a request sent
-        #: to it, a placement): a reader that caches what it derives from the pod's queues (the loraplane policy's
-        #: in-flight counts) re-reads only the pods whose count moved since it last looked
-        self.touched = 0
+        self._touched = 0
+
+    @property
+    def touched(self) -> int:
+        """Bumped before and after the simulator handles anything for this pod (an event of its own, a request sent
+        to it, a placement), which also puts the pod in ``touched_pods``: a reader that caches what it derives from
+        the pod's queues (the loraplane policy's in-flight counts) re-reads only the pods touched since it last
+        looked, without a pass over the pool."""
+        return self._touched
+
+    @touched.setter
+    def touched(self, value: int) -> None:
+        self._touched = value
+        self.touched_pods.add(self.index)
 
     @property
     def kv_reserved(self) -> int:
@@ -410,7 +423,8 @@ class Simulator:
             if a.on_disk and used + a.nbytes <= config.disk_bytes:
                 on_disk.add(i)
                 used += a.nbytes
-        self.pods = [Pod(i, config.max_loras, config.max_cpu_loras, on_disk) for i in range(config.pods)]
+        touched: set[int] = set()
+        self.pods = [Pod(i, config.max_loras, config.max_cpu_loras, on_disk, touched) for i in range(config.pods)]
         for pod in self.pods:
             pod.disk_used = used
         n = len(trace)
