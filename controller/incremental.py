@@ -16,7 +16,7 @@ A reused plan writes nothing: the caller only runs its level-triggered repair of
 moved, a few revisions whose rates moved beyond the hysteresis are placed again alone (``delta_plan``), and a few
 adapters -- revisions added, changed or deleted, rollouts in progress, new probe results, report rows that changed
 -- are planned again alone (``plan_part``), each on what the rest of the pool leaves. Anything else (a pod coming,
-going or changing readiness or capacity, more than ``delta_share`` of the pool) plans the pool whole, as does the
+going or changing readiness or capacity, more than ``placement.DELTA_SHARE`` of the pool) plans the pool whole, as does the
 ``full_plan_seconds`` period (so drift within the hysteresis, and anything a part did not see, is planned for at
 that pace).
 """
@@ -32,13 +32,16 @@ from typing import cast
 from loraplane.api import AdapterRevision, AdapterRevisionStatus, AdapterTarget, RequestRates, ResidencyReport
 from loraplane.api.runtime import Tier
 from loraplane.controller.placement import (
+    DEFAULT_FULL_PLAN_SECONDS,
+    DEFAULT_HYSTERESIS,
     AdapterDemand,
     Placement,
     PodCapacity,
-    PoolTraffic,
     Rates,
+    few_enough,
     keep_until_replaced,
-    place,
+    place_again,
+    rate_moved,
 )
 from loraplane.controller.pool import (
     DEFAULT_ADAPTER_BYTES,
@@ -58,14 +61,6 @@ from loraplane.controller.pool import (
 )
 from loraplane.controller.rollout import ROLLOUT_PHASES, write_outcome
 from loraplane.kube import Key
-
-#: relative rate change (each window) below which an adapter's rates are taken as unchanged
-DEFAULT_HYSTERESIS = 0.25
-#: absolute rate change (requests/s) below which a change never counts (a trickle moving by a few per cent)
-RATE_FLOOR = 0.01
-#: seconds between two full plans of a pool at rest
-DEFAULT_FULL_PLAN_SECONDS = 60.0
-
 
 WINDOWS = ("5m", "1h", "24h")
 
@@ -89,9 +84,7 @@ def rates_moved(planned: Windows, now: RequestRates | None, names: Collection[st
         if a == b:
             continue
         for name in a.keys() | b.keys():
-            old, new = a.get(name, 0.0), b.get(name, 0.0)
-            change = abs(new - old)
-            if change > RATE_FLOOR and change > hysteresis * max(old, new) and name in names:
+            if rate_moved(a.get(name, 0.0), b.get(name, 0.0), hysteresis) and name in names:
                 moved.add(name)
     return sorted(moved)
 
@@ -214,9 +207,6 @@ class IncrementalPlanner:
         self.reused = 0
         self.deltas = 0
         self.parts = 0
-        #: at most this share of a pool's revisions (at least 8) moving beyond the hysteresis is placed again alone,
-        #: and of its adapters changed or not at rest planned again alone; more plans the pool whole
-        self.delta_share = 0.02
 
     def forget(self, pool: str | None = None) -> None:
         """Plan ``pool`` (every pool: None) from scratch next time (a new leader, written keys read back)."""
@@ -277,7 +267,7 @@ class IncrementalPlanner:
         part.update(memo.names[name] for name in touched if name in memo.names)
         part.update(_adapter(revisions[key]) for key in changed)
         part.update(_adapter(memo.revisions[key]) for key in removed)
-        if not part or len(part) > max(8, len(memo.names) * self.delta_share):
+        if not part or not few_enough(len(part), len(memo.names)):  # of its adapters too
             return None
         return _Part(part, views, changed, removed)
 
@@ -297,7 +287,7 @@ class IncrementalPlanner:
         if memo is not None and not why:
             self.reused += 1
             return PlanOutcome(memo.plan, reused=True)
-        if memo is not None and memo.moved and len(memo.moved) <= max(8, len(memo.names) * self.delta_share):
+        if memo is not None and memo.moved and few_enough(len(memo.moved), len(memo.names)):
             moved, memo.moved = memo.moved, []
             delta = delta_plan(memo.plan, inputs, moved)
             if delta is not None:
@@ -411,32 +401,9 @@ def _place_again(plan: PoolPlan, inputs: PoolInputs, changed: Mapping[str, Adapt
     those leaving the plan too) leave of each pod, and merge: the placement, every pod's targets (a pod whose
     holdings did not change keeps its list) and the plan's demands. ``statuses``: served name -> (revision,
     status) of each changed demand."""
-    demands = {d.served_name: d for d in plan.demands}
     before = plan.placement.pods
-    rest = {pod: {n: t for n, t in held.items() if n not in again} for pod, held in before.items()}
-    residual = []
-    for cap in plan.capacity:
-        held = rest.get(cap.name, {})
-        gpu = [n for n, t in held.items() if t is Tier.GPU]
-        cpu = [n for n, t in held.items() if t is Tier.CPU]
-
-        def size(names: Iterable[str]) -> int:
-            return sum(demands[n].bytes if n in demands else DEFAULT_ADAPTER_BYTES for n in names)
-
-        residual.append(PodCapacity(
-            cap.name, max(0, cap.gpu_slots - len(gpu)), max(0, cap.cpu_slots - len(cpu)),
-            None if cap.gpu_bytes is None else max(0, cap.gpu_bytes - size(gpu)),
-            None if cap.cpu_bytes is None else max(0, cap.cpu_bytes - size(cpu)),
-            None if cap.disk_bytes is None else max(0, cap.disk_bytes - size(held))))
-    previous = Placement(pods={pod: {n: t for n, t in held.items() if n in changed} for pod, held in before.items()})
-    all_demands = [changed.get(n, d) for d in plan.demands if (n := d.served_name) not in again or n in changed]
-    all_demands += [d for n, d in changed.items() if n not in demands]
-    config = inputs.placement
-    traffic = PoolTraffic.of_demands(plan.capacity, all_demands, config)
-    local = place(residual, list(changed.values()), previous, {}, config, traffic)
-    merged = {pod: {**rest.get(pod, {}), **local.pods.get(pod, {})} for pod in before.keys() | local.pods.keys()}
-    notes = {**{n: why for n, why in plan.placement.notes.items() if n not in again}, **local.notes}
-    planned = Placement(pods=merged, notes=notes, staging=plan.placement.staging)
+    planned, all_demands = place_again(plan.placement, plan.capacity, plan.demands, changed, again, inputs.placement,
+                                       DEFAULT_ADAPTER_BYTES)
     serving = serving_holders(inputs.reports, changed)
     placement = keep_until_replaced(planned, list(changed.values()), serving,
                                     {r.pod for r in inputs.reports if r.demotes_to_disk})

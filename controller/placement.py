@@ -54,7 +54,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from loraplane.api import WarmPolicy
@@ -925,6 +925,64 @@ def place(
     """Plan which served revisions each pod holds at which tier (pure; see the module docstring). ``traffic``: the
     whole pool's when ``pods`` and ``demands`` are part of it (planned alone), else theirs."""
     return _Planner(pods, demands, previous, budgets or {}, config or PlacementConfig(), traffic).run()
+
+
+#: relative rate change (each window) below which an adapter's rates are taken as unchanged
+DEFAULT_HYSTERESIS = 0.25
+#: absolute rate change (requests/s) below which a change never counts (a trickle moving by a few per cent)
+RATE_FLOOR = 0.01
+#: seconds between two full plans of a pool at rest
+DEFAULT_FULL_PLAN_SECONDS = 60.0
+#: at most this share of a pool's revisions (at least 8) moving beyond the hysteresis is placed again alone; more
+#: plans the pool whole
+DELTA_SHARE = 0.02
+
+
+def rate_moved(old: float, new: float, hysteresis: float) -> bool:
+    """Did a rate move beyond ``hysteresis`` (relative) and ``RATE_FLOOR`` (absolute), appearing or going quiet
+    included? Rates drift by a few per cent all the time, and a placement that follows every drift churns GPU
+    slots."""
+    change = abs(new - old)
+    return change > RATE_FLOOR and change > hysteresis * max(old, new)
+
+
+def few_enough(moved: int, revisions: int) -> bool:
+    """May ``moved`` of a pool's ``revisions`` be placed again alone (``place_again``) rather than the pool whole?"""
+    return moved <= max(8, revisions * DELTA_SHARE)
+
+
+def place_again(before: Placement, capacity: Sequence[PodCapacity], demands: Sequence[AdapterDemand],
+                changed: Mapping[str, AdapterDemand], again: Collection[str], config: PlacementConfig,
+                unknown_bytes: int) -> tuple[Placement, list[AdapterDemand]]:
+    """``before`` with the ``changed`` demands placed again alone, on what the revisions not placed ``again`` (a
+    superset of ``changed``: those leaving the plan too) leave of each pod (their replicas, slots and bytes kept
+    as they are), and merged; with the pool's demands now. ``unknown_bytes``: the size of a held revision
+    ``demands`` does not name."""
+    by_name = {d.served_name: d for d in demands}
+    rest = {pod: {n: t for n, t in held.items() if n not in again} for pod, held in before.pods.items()}
+
+    def size(names: Iterable[str]) -> int:
+        return sum(by_name[n].bytes if n in by_name else unknown_bytes for n in names)
+
+    residual = []
+    for cap in capacity:
+        held = rest.get(cap.name, {})
+        gpu = [n for n, t in held.items() if t is Tier.GPU]
+        cpu = [n for n, t in held.items() if t is Tier.CPU]
+        residual.append(PodCapacity(
+            cap.name, max(0, cap.gpu_slots - len(gpu)), max(0, cap.cpu_slots - len(cpu)),
+            None if cap.gpu_bytes is None else max(0, cap.gpu_bytes - size(gpu)),
+            None if cap.cpu_bytes is None else max(0, cap.cpu_bytes - size(cpu)),
+            None if cap.disk_bytes is None else max(0, cap.disk_bytes - size(held))))
+    previous = Placement(pods={pod: {n: t for n, t in held.items() if n in changed}
+                               for pod, held in before.pods.items()})
+    all_demands = [changed.get(n, d) for d in demands if (n := d.served_name) not in again or n in changed]
+    all_demands += [d for n, d in changed.items() if n not in by_name]
+    traffic = PoolTraffic.of_demands(capacity, all_demands, config)
+    local = place(residual, list(changed.values()), previous, {}, config, traffic)
+    merged = {pod: {**rest.get(pod, {}), **local.pods.get(pod, {})} for pod in before.pods.keys() | local.pods.keys()}
+    notes = {**{n: why for n, why in before.notes.items() if n not in again}, **local.notes}
+    return Placement(pods=merged, notes=notes, staging=before.staging), all_demands
 
 
 def gpu_loads(previous: Placement, new: Placement) -> int:

@@ -27,11 +27,16 @@ import numpy as np
 
 from loraplane.api import Tier
 from loraplane.controller.placement import (
+    DEFAULT_FULL_PLAN_SECONDS,
+    DEFAULT_HYSTERESIS,
     AdapterDemand,
     PodCapacity,
     Rates,
+    few_enough,
     host_slots,
     place,
+    place_again,
+    rate_moved,
 )
 from loraplane.controller.placement import Placement as PlacementPlan
 from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
@@ -308,7 +313,10 @@ class ControllerPlacement:
     """The controller's placement on the rates the picker would publish, applied as sidecars apply targets.
 
     Every adapter of the trace is a registered revision from the start (demand with zero rate until traffic comes),
-    so the placement's disk floor stages each one on some pod before its first request."""
+    so the placement's disk floor stages each one on some pod before its first request. As the controller's
+    ``IncrementalPlanner`` plans a pool at rest: its last plan is kept while every adapter's rates stay within the
+    hysteresis of those it was placed with; a few that moved beyond it are placed again alone (``place_again``);
+    more, one going quiet, staging pods or the full-plan period plan the pool whole."""
 
     def __init__(self, trace: Trace, config: SimConfig, period_s: float | None = None) -> None:
         """``period_s``: how often it plans (default: the controller's resync on vLLM pods, else
@@ -336,6 +344,12 @@ class ControllerPlacement:
         self._fixed = [(a.name, a.nbytes, trace.tenants[a.tenant].name, trace.tenants[a.tenant].priority) for a in trace.adapters]
         self._demands = [AdapterDemand(name, nbytes, tenant=t, priority=p) for name, nbytes, t, p in self._fixed]
         self._rates = [(0.0, 0.0, 0.0)] * len(trace.adapters)
+        #: each adapter's rates as its placement was made with them (the hysteresis compares with these), and when
+        #: the pool was last planned whole
+        self._placed_rates = list(self._rates)
+        self._planned_at = -math.inf
+        #: plans made whole, kept, and made again for a few adapters (as ``IncrementalPlanner`` counts them)
+        self.planned = self.reused = self.deltas = 0
 
     def staging(self) -> frozenset[str]:
         """The staging pods of the last plan (what the controller writes into the route table)."""
@@ -359,8 +373,7 @@ class ControllerPlacement:
                 rates_of[i] = rates
                 name, nbytes, tenant, priority = self._fixed[i]
                 demands[i] = AdapterDemand(name, nbytes, Rates(*rates), tenant, priority)
-        plan = place(self._pods, demands, previous=self._previous, config=self._config)
-        self._previous = plan
+        plan = self._plan(now)
         for pod in sim.pods:
             planned = plan.pods.get(f"pod-{pod.index}", {})
             pod.planned = {self._index[name] for name in planned}
@@ -374,6 +387,29 @@ class ControllerPlacement:
                     sim.stage_cpu(pod, self._index[name])
                 else:
                     sim.stage_disk(pod, self._index[name])
+
+    def _plan(self, now: float) -> PlacementPlan:
+        """The plan the controller holds now (see the class docstring)."""
+        previous, demands, placed = self._previous, self._demands, self._placed_rates
+        if previous is not None and now - self._planned_at < DEFAULT_FULL_PLAN_SECONDS:
+            moved = [i for i, (old, new) in enumerate(zip(placed, self._rates, strict=True))
+                     if old != new and any(rate_moved(a, b, DEFAULT_HYSTERESIS) for a, b in zip(old, new, strict=True))]
+            if not moved:
+                self.reused += 1
+                return previous
+            quiet = any(not any(self._rates[i]) for i in moved)
+            if not quiet and not previous.staging and few_enough(len(moved), len(demands)):
+                changed = {demands[i].served_name: demands[i] for i in moved}
+                plan, _ = place_again(previous, self._pods, demands, changed, set(changed), self._config, 0)
+                for i in moved:
+                    placed[i] = self._rates[i]
+                self._previous = plan
+                self.deltas += 1
+                return plan
+        plan = place(self._pods, demands, previous=previous, config=self._config)
+        self._placed_rates, self._planned_at, self._previous = list(self._rates), now, plan
+        self.planned += 1
+        return plan
 
     def _register(self, sim: Simulator, pod: Pod, targets: dict[int, Tier]) -> None:
         """What a vLLM pod's sidecar does with its new targets: registers each target it has not (a load, which
