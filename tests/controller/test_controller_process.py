@@ -297,6 +297,45 @@ async def test_deleting_a_revision_unloads_it_before_the_finalizer_goes(env: Env
         assert await env.held("claims@v1") == {}
 
 
+async def _second_revision_in_canary_step_one(env: Env) -> None:
+    """claims-v1 Stable, then claims-v2 in Canary step 1 (10 %, a 4 s pause) with traffic to both."""
+    await asyncio.to_thread(create, env.kube, body("v1", 1))
+    await _watch_phases(env, "claims-v1", "Stable")
+    await env.traffic("claims@v1", "claims@v2")
+    manifest = body("v2", 2)
+    manifest["spec"]["rollout"] = {**FAST, "steps": [{"weight": 10, "pauseSeconds": 4},
+                                                     {"weight": 50, "pauseSeconds": 1}]}
+    await asyncio.to_thread(create, env.kube, manifest)
+    await _watch_phases(env, "claims-v2", "Canary(0)")
+
+
+async def _forge_promotion(env: Env) -> dict[str, Any]:
+    """Patch claims-v2's status to ``phase: Stable`` at weight 100 as someone else would; the status before."""
+    ours = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
+    forged = {"status": {"phase": "Stable", "trafficWeight": 100, "reason": "Promoted"}}
+    await asyncio.to_thread(k8s.CustomObjectsApi(env.kube).patch_namespaced_custom_object_status,
+                            "loraplane.io", "v1alpha1", "default", "adapterrevisions", "claims-v2", forged)
+    return ours
+
+
+async def _restored(env: Env, ours: dict[str, Any], controller: Controller, samples: int) -> None:
+    """claims-v2 gets the controller's own status back (Canary step 1, its pause running on from where it was), no
+    route ever gives it more than its step's 10 % meanwhile, and the repair is counted."""
+    weights: list[int] = []
+
+    def sample() -> bool:
+        weights.append(env.routes_now().get("v2", 0))
+        status = get(env.kube, "claims-v2")["status"]
+        return status["phase"] == "Canary" and status.get("canaryStep") == 0 and len(weights) >= samples
+
+    await eventually(sample, 10, "the controller's own status back")
+    restored = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
+    assert max(weights) == 10, weights
+    assert restored["phaseSince"] == ours["phaseSince"]
+    assert controller.metrics is not None
+    assert controller.metrics.registry.get_sample_value("loraplane_controller_status_repairs_total") >= 1
+
+
 async def test_a_status_patch_cannot_skip_a_gate(env: Env) -> None:
     """Someone patches ``status.phase: Stable`` (and weight 100) during Canary step 1: no route ever sends the new
     revision more than its step's 10 %, the controller writes its own status back, says so in a Warning Event and
@@ -304,31 +343,9 @@ async def test_a_status_patch_cannot_skip_a_gate(env: Env) -> None:
     controller = env.controller()
     controller.metrics = ControllerMetrics()
     async with running(controller):
-        await asyncio.to_thread(create, env.kube, body("v1", 1))
-        await _watch_phases(env, "claims-v1", "Stable")
-        await env.traffic("claims@v1", "claims@v2")
-        manifest = body("v2", 2)
-        manifest["spec"]["rollout"] = {**FAST, "steps": [{"weight": 10, "pauseSeconds": 4},
-                                                         {"weight": 50, "pauseSeconds": 1}]}
-        await asyncio.to_thread(create, env.kube, manifest)
-        await _watch_phases(env, "claims-v2", "Canary(0)")
-        ours = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
-        forged = {"status": {"phase": "Stable", "trafficWeight": 100, "reason": "Promoted"}}
-        await asyncio.to_thread(k8s.CustomObjectsApi(env.kube).patch_namespaced_custom_object_status,
-                                "loraplane.io", "v1alpha1", "default", "adapterrevisions", "claims-v2", forged)
-        weights, phases = [], []
-
-        def sample() -> bool:
-            weights.append(env.routes_now().get("v2", 0))
-            status = get(env.kube, "claims-v2")["status"]
-            phases.append(status["phase"])
-            return status["phase"] == "Canary" and status.get("canaryStep") == 0 and len(weights) >= 20
-
-        await eventually(sample, 10, "the controller's own status back")
-        restored = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
-        assert max(weights) == 10, weights
-        assert restored["phaseSince"] == ours["phaseSince"]  # the step's pause runs on from where it was
-        assert controller.metrics.registry.get_sample_value("loraplane_controller_status_repairs_total") >= 1
+        await _second_revision_in_canary_step_one(env)
+        ours = await _forge_promotion(env)
+        await _restored(env, ours, controller, samples=20)
         events = await asyncio.to_thread(env.events, "claims-v2")
         assert any(reason == "StatusOverwritten" and "restored Canary step 1" in message for reason, message in events)
         seen = await _watch_phases(env, "claims-v2", "Stable", within=30)
@@ -339,33 +356,12 @@ async def test_a_status_patched_while_no_controller_leads_skips_no_gate(env: Env
     """The forged ``phase: Stable`` lands between two leaders (the first stopped, the next not yet started): the new
     leader reads the status the last one recorded in Redis (``StatusRecord``, which only the controller writes) and
     restores it, instead of taking the stored status as the last leader's."""
-    manifest = body("v2", 2)
-    manifest["spec"]["rollout"] = {**FAST, "steps": [{"weight": 10, "pauseSeconds": 4},
-                                                     {"weight": 50, "pauseSeconds": 1}]}
     async with running(env.controller("controller-a")):
-        await asyncio.to_thread(create, env.kube, body("v1", 1))
-        await _watch_phases(env, "claims-v1", "Stable")
-        await env.traffic("claims@v1", "claims@v2")
-        await asyncio.to_thread(create, env.kube, manifest)
-        await _watch_phases(env, "claims-v2", "Canary(0)")
-    ours = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
-    forged = {"status": {"phase": "Stable", "trafficWeight": 100, "reason": "Promoted"}}
-    await asyncio.to_thread(k8s.CustomObjectsApi(env.kube).patch_namespaced_custom_object_status,
-                            "loraplane.io", "v1alpha1", "default", "adapterrevisions", "claims-v2", forged)
+        await _second_revision_in_canary_step_one(env)
+    ours = await _forge_promotion(env)
     successor = env.controller("controller-b")
     successor.metrics = ControllerMetrics()
     async with running(successor):
-        weights: list[int] = []
-
-        def sample() -> bool:
-            weights.append(env.routes_now().get("v2", 0))
-            status = get(env.kube, "claims-v2")["status"]
-            return status["phase"] == "Canary" and status.get("canaryStep") == 0 and len(weights) >= 10
-
-        await eventually(sample, 10, "the last leader's status back")
-        restored = (await asyncio.to_thread(get, env.kube, "claims-v2"))["status"]
-        assert max(weights) == 10, weights
-        assert restored["phaseSince"] == ours["phaseSince"]
-        assert successor.metrics.registry.get_sample_value("loraplane_controller_status_repairs_total") >= 1
+        await _restored(env, ours, successor, samples=10)
         seen = await _watch_phases(env, "claims-v2", "Stable", within=30)
         assert "Canary(1)" in seen  # step 2 was not skipped
