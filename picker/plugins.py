@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -22,6 +22,7 @@ from loraplane.api import ApiModel
 from loraplane.picker.snapshot import BoolArray, FloatArray, PoolSnapshot
 
 if TYPE_CHECKING:
+    from loraplane.picker.lifecycle import PluginRuntime, RequestPlugin
     from loraplane.picker.prefix import PrefixRequest
 
 
@@ -56,8 +57,9 @@ class Cycle:
     utilisation: FloatArray
     #: utilisation < 1.0
     unsaturated: BoolArray
-    #: per endpoint (whole pool): the share of the request's prefix blocks it holds, set once per cycle by the
-    #: profile's ``prefix-cache-scorer`` (``PrefixCacheScorer.cycle_match``); None: no prefix signal
+    #: per endpoint (whole pool): the share of the request's prefix blocks it holds, set once per cycle in the
+    #: prepare-data stage by the profile's ``prefix-cache-scorer`` (``PrefixCacheScorer.prepare``); None: no prefix
+    #: signal
     prefix_hit: FloatArray | None = None
     #: the request's hashed prompt length in tokens (what a full prefix hit saves in prefill)
     prefix_tokens: float = 0.0
@@ -547,6 +549,25 @@ def predicted_ttft_scorer(params: PredictedTtftParameters) -> Scorer:
                                                 + prefill_seconds(params, cycle))
 
 
+@runtime_checkable
+class DataPreparer(Protocol):
+    """A plugin's prepare-data hook (llm-d-router's PrepareData): run once per scheduling cycle, before the filters,
+    to put on the ``Cycle`` what several plugins read (the prefix match: the prefix scorer's score, the
+    ``predicted-ttft-scorer``'s saved prefill, the decision's prefill estimate)."""
+
+    def prepare(self, request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> None:
+        """Fill the cycle's shared data for ``request``."""
+
+
+@runtime_checkable
+class RequestHooks(Protocol):
+    """A plugin that also acts around the requests it scored (pre-request, response): its ``RequestPlugin``, made
+    once per process for the process's runtime."""
+
+    def request_hooks(self, runtime: PluginRuntime) -> RequestPlugin:
+        """The hooks, for ``loraplane.picker.lifecycle.Lifecycle``."""
+
+
 class PluginKind(StrEnum):
     """What a plugin type is: where in a request's life it runs."""
 
@@ -564,6 +585,10 @@ class PluginKind(StrEnum):
 @dataclass(frozen=True, slots=True)
 class PluginType:
     """A plugin type: its kind, its parameters model and its factory.
+
+    The kind says where the config's plugin runs first; an instance may serve more hook points besides (as in
+    llm-d-router, one plugin several extension points): a ``DataPreparer`` is run in the cycle's prepare-data stage,
+    a ``RequestHooks`` plugin adds its hooks to the request's lifecycle, whatever its weight.
 
     Filter, scorer and picker factories take the validated parameters; request-plugin factories take the parameters
     and the process's ``PluginRuntime`` (clock, wake-ups, in-flight tracker, metrics). A ``snapshot_only`` scorer

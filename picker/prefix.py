@@ -533,10 +533,12 @@ class PrefixCacheScorer:
     1. hash once per request from the parsed body: ``prefix = scheduler.prefix.hash_request(served_name, digest,
        document)`` (or ``hash_text``, or any ``PrefixRequest``), and pass it as ``SchedulingRequest(...,
        prefix=prefix)``; a request without one gets no prefix score;
-    2. ``Scheduler.schedule`` matches it once per cycle (``cycle_match``) and fills ``Cycle.prefix_hit`` /
-       ``Cycle.prefix_tokens``, which this score and the ``predicted-ttft-scorer``'s saved prefill both read;
+    2. ``Scheduler.schedule`` runs its prepare-data stage (``prepare``: ``cycle_match``) once per cycle, which fills
+       ``Cycle.prefix_hit`` / ``Cycle.prefix_tokens``, read by this score, the ``predicted-ttft-scorer``'s saved
+       prefill and the decision's prefill estimate;
     3. after the decision, ``routed(prefix, endpoint_address)``: the approximate index learns where the prefix went
-       (the picker's lifecycle does it in ``pre_request``, ``PrefixRouting``; it also counts the metrics);
+       (the picker's lifecycle does it in ``pre_request``: this plugin's ``request_hooks``, ``PrefixRouting``; it
+       also counts the metrics);
     4. precise mode: the pods' block sets go into ``index`` (a ``PreciseIndex``: ``refresh`` from Redis, the
        picker's state sync does it; or ``update(KvBlockSet)``).
 
@@ -568,6 +570,16 @@ class PrefixCacheScorer:
     def hash_text(self, served_name: str | None, digest: str | None, text: str) -> PrefixRequest:
         """The prefix blocks of a prompt text."""
         return self.hasher.hash_text(served_name, digest, text)
+
+    def prepare(self, request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> None:
+        """The prepare-data stage (``DataPreparer``): a request with a hashed prefix is matched over the whole pool
+        once per cycle (``cycle_match``)."""
+        if request.prefix is not None:
+            self.cycle_match(request.prefix, pool, cycle)
+
+    def request_hooks(self, runtime: PluginRuntime) -> RequestPlugin:
+        """``RequestHooks``: learn where each request went, and count the prefix metrics (``PrefixRouting``)."""
+        return PrefixRouting(self, runtime)
 
     def cycle_match(self, prefix: PrefixRequest, pool: PoolSnapshot, cycle: Cycle) -> None:
         """Match ``prefix`` over the whole pool once; set ``cycle.prefix_hit`` and ``cycle.prefix_tokens``."""

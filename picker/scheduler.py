@@ -35,6 +35,7 @@ from loraplane.picker.plugins import (
     REGISTRY,
     SMALL_POOL,
     Cycle,
+    DataPreparer,
     Filter,
     FilterParameters,
     FloatArray,
@@ -42,6 +43,7 @@ from loraplane.picker.plugins import (
     PluginKind,
     PluginType,
     PoolSaturatedError,
+    RequestHooks,
     SaturationThresholds,
     SchedulingError,
     SchedulingRequest,
@@ -50,7 +52,7 @@ from loraplane.picker.plugins import (
     register,
     reported_utilisation,
 )
-from loraplane.picker.prefix import PrefixCacheScorer, PrefixRouting
+from loraplane.picker.prefix import PrefixCacheScorer
 from loraplane.picker.snapshot import BoolArray, PoolSnapshot
 
 PICKER_TYPE = "max-score-picker"
@@ -237,8 +239,10 @@ class Scheduler:
         #: (type, parameters) of the profile's request plugins, in order (``loraplane.picker.lifecycle``)
         self.request_plugins: list[tuple[str, dict[str, object]]] = []
         self._cache: _SnapshotCache | None = None
-        #: the profile's ``prefix-cache-scorer`` (at any weight: weight 0 only feeds the cost model), else None
-        self.prefix: PrefixCacheScorer | None = None
+        #: the profile's plugins with a prepare-data stage and with request hooks (at any weight: a prefix scorer at
+        #: weight 0 still feeds the cost model), in profile order
+        self.preparers: list[DataPreparer] = []
+        self.hooked: list[RequestHooks] = []
         self._in_flight_scale = 1.0 / self.thresholds.in_flight_threshold
         #: flow control off: a sheddable request is refused when the mean utilisation of the pool (or of the gateway's
         #: subset) reaches 1.0, as llm-d-router's admission without its flowControl feature gate; on: it waits in
@@ -256,8 +260,10 @@ class Scheduler:
                 self.filters.append(_FilterStep(spec.ref, kind.factory(params), params.fail_open))
             elif kind.kind is PluginKind.SCORER:
                 scorer = kind.factory(params)
-                if isinstance(scorer, PrefixCacheScorer) and self.prefix is None:
-                    self.prefix = scorer  # matched once per cycle, for its own score and the cost model
+                if isinstance(scorer, DataPreparer):
+                    self.preparers.append(scorer)
+                if isinstance(scorer, RequestHooks):
+                    self.hooked.append(scorer)
                 if ref.weight > 0:
                     scorers = self.snapshot_scorers if kind.snapshot_only else self.scorers
                     scorers.append((spec.ref, scorer, ref.weight))
@@ -267,12 +273,16 @@ class Scheduler:
                 self.request_plugins.append((spec.type, spec.parameters))
                 if spec.type == "flow-control" and flowcontrol.FlowControlParameters.model_validate(spec.parameters).enabled:
                     self.sheds_on_pool_mean = False
+        #: the profile's first ``prefix-cache-scorer``: it hashes a request's prompt in the director's prepare stage
+        #: (once, not at every retry of a held request) and holds the index the pods' block sets go into
+        self.prefix: PrefixCacheScorer | None = next((p for p in self.preparers if isinstance(p, PrefixCacheScorer)),
+                                                     None)
 
     def lifecycle(self, runtime: lifecycle.PluginRuntime) -> lifecycle.Lifecycle:
-        """The profile's request plugins (in-flight accounting first), and the prefix scorer's routing hook."""
+        """The profile's request plugins (in-flight accounting first), then the hooks of its other plugins."""
         plugins = lifecycle.Lifecycle.from_specs(runtime, self.request_plugins)
-        if self.prefix is not None:
-            plugins.add(PrefixRouting(self.prefix, runtime))
+        for plugin in self.hooked:
+            plugins.add(plugin.request_hooks(runtime))
         return plugins
 
     @classmethod
@@ -297,6 +307,8 @@ class Scheduler:
         np.maximum(util, cache.reported_utilisation, out=util)
         np.less(util, 1.0, out=unsaturated)
         cycle = Cycle(cache.everyone, util, unsaturated, rng=rng)
+        for preparer in self.preparers:
+            preparer.prepare(request, pool, cycle)
         region = cache.everyone  # the endpoints the gateway allows (its subset hint), for the pool's saturation
         subset_step = self.filters[0]
         for step in self.filters:
@@ -316,8 +328,6 @@ class Scheduler:
                     raise PoolSaturatedError("every candidate endpoint is saturated and the request is sheddable")
             elif pool_saturation(pool, util, region) >= 1.0:
                 raise PoolSaturatedError("the pool is saturated and the request is sheddable")
-        if self.prefix is not None and request.prefix is not None:
-            self.prefix.cycle_match(request.prefix, pool, cycle)
         scored = [(score, weight) for _name, scorer, weight in self.scorers
                   if (score := scorer(request, pool, cycle)) is not None]
         if pool.size <= SMALL_POOL:  # a small pool: the weighted sum in Python floats (the same operations)

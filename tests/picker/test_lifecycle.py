@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from loraplane.api import ApiModel
 from loraplane.picker.extproc import NONE, Exchange
 from loraplane.picker.lifecycle import (
     FairSharePlugin,
@@ -13,7 +16,7 @@ from loraplane.picker.lifecycle import (
     PluginRuntime,
     RequestPlugin,
 )
-from loraplane.picker.plugins import REGISTRY, PluginKind, SchedulingRequest
+from loraplane.picker.plugins import REGISTRY, Cycle, PluginKind, PluginType, SchedulingRequest, register
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import EndpointState, InFlightTracker, PoolSnapshot
 from tests.picker.conftest import (
@@ -88,6 +91,55 @@ def test_hooks_run_once_before_sending_and_once_at_the_end() -> None:
     exchange.close()
     assert recorder.events == [("pre", chosen), ("complete", chosen)]
     assert state.snapshot.in_flight.sum() == 0
+
+
+class _WatchingScorer:
+    """One plugin at three hook points: a scorer (with no opinion), a prepare-data stage, request hooks."""
+
+    def __init__(self, _parameters: ApiModel) -> None:
+        self.prepared: list[int] = []
+        self.hooks = Recorder()
+
+    def prepare(self, _request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> None:
+        self.prepared.append(int(cycle.candidates.sum()))  # before the filters: every endpoint is in
+
+    def __call__(self, _request: SchedulingRequest, _pool: PoolSnapshot, _cycle: Cycle) -> None:
+        return None
+
+    def request_hooks(self, _runtime: PluginRuntime) -> RequestPlugin:
+        return self.hooks
+
+
+class _NoParameters(ApiModel):
+    pass
+
+
+@pytest.fixture
+def watching_scorer() -> Iterator[None]:
+    """``test-watching-scorer`` registered for the test only."""
+    register("test-watching-scorer", PluginType(PluginKind.SCORER, _NoParameters, _WatchingScorer))
+    yield
+    del REGISTRY["test-watching-scorer"]
+
+
+@pytest.mark.usefixtures("watching_scorer")
+def test_one_plugin_serves_several_hook_points_at_any_weight() -> None:
+    """A scorer that also prepares data and hooks requests gets each called (as the prefix scorer does: match once
+    per cycle, learn where the request went), from the config alone: the scheduler knows no plugin by name."""
+    ctx, _ = make_context()
+    ctx.scheduler = Scheduler.from_yaml(CONFIG.replace(
+        "- type: max-score-picker\n", "- type: max-score-picker\n- {type: test-watching-scorer}\n").replace(
+        "{pluginRef: max-score-picker}]", "{pluginRef: max-score-picker}, {pluginRef: test-watching-scorer, weight: 0}]"))
+    ctx.lifecycle = None
+    ctx.__post_init__()
+    (watcher,) = [p for p in ctx.scheduler.preparers if isinstance(p, _WatchingScorer)]
+    exchange = Exchange(ctx)
+    exchange.handle(headers(REQUEST_HEADERS, body_mode=BUFFERED))
+    exchange.handle(body(COMPLETION))
+    chosen = exchange.director.destination
+    exchange.close()
+    assert watcher.prepared == [len(ADDRESSES)]  # once for the one cycle
+    assert watcher.hooks.events == [("pre", chosen), ("complete", chosen)]
 
 
 class StartRecorder(Recorder):
