@@ -363,9 +363,10 @@ def test_a_forged_or_deleted_key_is_repaired_within_one_resync(chaos: Chaos) -> 
     admin.set(keys.route_table(POOL), forged.to_json())
     admin.delete(target_key, report_key)
     deleted = time.monotonic()
-    routes_back = _wait(lambda: (t := chaos.routes()) is not None and set(t.models) == set(HOT), within=5)
-    target_back = _wait(lambda: admin.get(target_key) is not None, within=5) + routes_back
-    report_back = time.monotonic() - deleted + _wait(lambda: admin.get(report_key) is not None, within=5)
+    # the repair is level-triggered (the next pass); the seconds it took are reported, ``within`` only guards a hang
+    routes_back = _wait(lambda: (t := chaos.routes()) is not None and set(t.models) == set(HOT), within=60)
+    target_back = _wait(lambda: admin.get(target_key) is not None, within=60) + routes_back
+    report_back = time.monotonic() - deleted + _wait(lambda: admin.get(report_key) is not None, within=60)
     repaired = chaos.routes()
     _report("repair-forged-and-deleted", {"routes_back_s": round(routes_back, 2), "target_back_s": round(target_back, 2),
                                           "report_back_s": round(report_back, 2),
@@ -400,7 +401,7 @@ def test_redis_sigkill_and_restart(chaos: Chaos) -> None:
         admin = chaos.admin_redis()
         target_keys = [keys.target_state(POOL, e.pod) for e in chaos.stack.engines]
         _wait(lambda: admin.get(keys.route_table(POOL)) is not None and all(admin.exists(k) for k in target_keys),
-              within=10)
+              within=60)  # a hang guard: the seconds are reported
         restored = time.monotonic()
         time.sleep(6)
     late = traffic.failed((restored, float("inf")))
