@@ -423,7 +423,6 @@ class Controller:
         for record in await self.store.read_status_records(pool):
             self.written.setdefault((record.namespace, record.name), (record.uid, record.status))
         self._records_read.add(pool)
-        self._read_revisions.pop(pool, None)
 
     async def _read(self, pool: str) -> _Revisions:
         """The pool's revisions as the state machine goes on from them (``_trusted``); invalid ones recorded."""
@@ -550,22 +549,22 @@ class Controller:
         once the revision is unloaded."""
         informer = self.informers["revisions"]
         key, uid = object_key(obj), str(obj["metadata"].get("uid", ""))
-        pool = _pool_of(obj)
+        pool, deleting = _pool_of(obj), obj["metadata"].get("deletionTimestamp") is not None
         try:
-            if self.written.get(key) != (uid, status) and pool is not None and obj["metadata"].get("deletionTimestamp") is None:
+            if self.written.get(key) != (uid, status) and pool is not None and not deleting:
                 await self.store.write_status_record(StatusRecord(pool=pool, namespace=_namespace(obj), name=key[1],
                                                                   uid=uid, status=status))
-            if stored != status and obj["metadata"].get("deletionTimestamp") is None:
+            if stored != status and not deleting:
                 obj = await self.kube.patch_status(_namespace(obj), obj["metadata"]["name"],
                                                    status.model_dump(mode="json", by_alias=True))
                 informer.remember(obj)
                 self._touch_object(obj)
                 if self.metrics:
                     self.metrics.status_patches.inc()
-            if obj["metadata"].get("deletionTimestamp") is None:
+            deleting = obj["metadata"].get("deletionTimestamp") is not None  # as the patched object says
+            if not deleting:
                 self.written[key] = (uid, status)  # what the object holds now, as this replica wrote or confirmed it
             finalizers = list(obj["metadata"].get("finalizers") or [])
-            deleting = obj["metadata"].get("deletionTimestamp") is not None
             if add_finalizer and not deleting and FINALIZER not in finalizers:
                 informer.remember(await self.kube.set_finalizers(obj, [*finalizers, FINALIZER]))
                 self._touch_object(obj)
