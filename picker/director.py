@@ -38,7 +38,7 @@ from loraplane.picker.flowcontrol import FlowControl
 from loraplane.picker.lifecycle import InFlightRequest, Lifecycle, PluginRuntime
 from loraplane.picker.plugins import WAITED_OUT, SchedulingRequest
 from loraplane.picker.routes import Resolution, RouteResolver, UnknownModelError
-from loraplane.picker.scheduler import Decision, Scheduler, SchedulingError
+from loraplane.picker.scheduler import Decision, Scheduler, SchedulingError, WaitKey
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
 
@@ -128,7 +128,7 @@ class RequestDirector:
     """One request's phases (see the module). ``headers``: the request's control headers, lower-case names."""
 
     __slots__ = ("client_model", "ctx", "destination", "finished", "headers", "inflight", "later", "route",
-                 "sent_at", "subset", "tenant", "waiting")
+                 "sent_at", "subset", "tenant", "wait_key", "waiting")
 
     def __init__(self, ctx: PickerContext, headers: Mapping[str, str]) -> None:
         self.ctx = ctx
@@ -147,6 +147,8 @@ class RequestDirector:
         self.later: Later | None = None
         #: while the flow-control queue holds the request: what it is routed with
         self.waiting: tuple[SchedulingRequest, Resolution | None] | None = None
+        #: what its last decision saw (``Scheduler.still_waits``): until that changes, the queue's retries are free
+        self.wait_key: WaitKey | None = None
         self.finished = False
 
     # --- 1. resolve -----------------------------------------------------------------------------------------------
@@ -239,6 +241,9 @@ class RequestDirector:
         if waiting is None or self.finished:
             return True
         request, route = waiting
+        key = self.wait_key
+        if key is not None and self.ctx.scheduler.still_waits(request, self.ctx.snapshot(), key):
+            return False
         outcome: Decision | Exception
         try:
             decision = self._decide(request, may_wait=True)
@@ -280,6 +285,7 @@ class RequestDirector:
             raise
         finally:
             ctx.metrics.decision_seconds.observe(ctx.clock() - started)
+        self.wait_key = decision.wait_key
         return None if may_wait and decision.should_wait else decision
 
     def _send(self, request: SchedulingRequest, route: Resolution | None, decision: Decision) -> Decision:

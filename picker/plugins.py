@@ -600,6 +600,10 @@ class PluginType:
     parameters: type[ApiModel]
     factory: Callable[..., Any]
     snapshot_only: bool = False
+    #: a filter's: given its parameters and the pool, is its answer a function of the request and the sidecars'
+    #: reports alone (not of the picker's in-flight counts)? None: it may read them. A request that must wait can go
+    #: only once the load of an endpoint such filters kept changes (``Scheduler.still_waits``)
+    load_blind: Callable[[Any, PoolSnapshot], bool] | None = None
 
 
 #: every plugin type a config may name, by type name
@@ -621,13 +625,23 @@ def plugin_type(name: str) -> PluginType:
     return found
 
 
-_BUILT_IN_FILTERS: list[tuple[str, type[FilterParameters], Callable[..., Filter]]] = [
-    ("subset-hint-filter", FilterParameters, subset_hint_filter),
-    ("ready-filter", FilterParameters, ready_filter),
-    ("staleness-filter", FilterParameters, staleness_filter),
-    ("residency-filter", ResidencyFilterParameters, residency_filter),
-    ("saturation-filter", SaturationFilterParameters, saturation_filter),
-    ("adapter-room-filter", FilterParameters, adapter_room_filter),
+def _always(_params: object, _pool: PoolSnapshot) -> bool:
+    return True
+
+
+def _residency_load_blind(params: ResidencyFilterParameters, pool: PoolSnapshot) -> bool:
+    """The residency filter reads the in-flight counts only to spill to on-demand pods with room."""
+    return not (params.spill_without_room and pool.any_on_demand)
+
+
+_BUILT_IN_FILTERS: list[tuple[str, type[FilterParameters], Callable[..., Filter],
+                              Callable[[Any, PoolSnapshot], bool] | None]] = [
+    ("subset-hint-filter", FilterParameters, subset_hint_filter, _always),
+    ("ready-filter", FilterParameters, ready_filter, _always),
+    ("staleness-filter", FilterParameters, staleness_filter, _always),
+    ("residency-filter", ResidencyFilterParameters, residency_filter, _residency_load_blind),
+    ("saturation-filter", SaturationFilterParameters, saturation_filter, None),
+    ("adapter-room-filter", FilterParameters, adapter_room_filter, None),
 ]
 _BUILT_IN_SCORERS: list[tuple[str, type[ApiModel], Callable[..., Scorer], bool]] = [
     ("residency-affinity-scorer", AffinityParameters, residency_affinity_scorer, False),
@@ -640,7 +654,7 @@ _BUILT_IN_SCORERS: list[tuple[str, type[ApiModel], Callable[..., Scorer], bool]]
     ("kv-usage-scorer", _NoParameters, kv_usage_scorer, True),
     ("predicted-ttft-scorer", PredictedTtftParameters, predicted_ttft_scorer, False),
 ]
-for _filter in _BUILT_IN_FILTERS:
-    register(_filter[0], PluginType(PluginKind.FILTER, *_filter[1:]))
+for _name, _parameters, _factory, _load_blind in _BUILT_IN_FILTERS:
+    register(_name, PluginType(PluginKind.FILTER, _parameters, _factory, load_blind=_load_blind))
 for _scorer in _BUILT_IN_SCORERS:
     register(_scorer[0], PluginType(PluginKind.SCORER, *_scorer[1:]))

@@ -19,6 +19,7 @@ scheduling profile listing which plugins run and with what weight::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib import resources
@@ -53,7 +54,7 @@ from loraplane.picker.plugins import (
     reported_utilisation,
 )
 from loraplane.picker.prefix import PrefixCacheScorer
-from loraplane.picker.snapshot import BoolArray, PoolSnapshot
+from loraplane.picker.snapshot import BoolArray, IntArray, PoolSnapshot
 
 PICKER_TYPE = "max-score-picker"
 #: the endpoint-picker protocol's subset restriction: always the first filter, never failed open
@@ -181,6 +182,8 @@ class Decision:
     #: the prompt tokens the primary endpoint has to prefill: the request's estimate less the prefix the picker
     #: expects it to hold (``Cycle.prefix_hit``); its prefill queue counts these until the first token
     prefill_tokens: int = 0
+    #: set when the request should wait: what it saw (``Scheduler.still_waits``)
+    wait_key: WaitKey | None = None
 
     @property
     def should_wait(self) -> bool:
@@ -197,6 +200,43 @@ class _FilterStep:
     name: str
     run: Filter
     fail_open: bool
+    #: ``PluginType.load_blind``, bound to the step's parameters (None: the step may read the in-flight counts)
+    load_blind: Callable[[PoolSnapshot], bool] | None
+
+
+@dataclass(frozen=True, slots=True)
+class WaitKey:
+    """What a decision that must wait saw of the endpoints whose load could let it go (``Scheduler.still_waits``):
+    the candidates the load-blind filters kept, and their in-flight counts then."""
+
+    pool: PoolSnapshot
+    version: int
+    indices: IntArray
+    #: their in-flight requests, distinct revisions in flight and revisions being fetched (as bytes: compared, not
+    #: read)
+    load: tuple[bytes, bytes, bytes]
+    #: the endpoints with requests of the revision in flight (room there whatever the slots)
+    serving: frozenset[int]
+
+    @classmethod
+    def of(cls, request: SchedulingRequest, pool: PoolSnapshot, steady: BoolArray) -> WaitKey:
+        """The key of a decision over ``pool`` whose load-blind filters kept ``steady``."""
+        indices = steady.nonzero()[0]
+        return cls(pool, pool.version, indices, _load(pool, indices), _serving(request, pool))
+
+    def unchanged(self, request: SchedulingRequest, pool: PoolSnapshot) -> bool:
+        """Is ``pool`` as the key saw it: the same reports, and the same load on each of the key's endpoints?"""
+        return (self.pool is pool and self.version == pool.version and _load(pool, self.indices) == self.load
+                and _serving(request, pool) == self.serving)
+
+
+def _load(pool: PoolSnapshot, indices: IntArray) -> tuple[bytes, bytes, bytes]:
+    return (pool.in_flight[indices].tobytes(), pool.adapters_in_flight[indices].tobytes(),
+            pool.fetching[indices].tobytes())
+
+
+def _serving(request: SchedulingRequest, pool: PoolSnapshot) -> frozenset[int]:
+    return frozenset(pool.in_flight_by_name.get(request.served_name, ())) if request.served_name else frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +288,7 @@ class Scheduler:
         #: subset) reaches 1.0, as llm-d-router's admission without its flowControl feature gate; on: it waits in
         #: the queue while every candidate is saturated, like any other request
         self.sheds_on_pool_mean = True
-        self.filters.append(_FilterStep(SUBSET_FILTER_TYPE, REGISTRY[SUBSET_FILTER_TYPE].factory(FilterParameters()), False))
+        self.filters.append(_filter_step(SUBSET_FILTER_TYPE, REGISTRY[SUBSET_FILTER_TYPE], FilterParameters()))
         for ref in chosen.plugins:
             spec = specs[ref.plugin_ref]
             kind = REGISTRY[spec.type]
@@ -257,7 +297,7 @@ class Scheduler:
                 continue  # already first, whatever the profile says
             if kind.kind is PluginKind.FILTER:
                 assert isinstance(params, FilterParameters)
-                self.filters.append(_FilterStep(spec.ref, kind.factory(params), params.fail_open))
+                self.filters.append(_filter_step(spec.ref, kind, params))
             elif kind.kind is PluginKind.SCORER:
                 scorer = kind.factory(params)
                 if isinstance(scorer, DataPreparer):
@@ -311,7 +351,10 @@ class Scheduler:
             preparer.prepare(request, pool, cycle)
         region = cache.everyone  # the endpoints the gateway allows (its subset hint), for the pool's saturation
         subset_step = self.filters[0]
+        steady: BoolArray | None = None  # the candidates before the first filter that reads the in-flight counts
         for step in self.filters:
+            if steady is None and (step.load_blind is None or not step.load_blind(pool)):
+                steady = cycle.candidates
             keep = step.run(request, pool, cycle)
             if keep is not None:
                 narrowed = keep if cycle.candidates is cache.everyone else cycle.candidates & keep
@@ -343,7 +386,17 @@ class Scheduler:
                 for score, weight in scored:
                     np.add(scores, np.multiply(score, weight, out=cache.term), out=scores)
             indices = pick_top(scores, cycle.candidates, self.max_endpoints, rng)
-        return self._decide(request, pool, cycle, indices, saturated)
+        decision = self._decide(request, pool, cycle, indices, saturated)
+        if decision.should_wait:
+            decision.wait_key = WaitKey.of(request, pool, cycle.candidates if steady is None else steady)
+        return decision
+
+    def still_waits(self, request: SchedulingRequest, pool: PoolSnapshot, key: WaitKey) -> bool:
+        """Would ``request``, whose decision said wait and gave ``key``, still wait? True only when it must: the
+        reports are the same and no endpoint the load-blind filters kept has changed its in-flight counts (the
+        filters after them, saturation and room, read nothing else), so a held request is not scheduled again
+        after every completion anywhere in the pool (a fleet's dispatch rounds: most of a decision's cost)."""
+        return key.unchanged(request, pool)
 
     def _fill_cache(self, pool: PoolSnapshot) -> _SnapshotCache:
         n = pool.size
@@ -386,6 +439,12 @@ class Scheduler:
         else:
             outcome = Outcome.WARM_GPU if level == 0 else Outcome.WARM_CPU if level == 1 else Outcome.COLD
         return Decision(endpoints, indices, outcome, tier, saturated, room, prefill)
+
+
+def _filter_step(name: str, kind: PluginType, params: FilterParameters) -> _FilterStep:
+    blind = kind.load_blind
+    return _FilterStep(name, kind.factory(params), params.fail_open,
+                       None if blind is None else lambda pool: blind(params, pool))
 
 
 _TIER_OF_LEVEL = {t.level: t for t in Tier}

@@ -43,7 +43,7 @@ from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
 from loraplane.engine.tiers import AdapterState
 from loraplane.picker.flowcontrol import FlowControlParameters
 from loraplane.picker.plugins import WAITED_OUT, SchedulingRequest
-from loraplane.picker.scheduler import Decision, EndpointPickerConfig, Scheduler, SchedulingError
+from loraplane.picker.scheduler import Decision, EndpointPickerConfig, Scheduler, SchedulingError, WaitKey
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.sim.admission import OFF, QUEUES, FlowControlConfig
 from loraplane.sim.baselines import ROUND_ROBIN, RoundRobin
@@ -171,6 +171,9 @@ class PickerRouter:
         #: the snapshot whose in-flight counts were last set, each pod's counts per name then, and (first-step end,
         #: pod) of pods whose count of requests without a first token drops at that time
         self._synced: PoolSnapshot | None = None
+        #: held requests -> what their last decision saw (``Scheduler.still_waits``)
+        self._waits: dict[int, WaitKey] = {}
+        self._prune_at = 64
         self._flights: list[dict[str, int]] = []
         self._first_ends: list[tuple[float, int]] = []
 
@@ -225,14 +228,18 @@ class PickerRouter:
     def decide(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> Decision:
         """The scheduler's decision for request ``rid``; raises the picker's ``SchedulingError``s. The picker's own
         in-flight count, per endpoint and served name, is every request sent to a pod and not finished there."""
-        snapshot = self._refresh(now, pods)
-        self._sync_in_flight(snapshot, now, pods)
+        snapshot = self._synced_snapshot(now, pods)
         request = self._requests[trace.adapter[rid]]
         if self._prefix is not None:
             self._now = now
             request = replace(request, prefix=self._prefix.request(rid), prompt_tokens=self._inputs[rid])
         self._last_request, self._last_rid = request, rid
         return self.scheduler.schedule(request, snapshot, self._rng)
+
+    def _synced_snapshot(self, now: float, pods: list[Pod]) -> PoolSnapshot:
+        snapshot = self._refresh(now, pods)
+        self._sync_in_flight(snapshot, now, pods)
+        return snapshot
 
     def _sent(self, decision: Decision) -> int:
         """The last decided request goes to the decision's primary endpoint (the prefix index learns it)."""
@@ -300,13 +307,25 @@ class PickerRouter:
         """For flow control, as the picker's: the decision's primary endpoint, or ``None`` while the request should
         wait (``Decision.should_wait``: every candidate saturated, or none with room for its adapter: a GPU slot,
         no other fetch ahead; or none holding it); other refusals as ``Refused``."""
+        key = self._waits.pop(rid, None)
+        if key is not None and self.scheduler.still_waits(self._requests[sim.trace.adapter[rid]],
+                                                          self._synced_snapshot(now, sim.pods), key):
+            self._waits[rid] = key
+            return None
         try:
             decision = self.decide(now, rid, sim.trace, sim.pods)
         except WAITED_OUT:
             return None
         except SchedulingError as exc:
             raise Refused(exc.status, exc.reason) from exc
-        return None if decision.should_wait else self._sent(decision)
+        if decision.wait_key is None:
+            return self._sent(decision)
+        self._waits[rid] = decision.wait_key
+        if len(self._waits) > self._prune_at:  # forget requests the queue refused meanwhile
+            refused = sim.result.refused
+            self._waits = {r: k for r, k in self._waits.items() if not refused[r]}
+            self._prune_at = 2 * len(self._waits) + 64
+        return None
 
 
 class ControllerPlacement:

@@ -477,3 +477,26 @@ def test_the_fairness_key_reads_the_current_header_name_first(pairs: tuple[tuple
     exchange.handle(headers([*REQUEST_HEADERS, *pairs], body_mode=BUFFERED))
     exchange.handle(body(COMPLETION))
     assert exchange.director.inflight is not None and exchange.director.inflight.fairness_key == key
+
+
+def test_a_held_request_is_decided_again_only_when_an_endpoint_it_could_use_changes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet's queue retries its held heads after every completion anywhere: each retry was a whole decision.
+    Now the retry is free until the load of a pod the request could use (a holder of its revision) changes."""
+    ctx, loop = flow_context()
+    busy = [send(ctx) for _ in range(2)]  # both holders of claims (pod-1, pod-2) saturated
+    waiting, replies = send(ctx)
+    assert replies == [] and waiting.director.wait_key is not None
+    decisions: list[int] = []
+    schedule = ctx.scheduler.schedule
+    monkeypatch.setattr(ctx.scheduler, "schedule", lambda *args: decisions.append(1) or schedule(*args))
+    loop.advance(0.2)  # four retry rounds with nothing changed
+    ctx.tracker.start("10.0.0.1:8000", "other@v1")  # pod-0, which does not hold claims, gets busier, then idle again
+    loop.advance(0.05)
+    ctx.tracker.finish("10.0.0.1:8000", "other@v1")
+    loop.advance(0.05)
+    assert decisions == [] and replies == []
+    busy[0][0].close()  # a holder's request completes: decided again, and sent there
+    loop.advance(0.0)
+    assert len(decisions) == 1 and [r.WhichOneof("response") for r in replies] == ["request_body"]
+    assert waiting.director.destination == busy[0][0].director.destination

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from loraplane.api import Tier
+from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.scheduler import Scheduler, WaitKey
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot, _holds
 from loraplane.sim.cluster import ON_DEMAND, Pod, SimConfig
 from loraplane.sim.policies import PickerRouter
@@ -94,3 +96,25 @@ def test_the_simulators_snapshot_reindexes_changed_rows_as_the_pickers_does() ->
             assert np.array_equal(snapshot.protected_warm, fresh.protected_warm)
         moved += int(fresh.protected_warm.sum())
     assert moved > 0
+
+
+def test_a_held_requests_retries_skip_the_decision_only_while_it_would_still_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The picker's queue retries its held heads after each completion; in the simulator (as in the picker) a retry
+    is a whole decision only once a pod the request could use changed (``Scheduler.still_waits``). Each retry it
+    skipped is decided anyway here: every one of them would have waited."""
+    trace = scenario("hot-plus-burst", 1000, seed=5, adapter_bytes=ADAPTER_BYTES)
+    still_waits = Scheduler.still_waits
+    skipped = []
+
+    def checking(scheduler: Scheduler, request: SchedulingRequest, pool: PoolSnapshot, key: WaitKey) -> bool:
+        waits = still_waits(scheduler, request, pool, key)
+        if waits:
+            assert scheduler.schedule(request, pool, np.random.default_rng(0)).should_wait
+            skipped.append(request.served_name)
+        return waits
+
+    monkeypatch.setattr(Scheduler, "still_waits", checking)
+    simulate(trace, SimConfig(pods=2, max_loras=2, max_cpu_loras=4), LARGE_GPU, "loraplane", seed=5)
+    assert len(skipped) > 100
