@@ -222,21 +222,20 @@ class WaitKey:
     def of(cls, request: SchedulingRequest, pool: PoolSnapshot, steady: BoolArray) -> WaitKey:
         """The key of a decision over ``pool`` whose load-blind filters kept ``steady``."""
         indices = steady.nonzero()[0]
-        return cls(pool, pool.version, indices, _load(pool, indices), _serving(request, pool))
+        name = request.served_name
+        return cls(pool, pool.version, indices, _load(pool, indices),
+                   frozenset(pool.in_flight_by_name.get(name, ())) if name else frozenset())
 
     def unchanged(self, request: SchedulingRequest, pool: PoolSnapshot) -> bool:
         """Is ``pool`` as the key saw it: the same reports, and the same load on each of the key's endpoints?"""
+        name = request.served_name
         return (self.pool is pool and self.version == pool.version and _load(pool, self.indices) == self.load
-                and _serving(request, pool) == self.serving)
+                and (not name or pool.in_flight_by_name.get(name, {}).keys() == self.serving))
 
 
 def _load(pool: PoolSnapshot, indices: IntArray) -> tuple[bytes, bytes, bytes]:
     return (pool.in_flight[indices].tobytes(), pool.adapters_in_flight[indices].tobytes(),
             pool.fetching[indices].tobytes())
-
-
-def _serving(request: SchedulingRequest, pool: PoolSnapshot) -> frozenset[int]:
-    return frozenset(pool.in_flight_by_name.get(request.served_name, ())) if request.served_name else frozenset()
 
 
 @dataclass(frozen=True, slots=True)

@@ -256,6 +256,8 @@ class PickerRouter:
         157 in a pass over every pod's ``touched`` at each decision)."""
         ends = self._first_ends
         touched = pods[0].touched_pods if pods else set()
+        if not touched and snapshot is self._synced and (not ends or ends[0][0] > now):
+            return  # nothing moved since the last decision (a queue's retries in one round)
         if snapshot is not self._synced:
             self._synced, self._flights = snapshot, [self._in_flight(p) for p in pods]
             snapshot.set_in_flight(self._flights, [p.awaiting_first_token(now) for p in pods],
