@@ -350,6 +350,8 @@ class ControllerPlacement:
         #: vLLM pods: each pod's targets as last applied (adapter -> tier), what its sidecar registered
         self._vllm = config.loraplane_runtime == VLLM
         self._entries: list[dict[int, Tier]] = [{} for _ in range(config.pods)]
+        #: each pod's targets by name as last applied (a pod whose plan is the same is skipped)
+        self._applied: list[dict[str, Tier] | None] = [None] * config.pods
         # vLLM's host cache (``max_cpu_loras``) holds its GPU-resident adapters too, as the controller plans it
         cpu_slots = host_slots(config.max_cpu_loras, config.max_loras)
         self._pods = [PodCapacity(f"pod-{i}", config.max_loras, cpu_slots, disk_bytes=config.disk_bytes)
@@ -397,6 +399,11 @@ class ControllerPlacement:
         plan = self._plan(now)
         for pod in sim.pods:
             planned = plan.pods.get(f"pod-{pod.index}", {})
+            registered = pod.registered
+            if (self._vllm and registered is not None and planned == self._applied[pod.index]
+                    and self._entries[pod.index].keys() <= registered):
+                continue  # its sidecar has nothing to do: the same targets, every one registered
+            self._applied[pod.index] = dict(planned)
             pod.planned = {self._index[name] for name in planned}
             if self._vllm:
                 self._register(sim, pod, {self._index[name]: tier for name, tier in planned.items()})
