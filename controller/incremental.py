@@ -13,10 +13,15 @@ keeps its last plan while
   churns GPU slots (``PlacementConfig.stickiness`` is the same idea inside placement).
 
 A reused plan writes nothing: the caller only runs its level-triggered repair of the Redis keys. When something
-moved, a few revisions whose rates moved beyond the hysteresis are placed again alone (``delta_plan``), and a few
-adapters -- revisions added, changed or deleted, rollouts in progress, new probe results, report rows that changed
--- are planned again alone (``plan_part``), each on what the rest of the pool leaves. Anything else (a pod coming,
-going or changing readiness or capacity, more than ``placement.DELTA_SHARE`` of the pool) plans the pool whole, as does the
+moved, a few revisions whose rates moved beyond the hysteresis are placed again alone (``delta_plan``) while the
+floor revisions (``plans_as_floor``) placed again alone since the last whole plan stay few (``few_enough``) where
+the disks cannot hold every revision's holders (``Placement.deferred``): a sweep of new revisions moves a few of
+them every pass, each part leaves the rest of the plan as it was, and the disk holders the pool's order moves
+between them (from those swept to those yet to come) would all move at the next whole plan at once, each a
+registration that stalls its pod's batch. A few adapters -- revisions added, changed or
+deleted, rollouts in progress, new probe results, report rows that changed -- are planned again alone
+(``plan_part``), each on what the rest of the pool leaves. Anything else (a pod coming, going or changing readiness
+or capacity, more than ``placement.DELTA_SHARE`` of the pool) plans the pool whole, as does the
 ``full_plan_seconds`` period (so drift within the hysteresis, and anything a part did not see, is planned for at
 that pace).
 """
@@ -41,6 +46,7 @@ from loraplane.controller.placement import (
     few_enough,
     keep_until_replaced,
     place_again,
+    plans_as_floor,
     rate_moved,
 )
 from loraplane.controller.pool import (
@@ -108,6 +114,9 @@ class _Memo:
     moved: list[str] = field(default_factory=list)
     #: pod -> its report as the plan read it (``_PodView``)
     pods: dict[str, _PodView] = field(default_factory=dict)
+    #: floor revisions (``plans_as_floor``) placed again alone (``delta_plan``) since the plan was made whole, where
+    #: it deferred their further holders (``Placement.deferred``)
+    drifted: int = 0
 
     @property
     def at_rest(self) -> bool:
@@ -287,13 +296,17 @@ class IncrementalPlanner:
         if memo is not None and not why:
             self.reused += 1
             return PlanOutcome(memo.plan, reused=True)
-        if memo is not None and memo.moved and few_enough(len(memo.moved), len(memo.names)):
+        if (memo is not None and memo.moved and few_enough(len(memo.moved), len(memo.names))
+                and few_enough(memo.drifted, len(memo.names))):
             moved, memo.moved = memo.moved, []
             delta = delta_plan(memo.plan, inputs, moved)
             if delta is not None:
                 plan, changed = delta
                 self._rebase_rates(memo, inputs, changed)
                 memo.plan, memo.rates_source = plan, inputs.rates
+                if plan.placement.deferred:
+                    memo.drifted += sum(plans_as_floor(d, inputs.placement) for d in plan.demands
+                                        if d.served_name in changed)
                 self.deltas += 1
                 return PlanOutcome(plan, reused=False, why=f"placement of {len(changed)} revisions", delta=True)
         revisions = _revision_objects(inputs.revisions)

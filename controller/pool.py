@@ -291,7 +291,7 @@ def fit_to_sidecars(placement: Placement, planned: Placement, reports: Sequence[
             held[name] = Tier.DISK
             if name not in kept:
                 notes.setdefault(name, f"pod {pod} has no host slot left for it")
-    return Placement(pods=pods, notes=notes, staging=placement.staging)
+    return Placement(pods=pods, notes=notes, staging=placement.staging, deferred=placement.deferred)
 
 
 def plan_pool(inputs: PoolInputs) -> PoolPlan:

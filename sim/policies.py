@@ -36,6 +36,7 @@ from loraplane.controller.placement import (
     host_slots,
     place,
     place_again,
+    plans_as_floor,
     rate_moved,
 )
 from loraplane.controller.placement import Placement as PlacementPlan
@@ -336,8 +337,9 @@ class ControllerPlacement:
     Every adapter of the trace is a registered revision from the start (demand with zero rate until traffic comes),
     so the placement's disk floor stages each one on some pod before its first request. As the controller's
     ``IncrementalPlanner`` plans a pool at rest: its last plan is kept while every adapter's rates stay within the
-    hysteresis of those it was placed with; a few that moved beyond it are placed again alone (``place_again``);
-    more, one going quiet, staging pods or the full-plan period plan the pool whole."""
+    hysteresis of those it was placed with; a few that moved beyond it are placed again alone (``place_again``)
+    while the floor adapters placed again alone since the last whole plan stay few where it deferred their further
+    disk holders; more, one going quiet, staging pods or the full-plan period plan the pool whole."""
 
     def __init__(self, trace: Trace, config: SimConfig, period_s: float | None = None) -> None:
         """``period_s``: how often it plans (default: the controller's resync on vLLM pods, else
@@ -371,6 +373,8 @@ class ControllerPlacement:
         #: the pool was last planned whole
         self._placed_rates = list(self._rates)
         self._planned_at = -math.inf
+        #: floor adapters placed again alone since the last whole plan (``IncrementalPlanner``'s ``_Memo.drifted``)
+        self._drifted = 0
         #: plans made whole, kept, and made again for a few adapters (as ``IncrementalPlanner`` counts them)
         self.planned = self.reused = self.deltas = 0
 
@@ -426,16 +430,19 @@ class ControllerPlacement:
                 self.reused += 1
                 return previous
             quiet = any(not any(self._rates[i]) for i in moved)
-            if not quiet and not previous.staging and few_enough(len(moved), len(demands)):
+            if (not quiet and not previous.staging and few_enough(len(moved), len(demands))
+                    and few_enough(self._drifted, len(demands))):
                 changed = {demands[i].served_name: demands[i] for i in moved}
                 plan, _ = place_again(previous, self._pods, demands, changed, set(changed), self._config, 0)
                 for i in moved:
                     placed[i] = self._rates[i]
                 self._previous = plan
+                if plan.deferred:
+                    self._drifted += sum(plans_as_floor(demands[i], self._config) for i in moved)
                 self.deltas += 1
                 return plan
         plan = place(self._pods, demands, previous=previous, config=self._config)
-        self._placed_rates, self._planned_at, self._previous = list(self._rates), now, plan
+        self._placed_rates, self._planned_at, self._previous, self._drifted = list(self._rates), now, plan, 0
         self.planned += 1
         return plan
 

@@ -70,6 +70,40 @@ def test_a_rate_beyond_the_hysteresis_plans_again() -> None:
     assert not again.reused and "1 revisions" in again.why
 
 
+def _sweeping(disk_revisions: int | None) -> tuple[IncrementalPlanner, list[AdapterRevision], dict[str, float],
+                                                  list[ResidencyReport]]:
+    """A pool of 10 busy revisions and 30 trickles (below ``gpu_min_rate``), each pod's disk holding
+    ``disk_revisions`` revisions (None: unbounded), planned whole once."""
+    revs, rates, reports = _pool()
+    rates = {n: r if i < 10 else 0.05 for i, (n, r) in enumerate(rates.items())}
+    if disk_revisions is not None:
+        size = plan_pool(_inputs(revs, rates, reports)).demands[0].bytes
+        reports = [r.model_copy(update={"load": r.load.model_copy(update={"max_disk_bytes": disk_revisions * size})})
+                   for r in reports]
+    planner = IncrementalPlanner(hysteresis=0.25, full_plan_seconds=60, clock=Clock())
+    assert not planner.plan(_inputs(revs, rates, reports), "t1", {}).reused
+    return planner, revs, rates, reports
+
+
+def test_floor_revisions_placed_again_alone_since_the_whole_plan_stay_few_where_it_deferred_their_holders() -> None:
+    """Where the disks cannot hold three holders of every revision (12 revisions a pod, 6 pods, 40 revisions), the
+    floors' further holders move between revisions in whole plans only. A sweep moves a few trickles' rates at every
+    pass: each few is placed again alone while the floors placed again alone since the last whole plan stay
+    ``few_enough`` (8 of 40), then the pool is planned whole, so the holders move a few passes' worth at a time, not
+    a full-plan period's worth at once (each a registration stalling its pod's batch). With room for every holder
+    nothing waits for a whole plan."""
+    for disk, kinds in ((12, [True, True, True, False, True]), (None, [True] * 5)):
+        planner, revs, rates, reports = _sweeping(disk)
+        assert planner._memo[bench.POOL].plan.placement.deferred is (disk is not None)
+        outcomes = []
+        for first in range(10, 25, 3):
+            for rev in revs[first:first + 3]:
+                rates[rev.served_name] = 0.15
+            outcomes.append(planner.plan(_inputs(revs, rates, reports), "t1", {}))
+        assert [o.delta for o in outcomes] == kinds
+        assert not any(o.reused for o in outcomes)
+
+
 def test_the_full_plan_period_plans_a_pool_at_rest_again() -> None:
     planner, clock, revs, rates, reports, _ = _settled()
     clock.now = 59.0

@@ -24,6 +24,7 @@ from loraplane.controller.placement import (
     keep_until_replaced,
     minimum_gpu_loads,
     place,
+    place_again,
 )
 
 MB = 1 << 20
@@ -696,3 +697,25 @@ def test_a_sweep_of_idle_revisions_spreads_beyond_the_pods_with_free_gpu_slots()
     assert len(holders) > 4
     alone = place(pods, hot + sweep, config=PlacementConfig(burst_slots_per_pod=0, traffic_holders=1))
     assert len({pod for d in sweep for pod in alone.tiers_of(d.served_name)}) < len(holders)
+
+
+def test_a_part_placed_again_alone_keeps_each_revisions_disk_holders() -> None:
+    """Two trickles placed again alone where the disks cannot hold three holders of every revision: one whose
+    traffic just started (held on three pods, as a sweep's next revision is) and one whose traffic ended minutes
+    ago (more requests in the hour: it comes first among trickles). Competing only for the room their own holders
+    leave, the first handed two holders to the second -- two registrations, each a load stalling its pod's batch,
+    for a revision nobody asks for any more. Each keeps its holders; they move between revisions in whole plans."""
+    pods = [PodCapacity(f"pod-{i}", gpu_slots=4, cpu_slots=0, disk_bytes=3 * MB) for i in range(4)]
+    ended = AdapterDemand("ended", MB, Rates(0.0, 0.1, 0.1), warm_policy=WarmPolicy.ON_DEMAND)
+    started = AdapterDemand("started", MB, Rates(0.02, 0.01, 0.01), warm_policy=WarmPolicy.ON_DEMAND)
+    fillers = [AdapterDemand(f"idle-{i}", MB, warm_policy=WarmPolicy.ON_DEMAND) for i in range(8)]
+    before = Placement(pods={
+        "pod-0": {"ended": Tier.DISK, "idle-0": Tier.DISK, "idle-1": Tier.DISK},
+        "pod-1": {"started": Tier.DISK, "idle-2": Tier.DISK, "idle-3": Tier.DISK},
+        "pod-2": {"started": Tier.DISK, "idle-4": Tier.DISK, "idle-5": Tier.DISK},
+        "pod-3": {"started": Tier.DISK, "idle-6": Tier.DISK, "idle-7": Tier.DISK},
+    })
+    changed = {"ended": ended, "started": started}
+    again, _ = place_again(before, pods, [ended, started, *fillers], changed, set(changed), PlacementConfig(), MB)
+    assert again.replicas(Tier.DISK)["started"] == {"pod-1", "pod-2", "pod-3"}
+    assert again.replicas(Tier.DISK)["ended"] == {"pod-0"}

@@ -7,7 +7,9 @@ trace, and plans the real controller never makes.)
 
 from __future__ import annotations
 
-from loraplane.controller.placement import DEFAULT_FULL_PLAN_SECONDS
+from dataclasses import replace
+
+from loraplane.controller.placement import DEFAULT_FULL_PLAN_SECONDS, DELTA_SHARE, plans_as_floor
 from loraplane.sim.cluster import VLLM, SimConfig, Simulator
 from loraplane.sim.policies import LORAPLANE, ControllerPlacement, build_policy
 from loraplane.sim.profile import LARGE_GPU
@@ -48,3 +50,38 @@ def test_a_pool_at_rest_keeps_its_plan_and_a_few_moved_adapters_are_placed_again
 
     placement.apply(start + 4 + DEFAULT_FULL_PLAN_SECONDS, sim)  # the full-plan period
     assert placement.planned == 2
+
+
+def test_adapters_placed_again_alone_since_the_whole_plan_stay_few(monkeypatch) -> None:
+    """A sweep of new adapters moves a few adapters' rates at almost every resync: each few is placed again alone
+    while the floor adapters (every sweep adapter, and the disks cannot hold three holders of each) placed again
+    alone since the last whole plan stay ``few_enough``, then the pool is planned whole (as ``IncrementalPlanner``
+    does), long before the full-plan period comes round."""
+    from loraplane.sim import policies
+
+    trace = scenario("hot-plus-burst", 12000, seed=1, adapter_bytes=ADAPTER_BYTES)
+    config = replace(CONFIG, disk_bytes=30 * ADAPTER_BYTES)  # 120 copies of 81 adapters
+    built = build_policy(LORAPLANE, 1, trace, LARGE_GPU, config)
+    placement = built.placement
+    assert isinstance(placement, ControllerPlacement)
+    alone: list[int] = [0]  # floor adapters placed alone since the last whole plan
+    most = [0]
+    place, place_again = policies.place, policies.place_again
+
+    def whole(*args, **kwargs):  # type: ignore[no-untyped-def]
+        alone[0] = 0
+        return place(*args, **kwargs)
+
+    def part(before, capacity, demands, changed, *args):  # type: ignore[no-untyped-def]
+        most[0] = max(most[0], alone[0])  # placed alone since the whole plan, before this part
+        alone[0] += sum(plans_as_floor(d, config.placement) for d in changed.values())
+        return place_again(before, capacity, demands, changed, *args)
+
+    monkeypatch.setattr(policies, "place", whole)
+    monkeypatch.setattr(policies, "place_again", part)
+    sim = Simulator(trace, config, built.pod_profile or LARGE_GPU, built.router, built.eviction, placement,
+                    admission=built.admission, priority=built.priority)
+    sim.run()
+    assert placement._previous is not None and placement._previous.deferred
+    assert placement.deltas > 0 and 0 < most[0] <= max(8, len(trace.adapters) * DELTA_SHARE)
+    assert placement.planned > 1 + trace.duration / DEFAULT_FULL_PLAN_SECONDS
