@@ -15,6 +15,7 @@ over the pods' vLLM metrics as a peer's picker scrapes them (``loraplane.sim.pee
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import math
@@ -37,7 +38,7 @@ from loraplane.controller.placement import (
     place,
     place_again,
     plans_as_floor,
-    rate_moved,
+    rates_moved,
 )
 from loraplane.controller.placement import Placement as PlacementPlan
 from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
@@ -331,6 +332,10 @@ class PickerRouter:
         return None
 
 
+#: how far back the rate windows but the longest look (the 1 h window's start)
+HISTORY_S = 3600.0
+
+
 class ControllerPlacement:
     """The controller's placement on the rates the picker would publish, applied as sidecars apply targets.
 
@@ -361,17 +366,19 @@ class ControllerPlacement:
         self._index = {a.name: i for i, a in enumerate(trace.adapters)}
         self._adapters = np.asarray(trace.adapter, dtype=np.intp)
         self._counts = np.zeros(len(trace.adapters))
+        #: the request counts at each plan (the first, and those of the last hour: the windows look back to them)
         self._history: list[tuple[float, np.ndarray]] = []
+        self._history_times: list[float] = []
         self._counted = 0
         self._previous: PlacementPlan | None = None
         self._start = trace.arrival[0] if len(trace) else 0.0
         #: each adapter's demand as of the last plan, remade only when its rates change
         self._fixed = [(a.name, a.nbytes, trace.tenants[a.tenant].name, trace.tenants[a.tenant].priority) for a in trace.adapters]
         self._demands = [AdapterDemand(name, nbytes, tenant=t, priority=p) for name, nbytes, t, p in self._fixed]
-        self._rates = [(0.0, 0.0, 0.0)] * len(trace.adapters)
-        #: each adapter's rates as its placement was made with them (the hysteresis compares with these), and when
-        #: the pool was last planned whole
-        self._placed_rates = list(self._rates)
+        #: each adapter's rates (adapter x 5 min, 1 h, 24 h window), and as its placement was made with them (the
+        #: hysteresis compares with these), and when the pool was last planned whole
+        self._rate_array = np.zeros((len(trace.adapters), 3))
+        self._placed_rates = self._rate_array.copy()
         self._planned_at = -math.inf
         #: floor adapters placed again alone since the last whole plan (``IncrementalPlanner``'s ``_Memo.drifted``)
         self._drifted = 0
@@ -383,8 +390,8 @@ class ControllerPlacement:
         return self._previous.staging if self._previous is not None else frozenset()
 
     def _rate(self, now: float, window: float) -> np.ndarray:
-        start = now - window
-        past = next((c for t, c in self._history if t >= start), self._history[0][1])
+        history = self._history
+        past = history[min(bisect.bisect_left(self._history_times, now - window), len(history) - 1)][1]
         return np.asarray((self._counts - past) / max(1.0, min(window, now - self._start)))
 
     def apply(self, now: float, sim: Simulator) -> None:
@@ -393,13 +400,15 @@ class ControllerPlacement:
         self._counts += np.bincount(self._adapters[self._counted : arrived], minlength=len(self._counts))
         self._counted = arrived
         self._history.append((now, self._counts.copy()))
+        self._history_times.append(now)
+        while len(self._history) > 2 and self._history_times[1] < now - HISTORY_S:
+            del self._history[1], self._history_times[1]  # the first stays: the longest window's start
         windows = (self._rate(now, 300), self._rate(now, 3600), self._rate(now, 86400))
-        demands, rates_of = self._demands, self._rates
-        for i, rates in enumerate(zip(*(w.tolist() for w in windows), strict=True)):
-            if rates != rates_of[i]:
-                rates_of[i] = rates
-                name, nbytes, tenant, priority = self._fixed[i]
-                demands[i] = AdapterDemand(name, nbytes, Rates(*rates), tenant, priority)
+        demands, now_rates = self._demands, np.stack(windows, axis=1)
+        for i in np.flatnonzero(np.any(now_rates != self._rate_array, axis=1)).tolist():
+            name, nbytes, tenant, priority = self._fixed[i]
+            demands[i] = AdapterDemand(name, nbytes, Rates(*now_rates[i].tolist()), tenant, priority)
+        self._rate_array = now_rates
         plan = self._plan(now)
         for pod in sim.pods:
             planned = plan.pods.get(f"pod-{pod.index}", {})
@@ -424,25 +433,23 @@ class ControllerPlacement:
         """The plan the controller holds now (see the class docstring)."""
         previous, demands, placed = self._previous, self._demands, self._placed_rates
         if previous is not None and now - self._planned_at < DEFAULT_FULL_PLAN_SECONDS:
-            moved = [i for i, (old, new) in enumerate(zip(placed, self._rates, strict=True))
-                     if old != new and any(rate_moved(a, b, DEFAULT_HYSTERESIS) for a, b in zip(old, new, strict=True))]
+            moved = np.flatnonzero(np.any(rates_moved(placed, self._rate_array, DEFAULT_HYSTERESIS), axis=1)).tolist()
             if not moved:
                 self.reused += 1
                 return previous
-            quiet = any(not any(self._rates[i]) for i in moved)
+            quiet = not np.all(np.any(self._rate_array[moved], axis=1))
             if (not quiet and not previous.staging and few_enough(len(moved), len(demands))
                     and few_enough(self._drifted, len(demands))):
                 changed = {demands[i].served_name: demands[i] for i in moved}
                 plan, _ = place_again(previous, self._pods, demands, changed, set(changed), self._config, 0)
-                for i in moved:
-                    placed[i] = self._rates[i]
+                placed[moved] = self._rate_array[moved]
                 self._previous = plan
                 if plan.deferred:
                     self._drifted += sum(plans_as_floor(demands[i], self._config) for i in moved)
                 self.deltas += 1
                 return plan
         plan = place(self._pods, demands, previous=previous, config=self._config)
-        self._placed_rates, self._planned_at, self._previous, self._drifted = list(self._rates), now, plan, 0
+        self._placed_rates, self._planned_at, self._previous, self._drifted = self._rate_array.copy(), now, plan, 0
         self.planned += 1
         return plan
 
