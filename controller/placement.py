@@ -186,6 +186,10 @@ class Placement:
     #: the staging pods while some stage apart (``staging_share``): where traffic of a revision no pod holds goes
     #: (``RouteTable.staging_pods``); empty while every pod stages
     staging: frozenset[str] = frozenset()
+    #: the disks could not hold ``traffic_holders`` of every revision, so the floors' further holders came after
+    #: every floor, in the pool's order (``_Planner.place_disk``): a part placed again alone leaves the rest's
+    #: holders as they are, and a whole plan moves them between revisions
+    deferred: bool = False
 
     def tiers_of(self, served_name: str) -> dict[str, Tier]:
         """Pod -> tier for one served name."""
@@ -205,6 +209,12 @@ def is_burst(rates: Rates, config: PlacementConfig) -> bool:
     """True when the 5 min rate is a one-off spike far above the adapter's steady rate."""
     steady = max(rates.h1, rates.h24)
     return rates.m5 >= config.burst_min_rate and rates.m5 > config.burst_ratio * steady
+
+
+def plans_as_floor(d: AdapterDemand, config: PlacementConfig) -> bool:
+    """Does ``d`` plan like an idle adapter (``staging.is_floor``: below ``gpu_min_rate``, not pinned)? Its GPU
+    replica is its warm policy's floor at most, and its disk holders come after real demand's."""
+    return not d.pinned and steady_rate(d.rates, config) < config.gpu_min_rate
 
 
 def steady_rate(rates: Rates, config: PlacementConfig) -> float:
@@ -302,18 +312,22 @@ class PoolTraffic:
 
     rate: float
     contended: bool
+    #: the demands planned are a part of the pool placed again alone (``place_again``): each keeps the disk holders
+    #: it had before any of them takes a further one (``_Planner.place_disk``)
+    part: bool = False
 
     @classmethod
-    def of(cls, pods: Iterable[PodCapacity], rates: Iterable[float]) -> PoolTraffic:
+    def of(cls, pods: Iterable[PodCapacity], rates: Iterable[float], part: bool = False) -> PoolTraffic:
         """The traffic of ``rates`` (each revision's steady rate) on ``pods``."""
         busy = [r for r in rates if r > 0]
-        return cls(sum(busy), len(busy) > sum(p.gpu_slots for p in pods))
+        return cls(sum(busy), len(busy) > sum(p.gpu_slots for p in pods), part)
 
     @classmethod
     def of_demands(cls, pods: Iterable[PodCapacity], demands: Iterable[AdapterDemand],
                    config: PlacementConfig) -> PoolTraffic:
-        """The traffic of ``demands`` on ``pods`` (``steady_rate`` of each)."""
-        return cls.of(pods, (steady_rate(d.rates, config) for d in demands))
+        """The traffic of the whole pool's ``demands`` on its ``pods`` (``steady_rate`` of each), for a part of it
+        placed again alone (``place_again``)."""
+        return cls.of(pods, (steady_rate(d.rates, config) for d in demands), part=True)
 
 
 @dataclass
@@ -369,6 +383,8 @@ class _Planner:
             for name, tier in held.items():
                 self.previous_by_name.setdefault(name, {})[pod] = tier
         self.notes: dict[str, str] = {}
+        #: the floors' further holders were deferred (``Placement.deferred``)
+        self.deferred = False
         #: pod -> steady request rate its GPU replicas carry (an adapter's score split over its replicas)
         self.load = dict.fromkeys(self.pool.caps, 0.0)
         #: the same, counting gold (priority > 0) adapters only
@@ -826,14 +842,21 @@ class _Planner:
         (``disks_hold_holders``: a sweep of more than a thousand), every idle revision's and trickle's floor comes
         before any of their further holders: a revision held nowhere waits for a fetch on its first request, a
         missing further holder only spreads less. A revision no disk has room for is left to be fetched on its first
-        request."""
+        request.
+
+        A part placed again alone (``PoolTraffic.part``: a few revisions whose rates moved) competes only for the
+        room its own revisions' holders leave, so by this order a revision whose traffic just started (a trickle of
+        a few requests) would hand its further holders to one whose traffic ended minutes ago (more requests in the
+        hour): two unregistrations and two registrations, each a load into a GPU slot that stalls the pod's batch,
+        for a revision nobody asks for. There each keeps the holders it had before any takes a further one; holders
+        move between revisions in whole plans only, by the whole pool's order."""
         counts = {pod: len(held) for pod, held in self.pool.held.items()}
         every_pod_stages = not self.staging.apart
         # every pod by (revisions held, name), kept in order as revisions are placed: the candidates of a revision
         # are the first that qualify, found without sorting the pool for each of (10,000) revisions
         order = sorted((n, pod) for pod, n in counts.items())
         entries = sorted(self.entries.values(), key=self.disk_order)
-        defer = every_pod_stages and not self.disks_hold_holders(entries)
+        defer = self.deferred = every_pod_stages and not self.disks_hold_holders(entries)
         later = []
         for e in entries:
             floor = e.demand.min_replicas
@@ -848,6 +871,9 @@ class _Planner:
                 eligible = self.disk_eligible(e, ())
                 self.notes[e.demand.served_name] = ("no disk room" if any(map(eligible, self.pool.caps))
                                                     else "no eligible pod")
+        for e in later if self.traffic.part else ():  # a part: each keeps its holders first (above)
+            self.hold_on_disk(e, max(e.demand.min_replicas, self.config.traffic_holders), self.spread_holders(e),
+                              order, counts, only_previous=True)
         for e in later:
             self.hold_on_disk(e, max(e.demand.min_replicas, self.config.traffic_holders), self.spread_holders(e),
                               order, counts)
@@ -874,9 +900,10 @@ class _Planner:
         return eligible
 
     def hold_on_disk(self, e: _Entry, wanted: int, spread: int, order: list[tuple[int, str]],
-                     counts: dict[str, int]) -> dict[str, Tier]:
+                     counts: dict[str, int], only_previous: bool = False) -> dict[str, Tier]:
         """``e`` on ``wanted`` pods at least (on disk where it is held nowhere warmer), and on ``spread`` where the
-        further ones have GPU slots free; ``order`` and ``counts`` follow what is placed. Returns its holders."""
+        further ones have GPU slots free; ``order`` and ``counts`` follow what is placed; ``only_previous``: on pods
+        that held it in the previous plan only. Returns its holders."""
         placed = self.tiers(e)
         missing = wanted - len(placed)
         # holders beyond ``wanted`` for its share of the traffic, on pods the plan leaves GPU slots free
@@ -887,7 +914,7 @@ class _Planner:
         eligible, size, fits = self.disk_eligible(e, placed), e.demand.bytes, self.pool.fits
 
         def room(p: str) -> bool:
-            return eligible(p) and fits(p, Tier.DISK, size)
+            return eligible(p) and fits(p, Tier.DISK, size) and (not only_previous or p in previous)
 
         candidates = self.disk_candidates(order, counts, previous, missing, room)
         if extra > 0:
@@ -914,7 +941,7 @@ class _Planner:
         self.place_host_tier()
         self.place_disk()
         pods = {pod: dict(sorted(held.items())) for pod, held in sorted(self.pool.held.items())}
-        return Placement(pods=pods, notes=self.notes, staging=self.staging.routed)
+        return Placement(pods=pods, notes=self.notes, staging=self.staging.routed, deferred=self.deferred)
 
 
 def place(
@@ -937,7 +964,8 @@ RATE_FLOOR = 0.01
 #: seconds between two full plans of a pool at rest
 DEFAULT_FULL_PLAN_SECONDS = 60.0
 #: at most this share of a pool's revisions (at least 8) moving beyond the hysteresis is placed again alone; more
-#: plans the pool whole
+#: plans the pool whole, as do more floor revisions (``plans_as_floor``) placed again alone since the last whole plan
+#: where it deferred their further holders (``Placement.deferred``)
 DELTA_SHARE = 0.02
 
 
@@ -991,7 +1019,7 @@ def place_again(before: Placement, capacity: Sequence[PodCapacity], demands: Seq
     local = place(residual, list(changed.values()), previous, {}, config, traffic)
     merged = {pod: {**rest.get(pod, {}), **local.pods.get(pod, {})} for pod in before.pods.keys() | local.pods.keys()}
     notes = {**{n: why for n, why in before.notes.items() if n not in again}, **local.notes}
-    return Placement(pods=merged, notes=notes, staging=before.staging), all_demands
+    return Placement(pods=merged, notes=notes, staging=before.staging, deferred=before.deferred), all_demands
 
 
 def gpu_loads(previous: Placement, new: Placement) -> int:
@@ -1028,4 +1056,4 @@ def keep_until_replaced(placement: Placement, demands: Iterable[AdapterDemand],
         if demand.min_replicas and now and not now & planned_serving.get(demand.served_name, set()):
             for pod in now:
                 pods[pod][demand.served_name] = Tier.DISK if pod in keeps_on_disk else Tier.CPU
-    return Placement(pods=pods, notes=placement.notes, staging=placement.staging)
+    return Placement(pods=pods, notes=placement.notes, staging=placement.staging, deferred=placement.deferred)
