@@ -977,7 +977,7 @@ def rate_moved(old: float, new: float, hysteresis: float) -> bool:
     return change > RATE_FLOOR and change > hysteresis * max(old, new)
 
 
-def rates_moved(old: npt.NDArray[np.float64], new: npt.NDArray[np.float64], hysteresis: float) -> npt.NDArray[np.bool_]:
+def rate_moved_elementwise(old: npt.NDArray[np.float64], new: npt.NDArray[np.float64], hysteresis: float) -> npt.NDArray[np.bool_]:
     """``rate_moved`` elementwise, over arrays of rates (the simulated controller's 10,000 revisions at each resync)."""
     change = np.abs(new - old)
     return (change > RATE_FLOOR) & (change > hysteresis * np.maximum(old, new))

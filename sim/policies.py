@@ -38,7 +38,7 @@ from loraplane.controller.placement import (
     place,
     place_again,
     plans_as_floor,
-    rates_moved,
+    rate_moved_elementwise,
 )
 from loraplane.controller.placement import Placement as PlacementPlan
 from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
@@ -433,7 +433,8 @@ class ControllerPlacement:
         """The plan the controller holds now (see the class docstring)."""
         previous, demands, placed = self._previous, self._demands, self._placed_rates
         if previous is not None and now - self._planned_at < DEFAULT_FULL_PLAN_SECONDS:
-            moved = np.flatnonzero(np.any(rates_moved(placed, self._rate_array, DEFAULT_HYSTERESIS), axis=1)).tolist()
+            moved_any = np.any(rate_moved_elementwise(placed, self._rate_array, DEFAULT_HYSTERESIS), axis=1)
+            moved = np.flatnonzero(moved_any).tolist()
             if not moved:
                 self.reused += 1
                 return previous

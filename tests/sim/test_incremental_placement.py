@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from loraplane.controller.placement import DEFAULT_FULL_PLAN_SECONDS, DELTA_SHARE, plans_as_floor
+import numpy as np
+
+from loraplane.controller.placement import (
+    DEFAULT_FULL_PLAN_SECONDS,
+    DELTA_SHARE,
+    RATE_FLOOR,
+    plans_as_floor,
+    rate_moved,
+    rate_moved_elementwise,
+)
 from loraplane.sim.cluster import VLLM, SimConfig, Simulator
 from loraplane.sim.policies import LORAPLANE, ControllerPlacement, build_policy
 from loraplane.sim.profile import LARGE_GPU
@@ -85,3 +94,15 @@ def test_adapters_placed_again_alone_since_the_whole_plan_stay_few(monkeypatch) 
     assert placement._previous is not None and placement._previous.deferred
     assert placement.deltas > 0 and 0 < most[0] <= max(8, len(trace.adapters) * DELTA_SHARE)
     assert placement.planned > 1 + trace.duration / DEFAULT_FULL_PLAN_SECONDS
+
+
+def test_the_simulated_controllers_elementwise_hysteresis_is_the_controllers() -> None:
+    """``rate_moved_elementwise`` (the simulated controller's 10,000 revisions at once) answers as ``rate_moved``
+    does for each pair, at and around the floor and the hysteresis's edges."""
+    rng = np.random.default_rng(0)
+    base = rng.choice([0.0, RATE_FLOOR / 2, RATE_FLOOR, 0.04, 0.1, 1.0, 10.0], size=2000)
+    factor = rng.choice([0.0, 0.5, 0.75, 0.8, 1.0, 1.25, 4 / 3, 2.0], size=2000)
+    old, new = base, base * factor + rng.choice([0.0, RATE_FLOOR, 0.011], size=2000)
+    expected = [rate_moved(a, b, 0.25) for a, b in zip(old.tolist(), new.tolist(), strict=True)]
+    assert rate_moved_elementwise(old, new, 0.25).tolist() == expected
+    assert 0 < sum(expected) < len(expected)
