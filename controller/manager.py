@@ -518,9 +518,12 @@ class Controller:
         if self.metrics:
             self.metrics.redis_writes.inc(self.store.writes - writes_before)
             self.metrics.redis_repairs.inc(self.store.repairs - repairs_before)
-        # one object's writes stay in order; different objects' go out side by side (each call blocks a thread)
-        await asyncio.gather(*(self._write_back(objects[key], rp.status, finalize=rp.finalize, stored=stored[key])
-                               for key, rp in plan.revisions.items() if decided is None or key in decided))
+        # one object's writes stay in order; different objects' go out side by side (each call blocks a thread),
+        # after the pass's status records, all in one pipeline
+        writes = [(objects[key], rp) for key, rp in plan.revisions.items() if decided is None or key in decided]
+        await self.store.write_status_records([r for obj, rp in writes if (r := self._record_of(obj, rp.status))])
+        await asyncio.gather(*(self._write_back(obj, rp.status, finalize=rp.finalize, stored=stored[object_key(obj)],
+                                                recorded=True) for obj, rp in writes))
         if plan.events:
             self._record_events([(objects[key], event) for key, event in plan.events])
         for key, request in plan.probes:
@@ -543,17 +546,25 @@ class Controller:
                                   generation if isinstance(generation, int) else None)
             await self._write_back(obj, status, finalize=False, add_finalizer=False, stored=stored)
 
+    def _record_of(self, obj: dict[str, Any], status: AdapterRevisionStatus) -> StatusRecord | None:
+        """The status record to write before ``status`` goes to ``obj`` (None: recorded already, or not recorded)."""
+        key, uid = object_key(obj), str(obj["metadata"].get("uid", ""))
+        pool, deleting = _pool_of(obj), obj["metadata"].get("deletionTimestamp") is not None
+        if self.written.get(key) == (uid, status) or pool is None or deleting:
+            return None
+        return StatusRecord(pool=pool, namespace=_namespace(obj), name=key[1], uid=uid, status=status)
+
     async def _write_back(self, obj: dict[str, Any], status: AdapterRevisionStatus, finalize: bool,
-                          add_finalizer: bool = True, stored: AdapterRevisionStatus | None = None) -> None:
-        """Patch the status when it differs from ``stored`` (the object's, parsed); add our finalizer, or remove it
-        once the revision is unloaded."""
+                          add_finalizer: bool = True, stored: AdapterRevisionStatus | None = None,
+                          recorded: bool = False) -> None:
+        """Patch the status when it differs from ``stored`` (the object's, parsed), its status record written first
+        (``recorded``: already); add our finalizer, or remove it once the revision is unloaded."""
         informer = self.informers["revisions"]
         key, uid = object_key(obj), str(obj["metadata"].get("uid", ""))
         pool, deleting = _pool_of(obj), obj["metadata"].get("deletionTimestamp") is not None
         try:
-            if self.written.get(key) != (uid, status) and pool is not None and not deleting:
-                await self.store.write_status_record(StatusRecord(pool=pool, namespace=_namespace(obj), name=key[1],
-                                                                  uid=uid, status=status))
+            if not recorded and (record := self._record_of(obj, status)) is not None:
+                await self.store.write_status_records([record])
             if stored != status and not deleting:
                 obj = await self.kube.patch_status(_namespace(obj), obj["metadata"]["name"],
                                                    status.model_dump(mode="json", by_alias=True))

@@ -323,11 +323,17 @@ class RedisStore:
         """The target states last written (or read back) for ``pool``."""
         return self.targets.get(pool, {})
 
-    async def write_status_record(self, record: StatusRecord) -> None:
-        """Record the status about to be written to a revision (before it is: a leader that dies between the two
-        leaves its successor the status it meant, never an older one)."""
-        await self.client.set(keys.revision_status(record.pool, record.namespace, record.name), record.to_json())
-        self.writes += 1
+    async def write_status_records(self, records: Sequence[StatusRecord]) -> None:
+        """Record the statuses about to be written to revisions (before they are: a leader that dies between the two
+        leaves its successor the status it meant, never an older one), in one pipeline: a pass over a pool of
+        thousands of revisions takes one connection, not one each (redis-py's pool refuses more than 100)."""
+        if not records:
+            return
+        async with self.client.pipeline(transaction=False) as pipe:
+            for record in records:
+                pipe.set(keys.revision_status(record.pool, record.namespace, record.name), record.to_json())
+            await pipe.execute()
+        self.writes += len(records)
 
     async def forget_status_record(self, pool: str, namespace: str, name: str) -> None:
         """Drop a deleted revision's record (``EXPIRE 0``: the controller's ACL allows no ``DEL``)."""

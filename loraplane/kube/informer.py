@@ -78,10 +78,24 @@ class Informer:
         self._apply("MODIFIED", obj, notify=False)
 
     # -- loop side -----------------------------------------------------------------------------------------------
-    def _replace(self, items: list[dict[str, Any]]) -> None:
+    def _replace(self, items: list[dict[str, Any]], list_rv: int | None = None) -> None:
         """A (re)list: the first one is reported as ``LISTED``; a relist only as the changes it reveals (a watch that
-        broke and was listed again changes nothing the caller has to redo)."""
-        old, self.items = self.items, {object_key(o): o for o in items}
+        broke and was listed again changes nothing the caller has to redo). A relist never takes the cache back
+        behind what it held: an object cached with a newer resourceVersion than the listed one (or, where the list
+        (taken at ``list_rv``) lacks it, than the list) stays; a list of thousands is taken over seconds, and the
+        objects the caller wrote meanwhile (``remember``) would otherwise come back as they were before its write."""
+        old = self.items
+        listed = {object_key(o): o for o in items}
+        for key, cached in old.items():
+            cached_rv, got = _rv(cached), listed.get(key)
+            if cached_rv is None:
+                continue
+            if got is None:
+                if list_rv is not None and cached_rv > list_rv:
+                    listed[key] = cached
+            elif (got_rv := _rv(got)) is not None and got_rv < cached_rv:
+                listed[key] = cached
+        self.items = listed
         if not self.synced.is_set():
             self.synced.set()
             self.on_change("LISTED", None)
@@ -122,7 +136,7 @@ class Informer:
                     response = self.list_fn(*self.args, _preload_content=False)
                     listing = json.loads(response.data)
                     resource_version = listing["metadata"]["resourceVersion"]
-                    self._post(self._replace, listing.get("items", []))
+                    self._post(self._replace, listing.get("items", []), _rv(listing))
                 resource_version = self._watch_from(resource_version)
                 backoff, last_status = 0.2, None
             except ApiException as exc:

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from kubernetes import client as k8s
 
 from e2e.fixtures.processes import RedisServer
-from loraplane.api import GROUP, PLURAL, VERSION
+from loraplane.api import GROUP, PLURAL, VERSION, keys
 from loraplane.controller.manager import Controller
 from loraplane.controller.metrics import ControllerMetrics
 from loraplane.controller.store import PoolReadings, RedisStore
@@ -197,3 +197,23 @@ async def test_a_terminal_error_is_recorded_in_status_and_not_retried(
         fixed = await eventually(lambda: (c := condition(kube, "claims-v1", "Reconciled")) and c["status"] == "True"
                                  and c, 10, "the pool reconciled once its selector changed")
         assert fixed["reason"] == "Reconciled"
+
+
+async def test_a_pass_that_writes_hundreds_of_statuses_takes_one_redis_connection_for_their_records(
+        server: ServerThread, redis: aioredis.Redis, tmp_path: Path) -> None:
+    """redis-py's asyncio pool refuses a 101st connection (``MaxConnectionsError``); each status's record went out
+    on its own, side by side, so a pass over a pool of more than 100 revisions failed at every retry (``bench
+    controller`` at 10,000 revisions). Now a pass's records are one pipeline: 150 new revisions all get a status."""
+    kube = api_client(server.url, tmp_path)
+    names = [f"a{i:03d}" for i in range(150)]
+    for name in names:
+        await asyncio.to_thread(create, kube, manifest("v1", adapter=name))
+    controller = make_controller(server.url, tmp_path, redis, lease=False)
+    async with running(controller):
+        def statuses() -> list[str | None]:
+            return [(get(kube, f"{name}-v1").get("status") or {}).get("reason") for name in names]
+
+        await eventually(lambda: set(statuses()) == {"NoPods"}, 60, "every revision's status")
+        assert controller.queue.failures(POOL) == 0
+    records = [k async for k in redis.scan_iter(match=keys.revision_status_pattern(POOL), count=1000)]
+    assert len(records) >= len(names)

@@ -79,3 +79,25 @@ async def test_a_watch_gone_410_lists_again_and_reports_what_it_missed(server: S
     finally:
         informer.stop()
         api.close()
+
+
+def _revision(name: str, rv: int, phase: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "default", "resourceVersion": str(rv)}, "status": {"phase": phase}}
+
+
+def test_a_relist_taken_before_the_callers_own_write_does_not_take_the_cache_back() -> None:
+    """At 10,000 revisions a watch broke, the relist took seconds, and it brought back the statuses from before the
+    controller's own patches (``remember``): the controller read them as written by someone else and restored its
+    own, thousands of times (``bench controller``). A newer cached object stays; what the list reveals still counts."""
+    seen: list[tuple[str, str | None, str | None]] = []
+    informer = Informer("revisions", lambda *a, **k: None, (),
+                        lambda kind, obj: seen.append((kind, obj and obj["metadata"]["name"],
+                                                       obj and obj["status"]["phase"])))
+    informer._replace([_revision("a", 10, "Verifying"), _revision("b", 11, "Verifying"),
+                       _revision("gone", 12, "Stable")], 12)
+    informer.remember(_revision("a", 20, "Stable"))  # the caller's patch
+    informer.remember(_revision("new", 21, "Pending"))  # created after the list below was taken
+    informer._replace([_revision("a", 10, "Verifying"), _revision("b", 15, "Canary")], 15)  # a list from rv 15
+    assert {k[1]: o["status"]["phase"] for k, o in informer.items.items()} == {"a": "Stable", "b": "Canary",
+                                                                               "new": "Pending"}
+    assert seen[1:] == [("MODIFIED", "b", "Canary"), ("DELETED", "gone", "Stable")]
