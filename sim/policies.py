@@ -368,7 +368,6 @@ class ControllerPlacement:
         self._counts = np.zeros(len(trace.adapters))
         #: the request counts at each plan (the first, and those of the last hour: the windows look back to them)
         self._history: list[tuple[float, np.ndarray]] = []
-        self._history_times: list[float] = []
         self._counted = 0
         self._previous: PlacementPlan | None = None
         self._start = trace.arrival[0] if len(trace) else 0.0
@@ -391,7 +390,7 @@ class ControllerPlacement:
 
     def _rate(self, now: float, window: float) -> np.ndarray:
         history = self._history
-        past = history[min(bisect.bisect_left(self._history_times, now - window), len(history) - 1)][1]
+        past = history[min(bisect.bisect_left(history, now - window, key=lambda entry: entry[0]), len(history) - 1)][1]
         return np.asarray((self._counts - past) / max(1.0, min(window, now - self._start)))
 
     def apply(self, now: float, sim: Simulator) -> None:
@@ -400,9 +399,8 @@ class ControllerPlacement:
         self._counts += np.bincount(self._adapters[self._counted : arrived], minlength=len(self._counts))
         self._counted = arrived
         self._history.append((now, self._counts.copy()))
-        self._history_times.append(now)
-        while len(self._history) > 2 and self._history_times[1] < now - HISTORY_S:
-            del self._history[1], self._history_times[1]  # the first stays: the longest window's start
+        while len(self._history) > 2 and self._history[1][0] < now - HISTORY_S:
+            del self._history[1]  # the first stays: the longest window's start
         windows = (self._rate(now, 300), self._rate(now, 3600), self._rate(now, 86400))
         demands, now_rates = self._demands, np.stack(windows, axis=1)
         for i in np.flatnonzero(np.any(now_rates != self._rate_array, axis=1)).tolist():
