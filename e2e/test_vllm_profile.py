@@ -44,8 +44,11 @@ def measure(runtime: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert profile.decode_step_ms(1, 0) > 0 and profile.default_adapter_bytes > 0
     assert all(row["ok"] for row in report["measurement"]["tier_check"].values()), report["measurement"]
     assert set(report["fit"]) == {"decode_tpot_ms", "prefill_ttft_ms", "loads_ttft_ms"}
-    # (1, 0), (1, 1); (4, 0), (4, 1), (4, 2); a batch whose every stream vLLM held up, three times, gives none
-    assert 1 <= report["measurement"]["samples"]["decode"] <= 2 + 3
+    # (1, 0), (1, 1); (4, 0), (4, 1), (4, 2); a batch whose every stream vLLM held up, three times, is set apart
+    # and fitted only when no batch came clean (a machine whose vLLM engine outruns its API server coalesces all)
+    held_up = report["measurement"]["decode_held_up"]
+    clean = 2 + 3 - held_up["samples"]
+    assert report["measurement"]["samples"]["decode"] == (held_up["samples"] if held_up["fitted"] else clean) >= 1
     assert len(report["measurement"]["load_average"]["before"]) == 3
     return report, profile
 
@@ -75,6 +78,7 @@ def test_the_measurement_of_the_emulator_is_well_formed_and_reads_its_limits(
     assert report["measurement"]["emulator_profile"] == LARGE_GPU.name
     assert report["measurement"]["front_end"] is None  # measured only for vLLM
     assert report["measurement"]["samples"]["decode"] == 2 + 3  # the emulator holds no stream up
+    assert report["measurement"]["decode_held_up"] == {"samples": 0, "fitted": False}
 
 
 def test_the_packaged_profile_runs_in_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:

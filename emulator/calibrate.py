@@ -287,31 +287,37 @@ class Session:
         return text.count(ADDING), text.count(ACTIVATING)
 
 
-def step_of(timings: Sequence[Timing]) -> float:
+def step_of(timings: Sequence[Timing], held_up: bool = False) -> float:
     """One decode step (ms) of a batch whose streams decoded together: the median over its streams of (last token -
-    first) / (tokens - 1), streams held up (most tokens came together: their first token came late) left out. A
-    stream held up mid-way and let go in a burst still ends on time, which the gap between two of its tokens does
-    not show."""
-    tpots = [t.tpot_s for t in timings if t.ok and t.held_up <= 0.5 and not math.isnan(t.tpot_s)]
+    first) / (tokens - 1), streams held up (most tokens came together: their first token came late) left out unless
+    ``held_up``. A stream held up mid-way and let go in a burst still ends on time, which the gap between two of its
+    tokens does not show."""
+    tpots = [t.tpot_s for t in timings
+             if t.ok and (held_up or t.held_up <= 0.5) and not math.isnan(t.tpot_s)]
     return round(1000 * statistics.median(tpots), 4) if tpots else math.nan
 
 
 def measure_decode(s: Session, names: list[str], batches: Sequence[int], adapter_counts: Sequence[int],
-                   tokens: int, repeats: int) -> list[DecodeSample]:
+                   tokens: int, repeats: int) -> tuple[list[DecodeSample], list[DecodeSample]]:
     """Per (batch, adapters): the batch sent at once (8-token prompts, answers of ``tokens``), its step the median
     time per output token of its streams (``step_of``). The batch prefills together in its first step and decodes
-    together until its last token: every token after the first is one step of the whole batch."""
+    together until its last token: every token after the first is one step of the whole batch. Returns the clean
+    samples and, apart, those of batches whose every stream was held up on every attempt (a server whose engine
+    outruns its API server coalesces every stream): the fit takes those only when there is no clean one."""
     configs = [(b, a) for b in batches for a in adapter_counts if a <= b]
-    samples = []
+    clean, held = [], []
     for _ in range(repeats):
         s.rng.shuffle(configs)
         for batch, count in configs:
             used = names[:count]
             models = [used[i % count] if count else s.base for i in range(batch)]
-            step = step_of(s.measure(models, 8, tokens, before=used))
+            timings = s.measure(models, 8, tokens, before=used)
+            step = step_of(timings)
             if not math.isnan(step):
-                samples.append(DecodeSample(batch, count, step))
-    return samples
+                clean.append(DecodeSample(batch, count, step))
+            elif not math.isnan(step := step_of(timings, held_up=True)):
+                held.append(DecodeSample(batch, count, step))
+    return clean, held
 
 
 def measure_prefill(s: Session, adapter: str, prompts: Sequence[int], repeats: int) -> list[PrefillSample]:
@@ -403,7 +409,8 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         measure_start = time.perf_counter()
         adapter_counts = [a for a in (0, 1, 2, 4, 8) if a <= args.max_loras]
         active = names[-args.max_loras:]
-        decode = measure_decode(s, active, args.batches, adapter_counts, args.decode_tokens, args.repeats)
+        clean, held_up = measure_decode(s, active, args.batches, adapter_counts, args.decode_tokens, args.repeats)
+        decode = clean or held_up
         prefill = measure_prefill(s, names[-1], args.prompts, args.repeats + 2)
         loads, _ = measure_loads(s, names, args.max_loras, args.per_tier, args.repeats)
         measure_s = time.perf_counter() - measure_start
@@ -450,6 +457,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "ready_s": round(ready_s, 1),
         "measure_s": round(measure_s, 1),
         "samples": {"decode": len(decode), "prefill": len(prefill), "loads": len(loads)},
+        "decode_held_up": {"samples": len(held_up), "fitted": not clean},
         "held_up_retries": s.retries,
         "load_lora_adapter_ms": {"median": round(statistics.median(load_calls), 2), "n": len(load_calls)},
         "tier_check": tier_check,

@@ -145,6 +145,9 @@ def test_a_decode_step_is_the_median_time_per_token_of_the_streams_not_held_up()
     assert step_of([timing(steady), timing(steady), timing(held), timing(held), timing(held)]) == pytest.approx(4.0)
     assert step_of([timing(steady), timing(released), timing(steady)]) == pytest.approx(4.0)
     assert math.isnan(step_of([timing(held)]))
+    coalesced = [0.0, 0.0, 0.0, 12.0] * 15  # an engine that outruns its API server: four tokens a chunk
+    assert math.isnan(step_of([timing(coalesced)] * 3))
+    assert step_of([timing(coalesced)] * 3, held_up=True) == pytest.approx(3.0)
 
 
 def test_the_emulators_own_front_end_is_fitted_from_its_ttfts() -> None:
