@@ -14,8 +14,8 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
-# loraplane/<component> are symbolic links to these folders; the wheel holds the real files.
+COPY pyproject.toml setup.py README.md ./
+# loraplane/ and each component folder's part of the loraplane namespace (<folder>/loraplane/<component>: setup.py)
 COPY loraplane/ loraplane/
 COPY api/ api/
 COPY kernels/ kernels/

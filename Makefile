@@ -11,7 +11,7 @@ demo: setup
 	.venv/bin/loraplane up --demo
 
 lint: setup
-	.venv/bin/ruff check . && .venv/bin/mypy -p loraplane && .venv/bin/lint-imports --no-cache
+	bash scripts/lint.sh
 
 crds: setup
 	.venv/bin/loraplane gen-crds

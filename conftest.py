@@ -2,39 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-
-def _prefer_installed(name: str) -> None:
-    """Bind ``name`` to the installed distribution of that name, not the checkout's top-level source folder.
-
-    Under pytest the checkout root is on ``sys.path`` (the rootdir conftest, ``python -m``), so its folders, which
-    the package reaches as ``loraplane.<name>``, also import as top-level modules and shadow installed ones:
-    transformers imports the ``kernels`` distribution (Hugging Face hub kernels) when it is installed, and got
-    ``loraplane.kernels``' folder instead (``cannot import name 'CUDAProperties' from 'kernels'``).
-    """
-    if name in sys.modules:
-        return
-    root = Path(__file__).resolve().parent
-    elsewhere = [p for p in sys.path if Path(p or ".").resolve() != root]
-    spec = importlib.machinery.PathFinder.find_spec(name, elsewhere)
-    if spec is None or spec.loader is None:
-        return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception:
-        del sys.modules[name]  # a broken install: left for whoever imports it to report
-
-
-_prefer_installed("kernels")
 
 # Triton picks interpreter or compiler when a kernel is decorated, so without CUDA the interpreter must be chosen
 # before any test module imports loraplane.kernels (the engine, sidecar and sim tests import it too).

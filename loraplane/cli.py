@@ -115,7 +115,7 @@ def bench_main(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``loraplane`` console script."""
-    from loraplane import __version__
+    from loraplane.version import __version__
 
     parser = dispatcher("loraplane", "loraplane, a multi-LoRA serving control plane: each component's command",
                         COMMANDS)

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${1:-python}"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # loraplane/<component> are symlinks: no install needed
+PYTHONPATH="$(bash scripts/namespace-path.sh)${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's namespace: no install
+export PYTHONPATH
 "$PYTHON" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name())'
 "$PYTHON" -m pytest tests/kernels -q -p no:cacheprovider -o addopts=""
 "$PYTHON" -m loraplane.cli bench kernels --quick --device cuda --json

@@ -67,7 +67,7 @@ if [ -n "$problems" ]; then
 fi
 
 stamp=$VENV/.loraplane-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)  # the packaging: pyproject.toml and setup.py
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup-vllm: pip install --no-deps -e . into $VENV"
   "$VENV/bin/python" -m pip install -q --no-deps -e .

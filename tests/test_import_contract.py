@@ -1,6 +1,7 @@
 """The import contracts of ``.importlinter`` (the layering: api and kernels at the bottom; devcluster/kube and the
 shared plumbing; the processes; stack and sim on top; benches above all) hold on the tree, and each breaks when one
-module imports across it: the check runs on a copy of the package (links to every file) with one module added."""
+module imports across it: the check runs on a copy of the namespace (its parts merged into one folder of links to
+every file) with one module added."""
 
 from __future__ import annotations
 
@@ -12,23 +13,25 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGE = REPO / "loraplane"
+from tests.layout import REPO, namespace_roots
+
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
-def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
-    """``lint-imports`` with the checkout's contracts, on the ``loraplane`` package found under ``root``."""
+def lint_imports(roots: list[Path]) -> subprocess.CompletedProcess[str]:
+    """``lint-imports`` with the checkout's contracts, on the ``loraplane`` namespace whose parts lie under
+    ``roots``."""
     if not LINT_IMPORTS.exists():
         pytest.fail(f"{LINT_IMPORTS} is missing: import-linter is a dev dependency (make setup installs it)")
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache", str(REPO / ".importlinter")], cwd=root,
+    return subprocess.run([str(LINT_IMPORTS), "--no-cache", str(REPO / ".importlinter")], cwd=roots[0],
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(map(str, roots)),
+                               "PYTHONDONTWRITEBYTECODE": "1"})
 
 
 def _link_tree(source: Path, target: Path) -> None:
-    """``target``: folders like ``source``'s (symlinked subpackages followed), each file a link to its original."""
-    target.mkdir()
+    """``target``: ``source``'s folders merged into it, each file a link to its original."""
+    target.mkdir(exist_ok=True)
     for entry in source.iterdir():
         if entry.name == "__pycache__":
             continue
@@ -38,16 +41,17 @@ def _link_tree(source: Path, target: Path) -> None:
             (target / entry.name).symlink_to(entry.resolve())
 
 
-def package_with(tmp_path: Path, module: str, source: str) -> Path:
-    """A copy of the package with ``loraplane.<module>`` added (``source`` its text); the root to lint it in."""
-    _link_tree(PACKAGE, tmp_path / "loraplane")
+def package_with(tmp_path: Path, module: str, source: str) -> list[Path]:
+    """A copy of the namespace with ``loraplane.<module>`` added (``source`` its text); the root to lint it in."""
+    for root in namespace_roots():
+        _link_tree(root / "loraplane", tmp_path / "loraplane")
     path = tmp_path / "loraplane" / Path(*module.split(".")).with_suffix(".py")
     path.write_text(source)
-    return tmp_path
+    return [tmp_path]
 
 
 def test_the_tree_keeps_every_contract() -> None:
-    result = lint_imports(REPO)
+    result = lint_imports(namespace_roots())
     assert result.returncode == 0, result.stdout + result.stderr
     assert "2 kept, 0 broken" in result.stdout
 

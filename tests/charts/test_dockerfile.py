@@ -20,6 +20,7 @@ import pytest
 
 from e2e.fixtures.tools import missing_tool
 from tests.charts.conftest import RenderFn
+from tests.layout import namespace_roots
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
@@ -119,12 +120,12 @@ def test_every_command_the_chart_runs_in_the_image_is_a_console_script(render: R
 
 def test_the_context_admits_every_component_and_keeps_local_state_out() -> None:
     patterns = _context_patterns()
-    links = [p for p in (REPO / "loraplane").iterdir() if p.is_symlink()]
-    assert links, "loraplane/<component> symlinks expected"
-    copied = {args.split()[0].rstrip("/") for op, args in _stages()[0] if op == "COPY"}
-    for link in links:
-        folder = os.path.normpath(os.path.join("loraplane", os.readlink(link)))
-        assert not _ignored(f"{folder}/__init__.py", patterns), f"{folder} is outside the build context"
+    copied = {source.rstrip("/") for op, args in _stages()[0] if op == "COPY" for source in args.split()[:-1]}
+    assert {"setup.py", "loraplane"} <= copied
+    folders = [root.name for root in namespace_roots()[1:]]
+    assert "picker" in folders and "runtime-sidecar" in folders
+    for folder in folders:
+        assert not _ignored(f"{folder}/loraplane/x/__init__.py", patterns), f"{folder} is outside the build context"
         assert folder in copied, f"the Dockerfile does not COPY {folder}"
     for kept_out in (".git/HEAD", ".venv/bin/python", ".tools/bin/helm", "tests/__init__.py",
                      "picker/__pycache__/x.pyc", "e2e/__init__.py"):
@@ -157,12 +158,12 @@ def test_build_stage_makes_a_complete_wheel_from_the_context(tmp_path: Path) -> 
         names = set(zf.namelist())
         entry_points = next(zf.read(n).decode() for n in names if n.endswith("entry_points.txt"))
     expected = {
-        os.path.relpath(os.path.join(root, f), REPO / "loraplane").replace(os.sep, "/")
-        for root, dirs, files in os.walk(REPO / "loraplane", followlinks=True)
-        for f in files
-        if f.endswith(".py") and "/tests" not in root and "__pycache__" not in root
+        path.relative_to(part).as_posix()
+        for part in namespace_roots()
+        for path in (part / "loraplane").rglob("*.py")
+        if "__pycache__" not in path.parts
     }
-    missing = {f"loraplane/{rel}" for rel in expected} - names
+    missing = expected - names
     assert not missing, f"the image's wheel lacks {sorted(missing)[:10]}"
     for script in _console_scripts():
         assert f"{script} = " in entry_points

@@ -29,7 +29,7 @@ from tests.charts.custom_kinds import CUSTOM_KINDS, validate_custom
 K8S_VERSIONS = ("1.29", kubernetes_validate.latest_version())
 
 EXAMPLES = CHART.parents[1] / "examples"
-PICKER_DEFAULT_CONFIG = CHART.parents[1] / "picker" / "default-config.yaml"
+PICKER_DEFAULT_CONFIG = CHART.parents[1] / "picker" / "loraplane" / "picker" / "default-config.yaml"
 
 #: The console scripts the chart runs -> their argument parsers (the chart's flags must parse).
 PARSERS = {

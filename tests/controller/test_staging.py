@@ -1,4 +1,4 @@
-"""The staging rules (``controller/staging.py``), each predicate on small hand-made inputs: idle revisions, floors,
+"""The staging rules (``controller/loraplane/controller/staging.py``), each predicate on small hand-made inputs: idle revisions, floors,
 whether floors fit, which pods stage, the shield and what follows from it."""
 
 from __future__ import annotations

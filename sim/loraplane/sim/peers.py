@@ -34,7 +34,7 @@ from loraplane.sim.trace import Trace
 
 #: llm-d-router's ``--refresh-metrics-interval`` default: how often a peer's picker scrapes each pod's /metrics
 SCRAPE_INTERVAL_S = 0.05
-#: the baselines that are packaged peer configs (``picker/peers/<name>.yaml``), by policy name, in report order
+#: the baselines that are packaged peer configs (``picker/loraplane/picker/peers/<name>.yaml``), by policy name, in report order
 PEER_POLICIES = tuple(n for n in ("least-request", "gie-default", "gie-lora-affinity", "gie-lora-filter",
                                   "llmd-load-state", "llmd-prefix", "llmd-predicted-latency", "dynamo-lora")
                       if n in peer_configs())

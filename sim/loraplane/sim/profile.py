@@ -7,7 +7,7 @@ A profile is plain numbers in milliseconds, bytes and tokens. Two sources:
 - ``from_bench``: the JSON printed by ``loraplane bench engine --json`` (and optionally ``bench sidecar --json``),
   i.e. what this project's own runtime measured on the machine at hand.
 - measured from a real vLLM by ``loraplane bench profile --runtime vllm`` (``loraplane.emulator.calibrate``), saved
-  with its provenance as ``{"profile": {...}, "measurement": {...}}``; the packaged ones (``sim/data/*.profile.json``,
+  with its provenance as ``{"profile": {...}, "measurement": {...}}``; the packaged ones (``sim/loraplane/sim/data/*.profile.json``,
   e.g. ``vllm-cpu-tiny-hd32``) load by name.
 """
 
@@ -148,7 +148,7 @@ def from_dict(data: dict[str, Any], where: str = "profile") -> Profile:
 
 
 def _packaged() -> dict[str, Profile]:
-    """The measured profiles shipped with the package (``sim/data/<name>.profile.json``), by name."""
+    """The measured profiles shipped with the package (``sim/loraplane/sim/data/<name>.profile.json``), by name."""
     found = {}
     for path in sorted((Path(__file__).parent / "data").glob("*.profile.json")):
         profile = from_dict(json.loads(path.read_text())["profile"], str(path.name))

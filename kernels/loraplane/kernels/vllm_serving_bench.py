@@ -1,5 +1,5 @@
 """``loraplane bench vllm-lora``: vLLM-CPU decode tokens/s with 1 / 4 / 8 adapters in the batch, with vLLM's own
-LoRA ops and with loraplane's kernels plugged in (kernels/vllm_plugin.py), on a tiny and a larger preset.
+LoRA ops and with loraplane's kernels plugged in (kernels/loraplane/kernels/vllm_plugin.py), on a tiny and a larger preset.
 
 For each preset, one real vLLM-CPU server per setting (``LORAPLANE_VLLM_KERNELS=0``, then ``1``; never two at once),
 ``--max-loras 8``, eight rank-16 adapters loaded. A measurement sends ``--batch`` requests at once, spread evenly
