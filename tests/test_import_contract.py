@@ -1,5 +1,5 @@
 """The import contracts of ``.importlinter`` (the layering: api and kernels at the bottom; devcluster/kube and the
-shared plumbing; the processes; stack and sim on top; benches above all) hold on the tree, and each breaks when one
+shared plumbing; the processes; stack and sim; the benchmarks on top) hold on the tree, and each breaks when one
 module imports across it: the check runs on a copy of the namespace (its parts merged into one folder of links to
 every file) with one module added."""
 
@@ -63,8 +63,10 @@ def test_the_tree_keeps_every_contract() -> None:
     ("controller.reaches_up", "def f():\n    from loraplane.stack import services\n", "Layers"),
     # two processes importing each other
     ("picker.sideways", "import loraplane.controller.queue\n", "Layers"),
-    # a product module importing a benchmark (of its own package: no layer crossed)
-    ("controller.uses_a_bench", "from loraplane.controller import bench\n", "Benches"),
+    # a product module importing a benchmark
+    ("controller.uses_a_bench", "from loraplane.bench import controller\n", "Layers"),
+    # a product module importing a measurement that lives in its own package (no layer crossed)
+    ("emulator.uses_fidelity", "from loraplane.emulator import fidelity\n", "Measurements"),
 ])
 def test_a_violation_breaks_its_contract(tmp_path: Path, module: str, source: str, broken: str) -> None:
     result = lint_imports(package_with(tmp_path, module, source))

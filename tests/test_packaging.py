@@ -16,7 +16,7 @@ import pytest
 from loraplane.cli import BENCHMARKS, COMMANDS
 from tests.layout import REPO, namespace_roots
 
-COMPONENTS = ["api", "kernels", "engine", "sidecar", "picker", "controller", "devcluster", "sim", "emulator"]
+COMPONENTS = ["api", "kernels", "engine", "sidecar", "picker", "controller", "devcluster", "sim", "emulator", "bench"]
 SCRIPTS = ["loraplane", "loraplane-picker", "loraplane-controller", "loraplane-sidecar", "loraplane-engine"]
 
 

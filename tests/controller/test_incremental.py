@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from e2e.fixtures.processes import RedisServer
 from loraplane.api import AdapterRevision, Phase, RequestRates, ResidencyReport, Tier, keys
-from loraplane.controller import bench
+from loraplane.bench import controller as bench
 from loraplane.controller.incremental import IncrementalPlanner, rates_moved, windows_of
 from loraplane.controller.placement import TenantBudget
 from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
+from loraplane.bench.emulator import main
 from loraplane.cli import BENCHMARKS
-from loraplane.emulator.bench import main
 
 
 def test_the_bench_prints_idle_and_load_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    assert BENCHMARKS["emulator"][0] == "loraplane.emulator.bench:main"
+    assert BENCHMARKS["emulator"][0] == "loraplane.bench.emulator:main"
     assert main(["--json", "--idle-s", "0.5", "--duration-s", "1", "--rate", "5", "--max-tokens", "8"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert set(result["idle"]) == {"seconds", "rss_mib", "cpu_share_of_core"}

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane.api import adapter_digest
+from loraplane.bench.engine import merge_backends
 from loraplane.cli import main as loraplane_main
 from loraplane.engine.app import EngineOptions
-from loraplane.engine.bench import merge_backends
 from loraplane.engine.cli import main as engine_main
 from loraplane.engine.core import SamplingParams
 from loraplane.kernels.peft import load_peft_adapter

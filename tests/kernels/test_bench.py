@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from loraplane.kernels.bench import Case, _useful_threads, main, run_case, time_interleaved, zipf_token_slots
+from loraplane.bench.kernels import Case, _useful_threads, main, run_case, time_interleaved, zipf_token_slots
 
 FIELDS = {
     "name", "tokens", "adapters", "rank", "d_in", "d_out", "dtype", "loop_ms", "gather_bmm_ms", "sgmv_ms",

