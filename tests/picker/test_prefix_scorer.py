@@ -49,7 +49,7 @@ def chat(*turns: str) -> dict:
 
 def default_scheduler(profile: str | None = None) -> tuple[Scheduler, Lifecycle]:
     scheduler = Scheduler(EndpointPickerConfig.load(), profile)
-    assert scheduler.prefix is not None
+    assert scheduler.preparer(PrefixCacheScorer) is not None
     lifecycle = scheduler.lifecycle(PluginRuntime(InFlightTracker(), time.monotonic, registry=CollectorRegistry()))
     return scheduler, lifecycle
 
@@ -57,8 +57,8 @@ def default_scheduler(profile: str | None = None) -> tuple[Scheduler, Lifecycle]
 def send(scheduler: Scheduler, lifecycle: Lifecycle, snapshot: PoolSnapshot, served: str, digest: str, document: dict,
          seed: int = 0) -> str:
     """Hash, schedule and route one request the way the picker does; returns the chosen address."""
-    assert scheduler.prefix is not None
-    request = SchedulingRequest(served, digest, prefix=scheduler.prefix.hash_request(served, digest, document))
+    request = scheduler.read_body(SchedulingRequest(served, digest), document)
+    assert request.prefix is not None
     decision = scheduler.schedule(request, snapshot, np.random.default_rng(seed))
     lifecycle.pre_request(InFlightRequest(request, "t", decision.endpoints[0]))
     lifecycle.response_complete(InFlightRequest(request, "t", decision.endpoints[0]))
@@ -83,24 +83,22 @@ def test_scores_are_the_matched_share_and_the_revision_is_part_of_the_key() -> N
     first = scorer.hash_text("claims@v17", D17, SYSTEM)
     scorer.routed(first, "10.0.0.1:8000")
     grown = scorer.hash_text("claims@v17", D17, SYSTEM + SYSTEM)
-    scheduler = Scheduler(EndpointPickerConfig.load())
-    scheduler.prefix = scorer
-    cycle = _cycle(scheduler, SchedulingRequest("claims@v17", D17, prefix=grown), snapshot)
+    cycle = _cycle(scorer, SchedulingRequest("claims@v17", D17, prefix=grown), snapshot)
     assert cycle.prefix_hit is not None
     assert cycle.prefix_hit.tolist() == [len(first.hashes) / len(grown.hashes), 0.0]
     assert cycle.prefix_tokens == len(grown.hashes) * 32 / 4  # bytes -> tokens at 4 bytes a token
     other = scorer.hash_text("claims@v18", D18, SYSTEM + SYSTEM)
-    cycle = _cycle(scheduler, SchedulingRequest("claims@v18", D18, prefix=other), snapshot)
+    cycle = _cycle(scorer, SchedulingRequest("claims@v18", D18, prefix=other), snapshot)
     assert cycle.prefix_hit is not None and not cycle.prefix_hit.any()
     assert scorer(SchedulingRequest("claims@v18", D18, prefix=other), snapshot, cycle) is None
     same_name_other_bytes = scorer.hash_text("claims@v17", D18, SYSTEM)
     assert not set(same_name_other_bytes.hashes) & set(first.hashes)
 
 
-def _cycle(scheduler: Scheduler, request: SchedulingRequest, snapshot: PoolSnapshot) -> Cycle:
+def _cycle(scorer: PrefixCacheScorer, request: SchedulingRequest, snapshot: PoolSnapshot) -> Cycle:
     cycle = Cycle(np.ones(snapshot.size, dtype=np.bool_), np.zeros(snapshot.size), np.ones(snapshot.size, dtype=np.bool_))
-    assert scheduler.prefix is not None and request.prefix is not None
-    scheduler.prefix.cycle_match(request.prefix, snapshot, cycle)
+    assert request.prefix is not None
+    scorer.cycle_match(request.prefix, snapshot, cycle)
     return cycle
 
 
@@ -109,9 +107,7 @@ def test_saturated_pods_get_no_prefix_score() -> None:
     snapshot = pool()
     prefix = scorer.hash_text("claims@v17", D17, SYSTEM)
     scorer.routed(prefix, "10.0.0.1:8000")
-    scheduler = Scheduler(EndpointPickerConfig.load())
-    scheduler.prefix = scorer
-    cycle = _cycle(scheduler, SchedulingRequest("claims@v17", D17, prefix=prefix), snapshot)
+    cycle = _cycle(scorer, SchedulingRequest("claims@v17", D17, prefix=prefix), snapshot)
     cycle.unsaturated = np.asarray([False, True])
     score = scorer(SchedulingRequest("claims@v17", D17, prefix=prefix), snapshot, cycle)
     assert score is not None and score.tolist() == [0.0, 0.0]
@@ -158,13 +154,11 @@ def test_precise_mode_scores_from_published_block_sets(tmp_path: Path) -> None:
     scorer.precise_index.update(KvBlockSet(pool="p", pod="pod-1", block_size=32, heartbeat_at=wall.now,
                                            adapters=[AdapterBlocks(served_name="claims@v17", digest=D17,
                                                                    block_hashes=[h.hex() for h in prefix.hashes])]))
-    scheduler = Scheduler(EndpointPickerConfig.load())
-    scheduler.prefix = scorer
-    cycle = _cycle(scheduler, SchedulingRequest("claims@v17", D17, prefix=prefix), pool())
+    cycle = _cycle(scorer, SchedulingRequest("claims@v17", D17, prefix=prefix), pool())
     assert cycle.prefix_hit is not None and cycle.prefix_hit.tolist() == [0.0, 1.0]  # keyed by pod name
     assert scorer.routed(prefix, "10.0.0.2:8000") == len(prefix.hashes)  # precise mode records nothing itself
     assert scorer.routed(prefix, "10.0.0.2:8000") is None  # reported once per decision
-    _cycle(scheduler, SchedulingRequest("claims@v17", D17, prefix=prefix), pool())
+    _cycle(scorer, SchedulingRequest("claims@v17", D17, prefix=prefix), pool())
     assert scorer.routed(prefix, "10.0.0.1:8000") == 0
 
 
@@ -207,7 +201,7 @@ def test_the_picker_hashes_the_parsed_body_once_and_counts_the_metrics(monkeypat
 
 
 def test_benchmark_rows_and_the_config_without_the_scorer() -> None:
-    assert Scheduler(without_prefix_scorer(EndpointPickerConfig.load())).prefix is None
+    assert Scheduler(without_prefix_scorer(EndpointPickerConfig.load())).preparer(PrefixCacheScorer) is None
     (row,) = bench_request_path((1024,), rounds=5)
     assert row["body_bytes"] == 1024 and row["blocks"] == (1024 - 60) // 64 and row["with_prefix_us"] > 0
 
@@ -215,28 +209,26 @@ def test_benchmark_rows_and_the_config_without_the_scorer() -> None:
 def test_saved_prefill_score_is_seconds_over_full_score_seconds_and_capped() -> None:
     params = PrefixCacheParameters(block_size=32, prefill_seconds_per_token=1e-4, full_score_seconds=0.05)
     scorer = PrefixCacheScorer(params, clock=Clock())
-    scheduler = Scheduler(EndpointPickerConfig.load())
-    scheduler.prefix = scorer
     snapshot = pool()
     short, long = scorer.hash_text("claims@v17", D17, SYSTEM), scorer.hash_text("claims@v17", D17, SYSTEM * 4)
     scorer.routed(short, "10.0.0.1:8000")
     request = SchedulingRequest("claims@v17", D17, prefix=long)
-    cycle = _cycle(scheduler, request, snapshot)
+    cycle = _cycle(scorer, request, snapshot)
     score = scorer(request, snapshot, cycle)
     saved = len(short.hashes) * 32 / 4 * 1e-4  # matched blocks -> tokens -> seconds (17 blocks: 13.6 ms)
     assert score is not None and score.tolist() == pytest.approx([saved / 0.05, 0.0])
     scorer.routed(long, "10.0.0.2:8000")  # 4 x the blocks: 54 ms saved, more than 50 ms scores 1
-    cycle = _cycle(scheduler, request, snapshot)
+    cycle = _cycle(scorer, request, snapshot)
     score = scorer(request, snapshot, cycle)
     assert score is not None and score.tolist() == pytest.approx([saved / 0.05, 1.0])
     # over 1 s the whole prompt's 54 ms scores 0.054: below a share floor of 0.5, which then scores each share
     floored = PrefixCacheScorer(params.model_copy(update={"full_score_seconds": 1.0, "share_floor": 0.5}))
-    score = floored(request, snapshot, _cycle(scheduler, request, snapshot))
+    score = floored(request, snapshot, _cycle(scorer, request, snapshot))
     share = len(short.hashes) / len(long.hashes)
     assert score is not None and score.tolist() == pytest.approx([0.5 * share, 0.5])
     fresh = scorer.hash_text("claims@v17", D17, "no one routed this prompt " * 8)
     request = SchedulingRequest("claims@v17", D17, prefix=fresh)
-    assert scorer(request, snapshot, _cycle(scheduler, request, snapshot)) is None  # no hit anywhere: no score
+    assert scorer(request, snapshot, _cycle(scorer, request, snapshot)) is None  # no hit anywhere: no score
 
 
 def _awaiting_first_token(snapshot: PoolSnapshot, counts: tuple[int, int]) -> PoolSnapshot:
@@ -260,12 +252,13 @@ def test_a_prefix_hit_wins_over_a_shorter_first_token_queue_only_when_it_saves_m
     config = EndpointPickerConfig.load()
     weights = {ref.plugin_ref: ref.weight for ref in config.scheduling_profiles[0].plugins}
     scheduler, lifecycle = default_scheduler()
-    assert scheduler.prefix is not None
-    params = scheduler.prefix.params
+    scorer = scheduler.preparer(PrefixCacheScorer)
+    assert scorer is not None
+    params = scorer.params
     assert params.prefill_seconds_per_token is not None
     capacity = next(p for p in config.plugins if p.type == "prefill-queue-scorer").parameters["capacity"]
     prompt = {"model": "claims", "prompt": SYSTEM * repeats}
-    prefix = scheduler.prefix.hash_request("claims@v17", D17, prompt)
+    prefix = scorer.hash_request("claims@v17", D17, prompt)
     assert prefix is not None
     saved = len(prefix.hashes) * params.block_size / params.bytes_per_token * params.prefill_seconds_per_token
     prefix_points = weights["prefix-cache-scorer"] * min(1.0, max(saved / params.full_score_seconds,

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loraplane.picker.prefix import without_prefix_scorer
+from loraplane.picker.prefix import PrefixCacheScorer, without_prefix_scorer
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.sim.cli import main as sim_main
 from loraplane.sim.cluster import SimConfig, Simulator
@@ -224,7 +224,8 @@ def test_loraplane_runs_the_pickers_prefix_scorer_on_its_own_routing(tmp_path: P
     path = tmp_path / "no-prefix.yaml"
     path.write_text(without_prefix_scorer(picker_config_for(free_loads())).to_yaml())
     with_scorer, without = run(trace, "loraplane", pods=4), run(trace, "loraplane", pods=4, picker_config=path)
-    assert with_scorer.router.scheduler.prefix is not None and without.router.scheduler.prefix is None
+    assert with_scorer.router.scheduler.preparer(PrefixCacheScorer) is not None
+    assert without.router.scheduler.preparer(PrefixCacheScorer) is None
     assert sticky_share(trace, with_scorer) > sticky_share(trace, without) + 0.05
     assert prefix_hit_rate(with_scorer.result) > prefix_hit_rate(without.result)
 
@@ -241,21 +242,21 @@ def test_loraplane_counts_a_turns_prefill_queue_without_the_history_it_expects_i
 
 def test_picker_prefix_signal_keys_by_adapter_and_expires_on_the_simulators_clock() -> None:
     trace = chat([(0.0, 0, 2000, 10, 0, 1000, 0), (1.0, 1, 2000, 10, 0, 1000, 0)])
-    scheduler = Scheduler(EndpointPickerConfig.load())
-    assert scheduler.prefix is not None
+    scorer = Scheduler(EndpointPickerConfig.load()).preparer(PrefixCacheScorer)
+    assert scorer is not None
     now = [0.0]
-    signal = PickerPrefixSignal(scheduler.prefix, trace, lambda: now[0])
+    signal = PickerPrefixSignal(scorer, trace, lambda: now[0])
     first, other = signal.request(0), signal.request(1)
     assert len(first.hashes) == 2000 // 16  # 64-byte blocks taken as 16 tokens each
     signal.routed(first, "10.0.0.1:8000")
-    assert scheduler.prefix.index.matches(first) == {"10.0.0.1:8000": 125}
-    assert scheduler.prefix.index.matches(other) == {}  # the same text under another adapter
-    now[0] = scheduler.prefix.params.ttl_seconds + 1.0
-    assert scheduler.prefix.index.matches(first) == {}
-    precise = scheduler.prefix.params.model_copy(update={"mode": "precise"})
-    scheduler.prefix.params = precise
+    assert scorer.index.matches(first) == {"10.0.0.1:8000": 125}
+    assert scorer.index.matches(other) == {}  # the same text under another adapter
+    now[0] = scorer.params.ttl_seconds + 1.0
+    assert scorer.index.matches(first) == {}
+    precise = scorer.params.model_copy(update={"mode": "precise"})
+    scorer.params = precise
     with pytest.raises(ValueError, match="approximate mode only"):
-        PickerPrefixSignal(scheduler.prefix, trace, lambda: 0.0)
+        PickerPrefixSignal(scorer, trace, lambda: 0.0)
 
 
 def test_the_no_burst_companion_keeps_the_prefix_columns_aligned() -> None:

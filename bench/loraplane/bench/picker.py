@@ -67,7 +67,7 @@ from loraplane.helptext import HelpFormatter
 from loraplane.picker.envoy import ExtProcModes, PickerEndpoint, direct_config, picker_config
 from loraplane.picker.lifecycle import InFlightRequest, PluginRuntime
 from loraplane.picker.plugins import SchedulingRequest
-from loraplane.picker.prefix import PrefixRouting, without_prefix_scorer
+from loraplane.picker.prefix import PrefixCacheScorer, PrefixRouting, without_prefix_scorer
 from loraplane.picker.routes import RouteResolver
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
@@ -144,8 +144,9 @@ def bench_request_path(body_sizes: Sequence[int] = (1024, 65536), rounds: int = 
                          for i in range(endpoints)])
     config = EndpointPickerConfig.load()
     with_prefix, without = Scheduler(config), Scheduler(without_prefix_scorer(config))
-    assert with_prefix.prefix is not None and without.prefix is None
-    recorder = PrefixRouting(with_prefix.prefix, PluginRuntime(None, time.monotonic))  # type: ignore[arg-type]
+    scorer = with_prefix.preparer(PrefixCacheScorer)
+    assert scorer is not None and without.preparer(PrefixCacheScorer) is None
+    recorder = PrefixRouting(scorer, PluginRuntime(None, time.monotonic))  # type: ignore[arg-type]
     rng = np.random.default_rng(0)
     rows = []
     for size in body_sizes:
@@ -154,8 +155,7 @@ def bench_request_path(body_sizes: Sequence[int] = (1024, 65536), rounds: int = 
         on, off = np.empty(rounds), np.empty(rounds)
         for n in range(rounds):
             start = time.thread_time_ns()
-            prefix = with_prefix.prefix.hash_request("claims@v1", digest, document)
-            request = SchedulingRequest("claims@v1", digest, prefix=prefix)
+            request = with_prefix.read_body(SchedulingRequest("claims@v1", digest), document)
             decision = with_prefix.schedule(request, pool, rng)
             recorder.pre_request(InFlightRequest(request, "t", decision.endpoints[0]))
             on[n] = time.thread_time_ns() - start
@@ -163,7 +163,7 @@ def bench_request_path(body_sizes: Sequence[int] = (1024, 65536), rounds: int = 
             without.schedule(SchedulingRequest("claims@v1", digest), pool, rng)
             off[n] = time.thread_time_ns() - start
         on_us, off_us = float(np.median(on)) / 1e3, float(np.median(off)) / 1e3
-        rows.append({"body_bytes": size, "blocks": len(prefix.hashes) if prefix else 0,
+        rows.append({"body_bytes": size, "blocks": len(request.prefix.hashes) if request.prefix else 0,
                      "with_prefix_us": round(on_us, 1), "without_us": round(off_us, 1),
                      "added_us": round(on_us - off_us, 1)})
     return rows

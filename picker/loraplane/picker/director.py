@@ -206,11 +206,9 @@ class RequestDirector:
                 objective = _PRIORITY_OF_OBJECTIVE.get(name)
             if objective is not None:
                 priority = min(priority, objective)
-        prefix_scorer = self.ctx.scheduler.prefix
-        prefix = (None if prefix_scorer is None
-                  else prefix_scorer.hash_request(route.served_name, route.digest, parsed.document))
-        return SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset, prefix,
-                                 parsed.prompt_tokens)
+        request = SchedulingRequest(route.served_name, route.digest, priority, route.tenant, self.subset,
+                                    prompt_tokens=parsed.prompt_tokens)
+        return self.ctx.scheduler.read_body(request, parsed.document)
 
     def body_less_request(self) -> SchedulingRequest:
         """A request without a body to read (or one not parsed): scheduled like the base model's, within the subset."""

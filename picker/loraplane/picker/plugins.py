@@ -10,7 +10,7 @@ request plugins of ``loraplane.picker.lifecycle``) to its kind, parameters model
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -39,7 +39,7 @@ class SchedulingRequest:
     tenant: str = "default"
     #: the gateway's subset hint, entries ``ip:port`` or ``ip`` (see ``subset_hint_filter``); None: no hint.
     subset: frozenset[str] | None = None
-    #: the prompt's prefix blocks, hashed once per request (``PrefixCacheScorer.hash_request``); None: no prefix signal
+    #: the prompt's prefix blocks, hashed once per request by the prefix scorer's ``read_body``; None: no prefix signal
     prefix: PrefixRequest | None = None
     #: the prompt's estimated length in tokens (``ParsedBody.prompt_tokens``; 0: unknown): its pod's prefill queue
     #: counts it until the first token
@@ -557,6 +557,15 @@ class DataPreparer(Protocol):
 
     def prepare(self, request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> None:
         """Fill the cycle's shared data for ``request``."""
+
+
+@runtime_checkable
+class BodyReader(Protocol):
+    """A plugin that reads what it needs from the request's parsed body once, in the director's prepare-data stage
+    (the prefix scorer hashes the prompt's blocks), not at every cycle of a request the queue holds."""
+
+    def read_body(self, request: SchedulingRequest, document: Mapping[str, Any]) -> SchedulingRequest:
+        """``request`` with what the plugin read from ``document`` (the parsed JSON body)."""
 
 
 @runtime_checkable

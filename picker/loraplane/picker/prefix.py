@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -530,9 +530,9 @@ class PrefixCacheScorer:
 
     How a caller feeds it (the picker does all of this; the simulator and tests call the same methods):
 
-    1. hash once per request from the parsed body: ``prefix = scheduler.prefix.hash_request(served_name, digest,
-       document)`` (or ``hash_text``, or any ``PrefixRequest``), and pass it as ``SchedulingRequest(...,
-       prefix=prefix)``; a request without one gets no prefix score;
+    1. hash once per request from the parsed body: ``Scheduler.read_body(request, document)`` (the director's
+       prepare stage; this plugin's ``read_body``, a ``BodyReader``), or ``hash_text`` / any ``PrefixRequest``
+       passed as ``SchedulingRequest(..., prefix=prefix)``; a request without one gets no prefix score;
     2. ``Scheduler.schedule`` runs its prepare-data stage (``prepare``: ``cycle_match``) once per cycle, which fills
        ``Cycle.prefix_hit`` / ``Cycle.prefix_tokens``, read by this score, the ``predicted-ttft-scorer``'s saved
        prefill and the decision's prefill estimate;
@@ -570,6 +570,10 @@ class PrefixCacheScorer:
     def hash_text(self, served_name: str | None, digest: str | None, text: str) -> PrefixRequest:
         """The prefix blocks of a prompt text."""
         return self.hasher.hash_text(served_name, digest, text)
+
+    def read_body(self, request: SchedulingRequest, document: Mapping[str, Any]) -> SchedulingRequest:
+        """``BodyReader``: the request with its prompt's prefix blocks (none: no text prompt)."""
+        return replace(request, prefix=self.hash_request(request.served_name, request.digest, document))
 
     def prepare(self, request: SchedulingRequest, pool: PoolSnapshot, cycle: Cycle) -> None:
         """The prepare-data stage (``DataPreparer``): a request with a hashed prefix is matched over the whole pool

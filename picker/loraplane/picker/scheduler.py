@@ -19,12 +19,12 @@ scheduling profile listing which plugins run and with what weight::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import yaml
@@ -32,9 +32,11 @@ from pydantic import Field, model_validator
 
 from loraplane.api import ApiModel, Tier
 from loraplane.picker import flowcontrol, lifecycle, peers  # importing them registers their plugins
+from loraplane.picker import prefix as _prefix  # noqa: F401 (registers the prefix-cache-scorer)
 from loraplane.picker.plugins import (
     REGISTRY,
     SMALL_POOL,
+    BodyReader,
     Cycle,
     DataPreparer,
     Filter,
@@ -53,8 +55,9 @@ from loraplane.picker.plugins import (
     register,
     reported_utilisation,
 )
-from loraplane.picker.prefix import PrefixCacheScorer
 from loraplane.picker.snapshot import BoolArray, IntArray, PoolSnapshot
+
+P = TypeVar("P")
 
 PICKER_TYPE = "max-score-picker"
 #: the endpoint-picker protocol's subset restriction: always the first filter, never failed open
@@ -312,10 +315,20 @@ class Scheduler:
                 self.request_plugins.append((spec.type, spec.parameters))
                 if spec.type == "flow-control" and flowcontrol.FlowControlParameters.model_validate(spec.parameters).enabled:
                     self.sheds_on_pool_mean = False
-        #: the profile's first ``prefix-cache-scorer``: it hashes a request's prompt in the director's prepare stage
-        #: (once, not at every retry of a held request) and holds the index the pods' block sets go into
-        self.prefix: PrefixCacheScorer | None = next((p for p in self.preparers if isinstance(p, PrefixCacheScorer)),
-                                                     None)
+        #: the profile's plugins that read the parsed body in the director's prepare stage (``BodyReader``)
+        self.body_readers = [p for p in self.preparers if isinstance(p, BodyReader)]
+
+    def read_body(self, request: SchedulingRequest, document: Mapping[str, Any]) -> SchedulingRequest:
+        """``request`` with what the profile's body readers take from the parsed body (the prefix scorer's blocks),
+        once per request."""
+        for reader in self.body_readers:
+            request = reader.read_body(request, document)
+        return request
+
+    def preparer(self, kind: type[P]) -> P | None:
+        """The profile's first prepare-stage plugin of ``kind`` (e.g. the prefix scorer, whose index the picker's
+        state sync feeds and the simulator teaches), or None."""
+        return next((p for p in self.preparers if isinstance(p, kind)), None)
 
     def lifecycle(self, runtime: lifecycle.PluginRuntime) -> lifecycle.Lifecycle:
         """The profile's request plugins (in-flight accounting first), then the hooks of its other plugins."""

@@ -27,6 +27,7 @@ from loraplane.picker.director import PickerContext, PickerSettings
 from loraplane.picker.discovery import PoolDiscovery
 from loraplane.picker.extproc import ExtProcHandler, ExtProcServicer
 from loraplane.picker.lifecycle import FairShareParameters, FairSharePlugin
+from loraplane.picker.prefix import PrefixCacheScorer
 from loraplane.picker.replicas import SHARE_PERIOD_S, InFlightShare
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
 from loraplane.picker.scrape import MetricsScraper, ScrapedPool
@@ -213,7 +214,8 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
                  options.pool, len(state.members), options.scrape_interval)
     else:
         client = async_redis(options.redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        block_sets = scheduler.prefix.precise_index if scheduler.prefix is not None else None
+        prefix = scheduler.preparer(PrefixCacheScorer)
+        block_sets = prefix.precise_index if prefix is not None else None
         sync = RedisSync(state, client, stats, options.replica, options.resync_seconds, options.publish_seconds,
                          block_sets)
         log.info("picker listening on %s (pool %s)", ", ".join(addresses), options.pool)

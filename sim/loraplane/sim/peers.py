@@ -25,6 +25,7 @@ from loraplane.picker.peers import PEER_PREFIX, peer_configs
 from loraplane.picker.peers.dynamo import DynamoLoraFilter
 from loraplane.picker.peers.latency import PredictedLatencyFilter
 from loraplane.picker.plugins import SchedulingRequest
+from loraplane.picker.prefix import PrefixCacheScorer
 from loraplane.picker.scheduler import Decision, EndpointPickerConfig, Scheduler, SchedulingError
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.sim.cluster import Pod, Refused
@@ -215,8 +216,9 @@ class PeerRouter:
         self._applied: list[Scraped] = []
         self._snapshot: PoolSnapshot | None = None
         self._now = 0.0
-        self._prefix = (PickerPrefixSignal(scheduler.prefix, trace, lambda: self._now)
-                        if scheduler.prefix is not None and trace.has_prefixes else None)  # fmt: skip
+        scorer = scheduler.preparer(PrefixCacheScorer)
+        self._prefix = (PickerPrefixSignal(scorer, trace, lambda: self._now)
+                        if scorer is not None and trace.has_prefixes else None)  # fmt: skip
         self._last: SchedulingRequest | None = None
         #: scrapes taken (for the report and the tests)
         self.scrapes = 0

@@ -45,6 +45,7 @@ from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
 from loraplane.engine.tiers import AdapterState
 from loraplane.picker.flowcontrol import FlowControlParameters
 from loraplane.picker.plugins import WAITED_OUT, SchedulingRequest
+from loraplane.picker.prefix import PrefixCacheScorer
 from loraplane.picker.scheduler import Decision, EndpointPickerConfig, Scheduler, SchedulingError, WaitKey
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.sim.admission import OFF, QUEUES, FlowControlConfig
@@ -143,8 +144,9 @@ class PickerRouter:
         self._staging = staging
         #: the picker's prefix-cache scorer, fed each request's prefix blocks and where it went (prefix traces)
         self._now = 0.0
-        self._prefix = (PickerPrefixSignal(scheduler.prefix, trace, lambda: self._now)
-                        if scheduler.prefix is not None and trace.has_prefixes else None)  # fmt: skip
+        scorer = scheduler.preparer(PrefixCacheScorer)
+        self._prefix = (PickerPrefixSignal(scorer, trace, lambda: self._now)
+                        if scorer is not None and trace.has_prefixes else None)  # fmt: skip
         self._last_request: SchedulingRequest | None = None
         self._last_rid = -1
         #: per request, the prompt tokens the picker counts in its pod's prefill queue (``Decision.prefill_tokens``:
