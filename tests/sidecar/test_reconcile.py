@@ -401,3 +401,34 @@ def test_on_vllm_a_load_waits_a_bounded_while_requests_fill_every_gpu_slot(tmp_p
         await r2.drain()
 
     asyncio.run(run())
+
+
+def test_on_vllm_a_disk_tier_registration_waits_a_bounded_while_requests_wait_in_the_queue(tmp_path: Path,
+                                                                                          target) -> None:
+    """A disk-tier registration's load activates into a GPU slot on vLLM, stalling the batch, and no request needs
+    it yet: it waits while the runtime's queue holds requests, at most ``SLOTS_BUSY_WAIT_S``; with the queue empty
+    it goes at once, and a warm target never waits for the queue."""
+    from loraplane.sidecar.reconcile import SLOTS_BUSY_WAIT_S
+
+    async def run() -> None:
+        now = [0.0]
+        queued = Observation(INFO, {}, PodLoad(queue_depth=3))
+        disk = target(Tier.DISK)
+        r = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
+        cached(r, disk)
+        assert (disk.served_name, Action.LOAD) not in r.step(state(disk), queued)
+        now[0] = SLOTS_BUSY_WAIT_S / 2
+        assert (disk.served_name, Action.LOAD) not in r.step(state(disk), queued)
+        now[0] = SLOTS_BUSY_WAIT_S + 0.1
+        assert (disk.served_name, Action.LOAD) in r.step(state(disk), queued)
+        await r.drain()
+        idle = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
+        cached(idle, disk)
+        assert (disk.served_name, Action.LOAD) in idle.step(state(disk), observe())
+        await idle.drain()
+        warm = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
+        gpu = target(Tier.GPU)
+        assert (gpu.served_name, Action.LOAD) in warm.step(state(gpu), queued)
+        await warm.drain()
+
+    asyncio.run(run())

@@ -93,3 +93,30 @@ def test_vllm_pods_are_planned_at_the_controllers_resync() -> None:
     from loraplane.sim.policies import CONTROLLER_RESYNC_S
 
     assert simulator().placement.period_s == CONTROLLER_RESYNC_S == ControllerConfig().resync_seconds  # type: ignore[union-attr]
+
+
+def test_a_disk_tier_registrations_load_waits_a_bounded_while_requests_wait_in_the_queue() -> None:
+    """As ``Reconciler.step`` holds it on vLLM: the load of a disk-tier registration (no request needs it yet, and
+    it stalls the batch) waits while requests wait in the pod's queue, ``SLOTS_BUSY_WAIT_S`` at most; warm targets'
+    loads never wait for the queue, and with the queue empty a disk-tier one goes at once."""
+    from loraplane.sidecar.reconcile import SLOTS_BUSY_WAIT_S
+
+    sim = simulator()
+    placement = sim.placement
+    assert isinstance(placement, ControllerPlacement)
+    pod = sim.pods[0]
+    pod.registered = set()
+    pod.busy, pod.event_time = True, 0.0  # mid-step: the loads wait for the next one
+    sim.arrived = 1
+    pod.waiting.append(0)  # a request waits
+    warm, cold, idle_cold = sorted(pod.disk)[:3]
+    placement._register(sim, pod, {warm: Tier.GPU, cold: Tier.DISK})
+    assert pod.cold_loads == {cold}
+    load_s = sim._load_s[warm][2]
+    assert sim._placement_loads(pod, 1.0) == load_s and warm in pod.gpu and cold not in pod.gpu
+    assert sim._placement_loads(pod, 1.0 + SLOTS_BUSY_WAIT_S / 2) == 0.0 and cold not in pod.gpu
+    assert sim._placement_loads(pod, 1.1 + SLOTS_BUSY_WAIT_S) == load_s and cold in pod.gpu
+    pod.waiting.clear()
+    placement._register(sim, pod, {warm: Tier.GPU, cold: Tier.DISK, idle_cold: Tier.DISK})
+    assert sim._placement_loads(pod, 5.0) == load_s and idle_cold in pod.gpu
+    assert sim.result.registration_loads == 3

@@ -40,7 +40,7 @@ from typing import Protocol
 
 from loraplane.api import Tier
 from loraplane.controller.placement import PlacementConfig
-from loraplane.sidecar.reconcile import DEFAULT_DRAIN_GRACE_S
+from loraplane.sidecar.reconcile import DEFAULT_DRAIN_GRACE_S, SLOTS_BUSY_WAIT_S
 from loraplane.sim.prefix import BLOCK_TOKENS, PodPrefixCaches
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
@@ -168,10 +168,14 @@ class Pod:
         self.disk_used = 0
         #: the revisions the runtime has registered, the only ones it serves (``SimConfig.loraplane_runtime`` vllm);
         #: None: it serves any on its disk. ``registering``: fetched to disk first, registered when they land;
-        #: ``registered_load``: registered, their load (vLLM's load activates) not made yet
+        #: ``registered_load``: registered, their load (vLLM's load activates) not made yet; ``cold_loads``: those of
+        #: them the plan holds at disk tier (the sidecar's lowest priority: ``Simulator._placement_loads``)
         self.registered: set[int] | None = None
         self.registering: set[int] = set()
         self.registered_load: set[int] = set()
+        self.cold_loads: set[int] = set()
+        #: since when a disk-tier registration's load has waited for the waiting queue to empty (None: not waiting)
+        self.cold_load_waits_since: float | None = None
         #: registered revisions no longer targeted, reported draining (the picker stops routing to them) until the
         #: sidecar's drain grace has passed and they are unregistered (``Simulator.drain``)
         self.draining: set[int] = set()
@@ -799,15 +803,7 @@ class Simulator:
             distinct = len(running_adapters)
         if pod.departing:
             self._departed(pod)
-        stall = 0.0
-        if pod.prefetch_queue:
-            waiting_loads = []
-            for a in pod.prefetch_queue:
-                load_s = self._load(pod, a, now, demand=False)
-                if load_s < 0 and a in pod.registered_load:
-                    waiting_loads.append(a)  # the sidecar's load waits while every slot runs (SLOTS_BUSY_WAIT_S)
-                stall += max(0.0, load_s)
-            pod.prefetch_queue = waiting_loads
+        stall = self._placement_loads(pod, now) if pod.prefetch_queue else 0.0
         if preempted or budget <= 0 or not waiting:
             return stall, prefill_tokens, first_tokens, single or bool(waiting), batch, distinct
         tr, res = self.trace, self.result
@@ -903,6 +899,30 @@ class Simulator:
         if admitted:
             distinct = len(running_adapters)
         return stall, prefill_tokens, first_tokens, single or (budget <= 0 and pos < len(waiting)), batch, distinct
+
+    def _placement_loads(self, pod: Pod, now: float) -> float:
+        """Make the loads a placement asked of ``pod`` (``prefetch_queue``) that are due at this step; returns their
+        stall. The load of a disk-tier registration (``Pod.cold_loads``) waits while requests wait in the pod's queue,
+        ``SLOTS_BUSY_WAIT_S`` at most, as the sidecar holds it (``Reconciler.step``): on vLLM its activation stalls
+        the batch ~0.17 s, and no request needs it yet."""
+        if not (pod.waiting and any(a in pod.cold_loads for a in pod.prefetch_queue)):
+            pod.cold_load_waits_since = None
+        elif pod.cold_load_waits_since is None:
+            pod.cold_load_waits_since = now
+        since = pod.cold_load_waits_since
+        cold_waits = since is not None and now - since < SLOTS_BUSY_WAIT_S
+        stall = 0.0
+        waiting_loads = []
+        for a in pod.prefetch_queue:
+            if cold_waits and a in pod.cold_loads:
+                waiting_loads.append(a)
+                continue
+            load_s = self._load(pod, a, now, demand=False)
+            if load_s < 0 and a in pod.registered_load:
+                waiting_loads.append(a)  # the sidecar's load waits while every slot runs (SLOTS_BUSY_WAIT_S)
+            stall += max(0.0, load_s)
+        pod.prefetch_queue = waiting_loads
+        return stall
 
     def _departed(self, pod: Pod) -> None:
         """Adapters whose last request left the batch at this boundary: the last step ran them, so they are the most
@@ -1089,6 +1109,7 @@ class Simulator:
         else:
             res.setup_loads += 1
         pod.registered_load.discard(a)
+        pod.cold_loads.discard(a)
         if demand:
             res.demand_loads += 1
             res.load_times.append(now)
@@ -1112,7 +1133,7 @@ class Simulator:
         pod.disk.add(a)
         if a in pod.registering:
             pod.registering.discard(a)
-            self.register(pod, a)
+            self.register(pod, a, cold=a in pod.cold_loads)
         pod.disk_used += self.trace.adapters[a].nbytes
         pod.residency_version += 1
         cpu, waiting, last_use = pod.cpu, pod.waiting_adapters, pod.last_use.get
@@ -1136,6 +1157,7 @@ class Simulator:
     # -- used by placements -----------------------------------------------------------------------------------
     def prefetch(self, pod: Pod, adapter: int) -> None:
         """Ask ``pod`` to bring ``adapter`` to a GPU slot at its next step (downloading it first if absent)."""
+        pod.cold_loads.discard(adapter)
         if adapter in pod.gpu or adapter in pod.prefetch_queue:
             return
         if adapter not in pod.disk:
@@ -1166,10 +1188,11 @@ class Simulator:
         if adapter not in pod.disk:
             self._download(pod, adapter)
 
-    def register(self, pod: Pod, adapter: int) -> None:
+    def register(self, pod: Pod, adapter: int, cold: bool = False) -> None:
         """Register ``adapter`` with ``pod``'s vLLM (``Pod.registered``), fetching it to disk first (at once before the
         first request: the pool is set up, as the twin onboards its revisions before it replays): vLLM's load
-        activates it, so it takes a GPU slot at the next step."""
+        activates it, so it takes a GPU slot at the next step; ``cold``: a disk-tier target, whose load waits for
+        the pod's queue to empty (``_placement_loads``)."""
         assert pod.registered is not None
         if adapter in pod.registered:
             if adapter in pod.draining:  # targeted again before it left: reported as held again
@@ -1181,6 +1204,8 @@ class Simulator:
             pod.disk_used += self.trace.adapters[adapter].nbytes
         if adapter not in pod.disk:
             pod.registering.add(adapter)
+            if cold:
+                pod.cold_loads.add(adapter)
             self._download(pod, adapter)
             return
         pod.registered.add(adapter)
@@ -1188,6 +1213,8 @@ class Simulator:
         if adapter not in pod.gpu:
             pod.registered_load.add(adapter)
         self.prefetch(pod, adapter)
+        if cold and adapter in pod.prefetch_queue:
+            pod.cold_loads.add(adapter)
 
     def drain(self, pod: Pod, adapter: int) -> None:
         """``pod``'s sidecar no longer targets ``adapter``: it reports it draining at once (the picker stops routing
@@ -1207,6 +1234,7 @@ class Simulator:
         assert pod.registered is not None
         pod.registering.discard(adapter)
         pod.registered_load.discard(adapter)
+        pod.cold_loads.discard(adapter)
         pod.draining.discard(adapter)
         if adapter not in pod.registered:
             return

@@ -466,7 +466,7 @@ class ControllerPlacement:
         warm = (Tier.GPU, Tier.CPU)
         for adapter, tier in sorted(targets.items(), key=lambda item: item[1] not in warm):
             if adapter not in pod.registered:
-                sim.register(pod, adapter)
+                sim.register(pod, adapter, cold=tier not in warm)
             elif tier in warm and entries.get(adapter) not in warm:  # GPU and host are one entry (warm_entry)
                 sim.prefetch(pod, adapter)
         self._entries[pod.index] = targets
