@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loraplane.api import Tier
-from loraplane.sim.cluster import VLLM, SimConfig, Simulator
+from loraplane.sim.cluster import _RETRY, VLLM, SimConfig, Simulator
 from loraplane.sim.policies import LORAPLANE, ControllerPlacement, build_policy
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.trace import scenario
@@ -95,10 +95,10 @@ def test_vllm_pods_are_planned_at_the_controllers_resync() -> None:
     assert simulator().placement.period_s == CONTROLLER_RESYNC_S == ControllerConfig().resync_seconds  # type: ignore[union-attr]
 
 
-def test_a_disk_tier_registrations_load_waits_a_bounded_while_requests_wait_in_the_queue() -> None:
-    """As ``Reconciler.step`` holds it on vLLM: the load of a disk-tier registration (no request needs it yet, and
-    it stalls the batch) waits while requests wait in the pod's queue, ``SLOTS_BUSY_WAIT_S`` at most; warm targets'
-    loads never wait for the queue, and with the queue empty a disk-tier one goes at once."""
+def test_disk_tier_registrations_load_one_a_step_after_the_requests_waiting_in_the_queue() -> None:
+    """As ``Reconciler.step`` holds them on vLLM: the load of a disk-tier registration (no request needs it yet, and
+    it stalls the batch) waits while requests wait in the pod's queue, ``SLOTS_BUSY_WAIT_S`` at most, and they go one
+    at a time (one a step), not several stalling one step together; warm targets' loads never wait for the queue."""
     from loraplane.sidecar.reconcile import SLOTS_BUSY_WAIT_S
 
     sim = simulator()
@@ -109,7 +109,7 @@ def test_a_disk_tier_registrations_load_waits_a_bounded_while_requests_wait_in_t
     pod.busy, pod.event_time = True, 0.0  # mid-step: the loads wait for the next one
     sim.arrived = 1
     pod.waiting.append(0)  # a request waits
-    warm, cold, idle_cold = sorted(pod.disk)[:3]
+    warm, cold, idle_cold, next_cold = sorted(pod.disk)[:4]
     placement._register(sim, pod, {warm: Tier.GPU, cold: Tier.DISK})
     assert pod.cold_loads == {cold}
     load_s = sim._load_s[warm][2]
@@ -117,6 +117,13 @@ def test_a_disk_tier_registrations_load_waits_a_bounded_while_requests_wait_in_t
     assert sim._placement_loads(pod, 1.0 + SLOTS_BUSY_WAIT_S / 2) == 0.0 and cold not in pod.gpu
     assert sim._placement_loads(pod, 1.1 + SLOTS_BUSY_WAIT_S) == load_s and cold in pod.gpu
     pod.waiting.clear()
-    placement._register(sim, pod, {warm: Tier.GPU, cold: Tier.DISK, idle_cold: Tier.DISK})
-    assert sim._placement_loads(pod, 5.0) == load_s and idle_cold in pod.gpu
-    assert sim.result.registration_loads == 3
+    placement._register(sim, pod, {warm: Tier.GPU, cold: Tier.DISK, idle_cold: Tier.DISK, next_cold: Tier.DISK})
+    assert sim._placement_loads(pod, 5.0) == load_s and idle_cold in pod.gpu and next_cold not in pod.gpu
+    assert sim._placement_loads(pod, 5.1) == load_s and next_cold in pod.gpu
+    assert sim.result.registration_loads == 4
+    # a pod with nothing to run makes the next one at its next retry, not at its next request
+    last, after = sorted(pod.disk)[4:6]
+    placement._register(sim, pod, {warm: Tier.GPU, last: Tier.DISK, after: Tier.DISK})
+    pod.busy, sim._heap[:] = False, []
+    sim._begin(pod, 6.0)
+    assert last in pod.gpu and after not in pod.gpu and [e[2:4] for e in sim._heap] == [(_RETRY, pod.index)]

@@ -709,7 +709,8 @@ class Simulator:
         running = pod.running
         if not batch:
             pod.busy = False
-            if (pod.waiting and any(a not in pod.downloading for a in pod.waiting_adapters)) or running:
+            if ((pod.waiting and any(a not in pod.downloading for a in pod.waiting_adapters)) or running
+                    or (stall and pod.prefetch_queue)):  # the sidecar's next registration
                 pod.version += 1
                 self._push(now + RETRY_S, _RETRY, pod.index, pod.version)
             return
@@ -902,9 +903,9 @@ class Simulator:
 
     def _placement_loads(self, pod: Pod, now: float) -> float:
         """Make the loads a placement asked of ``pod`` (``prefetch_queue``) that are due at this step; returns their
-        stall. The load of a disk-tier registration (``Pod.cold_loads``) waits while requests wait in the pod's queue,
-        ``SLOTS_BUSY_WAIT_S`` at most, as the sidecar holds it (``Reconciler.step``): on vLLM its activation stalls
-        the batch ~0.17 s, and no request needs it yet."""
+        stall. Disk-tier registrations (``Pod.cold_loads``) load one at a time, one a step, and wait while requests
+        wait in the pod's queue, ``SLOTS_BUSY_WAIT_S`` at most, as the sidecar holds them (``Reconciler.step``): on
+        vLLM each activation stalls the batch ~0.17 s, and no request needs them yet."""
         if not (pod.waiting and any(a in pod.cold_loads for a in pod.prefetch_queue)):
             pod.cold_load_waits_since = None
         elif pod.cold_load_waits_since is None:
@@ -913,10 +914,13 @@ class Simulator:
         cold_waits = since is not None and now - since < SLOTS_BUSY_WAIT_S
         stall = 0.0
         waiting_loads = []
+        cold_loaded = False
         for a in pod.prefetch_queue:
-            if cold_waits and a in pod.cold_loads:
+            cold = a in pod.cold_loads
+            if cold and (cold_waits or cold_loaded):
                 waiting_loads.append(a)
                 continue
+            cold_loaded = cold_loaded or cold
             load_s = self._load(pod, a, now, demand=False)
             if load_s < 0 and a in pod.registered_load:
                 waiting_loads.append(a)  # the sidecar's load waits while every slot runs (SLOTS_BUSY_WAIT_S)
