@@ -522,6 +522,7 @@ class Reconciler:
         return now - self._queue_busy_since < SLOTS_BUSY_WAIT_S
 
     def _queue_idle(self) -> bool:
+        """No registration waits for the queue now: forget since when one did."""
         self._queue_busy_since = None
         return False
 
