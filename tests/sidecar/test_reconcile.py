@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from e2e.fixtures.processes import free_port
-from loraplane.api import PodLoad, TargetState, Tier
+from loraplane.api import AdapterTarget, PodLoad, TargetState, Tier
 from loraplane.sidecar.artifacts import ArtifactSources, SourceConfig
 from loraplane.sidecar.cache import DiskCache, StageTimings
 from loraplane.sidecar.drivers import make_driver
 from loraplane.sidecar.drivers.base import Observation, RuntimeAdapter, RuntimeInfo
 from loraplane.sidecar.drivers.vllm import VllmDriver
 from loraplane.sidecar.metrics import SidecarMetrics
-from loraplane.sidecar.reconcile import Action, Backoff, LoadRecord, Reconciler
+from loraplane.sidecar.reconcile import SLOTS_BUSY_WAIT_S, Action, Backoff, LoadRecord, Reconciler
 from tests.sidecar.adapters import BASE_DIGEST, sha256_of, target_for, write_weights
 
 INFO = RuntimeInfo(base_model="tiny", base_model_digest=BASE_DIGEST, max_lora_rank=16, max_loras=2, max_cpu_loras=4)
@@ -378,22 +378,28 @@ def test_a_refused_artifact_is_final_and_keeps_its_cause(tmp_path: Path, target)
     asyncio.run(run())
 
 
+def loads_only_after_the_bounded_wait(r: Reconciler, wanted: AdapterTarget, observed: Observation,
+                                     now: list[float]) -> None:
+    """``wanted``'s load waits while ``observed`` holds (at the start and half-way through ``SLOTS_BUSY_WAIT_S``)
+    and goes once the wait is over; ``now`` is ``r``'s clock."""
+    assert (wanted.served_name, Action.LOAD) not in r.step(state(wanted), observed)
+    now[0] = SLOTS_BUSY_WAIT_S / 2
+    assert (wanted.served_name, Action.LOAD) not in r.step(state(wanted), observed)
+    now[0] = SLOTS_BUSY_WAIT_S + 0.1
+    assert (wanted.served_name, Action.LOAD) in r.step(state(wanted), observed)
+
+
 def test_on_vllm_a_load_waits_a_bounded_while_requests_fill_every_gpu_slot(tmp_path: Path, target) -> None:
     """vLLM's load activates into a GPU slot: with every slot held by an adapter with requests in flight it would
     evict a running one, which the next step brings back, evicting the next. The load waits for a slot to free, at
     most ``SLOTS_BUSY_WAIT_S``; with a slot not busy it goes at once."""
-    from loraplane.sidecar.reconcile import SLOTS_BUSY_WAIT_S
 
     async def run() -> None:
         now = [0.0]
         r = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
         wanted = target(Tier.GPU)
         busy = observe(held("a@v1", Tier.GPU, in_flight=1), held("b@v1", Tier.GPU, in_flight=2))  # max_loras 2
-        assert (wanted.served_name, Action.LOAD) not in r.step(state(wanted), busy)
-        now[0] = SLOTS_BUSY_WAIT_S / 2
-        assert (wanted.served_name, Action.LOAD) not in r.step(state(wanted), busy)
-        now[0] = SLOTS_BUSY_WAIT_S + 0.1
-        assert (wanted.served_name, Action.LOAD) in r.step(state(wanted), busy)
+        loads_only_after_the_bounded_wait(r, wanted, busy, now)
         await r.drain()
         r2 = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
         one_free = observe(held("a@v1", Tier.GPU, in_flight=1), held("b@v1", Tier.GPU))
@@ -408,7 +414,6 @@ def test_on_vllm_a_disk_tier_registration_waits_a_bounded_while_requests_wait_in
     """A disk-tier registration's load activates into a GPU slot on vLLM, stalling the batch, and no request needs
     it yet: it waits while the runtime's queue holds requests, at most ``SLOTS_BUSY_WAIT_S``; with the queue empty
     it goes at once, and a warm target never waits for the queue."""
-    from loraplane.sidecar.reconcile import SLOTS_BUSY_WAIT_S
 
     async def run() -> None:
         now = [0.0]
@@ -416,11 +421,7 @@ def test_on_vllm_a_disk_tier_registration_waits_a_bounded_while_requests_wait_in
         disk = target(Tier.DISK)
         r = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
         cached(r, disk)
-        assert (disk.served_name, Action.LOAD) not in r.step(state(disk), queued)
-        now[0] = SLOTS_BUSY_WAIT_S / 2
-        assert (disk.served_name, Action.LOAD) not in r.step(state(disk), queued)
-        now[0] = SLOTS_BUSY_WAIT_S + 0.1
-        assert (disk.served_name, Action.LOAD) in r.step(state(disk), queued)
+        loads_only_after_the_bounded_wait(r, disk, queued, now)
         await r.drain()
         idle = make_reconciler(tmp_path, runtime="vllm", clock=lambda: now[0])
         cached(idle, disk)
