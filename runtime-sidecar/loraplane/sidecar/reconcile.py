@@ -70,6 +70,28 @@ DEFAULT_DRAIN_GRACE_S = 1.0
 #: back, evicting the next one (the twin's emulated vLLM pods made three times the simulator's loads from host
 #: memory); after this long it goes ahead, so a busy pod still gets its revisions
 SLOTS_BUSY_WAIT_S = 2.0
+
+
+@dataclass
+class BoundedWait:
+    """A wait on a condition, at most ``limit_s`` from when it began to hold (a load held back by a busy runtime):
+    after that the load goes ahead however busy the runtime stays."""
+
+    limit_s: float = SLOTS_BUSY_WAIT_S
+    #: when the condition began to hold (None: it does not hold now)
+    since: float | None = None
+
+    def holds(self, condition: bool, now: float) -> bool:
+        """Wait still? True while ``condition`` has held for less than ``limit_s``; a condition that stops holding
+        ends the wait (the next one starts afresh)."""
+        if not condition:
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        return now - self.since < self.limit_s
+
+
 #: load-stage measurements each tier's mean in ``PodLoad.loadSeconds`` is taken over (the most recent ones)
 LOAD_COST_SAMPLES = 16
 
@@ -216,10 +238,10 @@ class Reconciler:
         self.draining: dict[str, float | None] = {}
         #: served name -> the target entry (``warm_entry``) a load or activation last put at its tier
         self.warmed: dict[str, tuple[str, bool]] = {}
-        #: since when the runtime's GPU slots have all held adapters with requests in flight (None: not now)
-        self._slots_busy_since: float | None = None
-        #: since when a disk-tier registration has waited for the runtime's queue to empty (None: not now)
-        self._queue_busy_since: float | None = None
+        #: loads and warm-ups waiting while adapters with requests in flight fill every GPU slot
+        self._slots_wait = BoundedWait()
+        #: disk-tier registrations waiting for the runtime's queue to empty
+        self._queue_wait = BoundedWait()
 
     # --- identity ---------------------------------------------------------------------------------------------
 
@@ -449,7 +471,7 @@ class Reconciler:
                               or self._slots_busy(observation, now))
         # disk-tier registrations (``disk_registered``) are the lowest priority: each waits until no warmer target
         # is being placed or due to be, and one at a time (each load takes the landing slot and a host copy); where
-        # loads activate, also while requests wait in the runtime's queue (``_queue_busy``)
+        # loads activate, also while requests wait in the runtime's queue (``queue_busy``)
 
         def registration(name: str, action: Action) -> bool:
             t = wanted_tiers.get(name)
@@ -460,8 +482,11 @@ class Reconciler:
             return action in _PLACING and t is not None and t.tier is not Tier.DISK
 
         registering = any(registration(n, self._task_action[n]) for n in busy)
-        queue_busy = self._queue_busy(observation, now) if serial and any(
-            registration(n, a) for n, (a, _) in planned.items() if n not in busy) else self._queue_idle()
+        # a pending registration on vLLM waits while requests wait in the runtime's queue: its load activates,
+        # stalling the batch (~0.17 s for 80 MB from disk) while they wait for their first token, and no request
+        # needs it yet
+        queue_busy = self._queue_wait.holds(serial and observation.load.queue_depth > 0 and any(
+            registration(n, a) for n, (a, _) in planned.items() if n not in busy), now)
         warming = any(warm_placement(n, self._task_action[n]) for n in busy) or any(
             warm_placement(n, a) and self.status.get(n, AdapterStatus()).not_before <= now
             for n, (a, _) in planned.items())
@@ -504,27 +529,8 @@ class Reconciler:
         """Do adapters with requests in flight fill every GPU slot, for less than ``SLOTS_BUSY_WAIT_S`` so far?
         A load or warm-up then waits (see ``SLOTS_BUSY_WAIT_S``)."""
         slots = observation.info.max_loras
-        if slots is None or sum(h.in_flight > 0 for h in observation.adapters.values()) < slots:
-            self._slots_busy_since = None
-            return False
-        if self._slots_busy_since is None:
-            self._slots_busy_since = now
-        return now - self._slots_busy_since < SLOTS_BUSY_WAIT_S
-
-    def _queue_busy(self, observation: Observation, now: float) -> bool:
-        """Do requests wait in the runtime's queue, for less than ``SLOTS_BUSY_WAIT_S`` since a disk-tier registration
-        began to wait for it? The registration then waits: on vLLM its load activates, stalling the batch (~0.17 s for
-        80 MB from disk) while those requests wait for their first token, and no request needs it yet."""
-        if observation.load.queue_depth == 0:
-            return self._queue_idle()
-        if self._queue_busy_since is None:
-            self._queue_busy_since = now
-        return now - self._queue_busy_since < SLOTS_BUSY_WAIT_S
-
-    def _queue_idle(self) -> bool:
-        """No registration waits for the queue now: forget since when one did."""
-        self._queue_busy_since = None
-        return False
+        full = slots is not None and sum(h.in_flight > 0 for h in observation.adapters.values()) >= slots
+        return self._slots_wait.holds(full, now)
 
     @staticmethod
     def _gpu_full(observation: Observation) -> bool:

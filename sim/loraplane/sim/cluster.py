@@ -40,7 +40,7 @@ from typing import Protocol
 
 from loraplane.api import Tier
 from loraplane.controller.placement import PlacementConfig
-from loraplane.sidecar.reconcile import DEFAULT_DRAIN_GRACE_S, SLOTS_BUSY_WAIT_S
+from loraplane.sidecar.reconcile import DEFAULT_DRAIN_GRACE_S, BoundedWait
 from loraplane.sim.prefix import BLOCK_TOKENS, PodPrefixCaches
 from loraplane.sim.profile import Profile
 from loraplane.sim.trace import Trace
@@ -174,8 +174,8 @@ class Pod:
         self.registering: set[int] = set()
         self.registered_load: set[int] = set()
         self.cold_loads: set[int] = set()
-        #: since when a disk-tier registration's load has waited for the waiting queue to empty (None: not waiting)
-        self.cold_load_waits_since: float | None = None
+        #: a disk-tier registration's load waiting for the waiting queue to empty, as the sidecar's
+        self.cold_load_wait = BoundedWait()
         #: registered revisions no longer targeted, reported draining (the picker stops routing to them) until the
         #: sidecar's drain grace has passed and they are unregistered (``Simulator.drain``)
         self.draining: set[int] = set()
@@ -906,12 +906,8 @@ class Simulator:
         stall. Disk-tier registrations (``Pod.cold_loads``) load one at a time, one a step, and wait while requests
         wait in the pod's queue, ``SLOTS_BUSY_WAIT_S`` at most, as the sidecar holds them (``Reconciler.step``): on
         vLLM each activation stalls the batch ~0.17 s, and no request needs them yet."""
-        if not (pod.waiting and any(a in pod.cold_loads for a in pod.prefetch_queue)):
-            pod.cold_load_waits_since = None
-        elif pod.cold_load_waits_since is None:
-            pod.cold_load_waits_since = now
-        since = pod.cold_load_waits_since
-        cold_waits = since is not None and now - since < SLOTS_BUSY_WAIT_S
+        cold_waits = pod.cold_load_wait.holds(
+            bool(pod.waiting) and any(a in pod.cold_loads for a in pod.prefetch_queue), now)
         stall = 0.0
         waiting_loads = []
         cold_loaded = False
