@@ -511,9 +511,10 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
         "control_plane": {
             "picker_decision": histogram_quantiles(before.picker, after.picker,
                                                    "loraplane_picker_decision_duration_seconds"),
-            # how old the chosen pod's residency report was when the picker decided (loraplane's policy only)
-            "report_age_at_decision": histogram_quantiles(before.picker, after.picker,
-                                                          "loraplane_picker_report_age_seconds"),
+            # how old what the picker knew of the chosen pod was when it decided: its sidecar's report, or a peer's
+            # last scrape of its metrics (the simulator's ``report_age_at_decision``)
+            "report_age_at_decision": pooled_histogram({"picker": before.picker}, {"picker": after.picker},
+                                                       "loraplane_picker_report_age_seconds"),
             # requests the picker's flow control queued, and how long (the simulator's ``held``)
             "picker_queue_wait": histogram_quantiles(before.picker, after.picker,
                                                      "loraplane_picker_queue_wait_seconds"),

@@ -22,7 +22,14 @@ from e2e.fixtures.processes import free_port
 from loraplane.api import vllm_metrics
 from loraplane.api.vllm_metrics import LoadedAdapter, parse_metrics, parse_series, read_metrics
 from loraplane.picker.cli import main as picker_main
-from loraplane.picker.scrape import MetricsScraper, PassthroughResolver, ScrapedPool, scraping
+from loraplane.picker.scrape import (
+    MetricsScraper,
+    PassthroughResolver,
+    ScrapedPool,
+    scrape_offset,
+    scraping,
+    until_offset,
+)
 from loraplane.picker.server import ServerOptions, serve
 from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
 from tests.picker.conftest import BUFFERED, REQUEST_HEADERS, body, eventually, header_map, headers
@@ -127,6 +134,7 @@ async def test_scrapes_fill_the_snapshot_and_follow_changes() -> None:
             e = pool.snapshot.endpoints[1]
             assert (e.queue_depth, e.running, e.kv_utilization, e.gpu_slots) == (3, 7, 0.5, 4)
             assert e.running_adapters == e.waiting_adapters == {"a"} and e.loaded_adapters == {"a": LoadedAdapter(True)}
+            assert all(0 < e.received_at <= time.monotonic() for e in pool.snapshot.endpoints)  # aged from the scrape
             before = pool.snapshot.version
             served.texts[0] = exposition(waiting=9, lora_info=[(["b", "c"], ["b", "c"], 9.0)])
             await eventually(lambda: pool.snapshot.endpoints[0].queue_depth == 9, within=2.0)
@@ -278,6 +286,17 @@ def test_scrape_intervals_must_be_positive(value: str) -> None:
     with pytest.raises(SystemExit):
         picker_main(["--pool", "p", "--data-source", "scrape", "--endpoint", "pod-0=10.0.0.1:8000",
                      "--scrape-interval", value])
+
+
+def test_each_endpoint_is_scraped_at_its_own_offset_in_the_interval() -> None:
+    offsets = [scrape_offset(f"10.0.0.{i}:8000", 0.25) for i in range(1, 65)]
+    assert offsets == [scrape_offset(f"10.0.0.{i}:8000", 0.25) for i in range(1, 65)]  # fixed per address
+    assert all(0 <= o < 0.25 for o in offsets)
+    assert all(sum(q * 0.0625 <= o < (q + 1) * 0.0625 for o in offsets) >= 8 for q in range(4))  # spread
+    # the next scrape: the endpoint's offset in the current interval if still ahead, else in the next
+    assert until_offset(10.0, 0.25, 0.1) == pytest.approx(0.1)
+    assert until_offset(10.2, 0.25, 0.1) == pytest.approx(0.15)
+    assert until_offset(10.1, 0.25, 0.1) == pytest.approx(0.25)
 
 
 def test_the_scraper_refuses_a_zero_interval() -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from loraplane.engine.policies import LruPolicy
 from loraplane.picker.scheduler import Decision
+from loraplane.picker.scrape import scrape_offset
 from loraplane.sim.cluster import Pod, SimConfig, Simulator
 from loraplane.sim.peers import PEER_POLICIES, PeerRouter, VllmView, peer_router
 from loraplane.sim.policies import BASELINES, POLICY_NAMES, EngineEviction, build_policy
@@ -23,9 +25,14 @@ def two_requests(gap_s: float) -> Trace:
 
 
 class Seen(PeerRouter):
-    """Records the requests each decision saw on the pods (waiting + running)."""
+    """Records the requests each decision saw on the pods (waiting + running) and where it sent them; scrapes pod
+    ``i`` at ``offsets[i]`` in each interval."""
 
     seen: list[list[float]]
+    offsets: tuple[float, ...] = (0.0, 0.0)
+
+    def offset_s(self, index: int) -> float:
+        return self.offsets[index]
 
     def decide(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> Decision:
         decision = super().decide(now, rid, trace, pods)
@@ -34,13 +41,20 @@ class Seen(PeerRouter):
         return decision
 
 
-def seen_by_the_second_request(interval_s: float, gap_s: float) -> list[float]:
+def second_request(interval_s: float, gap_s: float, offsets: tuple[float, float] = (0.0, 0.0)) -> tuple[list[float], int]:
+    """What the second of two requests ``gap_s`` apart saw on the two pods, and the pod the first went to."""
     trace = two_requests(gap_s)
     base = peer_router("least-request", 0, trace, LARGE_GPU, interval_s)
     router = Seen(base.name, 0, trace, LARGE_GPU, base.scheduler, interval_s)
+    router.offsets = offsets
     config = SimConfig(pods=2, scrape_interval_s=interval_s)
-    Simulator(trace, config, LARGE_GPU, router, EngineEviction(LruPolicy(), trace, LARGE_GPU), scraper=router).run()
-    return router.seen[1]
+    result = Simulator(trace, config, LARGE_GPU, router, EngineEviction(LruPolicy(), trace, LARGE_GPU),
+                       scraper=router).run()
+    return router.seen[1], int(result.pod[0])
+
+
+def seen_by_the_second_request(interval_s: float, gap_s: float) -> list[float]:
+    return second_request(interval_s, gap_s)[0]
 
 
 def test_decisions_read_the_last_scrape_not_the_live_pods() -> None:
@@ -53,15 +67,30 @@ def test_decisions_read_the_last_scrape_not_the_live_pods() -> None:
     assert sorted(seen_by_the_second_request(0.0, 0.010)) == [0.0, 1.0]
 
 
+def test_each_pod_is_scraped_at_its_own_offset() -> None:
+    """One pod is scraped 20 ms into each 50 ms interval, the other at 40 ms: 25 ms after the first request only
+    the first pod's figures are new, so the second request sees the first only where it went to that pod."""
+    seen_early, first = second_request(0.05, 0.025, (0.02, 0.04))
+    seen_late, first_again = second_request(0.05, 0.025, (0.04, 0.02))
+    assert first == first_again  # the same decision: the offsets swapped around it
+    assert (seen_early, seen_late) == (([1.0, 0.0], [0.0, 0.0]) if first == 0 else ([0.0, 0.0], [0.0, 1.0]))
+    assert sorted(second_request(0.05, 0.045, (0.02, 0.04))[0]) == [0.0, 1.0]  # both scraped by then
+    router = peer_router("least-request", 0, two_requests(0.1), LARGE_GPU, 0.05)
+    assert router.offset_s(0) == scrape_offset("10.0.0.1:8000", 0.05)  # the picker's own offsets
+
+
 class Ticks:
-    """A scraper that records its ticks and what the pods held then."""
+    """A scraper that records each pod's ticks and what the pods held then; pod ``i`` at ``i`` x 10 ms."""
 
     def __init__(self, period_s: float) -> None:
         self.period_s = period_s
-        self.ticks: list[tuple[float, int]] = []
+        self.ticks: list[tuple[float, list[int], int]] = []
 
-    def scrape(self, now: float, pods: list[Pod]) -> None:
-        self.ticks.append((now, sum(len(p.waiting) + p.num_running for p in pods)))
+    def offset_s(self, index: int) -> float:
+        return index * 0.01
+
+    def scrape(self, now: float, pods: list[Pod], due: Sequence[int]) -> None:
+        self.ticks.append((now, list(due), sum(len(p.waiting) + p.num_running for p in pods)))
 
 
 def test_the_simulator_scrapes_on_ticks_and_folds_quiet_ones() -> None:
@@ -69,12 +98,18 @@ def test_the_simulator_scrapes_on_ticks_and_folds_quiet_ones() -> None:
     ticks = Ticks(0.05)
     policy = build_policy("round-robin", 0, trace, LARGE_GPU, SimConfig(pods=2))
     result = Simulator(trace, SimConfig(pods=2), LARGE_GPU, policy.router, policy.eviction, scraper=ticks).run()
-    times = [t - trace.arrival[0] for t, _ in ticks.ticks]
-    assert times == sorted(set(times)) and times[0] == 0.0
-    assert all(abs(t / 0.05 - round(t / 0.05)) < 1e-6 for t in times)  # on the 50 ms grid from the first arrival
-    assert len(times) <= math.floor(result.sim_seconds / 0.05) + 1
-    assert len(times) > len(trace) / 2  # about one per tick with something happening
-    assert max(busy for _, busy in ticks.ticks) > 0
+    for pod in (0, 1):
+        # a pod's tick is taken at the first event at or after it, once however many quiet ticks passed
+        times = [now - trace.arrival[0] for now, due, _ in ticks.ticks if pod in due]
+        assert times == sorted(set(times)) and len(times) <= math.floor(result.sim_seconds / 0.05) + 1
+        assert len(times) > len(trace) / 4  # about one per tick with something happening
+        assert all(t >= pod * 0.01 for t in times)
+    assert all(due for _, due, _ in ticks.ticks) and max(busy for _, _, busy in ticks.ticks) > 0
+    # at most one scrape per pod per interval: between two scrapes of a pod at least one offset grid point
+    for pod in (0, 1):
+        grid = [math.floor((now - trace.arrival[0] - pod * 0.01) / 0.05 + 1e-9) for now, due, _ in ticks.ticks
+                if pod in due]
+        assert grid == sorted(set(grid))
 
 
 def test_vllm_names_every_busy_adapter_in_both_lists() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -140,7 +141,8 @@ class ScrapedPool:
         if m is None:
             return EndpointState(name=pod, address=scraped.address, stale=True, loads_on_demand=True)
         return EndpointState(
-            name=pod, address=scraped.address, stale=stale, queue_depth=m.waiting, running=m.running,
+            name=pod, address=scraped.address, stale=stale, received_at=scraped.at, queue_depth=m.waiting,
+            running=m.running,
             kv_utilization=m.kv_usage, gpu_slots=m.max_gpu_adapters, running_adapters=m.running_adapters,
             waiting_adapters=m.waiting_adapters, loaded_adapters=m.loaded, gpu_loaded=m.gpu_loaded,
             loads_on_demand=True,
@@ -216,9 +218,27 @@ class ScrapedPool:
         self.metrics.endpoints.labels("not-ready").set(0)
 
 
+def scrape_offset(address: str, interval_s: float) -> float:
+    """Where in each scrape interval the endpoint at ``address`` is scraped: a fixed offset in [0, interval_s) from
+    a hash of its address, as Prometheus spreads its targets. Scraped in step, every endpoint's figures would age
+    together and the least loaded one take every request for a whole interval; spread, each ages on its own (and
+    the scrapes' work spreads over the interval). The simulator's peers are scraped at the same offsets
+    (``loraplane.sim.cluster.ScrapeSchedule``)."""
+    digest = hashlib.blake2b(address.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 * interval_s
+
+
+def until_offset(now: float, interval_s: float, offset_s: float) -> float:
+    """Seconds from ``now`` to the next time ``offset_s`` into an interval (after a slow scrape the next slot, not a
+    burst to catch up)."""
+    wait = (offset_s - now) % interval_s
+    return wait if wait > 0 else interval_s
+
+
 class MetricsScraper:
-    """Scrapes every member of a ``ScrapedPool`` every ``interval_s`` (one task per endpoint, one keep-alive
-    session); a scrape that takes longer delays only its own endpoint's next one."""
+    """Scrapes every member of a ``ScrapedPool`` every ``interval_s``, each at its own offset in the interval (one
+    task per endpoint, one keep-alive session); a scrape that takes longer delays only its own endpoint's next
+    one."""
 
     def __init__(self, pool: ScrapedPool, interval_s: float = SCRAPE_INTERVAL_S, timeout_s: float = SCRAPE_TIMEOUT_S,
                  path: str = "/metrics", scheme: str = "http", registry: CollectorRegistry | None = None) -> None:
@@ -257,16 +277,13 @@ class MetricsScraper:
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
 
     async def _follow(self, session: aiohttp.ClientSession, pod: str, address: str) -> None:
+        """Scrape ``pod`` at once, then at its own offset in every interval (``scrape_offset``)."""
         url = f"{self.scheme}://{address}{self.path}"
         loop = asyncio.get_running_loop()
-        due = loop.time()
+        offset = scrape_offset(address, self.interval_s)
         while True:
             await self.scrape_once(session, pod, address, url)
-            due += self.interval_s
-            now = loop.time()
-            if due < now:  # a slow scrape: the next one now, not a burst to catch up
-                due = now
-            await asyncio.sleep(due - now)
+            await asyncio.sleep(until_offset(loop.time(), self.interval_s, offset))
 
     async def scrape_once(self, session: aiohttp.ClientSession, pod: str, address: str, url: str | None = None) -> None:
         """One scrape of ``pod`` (recorded in the pool, or counted as failed)."""

@@ -188,7 +188,7 @@ async def serve(options: ServerOptions, stop: asyncio.Event | None = None) -> No
         stats=stats,
         clock=time.monotonic,
         settings=options.settings,
-        report_clock=state.clock if isinstance(state, PoolState) else None,
+        report_clock=state.clock,
     )
     if options.fair_share_factor:
         ctx.plugins.add(FairSharePlugin(FairShareParameters(factor=options.fair_share_factor)))

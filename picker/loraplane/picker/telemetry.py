@@ -48,8 +48,9 @@ class PickerMetrics:
         )
         self.report_age = Histogram(
             "loraplane_picker_report_age_seconds",
-            "Age of the chosen endpoint's residency report at decision time, since the picker received it",
-            buckets=(0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
+            "Age of what the picker knew of the chosen endpoint at decision time, since it received it: the "
+            "sidecar's residency report, or (--data-source scrape) the last scrape of its metrics",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0),
             registry=self.registry,
         )
         self.reports_ttl_capped = PromCounter(

@@ -130,16 +130,60 @@ class Admission(Protocol):
 
 
 class Scraper(Protocol):
-    """Reads the pods' metrics every ``period_s`` simulated seconds (the peers' metrics scrape): ``scrape`` is called
-    at each tick ``first arrival + k x period_s`` after every event before it (so a trace shifted in time is
-    scraped alike), with the pods as they are then. Ticks with no event
-    since the last one are folded into one call (nothing changed); ``period_s <= 0`` never ticks."""
+    """Reads each pod's metrics every ``period_s`` simulated seconds (the peers' metrics scrape), each pod at its
+    own offset in the period (``ScrapeSchedule``): ``scrape`` is called with the pods whose tick ``first arrival +
+    offset + k x period_s`` came after every event before it (so a trace shifted in time is scraped alike), with
+    the pods as they are then. A pod's ticks with no event since its last one fold into one (nothing changed);
+    ``period_s <= 0`` never ticks."""
 
     period_s: float
 
-    def scrape(self, now: float, pods: list[Pod]) -> None:
-        """The pods' state at tick ``now``."""
+    def offset_s(self, index: int) -> float:
+        """Where in each period pod ``index`` is scraped, in [0, period_s)."""
         ...
+
+    def scrape(self, now: float, pods: list[Pod], due: Sequence[int]) -> None:
+        """The state of the pods ``due`` (indices into ``pods``) at ``now``."""
+        ...
+
+
+class ScrapeSchedule:
+    """When each pod's metrics are scraped: every ``period`` from ``start`` plus the pod's own offset. The picker
+    scrapes each endpoint at its own offset in the interval (``loraplane.picker.scrape.scrape_offset``), so the
+    pods' figures age apart and the least loaded pod takes requests only until its own next scrape; scraped all at
+    once, it took every request for a whole period (least-request on zipf-many at 32 pods: TTFT p50 26 % above the
+    twin's)."""
+
+    def __init__(self, period: float, start: float, offsets: Sequence[float]) -> None:
+        phases = sorted((offset, i) for i, offset in enumerate(offsets))
+        self._offsets = [phase for phase, _ in phases]
+        self._order = [i for _, i in phases]
+        self._period, self._start = period, start
+        self._cycle = self._at = 0
+        #: when the next scrape falls due
+        self.next_at = start + self._offsets[0]
+
+    def due(self, until: float) -> list[int]:
+        """The pods with a scrape due at or before ``until``, each once; the schedule moves past them."""
+        if until < self.next_at:
+            return []
+        if until - self.next_at >= self._period:  # a whole period passed: every pod, then the first tick after
+            cycle = math.floor((until - self._start) / self._period)
+            at = bisect_right(self._offsets, until - self._start - cycle * self._period)
+            self._cycle, self._at = (cycle + 1, 0) if at == len(self._offsets) else (cycle, at)
+            self._set_next()
+            return list(self._order)
+        due = []
+        while self.next_at <= until:
+            due.append(self._order[self._at])
+            self._at += 1
+            if self._at == len(self._offsets):
+                self._cycle, self._at = self._cycle + 1, 0
+            self._set_next()
+        return due
+
+    def _set_next(self) -> None:
+        self.next_at = self._start + self._cycle * self._period + self._offsets[self._at]
 
 
 class Placement(Protocol):
@@ -504,17 +548,17 @@ class Simulator:
         events = 0
         report_every = max(1, n // 100)
         scraper = self.scraper
-        period = scraper.period_s if scraper is not None and scraper.period_s > 0 else 0.0
-        next_scrape = (arrivals[0] if n else 0.0) if period else math.inf  # the grid starts with the trace
+        scrapes = (ScrapeSchedule(scraper.period_s, arrivals[0] if n else 0.0, [scraper.offset_s(p.index) for p in pods])
+                   if scraper is not None and scraper.period_s > 0 else None)  # the grid starts with the trace
+        next_scrape = scrapes.next_at if scrapes is not None else math.inf
         while i < n or heap:
             next_arrival = arrivals[i] if i < n else math.inf
-            if period and (upcoming := min(heap[0][0], next_arrival) if heap else next_arrival) >= next_scrape:
-                # the last tick up to what comes next sees the pods as they are now (a tick at an event's time is
+            if (upcoming := min(heap[0][0], next_arrival) if heap else next_arrival) >= next_scrape:
+                # each pod's last tick up to what comes next sees it as it is now (a tick at an event's time is
                 # taken before it)
-                assert scraper is not None
-                tick = next_scrape + math.floor((upcoming - next_scrape) / period) * period
-                scraper.scrape(tick, pods)
-                next_scrape = tick + period
+                assert scraper is not None and scrapes is not None
+                scraper.scrape(upcoming, pods, scrapes.due(upcoming))
+                next_scrape = scrapes.next_at
             if heap and heap[0][0] <= next_arrival:
                 when, _, kind, pod_index, arg = heapq.heappop(heap)
                 self.now = when

@@ -13,7 +13,7 @@ tick) and schedules each request on it with the peer config's ``Scheduler``, exa
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Literal
 
@@ -27,6 +27,7 @@ from loraplane.picker.peers.latency import PredictedLatencyFilter
 from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.prefix import PrefixCacheScorer
 from loraplane.picker.scheduler import Decision, EndpointPickerConfig, Scheduler, SchedulingError
+from loraplane.picker.scrape import scrape_offset
 from loraplane.picker.snapshot import EndpointState, PoolSnapshot
 from loraplane.sim.cluster import Pod, Refused
 from loraplane.sim.prefix import PickerPrefixSignal
@@ -227,10 +228,20 @@ class PeerRouter:
         """``oracle``'s TTFTs of the request being decided on the live pods."""
         return lambda _request, _pool: oracle.predict(self._rid, self._pods)
 
-    def scrape(self, now: float, pods: list[Pod]) -> None:
-        """Read every pod's metrics (the simulator calls this at each scrape tick)."""
+    def offset_s(self, index: int) -> float:
+        """Where in each scrape interval pod ``index`` is scraped: the picker's offset for its address."""
+        return scrape_offset(_address(index), self.period_s)
+
+    def scrape(self, now: float, pods: list[Pod], due: Sequence[int] | None = None) -> None:
+        """Read the metrics of the pods ``due`` (None: every pod); the simulator calls this at each pod's scrape
+        tick."""
         scrape = self.view.scrape
-        self._scraped = [scrape(p) for p in pods]
+        if due is None or self._scraped is None or len(self._scraped) != len(pods):
+            self._scraped = [scrape(p) for p in pods]
+        else:
+            scraped = self._scraped = list(self._scraped)  # a new list: ``snapshot`` updates what changed
+            for index in due:
+                scraped[index] = scrape(pods[index])
         self.scrapes += 1
 
     def snapshot(self) -> PoolSnapshot:
