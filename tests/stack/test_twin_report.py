@@ -6,14 +6,18 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from loraplane.sim.cluster import SERVED
+from loraplane.sim.cluster import SERVED, SimConfig
+from loraplane.sim.profile import LARGE_GPU
+from loraplane.sim.runner import simulate
 from loraplane.sim.trace import scenario
-from loraplane.stack.fidelity import errors, winner, winner_margin
+from loraplane.stack.fidelity import errors, sim_report, static_set, winner, winner_margin
 from loraplane.stack.replay import NO_ANSWER, Outcome
 from loraplane.stack.twin import (
     NO_ANSWER_STATUS,
+    TwinOptions,
     by_label,
     gateway_path,
     histogram_quantiles,
@@ -124,3 +128,16 @@ def test_the_emulators_mean_ttft_is_compared_only_when_it_counts_the_trace_alone
     assert errors(sim, twin)["ttft_mean_rel_emulator"] == 0.1
     # sidecars' activation completions counted too: no comparison
     assert errors(sim, {**twin, "emulator_ttft_ms": {"count": 430, "mean_ms": 30.0}})["ttft_mean_rel_emulator"] is None
+
+
+def test_the_simulators_peers_hold_every_adapter_on_disk_as_the_twin_registers_them() -> None:
+    """The twin's peer pools register every adapter on every pod at start-up, so none is fetched, whatever the
+    sidecar's 20 GB cache budget (zipf-many's 420 adapters of 84 MB are 35 GB)."""
+    trace = scenario("zipf-many", 600, 0, 84 * 2**20)
+    assert sum(a.nbytes for a in trace.adapters) > SimConfig().disk_bytes
+    options = TwinOptions(pods=4)
+    summary = sim_report(trace, options, LARGE_GPU, "least-request", 0)
+    assert summary["hit_ratio"]["L3"] == 0.0
+    unbounded = simulate(static_set(trace), SimConfig(pods=4, scrape_interval_s=options.scrape_interval), LARGE_GPU,
+                         "least-request", 0)
+    assert np.count_nonzero(np.frombuffer(bytes(unbounded.tier), np.uint8) == 3) > 0  # the budget alone fetches
