@@ -11,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +19,22 @@ from pathlib import Path
 LOOPBACK = "127.0.0.1"
 
 
+#: the ports ``free_port`` handed out last (the newest 4,096), not handed out again
+_handed_out: deque[tuple[str, int]] = deque(maxlen=4096)
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port nobody listens on right now (the OS picks it) and that this process has not handed out lately: a
+    child given a port may not have bound it yet when the next one is asked for, and the OS may pick the same port
+    again (the twin's 32 emulated pods once got one port twice: one pod failed to bind and its sidecar drove the
+    other's pod)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if (host, port) not in _handed_out:
+            _handed_out.append((host, port))
+            return port
 
 
 def wait_for_port(port: int, host: str = LOOPBACK, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
