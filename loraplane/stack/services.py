@@ -128,8 +128,10 @@ class StackOptions:
     model: str = "tiny"
     max_loras: int = 4
     max_cpu_loras: int = 16
-    #: seconds between sidecar heartbeats (and the controller's resync)
+    #: seconds between sidecar heartbeats (and the controller's resync unless ``controller_resync`` says)
     heartbeat: float = 0.5
+    #: the controller's ``--resync-seconds`` (how often it plans a pool); None: ``heartbeat``
+    controller_resync: float | None = None
     #: seconds between the picker's request-rate publications (the controller's placement input)
     publish_seconds: float = 2.0
     #: the InferencePool's ``endpointPickerRef.failureMode``: FailOpen lets Envoy route without the picker
@@ -327,7 +329,8 @@ class LocalStack:
         self.controller = ManagedProcess(
             [sys.executable, "-m", "loraplane.controller.cli", "--kubeconfig", str(self.cluster.kubeconfig),
              "--redis-url", self.redis_url, "--identity", "local", "--no-leader-election",
-             "--resync-seconds", str(self.options.heartbeat), "--metrics-port", str(self.controller_metrics_port)],
+             "--resync-seconds", str(self.options.controller_resync or self.options.heartbeat),
+             "--metrics-port", str(self.controller_metrics_port)],
             self.logs / "controller.log", env=self.secrets.redis_env("controller")).start()
         self._wait(self.controller_metrics_port, self.controller)
 

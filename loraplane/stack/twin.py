@@ -44,6 +44,7 @@ from loraplane.sim.metrics import (
     served_ttft,
     slo_figures,
 )
+from loraplane.sim.policies import CONTROLLER_RESYNC_S
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.trace import Trace
 from loraplane.stack.replay import NO_ANSWER, Outcome, ReplayRequest, replay
@@ -83,8 +84,8 @@ class TwinOptions:
     max_cpu_loras: int = 16
     profile: str = LARGE_GPU.name
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
-    #: seconds between sidecar heartbeats (and the controller's resync): reports about a second old, as the
-    #: simulator's loraplane policy sees them
+    #: seconds between sidecar heartbeats: reports about a second old, as the simulator's loraplane policy sees
+    #: them (the controller plans at its default resync, ``CONTROLLER_RESYNC_S``, as the chart and the simulator do)
     heartbeat: float = 1.0
     stable_timeout_s: float = 1800.0
     #: seconds between a peer's picker scrapes of each pod: llm-d-router's ``--refresh-metrics-interval`` is 0.05,
@@ -549,6 +550,7 @@ def start_stack(workdir: Path, options: TwinOptions, peer: str | None = None,
     stack = LocalStack(StackOptions(workdir=workdir, engines=options.pods, runtime="emulated", model=MODEL,
                                     profile=options.profile, max_loras=options.max_loras,
                                     max_cpu_loras=options.max_cpu_loras, heartbeat=options.heartbeat,
+                                    controller_resync=CONTROLLER_RESYNC_S,  # as the simulator plans
                                     body_mode="FULL_DUPLEX_STREAMED", peer=peer, lora_modules=modules,
                                     scrape_interval=options.scrape_interval, pickers=options.pickers,
                                     envoy_access_log=True))
