@@ -214,7 +214,9 @@ class PeerRouter:
                 step.run.predictor = self._oracle_predictor(TtftOracle(trace, profile))
                 self._by_priority = {}
         self._scraped: list[Scraped] | None = None
+        #: what the snapshot shows of each pod, and the pods scraped since it was last brought up to date
         self._applied: list[Scraped] = []
+        self._dirty: set[int] = set()
         self._snapshot: PoolSnapshot | None = None
         self._now = 0.0
         scorer = scheduler.preparer(PrefixCacheScorer)
@@ -238,23 +240,30 @@ class PeerRouter:
         scrape = self.view.scrape
         if due is None or self._scraped is None or len(self._scraped) != len(pods):
             self._scraped = [scrape(p) for p in pods]
+            self._dirty.update(range(len(pods)))
         else:
-            scraped = self._scraped = list(self._scraped)  # a new list: ``snapshot`` updates what changed
+            scraped = self._scraped
             for index in due:
                 scraped[index] = scrape(pods[index])
+            self._dirty.update(due)
         self.scrapes += 1
 
     def snapshot(self) -> PoolSnapshot:
-        """The pool as the latest scrape shows it."""
-        scraped, snapshot = self._scraped, self._snapshot
+        """The pool as each pod's latest scrape shows it: the endpoints scraped since the last call and changed are
+        updated in place (O(their number), not O(pods))."""
+        scraped, snapshot, state = self._scraped, self._snapshot, self.view.state
         assert scraped is not None
         if snapshot is None or snapshot.size != len(scraped):
-            snapshot = self._snapshot = PoolSnapshot([self.view.state(s) for s in scraped])
-        elif scraped is not self._applied:
-            state = self.view.state
-            snapshot.update_endpoints([(i, state(now)) for i, (now, before)
-                                       in enumerate(zip(scraped, self._applied, strict=True)) if now != before])
-        self._applied = scraped
+            snapshot = self._snapshot = PoolSnapshot([state(s) for s in scraped])
+            self._applied = list(scraped)
+        elif self._dirty:
+            applied = self._applied
+            changed = [(i, state(scraped[i])) for i in self._dirty if scraped[i] != applied[i]]
+            for i in self._dirty:
+                applied[i] = scraped[i]
+            if changed:
+                snapshot.update_endpoints(changed)
+        self._dirty.clear()
         return snapshot
 
     def decide(self, now: float, rid: int, trace: Trace, pods: list[Pod]) -> Decision:
