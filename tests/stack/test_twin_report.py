@@ -13,7 +13,7 @@ from loraplane.sim.cluster import SERVED, SimConfig
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import simulate
 from loraplane.sim.trace import scenario
-from loraplane.stack.fidelity import errors, sim_report, static_set, winner, winner_margin
+from loraplane.stack.fidelity import errors, seed_spread, sim_report, static_set, winner, winner_margin
 from loraplane.stack.replay import NO_ANSWER, Outcome
 from loraplane.stack.twin import (
     NO_ANSWER_STATUS,
@@ -141,3 +141,15 @@ def test_the_simulators_peers_hold_every_adapter_on_disk_as_the_twin_registers_t
     unbounded = simulate(static_set(trace), SimConfig(pods=4, scrape_interval_s=options.scrape_interval), LARGE_GPU,
                          "least-request", 0)
     assert np.count_nonzero(np.frombuffer(bytes(unbounded.tier), np.uint8) == 3) > 0  # the budget alone fetches
+
+
+def test_the_seed_spread_says_whether_the_twin_lies_inside_the_simulators_range() -> None:
+    runs = [{"slo_attainment": 0.457, "ttft_ms": {"p50": 3001.7, "p99": 33_749.6}, "cold_starts": 894},
+            {"slo_attainment": 0.496, "ttft_ms": {"p50": 2053.9, "p99": 30_532.4}, "cold_starts": 896}]
+    twin = {"slo_attainment": 0.503, "ttft_ms": {"p50": 2100.0, "p99": 31_405.5}, "cold_starts": 902}
+    spread = seed_spread(runs, twin)
+    assert spread["seeds"] == 2 and spread["slo_attainment"] == [0.457, 0.496]
+    assert spread["ttft_ms_p50"] == [2053.9, 3001.7] and spread["cold_starts"] == [894, 896]
+    assert not spread["slo_attainment_twin_inside"] and not spread["cold_starts_twin_inside"]
+    assert spread["ttft_ms_p50_twin_inside"] and spread["ttft_ms_p99_twin_inside"]
+    assert seed_spread(runs, {})["slo_attainment_twin_inside"] is False  # no twin figure: not inside
