@@ -299,6 +299,32 @@ def test_each_endpoint_is_scraped_at_its_own_offset_in_the_interval() -> None:
     assert until_offset(10.1, 0.25, 0.1) == pytest.approx(0.25)
 
 
+async def test_each_scrape_loop_waits_for_its_endpoints_offset() -> None:
+    """After its first scrape an endpoint's loop sleeps until its own offset in the interval, every time, also after
+    a scrape that took longer than the interval."""
+    scraper = MetricsScraper(ScrapedPool(InFlightTracker(), time.monotonic), interval_s=0.25)
+    now = [100.03]
+    scraped: list[float] = []
+
+    async def scrape_once(*_args: object) -> None:
+        scraped.append(now[0])
+        now[0] += 0.4 if len(scraped) == 2 else 0.01  # the second scrape is slow
+
+    async def sleep(delay: float) -> None:
+        assert 0 < delay <= 0.25
+        now[0] += delay
+        if len(scraped) == 4:
+            raise asyncio.CancelledError
+
+    scraper.scrape_once = scrape_once  # type: ignore[method-assign]
+    scraper.clock, scraper.sleep = lambda: now[0], sleep
+    with pytest.raises(asyncio.CancelledError):
+        await scraper._follow(None, "pod-0", "10.0.0.1:8000")  # type: ignore[arg-type]
+    offset = scrape_offset("10.0.0.1:8000", 0.25)
+    assert scraped[0] == 100.03  # the first at once
+    assert [t % 0.25 for t in scraped[1:]] == pytest.approx([offset] * 3, abs=1e-9)
+
+
 def test_the_scraper_refuses_a_zero_interval() -> None:
     with pytest.raises(ValueError):
         MetricsScraper(ScrapedPool(InFlightTracker(), time.monotonic), interval_s=0)

@@ -22,7 +22,8 @@ import contextlib
 import hashlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -253,6 +254,9 @@ class MetricsScraper:
         self.scheme = scheme
         #: scrapes done, by result (``ok``, ``error``)
         self.counts = {"ok": 0, "error": 0}
+        #: the clock the scrape loops keep their slots by, and how they wait for the next (tests give them fakes)
+        self.clock: Callable[[], float] = time.monotonic
+        self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
         self._counter = (Counter("loraplane_picker_scrapes", "Scrapes of the endpoints' /metrics by result",
                                  ["result"], registry=registry) if registry is not None else None)
 
@@ -279,11 +283,10 @@ class MetricsScraper:
     async def _follow(self, session: aiohttp.ClientSession, pod: str, address: str) -> None:
         """Scrape ``pod`` at once, then at its own offset in every interval (``scrape_offset``)."""
         url = f"{self.scheme}://{address}{self.path}"
-        loop = asyncio.get_running_loop()
         offset = scrape_offset(address, self.interval_s)
         while True:
             await self.scrape_once(session, pod, address, url)
-            await asyncio.sleep(until_offset(loop.time(), self.interval_s, offset))
+            await self.sleep(until_offset(self.clock(), self.interval_s, offset))
 
     async def scrape_once(self, session: aiohttp.ClientSession, pod: str, address: str, url: str | None = None) -> None:
         """One scrape of ``pod`` (recorded in the pool, or counted as failed)."""
