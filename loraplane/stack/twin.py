@@ -31,12 +31,13 @@ import numpy as np
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplane.api import AdapterRevision, PriorityClass, parse_served_name
+from loraplane.api import parse_served_name
 from loraplane.emulator.tokens import expected_text
 from loraplane.picker.envoy import CLIENT_REQUEST_ID_HEADER
 from loraplane.picker.peers import peer_configs
 from loraplane.processes import process_usage
 from loraplane.sim.cluster import SERVED, SimResult
+from loraplane.sim.control import revision_manifest
 from loraplane.sim.metrics import (
     DEFAULT_SLO_TTFT_MS,
     hot_ttft_p99_ms,
@@ -134,33 +135,11 @@ def write_adapters(trace: Trace, artifacts: Path, model: str) -> list[TwinAdapte
     return written
 
 
-def priority_class(priority: int) -> PriorityClass:
-    """The trace's tenant priority (1 gold, 0 standard, -1 sheddable) as an AdapterRevision's class."""
-    return PriorityClass.GOLD if priority > 0 else PriorityClass.SHEDDABLE if priority < 0 else PriorityClass.STANDARD
-
-
 def manifest(adapter: TwinAdapter, base_model: str, base_digest: str) -> dict[str, Any]:
-    """The AdapterRevision of ``adapter``: GPU-preferred (as the simulator plans every adapter), its tenant's
-    priority class, a one-pod canary probed with two tokens (a first revision goes Stable after its probe)."""
-    body = {
-        "apiVersion": "loraplane.io/v1alpha1",
-        "kind": "AdapterRevision",
-        "metadata": {"name": adapter.object_name, "namespace": "default"},
-        "spec": {
-            "adapter": adapter.adapter, "revision": adapter.revision, "poolRef": {"name": POOL},
-            "baseModel": {"name": base_model, "digest": base_digest},
-            "artifact": {"uri": adapter.uri, "digest": adapter.digest},
-            "lora": {"rank": ADAPTER_RANK, "alpha": ADAPTER_RANK, "dtype": "float32",
-                     "targetModules": list(ADAPTER_TARGETS)},
-            "tenant": adapter.tenant, "priorityClass": priority_class(adapter.priority).value,
-            "warmPolicy": "gpu-preferred",
-            "rollout": {"canary": {"pods": 1},
-                        "healthProbe": {"prompt": "hello", "maxTokens": 2, "ttftBoundMs": 60000,
-                                        "timeoutSeconds": 60}},
-        },
-    }
-    AdapterRevision.model_validate(body)
-    return body
+    """The AdapterRevision of ``adapter`` (``revision_manifest``: as the simulator's controller plans it)."""
+    return revision_manifest(adapter.adapter, adapter.revision, adapter.tenant, adapter.priority, adapter.uri,
+                             adapter.digest, pool=POOL, base_model=base_model, base_digest=base_digest,
+                             rank=ADAPTER_RANK, target_modules=ADAPTER_TARGETS)
 
 
 #: the words that make a replayed prompt's first blocks its own (no accidental prefix-cache hits)

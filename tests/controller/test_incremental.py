@@ -115,10 +115,14 @@ def test_the_full_plan_period_plans_a_pool_at_rest_again() -> None:
 
 def test_changed_revisions_or_reports_plan_again() -> None:
     planner, _, revs, rates, reports, _ = _settled()
-    assert not planner.plan(_inputs(revs, rates, reports), "t2", {}).reused  # another revisions token
-    assert planner.plan(_inputs(revs, rates, reports), "t2", {}).reused
-    assert not planner.plan(_inputs(revs, rates, reports), "t2", {"pod-01": 7}).reused  # pod-01 reported a change
-    assert not planner.plan(_inputs(revs, rates, reports[1:]), "t2", {"pod-01": 7}).reused  # a pod went away
+    assert planner.plan(_inputs(revs, rates, reports), "t2", {}).reused  # another token, the same objects
+    pinned = revs[3].model_copy(update={"spec": revs[3].spec.model_copy(update={"pinned": True})})
+    revs = [*revs[:3], pinned, *revs[4:]]
+    assert not planner.plan(_inputs(revs, rates, reports), "t3", {}).reused  # a changed spec
+    assert planner.plan(_inputs(revs, rates, reports), "t3", {}).reused
+    # pod-01's report changed, not in what planning reads of it
+    assert planner.plan(_inputs(revs, rates, reports), "t3", {"pod-01": 7}).reused
+    assert not planner.plan(_inputs(revs, rates, reports[1:]), "t3", {"pod-01": 7}).reused  # a pod went away
 
 
 def test_a_rollout_in_progress_is_planned_alone_every_time() -> None:
@@ -202,6 +206,69 @@ def test_a_report_change_plans_the_adapters_it_touches_and_a_capacity_change_the
               *changed[1:]]
     whole = planner.plan(_inputs(revs, rates, bigger), "t1", versions | {pod.pod: 3})
     assert whole.decided is None and planner.planned == 3
+
+
+def _written_back(revs: list[AdapterRevision], plan: PoolPlan) -> list[AdapterRevision]:
+    """The revisions as the watch hands them back after the controller wrote ``plan``'s statuses."""
+    return [r.model_copy(update={"status": plan.revisions[("default", r.metadata.name)].status}) for r in revs]
+
+
+def test_the_controllers_own_status_writes_handed_back_plan_nothing_again() -> None:
+    """Each status the plan decided comes back from the watch as a new object: nothing planning reads moved, so the
+    plan is kept (in the twin each write was answered by another plan, part or whole, which wrote again)."""
+    planner, _, revs, rates, reports, plan = _settled()
+    echoed = _written_back(revs, plan)
+    assert any(e.status != r.status for e, r in zip(echoed, revs, strict=True))
+    outcome = planner.plan(_inputs(echoed, rates, reports), "t2", {})
+    assert outcome.reused and outcome.plan is plan and planner.planned == 1
+    # a status written by someone else is not the plan's: the adapter is planned again
+    other = echoed[5].model_copy(update={"status": echoed[5].status.model_copy(update={"traffic_weight": 50})})
+    outcome = planner.plan(_inputs([*echoed[:5], other, *echoed[6:]], rates, reports), "t3", {})
+    assert not outcome.reused and outcome.decided == {("default", other.metadata.name)}
+
+
+def _moved_row(reports: list[ResidencyReport], tier: Tier) -> tuple[list[ResidencyReport], str]:
+    """``reports`` with the first GPU row of a pod whose loads activate (vLLM) moved to ``tier``, and its name."""
+    pod = next(r for r in reports if any(a.tier is Tier.GPU for a in r.adapters))
+    i = next(i for i, a in enumerate(pod.adapters) if a.tier is Tier.GPU)
+    rows = list(pod.adapters)
+    rows[i] = rows[i].model_copy(update={"tier": tier})
+    moved = pod.model_copy(update={"adapters": rows, "loads_activate": True, "demotes_to_disk": False})
+    return [moved if r is pod else r for r in reports], rows[i].served_name
+
+
+def test_a_revision_vllm_moves_between_gpu_and_host_memory_plans_nothing_again() -> None:
+    """vLLM's LRU moves adapters between GPU slots and host memory with every request; the pod serves them either
+    way, so planning does not run for it. Out of host memory (a disk row: vLLM reads it back) it no longer serves
+    it there, which planning reads (``keep_until_replaced``): that adapter is planned again, alone."""
+    planner, _, revs, rates, _, plan = _settled()
+    reports = bench._reports(6, plan, 4, 8)
+    vllm = [r.model_copy(update={"loads_activate": True, "demotes_to_disk": False}) for r in reports]
+    assert not planner.plan(_inputs(revs, rates, vllm), "t1", {r.pod: 1 for r in vllm}).reused
+    versions = {r.pod: 2 for r in vllm}
+    to_host, _ = _moved_row(vllm, Tier.CPU)
+    assert planner.plan(_inputs(revs, rates, to_host), "t1", versions).reused
+    to_disk, name = _moved_row(vllm, Tier.DISK)
+    outcome = planner.plan(_inputs(revs, rates, to_disk), "t1", {r.pod: 3 for r in vllm})
+    assert not outcome.reused and outcome.decided is not None
+    assert {key[1] for key in outcome.decided} == {r.metadata.name for r in revs if r.served_name == name}
+
+
+def test_rates_beyond_the_hysteresis_with_a_report_change_are_planned_again_with_the_part() -> None:
+    """A report change and a rate beyond the hysteresis in one pass: the adapters of both are planned again alone,
+    not the pool whole."""
+    planner, _, revs, rates, reports, plan = _settled()
+    reports = bench._reports(len(reports), plan, 4, 8)
+    assert not planner.plan(_inputs(revs, rates, reports), "t1", {r.pod: 1 for r in reports}).reused
+    changed, touched = _moved_row(reports, Tier.ABSENT)
+    hot = dict(rates)
+    spiked = revs[9].served_name if revs[9].served_name != touched else revs[10].served_name
+    hot[spiked] *= 3
+    whole = planner.planned
+    outcome = planner.plan(_inputs(revs, hot, changed), "t1", {r.pod: 2 for r in reports})
+    assert not outcome.reused and outcome.decided is not None and planner.planned == whole
+    assert {key[1] for key in outcome.decided} == {r.metadata.name for r in revs if r.served_name in (touched, spiked)}
+    assert planner.plan(_inputs(revs, hot, changed), "t1", {r.pod: 2 for r in reports}).reused  # rebased
 
 
 def test_rates_moved_counts_revisions_appearing_and_going_quiet() -> None:

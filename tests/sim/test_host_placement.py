@@ -29,7 +29,7 @@ def _last_plan(adapters: int, config: SimConfig) -> PlacementPlan:
     policy = build_policy("loraplane", 0, trace, LARGE_GPU, config)
     Simulator(trace, config, LARGE_GPU, policy.router, policy.eviction, policy.placement,
               admission=policy.admission).run()
-    plan = policy.placement._previous  # type: ignore[attr-defined]
+    plan = policy.placement._previous.placement  # type: ignore[attr-defined]
     assert plan is not None
     return plan
 

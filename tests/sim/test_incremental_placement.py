@@ -1,25 +1,16 @@
-"""The simulated controller plans as the real one's ``IncrementalPlanner`` does: a pool at rest keeps its plan, a
-few adapters whose rates moved beyond the hysteresis are placed again alone, the full-plan period plans it whole.
+"""The simulator's placement is the real controller's planning (``SimulatedController``): its ``IncrementalPlanner``
+on the reports the simulated pods' sidecars would publish, the rates the picker's ``RequestStats`` counts, its own
+statuses written back onto the revisions and the target states it wrote.
 
-(It placed the whole pool at every resync: at fleet size, 256 pods and 10,000 adapters, 1.4 s of CPU every 2 s of
-trace, and plans the real controller never makes.)
+(It had a model of the planner before, which planned only on rate changes: the twin made twice its target adds.)
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import numpy as np
-
-from loraplane.controller.placement import (
-    DEFAULT_FULL_PLAN_SECONDS,
-    DELTA_SHARE,
-    RATE_FLOOR,
-    plans_as_floor,
-    rate_moved,
-    rate_moved_elementwise,
-)
+from loraplane.api import Phase, Tier
+from loraplane.controller.pool import plan_pool
 from loraplane.sim.cluster import VLLM, SimConfig, Simulator
+from loraplane.sim.control import POOL
 from loraplane.sim.policies import LORAPLANE, ControllerPlacement, build_policy
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.trace import scenario
@@ -28,81 +19,48 @@ from tests.sim.conftest import ADAPTER_BYTES
 CONFIG = SimConfig(pods=4, max_loras=4, max_cpu_loras=16, loraplane_runtime=VLLM)
 
 
-def test_a_pool_at_rest_keeps_its_plan_and_a_few_moved_adapters_are_placed_again_alone() -> None:
-    trace = scenario("zipf-many", 400, seed=2, adapter_bytes=ADAPTER_BYTES)
+def _simulator(name: str, requests: int) -> tuple[Simulator, ControllerPlacement]:
+    trace = scenario(name, requests, seed=2, adapter_bytes=ADAPTER_BYTES)
     built = build_policy(LORAPLANE, 2, trace, LARGE_GPU, CONFIG)
     sim = Simulator(trace, CONFIG, built.pod_profile or LARGE_GPU, built.router, built.eviction, built.placement,
                     admission=built.admission, priority=built.priority)
-    placement = sim.placement
-    assert isinstance(placement, ControllerPlacement)
-    start = float(trace.arrival[0])
-
-    placement.apply(start, sim)  # the first plan: whole
-    first = placement._previous
-    assert first is not None and (placement.planned, placement.reused, placement.deltas) == (1, 0, 0)
-
-    placement.apply(start + 2, sim)  # no request yet: every rate as planned
-    assert placement._previous is first and placement.reused == 1
-
-    sim.arrived = 3  # the first three requests: at most three adapters' rates move
-    moved = {trace.adapters[a].name for a in trace.adapter[:3]}
-    placement.apply(start + 4, sim)
-    delta = placement._previous
-    assert delta is not None and delta is not first and (placement.planned, placement.deltas) == (1, 1)
-    for pod, held in first.pods.items():  # every other adapter is where it was
-        assert {n: t for n, t in delta.pods.get(pod, {}).items() if n not in moved} == \
-            {n: t for n, t in held.items() if n not in moved}
-    assert any(n in moved for held in delta.pods.values() for n in held)
-
-    placement.apply(start + 4.5, sim)  # the moved rates are the new baseline: within 25 % of it, at rest again
-    assert placement._previous is delta and placement.reused == 2
-
-    placement.apply(start + 4 + DEFAULT_FULL_PLAN_SECONDS, sim)  # the full-plan period
-    assert placement.planned == 2
+    assert isinstance(sim.placement, ControllerPlacement)
+    return sim, sim.placement
 
 
-def test_adapters_placed_again_alone_since_the_whole_plan_stay_few(monkeypatch) -> None:
-    """A sweep of new adapters moves a few adapters' rates at almost every resync: each few is placed again alone
-    while the floor adapters (every sweep adapter, and the disks cannot hold three holders of each) placed again
-    alone since the last whole plan stay ``few_enough``, then the pool is planned whole (as ``IncrementalPlanner``
-    does), long before the full-plan period comes round."""
-    from loraplane.sim import policies
+def test_the_pods_report_what_their_sidecars_would() -> None:
+    """A vLLM pod's rows: its registered revisions at the tier of their copy (disk: none in memory), draining ones
+    flagged; its targets not registered yet as fetched (disk) or not (absent), neither registered."""
+    sim, placement = _simulator("zipf-many", 50)
+    pod = sim.pods[0]
+    names = placement._names
+    pod.registered, pod.gpu, pod.cpu, pod.disk = {0, 1, 2, 3}, {0}, {0, 1}, {0, 1, 2, 3, 4}
+    pod.draining, pod.planned = {3}, {0, 1, 2, 4, 5}
+    placement._pods = sim.pods
+    assert set(placement._rows(0)) == {
+        (names[0], Tier.GPU, True, False), (names[1], Tier.CPU, True, False), (names[2], Tier.DISK, True, False),
+        (names[3], Tier.DISK, True, True), (names[4], Tier.DISK, False, False), (names[5], Tier.ABSENT, False, False)}
 
-    trace = scenario("hot-plus-burst", 12000, seed=1, adapter_bytes=ADAPTER_BYTES)
-    config = replace(CONFIG, disk_bytes=30 * ADAPTER_BYTES)  # 120 copies of 81 adapters
-    built = build_policy(LORAPLANE, 1, trace, LARGE_GPU, config)
-    placement = built.placement
-    assert isinstance(placement, ControllerPlacement)
-    alone: list[int] = [0]  # floor adapters placed alone since the last whole plan
-    most = [0]
-    place, place_again = policies.place, policies.place_again
 
-    def whole(*args, **kwargs):  # type: ignore[no-untyped-def]
-        alone[0] = 0
-        return place(*args, **kwargs)
-
-    def part(before, capacity, demands, changed, *args):  # type: ignore[no-untyped-def]
-        most[0] = max(most[0], alone[0])  # placed alone since the whole plan, before this part
-        alone[0] += sum(plans_as_floor(d, config.placement) for d in changed.values())
-        return place_again(before, capacity, demands, changed, *args)
-
-    monkeypatch.setattr(policies, "place", whole)
-    monkeypatch.setattr(policies, "place_again", part)
-    sim = Simulator(trace, config, built.pod_profile or LARGE_GPU, built.router, built.eviction, placement,
-                    admission=built.admission, priority=built.priority)
+def test_the_simulator_plans_with_the_controllers_own_planner() -> None:
+    """Over a run: every pod's sidecar applied the target state the controller last wrote, the planner kept its plan
+    or planned a part at most passes, the revisions carry the statuses it decided (Stable, counted residency), and
+    a whole plan made from scratch on the same revisions keeps every one Stable."""
+    sim, placement = _simulator("hot-plus-burst", 1500)
     sim.run()
-    assert placement._previous is not None and placement._previous.deferred
-    assert placement.deltas > 0 and 0 < most[0] <= max(8, len(trace.adapters) * DELTA_SHARE)
-    assert placement.planned > 1 + trace.duration / DEFAULT_FULL_PLAN_SECONDS
-
-
-def test_the_simulated_controllers_elementwise_hysteresis_is_the_controllers() -> None:
-    """``rate_moved_elementwise`` (the simulated controller's 10,000 revisions at once) answers as ``rate_moved``
-    does for each pair, at and around the floor and the hysteresis's edges."""
-    rng = np.random.default_rng(0)
-    base = rng.choice([0.0, RATE_FLOOR / 2, RATE_FLOOR, 0.04, 0.1, 1.0, 10.0], size=2000)
-    factor = rng.choice([0.0, 0.5, 0.75, 0.8, 1.0, 1.25, 4 / 3, 2.0], size=2000)
-    old, new = base, base * factor + rng.choice([0.0, RATE_FLOOR, 0.011], size=2000)
-    expected = [rate_moved(a, b, 0.25) for a, b in zip(old.tolist(), new.tolist(), strict=True)]
-    assert rate_moved_elementwise(old, new, 0.25).tolist() == expected
-    assert 0 < sum(expected) < len(expected)
+    controller = placement.controller
+    planner = controller.planner
+    assert planner.planned >= 1 and planner.reused + planner.parts + planner.deltas > planner.planned
+    for pod in sim.pods:
+        state = controller.written[f"pod-{pod.index}"]
+        assert pod.planned == {placement._index[t.served_name] for t in state.adapters}
+        assert pod.registered is not None and pod.planned - pod.draining <= pod.registered | pod.registering
+    assert {r.status.phase for r in controller.revisions} == {Phase.STABLE}
+    assert any(r.status.residency.gpu > 0 for r in controller.revisions)
+    assert controller.plans * placement.period_s >= sim.trace.duration
+    last = placement._previous
+    assert last is not None and last.targets.keys() <= controller.written.keys()
+    assert all(r.pool_ref.name == POOL for r in (rev.spec for rev in controller.revisions))
+    assert controller.last_inputs is not None
+    whole = plan_pool(controller.last_inputs)
+    assert {rp.status.phase for rp in whole.revisions.values()} == {Phase.STABLE}

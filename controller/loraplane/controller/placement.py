@@ -57,9 +57,6 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import numpy.typing as npt
-
 from loraplane.api import WarmPolicy
 from loraplane.api.runtime import Tier
 from loraplane.controller.staging import Staging, floors_fit, is_floor, is_idle
@@ -975,12 +972,6 @@ def rate_moved(old: float, new: float, hysteresis: float) -> bool:
     slots."""
     change = abs(new - old)
     return change > RATE_FLOOR and change > hysteresis * max(old, new)
-
-
-def rate_moved_elementwise(old: npt.NDArray[np.float64], new: npt.NDArray[np.float64], hysteresis: float) -> npt.NDArray[np.bool_]:
-    """``rate_moved`` elementwise, over arrays of rates (the simulated controller's 10,000 revisions at each resync)."""
-    change = np.abs(new - old)
-    return (change > RATE_FLOOR) & (change > hysteresis * np.maximum(old, new))
 
 
 def few_enough(moved: int, revisions: int) -> bool:

@@ -25,7 +25,7 @@ from loraplane.api import (
     RouteEntry,
     TargetState,
 )
-from loraplane.api.runtime import Tier
+from loraplane.api.runtime import AdapterResidency, Tier
 from loraplane.controller.placement import (
     AdapterDemand,
     Placement,
@@ -201,9 +201,16 @@ def serving_holders(reports: Sequence[ResidencyReport], names: Collection[str] |
         for held in report.adapters:
             if names is not None and held.served_name not in names:
                 continue
-            if held.tier in (Tier.GPU, Tier.CPU) or (report.demotes_to_disk and held.tier is Tier.DISK and held.registered):
+            if serves(report, held):
                 serving[held.served_name].add(report.pod)
     return serving
+
+
+def serves(report: ResidencyReport, held: AdapterResidency) -> bool:
+    """Does ``report``'s pod serve ``held`` now: at GPU or CPU, or registered at disk where its runtime keeps
+    disk-tier revisions registered (``demotes_to_disk``)?"""
+    return held.tier in (Tier.GPU, Tier.CPU) or (report.demotes_to_disk and held.tier is Tier.DISK
+                                                 and bool(held.registered))
 
 
 def pod_capacity(report: ResidencyReport) -> PodCapacity:

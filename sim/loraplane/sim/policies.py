@@ -15,7 +15,6 @@ over the pods' vLLM metrics as a peer's picker scrapes them (``loraplane.sim.pee
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import heapq
 import math
@@ -26,21 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loraplane.api import Tier
-from loraplane.controller.placement import (
-    DEFAULT_FULL_PLAN_SECONDS,
-    DEFAULT_HYSTERESIS,
-    AdapterDemand,
-    PodCapacity,
-    Rates,
-    few_enough,
-    host_slots,
-    place,
-    place_again,
-    plans_as_floor,
-    rate_moved_elementwise,
-)
-from loraplane.controller.placement import Placement as PlacementPlan
+from loraplane.api import TargetState, Tier
+from loraplane.controller.pool import PoolPlan
 from loraplane.engine.policies import EvictionPolicy, KeepScorePolicy, LruPolicy
 from loraplane.engine.tiers import AdapterState
 from loraplane.picker.flowcontrol import FlowControlParameters
@@ -62,6 +48,7 @@ from loraplane.sim.cluster import (
     SimConfig,
     Simulator,
 )
+from loraplane.sim.control import Row, SimulatedController
 from loraplane.sim.peers import PEER_POLICIES, peer_router
 from loraplane.sim.prefix import PickerPrefixSignal
 from loraplane.sim.profile import Profile
@@ -334,19 +321,9 @@ class PickerRouter:
         return None
 
 
-#: how far back the rate windows but the longest look (the 1 h window's start)
-HISTORY_S = 3600.0
-
-
 class ControllerPlacement:
-    """The controller's placement on the rates the picker would publish, applied as sidecars apply targets.
-
-    Every adapter of the trace is a registered revision from the start (demand with zero rate until traffic comes),
-    so the placement's disk floor stages each one on some pod before its first request. As the controller's
-    ``IncrementalPlanner`` plans a pool at rest: its last plan is kept while every adapter's rates stay within the
-    hysteresis of those it was placed with; a few that moved beyond it are placed again alone (``place_again``)
-    while the floor adapters placed again alone since the last whole plan stay few where it deferred their further
-    disk holders; more, one going quiet, staging pods or the full-plan period plan the pool whole."""
+    """The real controller's planning (``SimulatedController``: ``IncrementalPlanner`` on what the sidecars and
+    the picker publish), every ``period_s``, each pod's targets applied as its sidecar applies a target state."""
 
     def __init__(self, trace: Trace, config: SimConfig, period_s: float | None = None) -> None:
         """``period_s``: how often it plans (default: the controller's resync on vLLM pods, else
@@ -355,104 +332,66 @@ class ControllerPlacement:
             period_s = CONTROLLER_RESYNC_S if config.loraplane_runtime == VLLM else PLACEMENT_PERIOD_S
         self.period_s = period_s
         self._trace = trace
-        self._config = config.placement
         #: vLLM pods: each pod's targets as last applied (adapter -> tier), what its sidecar registered
         self._vllm = config.loraplane_runtime == VLLM
         self._entries: list[dict[int, Tier]] = [{} for _ in range(config.pods)]
-        #: each pod's targets by name as last applied (a pod whose plan is the same is skipped)
-        self._applied: list[dict[str, Tier] | None] = [None] * config.pods
-        # vLLM's host cache (``max_cpu_loras``) holds its GPU-resident adapters too, as the controller plans it
-        cpu_slots = host_slots(config.max_cpu_loras, config.max_loras)
-        self._pods = [PodCapacity(f"pod-{i}", config.max_loras, cpu_slots, disk_bytes=config.disk_bytes)
-                      for i in range(config.pods)]
+        #: each pod's target state as last applied (the same object: its sidecar has nothing new to do)
+        self._applied: list[TargetState | None] = [None] * config.pods
         self._index = {a.name: i for i, a in enumerate(trace.adapters)}
-        self._adapters = np.asarray(trace.adapter, dtype=np.intp)
-        self._counts = np.zeros(len(trace.adapters))
-        #: the request counts at each plan (the first, and those of the last hour: the windows look back to them)
-        self._history: list[tuple[float, np.ndarray]] = []
+        self._names = [a.name for a in trace.adapters]
+        self.controller = SimulatedController(
+            self._names, [(trace.tenants[a.tenant].name, trace.tenants[a.tenant].priority) for a in trace.adapters],
+            [a.nbytes for a in trace.adapters], [f"pod-{i}" for i in range(config.pods)], config.max_loras,
+            config.max_cpu_loras, config.disk_bytes, self._vllm, config.placement)
         self._counted = 0
-        self._previous: PlacementPlan | None = None
-        self._start = trace.arrival[0] if len(trace) else 0.0
-        #: each adapter's demand as of the last plan, remade only when its rates change
-        self._fixed = [(a.name, a.nbytes, trace.tenants[a.tenant].name, trace.tenants[a.tenant].priority) for a in trace.adapters]
-        self._demands = [AdapterDemand(name, nbytes, tenant=t, priority=p) for name, nbytes, t, p in self._fixed]
-        #: each adapter's rates (adapter x 5 min, 1 h, 24 h window), and as its placement was made with them (the
-        #: hysteresis compares with these), and when the pool was last planned whole
-        self._rate_array = np.zeros((len(trace.adapters), 3))
-        self._placed_rates = self._rate_array.copy()
-        self._planned_at = -math.inf
-        #: floor adapters placed again alone since the last whole plan (``IncrementalPlanner``'s ``_Memo.drifted``)
-        self._drifted = 0
-        #: plans made whole, kept, and made again for a few adapters (as ``IncrementalPlanner`` counts them)
-        self.planned = self.reused = self.deltas = 0
+        self._pods: list[Pod] = []
+        self._previous: PoolPlan | None = None
 
     def staging(self) -> frozenset[str]:
         """The staging pods of the last plan (what the controller writes into the route table)."""
-        return self._previous.staging if self._previous is not None else frozenset()
+        return self._previous.placement.staging if self._previous is not None else frozenset()
 
-    def _rate(self, now: float, window: float) -> np.ndarray:
-        history = self._history
-        past = history[min(bisect.bisect_left(history, now - window, key=lambda entry: entry[0]), len(history) - 1)][1]
-        return np.asarray((self._counts - past) / max(1.0, min(window, now - self._start)))
+    def _rows(self, index: int) -> tuple[Row, ...]:
+        """Pod ``index``'s report rows as its sidecar builds them: what the runtime holds (vLLM: its registered
+        names, at the tier of their copy, disk when none) and its targets not held (on disk: fetched, else
+        absent)."""
+        pod, names = self._pods[index], self._names
+        registered = pod.registered
+        held = (pod.gpu | pod.cpu | pod.disk) if registered is None else registered
+        rows = [(names[a], Tier.GPU if a in pod.gpu else Tier.CPU if a in pod.cpu else Tier.DISK, True,
+                 a in pod.draining) for a in held]
+        rows.extend((names[a], Tier.DISK if a in pod.disk else Tier.ABSENT, False, False)
+                    for a in pod.planned - held)
+        rows.sort()
+        return tuple(rows)
 
     def apply(self, now: float, sim: Simulator) -> None:
         """Plan on the rates so far and bring each pod's GPU / CPU targets in."""
-        arrived = sim.arrived
-        self._counts += np.bincount(self._adapters[self._counted : arrived], minlength=len(self._counts))
-        self._counted = arrived
-        self._history.append((now, self._counts.copy()))
-        while len(self._history) > 2 and self._history[1][0] < now - HISTORY_S:
-            del self._history[1]  # the first stays: the longest window's start
-        windows = (self._rate(now, 300), self._rate(now, 3600), self._rate(now, 86400))
-        demands, now_rates = self._demands, np.stack(windows, axis=1)
-        for i in np.flatnonzero(np.any(now_rates != self._rate_array, axis=1)).tolist():
-            name, nbytes, tenant, priority = self._fixed[i]
-            demands[i] = AdapterDemand(name, nbytes, Rates(*now_rates[i].tolist()), tenant, priority)
-        self._rate_array = now_rates
-        plan = self._plan(now)
+        arrival, adapter, names = self._trace.arrival, self._trace.adapter, self._names
+        for rid in range(self._counted, sim.arrived):
+            self.controller.record(float(arrival[rid]), names[adapter[rid]])
+        self._counted = sim.arrived
+        self._pods = sim.pods
+        self._previous = self.controller.plan(now, self._rows)
         for pod in sim.pods:
-            planned = plan.pods.get(f"pod-{pod.index}", {})
+            state = self.controller.written.get(f"pod-{pod.index}")
             registered = pod.registered
-            if (self._vllm and registered is not None and planned == self._applied[pod.index]
+            if (self._vllm and state is self._applied[pod.index] and registered is not None
                     and self._entries[pod.index].keys() <= registered):
-                continue  # its sidecar has nothing to do: the same targets, every one registered
-            self._applied[pod.index] = dict(planned)
-            pod.planned = {self._index[name] for name in planned}
+                continue  # its sidecar has nothing to do: the same target state, every target registered
+            self._applied[pod.index] = state
+            planned = {self._index[t.served_name]: t.tier for t in (state.adapters if state is not None else ())}
+            pod.planned = set(planned)
             if self._vllm:
-                self._register(sim, pod, {self._index[name]: tier for name, tier in planned.items()})
+                self._register(sim, pod, planned)
                 continue
-            for name, tier in planned.items():
+            for a, tier in planned.items():
                 if tier is Tier.GPU:
-                    sim.prefetch(pod, self._index[name])
+                    sim.prefetch(pod, a)
                 elif tier is Tier.CPU:
-                    sim.stage_cpu(pod, self._index[name])
+                    sim.stage_cpu(pod, a)
                 else:
-                    sim.stage_disk(pod, self._index[name])
-
-    def _plan(self, now: float) -> PlacementPlan:
-        """The plan the controller holds now (see the class docstring)."""
-        previous, demands, placed = self._previous, self._demands, self._placed_rates
-        if previous is not None and now - self._planned_at < DEFAULT_FULL_PLAN_SECONDS:
-            moved_any = np.any(rate_moved_elementwise(placed, self._rate_array, DEFAULT_HYSTERESIS), axis=1)
-            moved = np.flatnonzero(moved_any).tolist()
-            if not moved:
-                self.reused += 1
-                return previous
-            quiet = not np.all(np.any(self._rate_array[moved], axis=1))
-            if (not quiet and not previous.staging and few_enough(len(moved), len(demands))
-                    and few_enough(self._drifted, len(demands))):
-                changed = {demands[i].served_name: demands[i] for i in moved}
-                plan, _ = place_again(previous, self._pods, demands, changed, set(changed), self._config, 0)
-                placed[moved] = self._rate_array[moved]
-                self._previous = plan
-                if plan.deferred:
-                    self._drifted += sum(plans_as_floor(demands[i], self._config) for i in moved)
-                self.deltas += 1
-                return plan
-        plan = place(self._pods, demands, previous=previous, config=self._config)
-        self._placed_rates, self._planned_at, self._previous, self._drifted = self._rate_array.copy(), now, plan, 0
-        self.planned += 1
-        return plan
+                    sim.stage_disk(pod, a)
 
     def _register(self, sim: Simulator, pod: Pod, targets: dict[int, Tier]) -> None:
         """What a vLLM pod's sidecar does with its new targets: registers each target it has not (a load, which
