@@ -19,6 +19,7 @@ because the real planner also plans again the adapters whose report rows changed
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -33,7 +34,9 @@ from loraplane.api import (
     TargetState,
     Tier,
     parse_served_name,
+    served_name,
 )
+from loraplane.api import validation as v
 from loraplane.api.runtime import AdapterResidency
 from loraplane.controller.incremental import IncrementalPlanner
 from loraplane.controller.placement import PlacementConfig
@@ -87,10 +90,28 @@ def artifact_digest(served_name: str) -> str:
     return "sha256:" + hashlib.sha256(served_name.encode()).hexdigest()
 
 
+def dns_label(text: str) -> str:
+    """``text`` where it is a DNS-1123 label, else one made from it (with a short hash of it: no two meet)."""
+    if v.matches(v.DNS1123_LABEL, text):
+        return text
+    label = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:50]
+    return f"{label}-{hashlib.sha256(text.encode()).hexdigest()[:8]}".lstrip("-")
+
+
+def as_served_name(name: str) -> str:
+    """A trace adapter's name as a served revision name: itself where it is one (``adapter@revision``), else
+    ``dns_label(name)`` at revision ``v1``."""
+    try:
+        parse_served_name(name)
+        return name
+    except ValueError:
+        return served_name(dns_label(name), "v1")
+
+
 def stable_revision(served: str, tenant: str, priority: int, nbytes: int) -> AdapterRevision:
     """The Stable AdapterRevision of one trace adapter, as the twin's is once its probe passed."""
     adapter, revision = parse_served_name(served)
-    body = revision_manifest(adapter, revision, tenant, priority, f"oci://adapters.invalid/{adapter}:{revision}",
+    body = revision_manifest(adapter, revision, dns_label(tenant), priority, f"oci://adapters.invalid/{adapter}:{revision}",
                              artifact_digest(served), pool=POOL, base_model=BASE_MODEL, base_digest=BASE_DIGEST,
                              rank=SIM_RANK, target_modules=("q_proj", "v_proj"))
     body["spec"]["artifact"]["sizeBytes"] = max(1, nbytes)

@@ -48,7 +48,7 @@ from loraplane.sim.cluster import (
     SimConfig,
     Simulator,
 )
-from loraplane.sim.control import Row, SimulatedController
+from loraplane.sim.control import Row, SimulatedController, as_served_name
 from loraplane.sim.peers import PEER_POLICIES, peer_router
 from loraplane.sim.prefix import PickerPrefixSignal
 from loraplane.sim.profile import Profile
@@ -337,8 +337,9 @@ class ControllerPlacement:
         self._entries: list[dict[int, Tier]] = [{} for _ in range(config.pods)]
         #: each pod's target state as last applied (the same object: its sidecar has nothing new to do)
         self._applied: list[TargetState | None] = [None] * config.pods
-        self._index = {a.name: i for i, a in enumerate(trace.adapters)}
-        self._names = [a.name for a in trace.adapters]
+        #: each adapter's served name (the revision's) and back
+        self._names = [as_served_name(a.name) for a in trace.adapters]
+        self._index = {name: i for i, name in enumerate(self._names)}
         self.controller = SimulatedController(
             self._names, [(trace.tenants[a.tenant].name, trace.tenants[a.tenant].priority) for a in trace.adapters],
             [a.nbytes for a in trace.adapters], [f"pod-{i}" for i in range(config.pods)], config.max_loras,
