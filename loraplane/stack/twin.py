@@ -500,6 +500,9 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
                                                      "loraplane_picker_queue_wait_seconds"),
             "controller_reconcile": histogram_quantiles(before.controller, after.controller,
                                                         "loraplane_controller_reconcile_seconds"),
+            # its pool plans by how they were come by (the simulator's ``controller_plans``)
+            "controller_plans": by_label({"controller": before.controller}, {"controller": after.controller},
+                                         "loraplane_controller_plans_total", "outcome"),
         },
     }
 

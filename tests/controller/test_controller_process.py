@@ -167,6 +167,27 @@ async def test_release_canary_promote_retire(env: Env) -> None:
         assert reasons == ["CanaryStep", "CanaryStep", *["GatePassed"] * 4, "Promoted"]  # every phase, once
 
 
+async def test_a_pool_at_rest_keeps_its_plan_and_the_plans_are_counted_by_kind(env: Env) -> None:
+    """Once v1 is Stable and nothing moves, resyncs reuse the plan; ``loraplane_controller_plans_total`` counts the
+    plans by how they were come by (the twin reports them beside the simulator's)."""
+    controller = env.controller()
+    controller.metrics = ControllerMetrics()
+
+    def plans(kind: str) -> float:
+        assert controller.metrics is not None
+        return controller.metrics.registry.get_sample_value("loraplane_controller_plans_total",
+                                                            {"outcome": kind}) or 0.0
+
+    async with running(controller):
+        await asyncio.to_thread(create, env.kube, body("v1", 1))
+        await _watch_phases(env, "claims-v1", "Stable")
+        settled = plans("reused")
+        await eventually(lambda: plans("reused") >= settled + 2, 30, "two resyncs reusing the plan")
+        made = {kind: plans(kind) for kind in ("whole", "part", "delta")}
+        await eventually(lambda: plans("reused") >= settled + 4, 30, "two more")
+        assert made["whole"] >= 1 and {kind: plans(kind) for kind in made} == made
+
+
 async def test_wrong_digest_fails_at_verifying_and_stable_keeps_traffic(env: Env) -> None:
     async with running(env.controller()):
         await asyncio.to_thread(create, env.kube, body("v1", 1))

@@ -57,7 +57,8 @@ def test_the_simulator_plans_with_the_controllers_own_planner() -> None:
         assert pod.registered is not None and pod.planned - pod.draining <= pod.registered | pod.registering
     assert {r.status.phase for r in controller.revisions} == {Phase.STABLE}
     assert any(r.status.residency.gpu > 0 for r in controller.revisions)
-    assert controller.plans * placement.period_s >= sim.trace.duration
+    assert controller.plans.total() * placement.period_s >= sim.trace.duration
+    assert sim.result.controller_plans == controller.plans and {"whole", "reused"} <= controller.plans.keys()
     last = placement._previous
     assert last is not None and last.targets.keys() <= controller.written.keys()
     assert all(r.pool_ref.name == POOL for r in (rev.spec for rev in controller.revisions))

@@ -141,6 +141,12 @@ class PlanOutcome:
     #: a part (``plan_part``) decides only its adapters' revisions: the caller writes back only those statuses
     decided: set[Key] | None = None
 
+    @property
+    def kind(self) -> str:
+        """How it was come by: ``reused``, ``delta``, ``part`` or ``whole``."""
+        return ("reused" if self.reused else "delta" if self.delta else "part" if self.decided is not None
+                else "whole")
+
 
 def _active(plan: PoolPlan, adapters: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
     """Those of ``adapters`` not at rest in ``plan``: a rollout phase, a deletion, a required holding, a timed gate

@@ -499,6 +499,8 @@ class Controller:
             (pool, read.token),
             readings.report_versions,
         )
+        if self.metrics:
+            self.metrics.plans.labels(outcome.kind).inc()
         if not outcome.reused:
             log.debug("pool %s planned: %s", pool, outcome.why)
         return outcome if self.is_leader() else None

@@ -28,6 +28,12 @@ class ControllerMetrics:
             "Pool reconciles that failed (retried with backoff) or hit a terminal error (recorded, not retried)",
             registry=self.registry,
         )
+        self.plans = Counter(
+            "loraplane_controller_plans_total",
+            "Pool plans by how they were come by (PlanOutcome.kind): reused (nothing planning reads moved), delta (a "
+            "few revisions whose rates moved placed again alone), part (a few adapters planned again alone), whole",
+            ["outcome"], registry=self.registry,
+        )
         self.status_patches = Counter(
             "loraplane_controller_status_patches_total", "AdapterRevision status patches sent", registry=self.registry,
         )

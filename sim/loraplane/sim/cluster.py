@@ -418,6 +418,8 @@ class SimResult:
     demand_loads: int = 0
     #: of ``gpu_loads``, those a registration made (``Simulator.register``)
     registration_loads: int = 0
+    #: loraplane's controller: its pool plans by how they were come by (``PlanOutcome.kind``)
+    controller_plans: dict[str, int] = field(default_factory=dict)
     load_times: list[float] = field(default_factory=list)
     gpu_evictions: int = 0
     thrash_reloads: int = 0

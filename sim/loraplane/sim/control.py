@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -38,7 +39,7 @@ from loraplane.api import (
 )
 from loraplane.api import validation as v
 from loraplane.api.runtime import AdapterResidency
-from loraplane.controller.incremental import IncrementalPlanner
+from loraplane.controller.incremental import IncrementalPlanner, PlanOutcome
 from loraplane.controller.placement import PlacementConfig
 from loraplane.controller.pool import PoolInputs, PoolPlan
 from loraplane.picker.telemetry import RequestStats
@@ -156,6 +157,8 @@ class SimulatedController:
         self.revisions = [stable_revision(name, tenant, priority, nbytes)
                           for name, (tenant, priority), nbytes in zip(served, tenants, sizes, strict=True)]
         self._token = 0
+        #: (namespace, name) -> the revision's place in ``revisions``
+        self._at = {(r.metadata.namespace or "default", r.metadata.name): i for i, r in enumerate(self.revisions)}
         self._rows = _Rows({n: artifact_digest(n) for n in served}, dict(zip(served, sizes, strict=True)))
         self._pods = pods
         self._vllm = vllm
@@ -169,8 +172,8 @@ class SimulatedController:
         self.written: dict[str, TargetState] = {}
         #: what the last pass planned on (for tests)
         self.last_inputs: PoolInputs | None = None
-        #: passes run
-        self.plans = 0
+        #: passes run, by how the plan was come by (``PlanOutcome.kind``)
+        self.plans: Counter[str] = Counter()
 
     def record(self, at: float, served_name: str) -> None:
         """The picker routed a request for ``served_name`` at ``at`` (simulator seconds)."""
@@ -200,24 +203,29 @@ class SimulatedController:
             pool=POOL, now=datetime.fromtimestamp(EPOCH + now, UTC), revisions=list(self.revisions), reports=reports,
             rates=self._rates, previous_targets=dict(self.written), placement=self._placement)
         outcome = self.planner.plan(self.last_inputs, self._token, {pod: self._reports[pod][2] for pod in self._pods})
-        self.plans += 1
-        plan = outcome.plan
+        self.plans[outcome.kind] += 1
         if not outcome.reused:
-            self._write(plan, now)
-        return plan
+            self._write(outcome, now)
+        return outcome.plan
 
-    def _write(self, plan: PoolPlan, now: float) -> None:
+    def _write(self, outcome: PlanOutcome, now: float) -> None:
+        """What the manager writes: each changed target state, and the statuses the plan decided (a delta decides
+        none; a part its adapters'), handed back onto the revisions as the watch does."""
+        plan = outcome.plan
         for pod, targets in plan.targets.items():
             written = self.written.get(pod)
             if written is None or _by_tier(written.adapters) != _by_tier(targets):
                 generation = written.generation + 1 if written is not None else 1
                 self.written[pod] = TargetState(pool=POOL, pod=pod, generation=generation, adapters=targets,
                                                  updated_at=EPOCH + now)
+        if outcome.delta:
+            return
+        keys = outcome.decided if outcome.decided is not None else plan.revisions.keys()
         changed = False
-        for i, rev in enumerate(self.revisions):
-            decided = plan.revisions.get((rev.metadata.namespace or "default", rev.metadata.name))
-            if decided is not None and decided.status != rev.status:
-                self.revisions[i] = rev.model_copy(update={"status": decided.status})
+        for key in keys:
+            i, decided = self._at.get(key), plan.revisions.get(key)
+            if i is not None and decided is not None and decided.status != self.revisions[i].status:
+                self.revisions[i] = self.revisions[i].model_copy(update={"status": decided.status})
                 changed = True
         if changed:
             self._token += 1  # the informer hands the patched objects back: the pool's revisions changed

@@ -113,6 +113,7 @@ def summarize(
         "demand_loads": result.demand_loads,
         # of the cold starts, those a registration made (``--loraplane-runtime vllm``: vLLM's load activates)
         "registration_loads": result.registration_loads,
+        **({"controller_plans": dict(result.controller_plans)} if result.controller_plans else {}),
         "bound_in_service_order": belady_misses(
             [trace.adapter[i] for i in result.admitted], config.pods * config.max_loras
         ),

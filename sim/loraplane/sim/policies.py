@@ -346,6 +346,8 @@ class ControllerPlacement:
             config.max_cpu_loras, config.disk_bytes, self._vllm, config.placement)
         self._counted = 0
         self._pods: list[Pod] = []
+        #: pod index -> ((its residency version, its applied target state), its report rows then)
+        self._row_cache: dict[int, tuple[tuple[int, TargetState | None], tuple[Row, ...]]] = {}
         self._previous: PoolPlan | None = None
 
     def staging(self) -> frozenset[str]:
@@ -357,6 +359,10 @@ class ControllerPlacement:
         names, at the tier of their copy, disk when none) and its targets not held (on disk: fetched, else
         absent)."""
         pod, names = self._pods[index], self._names
+        key = (pod.residency_version, self._applied[index])
+        cached = self._row_cache.get(index)
+        if cached is not None and cached[0] == key:
+            return cached[1]
         registered = pod.registered
         held = (pod.gpu | pod.cpu | pod.disk) if registered is None else registered
         rows = [(names[a], Tier.GPU if a in pod.gpu else Tier.CPU if a in pod.cpu else Tier.DISK, True,
@@ -364,7 +370,8 @@ class ControllerPlacement:
         rows.extend((names[a], Tier.DISK if a in pod.disk else Tier.ABSENT, False, False)
                     for a in pod.planned - held)
         rows.sort()
-        return tuple(rows)
+        self._row_cache[index] = (key, tuple(rows))
+        return self._row_cache[index][1]
 
     def apply(self, now: float, sim: Simulator) -> None:
         """Plan on the rates so far and bring each pod's GPU / CPU targets in."""
@@ -374,6 +381,7 @@ class ControllerPlacement:
         self._counted = sim.arrived
         self._pods = sim.pods
         self._previous = self.controller.plan(now, self._rows)
+        sim.result.controller_plans = dict(self.controller.plans)
         for pod in sim.pods:
             state = self.controller.written.get(f"pod-{pod.index}")
             registered = pod.registered
