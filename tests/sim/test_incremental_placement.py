@@ -7,10 +7,12 @@ statuses written back onto the revisions and the target states it wrote.
 
 from __future__ import annotations
 
+import pytest
+
 from loraplane.api import Phase, Tier
 from loraplane.controller.pool import plan_pool
 from loraplane.sim.cluster import VLLM, SimConfig, Simulator
-from loraplane.sim.control import POOL
+from loraplane.sim.control import PATCH_S, PLAN_S_PER_REVISION, POOL, WATCH_S
 from loraplane.sim.policies import LORAPLANE, ControllerPlacement, build_policy
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.trace import scenario
@@ -65,3 +67,25 @@ def test_the_simulator_plans_with_the_controllers_own_planner() -> None:
     assert controller.last_inputs is not None
     whole = plan_pool(controller.last_inputs)
     assert {rp.status.phase for rp in whole.revisions.values()} == {Phase.STABLE}
+
+
+def test_it_passes_as_the_controllers_work_queue_hands_out_its_pool() -> None:
+    """A pass takes its planning and its status patches; one that patched statuses is followed by one ``WATCH_S``
+    after (the watch hands the objects back, which queues the pool at once), any other by one after the resync less
+    up to 25 % (the manager's jitter)."""
+    sim, placement = _simulator("hot-plus-burst", 200)
+    start = float(sim.trace.arrival[0])
+    first = placement.apply(start, sim)  # the first plan decides and writes every revision's status
+    revisions = len(sim.trace.adapters)
+    assert placement.controller.patched == revisions
+    assert first == pytest.approx((PLAN_S_PER_REVISION + PATCH_S) * revisions + WATCH_S)
+    now, quiet = start, []
+    for _ in range(6):  # the pods register their targets: a few passes plan the adapters they concern again
+        now += WATCH_S
+        after = placement.apply(now, sim)
+        busy = placement.controller.pass_seconds
+        if placement.controller.patched:
+            assert after == busy + WATCH_S and busy >= PATCH_S * placement.controller.patched
+        else:
+            quiet.append(after - busy)
+    assert quiet and all(0.75 * placement.period_s <= resync <= placement.period_s for resync in quiet)

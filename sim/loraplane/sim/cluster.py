@@ -191,8 +191,9 @@ class Placement(Protocol):
 
     period_s: float
 
-    def apply(self, now: float, sim: Simulator) -> None:
-        """Read the pool and request rates from ``sim``, change pods' targets via ``Pod.prefetch``/``Pod.pin``."""
+    def apply(self, now: float, sim: Simulator) -> float | None:
+        """Read the pool and request rates from ``sim``, change pods' targets via ``Pod.prefetch``/``Pod.pin``;
+        returns the seconds until the next pass (None: ``period_s``)."""
         ...
 
 
@@ -594,10 +595,10 @@ class Simulator:
                 elif self.placement is not None and (i < n or any(p.busy or p.waiting for p in pods)):
                     for p in pods:
                         p.touched += 1
-                    self.placement.apply(when, self)
+                    after = self.placement.apply(when, self)
                     for p in pods:
                         p.touched += 1
-                    self._push(when + self.placement.period_s, _TICK, 0, 0)
+                    self._push(when + (self.placement.period_s if after is None else after), _TICK, 0, 0)
                 pod.touched += 1
                 continue
             # an arrival

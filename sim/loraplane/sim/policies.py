@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
+import random
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -48,7 +49,7 @@ from loraplane.sim.cluster import (
     SimConfig,
     Simulator,
 )
-from loraplane.sim.control import Row, SimulatedController, as_served_name
+from loraplane.sim.control import WATCH_S, Row, SimulatedController, as_served_name
 from loraplane.sim.peers import PEER_POLICIES, peer_router
 from loraplane.sim.prefix import PickerPrefixSignal
 from loraplane.sim.profile import Profile
@@ -323,18 +324,23 @@ class PickerRouter:
 
 class ControllerPlacement:
     """The real controller's planning (``SimulatedController``: ``IncrementalPlanner`` on what the sidecars and
-    the picker publish), every ``period_s``, each pod's targets applied as its sidecar applies a target state."""
+    the picker publish), each pod's targets applied as its sidecar applies a target state. It passes as the
+    controller's work queue hands its pool out: after each pass (``SimulatedController.pass_seconds`` long) at the
+    resync, ``period_s`` less up to 25 % (the manager's jitter), or ``WATCH_S`` after a pass that patched statuses
+    (the watch hands the patched objects back, which queues the pool at once)."""
 
-    def __init__(self, trace: Trace, config: SimConfig, period_s: float | None = None) -> None:
-        """``period_s``: how often it plans (default: the controller's resync on vLLM pods, else
-        ``PLACEMENT_PERIOD_S``)."""
+    def __init__(self, trace: Trace, config: SimConfig, period_s: float | None = None, seed: int = 0) -> None:
+        """``period_s``: the resync (default: the controller's on vLLM pods, else ``PLACEMENT_PERIOD_S``)."""
         if period_s is None:
             period_s = CONTROLLER_RESYNC_S if config.loraplane_runtime == VLLM else PLACEMENT_PERIOD_S
         self.period_s = period_s
+        self._rng = random.Random(seed)
         self._trace = trace
         #: vLLM pods: each pod's targets as last applied (adapter -> tier), what its sidecar registered
         self._vllm = config.loraplane_runtime == VLLM
         self._entries: list[dict[int, Tier]] = [{} for _ in range(config.pods)]
+        #: vLLM pods: the warm-tier (GPU or host) entries their sidecars have not warmed yet, at their tier
+        self._unwarmed: list[dict[int, Tier]] = [{} for _ in range(config.pods)]
         #: each pod's target state as last applied (the same object: its sidecar has nothing new to do)
         self._applied: list[TargetState | None] = [None] * config.pods
         #: each adapter's served name (the revision's) and back
@@ -373,8 +379,9 @@ class ControllerPlacement:
         self._row_cache[index] = (key, tuple(rows))
         return self._row_cache[index][1]
 
-    def apply(self, now: float, sim: Simulator) -> None:
-        """Plan on the rates so far and bring each pod's GPU / CPU targets in."""
+    def apply(self, now: float, sim: Simulator) -> float:
+        """Plan on the rates so far and bring each pod's GPU / CPU targets in; returns the seconds until the next
+        pass."""
         arrival, adapter, names = self._trace.arrival, self._trace.adapter, self._names
         for rid in range(self._counted, sim.arrived):
             self.controller.record(float(arrival[rid]), names[adapter[rid]])
@@ -387,7 +394,8 @@ class ControllerPlacement:
             registered = pod.registered
             if (self._vllm and state is self._applied[pod.index] and registered is not None
                     and self._entries[pod.index].keys() <= registered):
-                continue  # its sidecar has nothing to do: the same target state, every target registered
+                self._warm(sim, pod)
+                continue  # nothing new for its sidecar: the same target state, every target registered
             self._applied[pod.index] = state
             planned = {self._index[t.served_name]: t.tier for t in (state.adapters if state is not None else ())}
             pod.planned = set(planned)
@@ -401,23 +409,45 @@ class ControllerPlacement:
                     sim.stage_cpu(pod, a)
                 else:
                     sim.stage_disk(pod, a)
+        busy = self.controller.pass_seconds
+        if self.controller.patched:
+            return busy + WATCH_S
+        return busy + self.period_s * (1 - 0.25 * self._rng.random())
 
     def _register(self, sim: Simulator, pod: Pod, targets: dict[int, Tier]) -> None:
         """What a vLLM pod's sidecar does with its new targets: registers each target it has not (a load, which
-        activates), warms an entry that comes into the warm tiers (GPU or host) once, then leaves it to vLLM's LRU,
-        and drains the adapters no longer targeted (unregistered after the drain grace: ``Simulator.drain``)."""
+        activates, warms its entry), warms an entry that comes into the warm tiers (GPU or host) once (``_warm``),
+        then leaves it to vLLM's LRU, and drains the adapters no longer targeted (unregistered after the drain grace:
+        ``Simulator.drain``)."""
         if pod.registered is None:
             pod.registered = set()
-        entries = self._entries[pod.index]
+        entries, unwarmed = self._entries[pod.index], self._unwarmed[pod.index]
         for adapter in entries.keys() - targets.keys():
             sim.drain(pod, adapter)
+            unwarmed.pop(adapter, None)
         warm = (Tier.GPU, Tier.CPU)
         for adapter, tier in sorted(targets.items(), key=lambda item: item[1] not in warm):
             if adapter not in pod.registered:
                 sim.register(pod, adapter, cold=tier not in warm)
+                unwarmed.pop(adapter, None)
             elif tier in warm and entries.get(adapter) not in warm:  # GPU and host are one entry (warm_entry)
-                sim.prefetch(pod, adapter)
+                unwarmed[adapter] = tier
+            elif tier not in warm:
+                unwarmed.pop(adapter, None)
+            elif adapter in unwarmed:
+                unwarmed[adapter] = tier
         self._entries[pod.index] = targets
+        self._warm(sim, pod)
+
+    def _warm(self, sim: Simulator, pod: Pod) -> None:
+        """The sidecar's pass over the warm entries not warmed yet: one whose copy is on disk only (or in host memory,
+        for a GPU-tier entry) is activated, a load that warms it; one whose copy is where it wants it is left, not
+        warmed (``Reconciler._action``: its next pass looks again)."""
+        unwarmed = self._unwarmed[pod.index]
+        for adapter, tier in list(unwarmed.items()):
+            if adapter not in pod.cpu or (tier is Tier.GPU and adapter not in pod.gpu):
+                sim.prefetch(pod, adapter)
+                del unwarmed[adapter]
 
 
 def picker_config_for(profile: Profile, path: Path | None = None) -> EndpointPickerConfig:
@@ -502,7 +532,7 @@ def build_policy(
     if name == LORAPLANE:
         endpoint_picker_config = picker_config_for(profile, picker_config)
         scheduler = Scheduler(endpoint_picker_config)
-        placement = ControllerPlacement(trace, config)
+        placement = ControllerPlacement(trace, config, seed=seed)
         vllm = config.loraplane_runtime == VLLM
         router = PickerRouter(seed, trace, profile, scheduler, placement.staging, loads_on_demand=not vllm)
         admission = None
