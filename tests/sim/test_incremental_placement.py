@@ -89,3 +89,23 @@ def test_it_passes_as_the_controllers_work_queue_hands_out_its_pool() -> None:
         else:
             quiet.append(after - busy)
     assert quiet and all(0.75 * placement.period_s <= resync <= placement.period_s for resync in quiet)
+
+
+def test_the_sidecars_warm_once_activates_an_entry_only_while_its_copy_is_on_disk(monkeypatch) -> None:
+    """As the vLLM sidecar's reconciler: a registered revision whose target comes into a warm tier is activated (a
+    load) only while its copy is on disk; one whose copy is in host memory already is left, and looked at again at
+    each pass until vLLM's LRU drops it to disk; then it is warmed, once."""
+    sim, placement = _simulator("hot-plus-burst", 50)
+    pod = sim.pods[0]
+    pod.registered, pod.gpu, pod.cpu, pod.disk = {0, 1}, set(), {0}, {0, 1}
+    placement._entries[0] = {0: Tier.DISK, 1: Tier.DISK}
+    asked: list[int] = []
+    monkeypatch.setattr(sim, "prefetch", lambda _pod, adapter: asked.append(adapter))
+    placement._register(sim, pod, {0: Tier.CPU, 1: Tier.CPU})
+    assert asked == [1]
+    placement._warm(sim, pod)
+    assert asked == [1]
+    pod.cpu.discard(0)
+    placement._warm(sim, pod)
+    placement._warm(sim, pod)
+    assert asked == [1, 0]
