@@ -382,3 +382,29 @@ def test_a_part_routes_an_adapter_name_two_namespaces_share_as_the_whole_plan_do
     whole = plan_pool(_inputs(now, rates, reports)).routes
     alone = plan_pool(_inputs(revs, rates, reports)).routes  # the default namespace's entry alone
     assert outcome.plan.routes == whole and whole[shared.spec.adapter] != alone[shared.spec.adapter]
+
+
+def test_a_part_for_a_report_change_plans_at_the_rates_its_adapters_were_placed_with() -> None:
+    """A report row plans its adapter again alone; its rate drifted 24 % since it was placed (within the
+    hysteresis): the part places it as it would without the drift, so a drift the hysteresis holds back does not
+    come in through the part (16 -> 19.8 requests/s is a third GPU replica in a whole plan)."""
+    revs, rates, reports = _pool()
+    name = revs[7].served_name
+    rates = {**rates, name: 16.0}
+
+    def part(now: dict[str, float]) -> PoolPlan:
+        planner = IncrementalPlanner(hysteresis=0.25, full_plan_seconds=60, clock=Clock())
+        first = planner.plan(_inputs(revs, rates, reports), "t1", {}).plan
+        held = bench._reports(len(reports), first, 4, 8)
+        planner.plan(_inputs(revs, rates, held), "t1", {r.pod: 1 for r in held})
+        pod = next(r for r in held if any(a.served_name == name and a.tier is Tier.GPU for a in r.adapters))
+        rows = [a.model_copy(update={"tier": Tier.ABSENT}) if a.served_name == name else a for a in pod.adapters]
+        changed = [pod.model_copy(update={"adapters": rows}) if r is pod else r for r in held]
+        outcome = planner.plan(_inputs(revs, now, changed), "t1", {r.pod: 1 for r in held} | {pod.pod: 2})
+        assert not outcome.reused and outcome.decided is not None and not outcome.delta  # a part
+        return outcome.plan
+
+    drifted = {**rates, name: 19.8}
+    assert len(plan_pool(_inputs(revs, drifted, reports)).placement.replicas(Tier.GPU)[name]) > len(
+        plan_pool(_inputs(revs, rates, reports)).placement.replicas(Tier.GPU)[name])
+    assert part(drifted).placement.pods == part(rates).placement.pods
