@@ -403,7 +403,7 @@ def _echoes(memo: _Memo, revisions: Mapping[Key, AdapterRevision]) -> bool:
         if new is old:
             continue
         plan = decided.get(key)
-        if (plan is None or new.status != plan.status or new.spec != old.spec
+        if (plan is None or new.status != plan.status or new.spec != old.spec or new.metadata.uid != old.metadata.uid
                 or new.metadata.generation != old.metadata.generation
                 or new.metadata.deletion_timestamp != old.metadata.deletion_timestamp):
             return False
