@@ -408,3 +408,24 @@ def test_a_part_for_a_report_change_plans_at_the_rates_its_adapters_were_placed_
     assert len(plan_pool(_inputs(revs, drifted, reports)).placement.replicas(Tier.GPU)[name]) > len(
         plan_pool(_inputs(revs, rates, reports)).placement.replicas(Tier.GPU)[name])
     assert part(drifted).placement.pods == part(rates).placement.pods
+
+
+def test_a_part_for_a_report_row_keeps_out_of_the_burst_reserve_as_the_whole_plan_does() -> None:
+    """An adapter at rest planned again alone for a report row gets the GPU replicas the whole plan gives it: the
+    part's residual keeps each pod's burst reserve free of steady replicas (without it the part took the reserved
+    slots: 4 replicas where the whole plan gives 2, taken back at the next whole plan)."""
+    revs, rates, reports = _pool()
+    name = revs[7].served_name
+    rates = {**rates, name: 16.0}
+    planner = IncrementalPlanner(hysteresis=0.25, full_plan_seconds=60, clock=Clock())
+    first = planner.plan(_inputs(revs, rates, reports), "t1", {}).plan
+    held = bench._reports(len(reports), first, 4, 8)
+    whole = planner.plan(_inputs(revs, rates, held), "t1", {r.pod: 1 for r in held}).plan
+    pod = next(r for r in held if any(a.served_name == name and a.tier is Tier.GPU for a in r.adapters))
+    rows = [a.model_copy(update={"tier": Tier.ABSENT}) if a.served_name == name else a for a in pod.adapters]
+    changed = [pod.model_copy(update={"adapters": rows}) if r is pod else r for r in held]
+    outcome = planner.plan(_inputs(revs, rates, changed), "t1", {r.pod: 1 for r in held} | {pod.pod: 2})
+    assert outcome.kind == "part"
+    gpu = [n for held_ in outcome.plan.placement.pods.values() for n, t in held_.items() if t is Tier.GPU]
+    assert len(outcome.plan.placement.replicas(Tier.GPU)[name]) == len(whole.placement.replicas(Tier.GPU)[name])
+    assert len(gpu) == sum(t is Tier.GPU for held_ in whole.placement.pods.values() for t in held_.values())

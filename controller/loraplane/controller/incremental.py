@@ -210,6 +210,9 @@ class _Part:
     removed: list[Key]
     #: the served names among them whose rates moved beyond the hysteresis
     moved: list[str] = field(default_factory=list)
+    #: every one of them is at rest and planned again only for its report rows or probe results: placed at the
+    #: rates it was placed with, it keeps out of the pods' burst reserves as a whole plan does
+    at_rest: bool = False
 
 
 class IncrementalPlanner:
@@ -293,7 +296,8 @@ class IncrementalPlanner:
         part.update(_adapter(memo.revisions[key]) for key in removed)
         if not few_enough(len(part), len(memo.names)):  # of its adapters too
             return None
-        return _Part(part, views, changed, removed, moved)
+        at_rest = not (moved or changed or removed or memo.active)
+        return _Part(part, views, changed, removed, moved, at_rest)
 
     def plan(self, inputs: PoolInputs, revisions_token: Hashable,
              report_versions: Mapping[str, int]) -> PlanOutcome:
@@ -338,7 +342,7 @@ class IncrementalPlanner:
         part_inputs = (replace(inputs, rates=_at_baseline(inputs.rates, memo, set(found.moved)))
                        if memo is not None and found is not None else inputs)
         if (memo is not None and found is not None
-                and (made := plan_part(memo.plan, part_inputs, found.adapters)) is not None):
+                and (made := plan_part(memo.plan, part_inputs, found.adapters, found.at_rest)) is not None):
             part = found.adapters
             plan, again = made
             memo.pods.update(found.views)
@@ -442,14 +446,15 @@ def delta_plan(plan: PoolPlan, inputs: PoolInputs, moved: Sequence[str]) -> tupl
                    discarded_probes=[]), set(changed)
 
 
-def plan_part(plan: PoolPlan, inputs: PoolInputs,
-              adapters: Collection[tuple[str, str]]) -> tuple[PoolPlan, set[str]] | None:
+def plan_part(plan: PoolPlan, inputs: PoolInputs, adapters: Collection[tuple[str, str]],
+              keep_reserve: bool = False) -> tuple[PoolPlan, set[str]] | None:
     """``plan`` with the logical ``adapters`` ((namespace, adapter): revisions added, changed or deleted, rollouts
     in progress) reconciled and placed again alone, on what the others leave of each pod: the others' statuses,
     targets and routes stay as they were. What a pool's reconcile does, for a part: the rollout runs with the whole
     pool's observation (canary GPU slots counted over every revision), placement with the residual capacity. None
     where placement spans the pool (tenant budgets, staging pods). Returns the plan and the served names placed
-    again (before or now)."""
+    again (before or now). ``keep_reserve``: as ``place_again``'s (the adapters are at rest, placed again at the
+    rates they were placed with)."""
     if inputs.budgets or plan.placement.staging:
         return None
     wanted = set(adapters)
@@ -458,7 +463,8 @@ def plan_part(plan: PoolPlan, inputs: PoolInputs,
     demands, by_served = adapter_demands(inputs, groups, decided)
     changed = {d.served_name: d for d in demands}
     before = {rp.served_name for key in wanted if key in plan.adapters for rp in plan.adapters[key].revisions.values()}
-    placement, targets, all_demands = _place_again(plan, inputs, changed, before | set(changed), by_served)
+    placement, targets, all_demands = _place_again(plan, inputs, changed, before | set(changed), by_served,
+                                                   keep_reserve)
     write_outcome(decided.values(), placement.notes, inputs.now)
     names = {adapter for _, adapter in wanted}
     kept = {key: outcome for key, outcome in plan.adapters.items() if key not in wanted}
@@ -476,7 +482,7 @@ def plan_part(plan: PoolPlan, inputs: PoolInputs,
 
 
 def _place_again(plan: PoolPlan, inputs: PoolInputs, changed: Mapping[str, AdapterDemand], again: set[str],
-                 statuses: Mapping[str, tuple[AdapterRevision, AdapterRevisionStatus]],
+                 statuses: Mapping[str, tuple[AdapterRevision, AdapterRevisionStatus]], keep_reserve: bool = False,
                  ) -> tuple[Placement, dict[str, list[AdapterTarget]], list[AdapterDemand]]:
     """Place the ``changed`` demands alone on what the revisions not placed ``again`` (a superset of ``changed``:
     those leaving the plan too) leave of each pod, and merge: the placement, every pod's targets (a pod whose
@@ -484,7 +490,7 @@ def _place_again(plan: PoolPlan, inputs: PoolInputs, changed: Mapping[str, Adapt
     status) of each changed demand."""
     before = plan.placement.pods
     planned, all_demands = place_again(plan.placement, plan.capacity, plan.demands, changed, again, inputs.placement,
-                                       DEFAULT_ADAPTER_BYTES)
+                                       DEFAULT_ADAPTER_BYTES, keep_reserve)
     serving = serving_holders(inputs.reports, changed)
     placement = keep_until_replaced(planned, list(changed.values()), serving,
                                     {r.pod for r in inputs.reports if r.demotes_to_disk})

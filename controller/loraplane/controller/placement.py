@@ -73,6 +73,16 @@ class PodCapacity:
     cpu_bytes: int | None = None
     #: bytes its local disk cache holds (every revision it holds at any tier is on its disk); None: unbounded
     disk_bytes: int | None = None
+    #: GPU slots kept free for bursts; None: ``PlacementConfig.burst_slots_per_pod`` on a pod with more slots than
+    #: that (``burst_reserve``). A part's residual pod (``place_again``) carries what is left of its pod's
+    gpu_reserve: int | None = None
+
+
+def burst_reserve(pod: PodCapacity, config: PlacementConfig) -> int:
+    """The GPU slots ``pod`` keeps free of steady replicas for bursts."""
+    if pod.gpu_reserve is not None:
+        return pod.gpu_reserve
+    return config.burst_slots_per_pod if pod.gpu_slots > config.burst_slots_per_pod else 0
 
 
 def host_slots(max_cpu_slots: int, max_gpu_slots: int) -> int:
@@ -231,10 +241,7 @@ class _Pool:
 
     def __init__(self, pods: Iterable[PodCapacity], config: PlacementConfig) -> None:
         self.caps = {p.name: p for p in pods}
-        self.reserved = {
-            p.name: config.burst_slots_per_pod if p.gpu_slots > config.burst_slots_per_pod else 0
-            for p in self.caps.values()
-        }
+        self.reserved = {p.name: burst_reserve(p, config) for p in self.caps.values()}
         self.held: dict[str, dict[str, Tier]] = {name: {} for name in self.caps}
         #: served name -> pod -> tier (the same as ``held``, indexed the other way)
         self.where: dict[str, dict[str, Tier]] = {}
@@ -981,11 +988,15 @@ def few_enough(moved: int, revisions: int) -> bool:
 
 def place_again(before: Placement, capacity: Sequence[PodCapacity], demands: Sequence[AdapterDemand],
                 changed: Mapping[str, AdapterDemand], again: Collection[str], config: PlacementConfig,
-                unknown_bytes: int) -> tuple[Placement, list[AdapterDemand]]:
+                unknown_bytes: int, keep_reserve: bool = False) -> tuple[Placement, list[AdapterDemand]]:
     """``before`` with the ``changed`` demands placed again alone, on what the revisions not placed ``again`` (a
     superset of ``changed``: those leaving the plan too) leave of each pod (their replicas, slots and bytes kept
     as they are), and merged; with the pool's demands now. ``unknown_bytes``: the size of a held revision
-    ``demands`` does not name."""
+    ``demands`` does not name. ``keep_reserve``: the pods' burst reserves stay free of their steady replicas, as in
+    a whole plan (for revisions placed again at the rates they were placed with: otherwise a part took the slots a
+    whole plan keeps for bursts, an adapter at 16 requests/s got 4 GPU replicas where the whole plan gives 2, and
+    the next whole plan took them back, two registrations each); else they may take them (new revisions, rates
+    that moved: the reserve's slots serve them until the next whole plan re-balances)."""
     by_name = {d.served_name: d for d in demands}
     rest = {pod: {n: t for n, t in held.items() if n not in again} for pod, held in before.pods.items()}
 
@@ -997,11 +1008,15 @@ def place_again(before: Placement, capacity: Sequence[PodCapacity], demands: Seq
         held = rest.get(cap.name, {})
         gpu = [n for n, t in held.items() if t is Tier.GPU]
         cpu = [n for n, t in held.items() if t is Tier.CPU]
+        # the pod's burst reserve, less the reserved slots the others fill
+        reserve = burst_reserve(cap, config)
+        left = max(0, reserve - max(0, len(gpu) - (cap.gpu_slots - reserve))) if keep_reserve else None
         residual.append(PodCapacity(
             cap.name, max(0, cap.gpu_slots - len(gpu)), max(0, cap.cpu_slots - len(cpu)),
             None if cap.gpu_bytes is None else max(0, cap.gpu_bytes - size(gpu)),
             None if cap.cpu_bytes is None else max(0, cap.cpu_bytes - size(cpu)),
-            None if cap.disk_bytes is None else max(0, cap.disk_bytes - size(held))))
+            None if cap.disk_bytes is None else max(0, cap.disk_bytes - size(held)),
+            gpu_reserve=left))
     previous = Placement(pods={pod: {n: t for n, t in held.items() if n in changed}
                                for pod, held in before.pods.items()})
     all_demands = [changed.get(n, d) for d in demands if (n := d.served_name) not in again or n in changed]
