@@ -74,7 +74,7 @@ class PodCapacity:
     #: bytes its local disk cache holds (every revision it holds at any tier is on its disk); None: unbounded
     disk_bytes: int | None = None
     #: GPU slots kept free for bursts; None: ``PlacementConfig.burst_slots_per_pod`` on a pod with more slots than
-    #: that (``burst_reserve``). A part's residual pod (``place_again``) carries what is left of its pod's
+    #: that (``burst_reserve``). A part's residual pod (``place_again``) carries what is left of its pod's reserve
     gpu_reserve: int | None = None
 
 

@@ -6,7 +6,7 @@ API server, made from the simulated pods:
 
 - the trace's adapters as Stable AdapterRevisions (``revision_manifest``, as the twin applies them), each status
   the planner decides written back onto the object (a new object, as the API server's informer hands it back);
-- each pod's ``ResidencyReport`` as its sidecar builds it (``pod_report``), its version bumped when what planning
+- each pod's ``ResidencyReport`` as its sidecar builds it (``SimulatedController._report``), its version bumped when what planning
   reads of it changes (as ``PoolReadings.report_versions``);
 - the request rates the picker's ``RequestStats`` counts over the arrivals so far, published every
   ``RATES_PUBLISH_S``;
@@ -93,9 +93,10 @@ def revision_manifest(adapter: str, revision: str, tenant: str, priority: int, u
     return body
 
 
-def artifact_digest(served_name: str) -> str:
-    """The artifact digest the simulated revision of ``served_name`` declares (and its pods report)."""
-    return "sha256:" + hashlib.sha256(served_name.encode()).hexdigest()
+def adapter_digest(name: str) -> str:
+    """A stable stand-in artifact digest for a simulated served revision (its AdapterRevision's, and what its pods
+    report)."""
+    return "sha256:" + hashlib.sha256(name.encode()).hexdigest()
 
 
 def dns_label(text: str) -> str:
@@ -120,7 +121,7 @@ def stable_revision(served: str, tenant: str, priority: int, nbytes: int) -> Ada
     """The Stable AdapterRevision of one trace adapter, as the twin's is once its probe passed."""
     adapter, revision = parse_served_name(served)
     body = revision_manifest(adapter, revision, dns_label(tenant), priority, f"oci://adapters.invalid/{adapter}:{revision}",
-                             artifact_digest(served), pool=POOL, base_model=BASE_MODEL, base_digest=BASE_DIGEST,
+                             adapter_digest(served), pool=POOL, base_model=BASE_MODEL, base_digest=BASE_DIGEST,
                              rank=SIM_RANK, target_modules=("q_proj", "v_proj"))
     body["spec"]["artifact"]["sizeBytes"] = max(1, nbytes)
     body["status"] = {"phase": "Stable", "trafficWeight": 100, "servedName": served,
@@ -151,9 +152,8 @@ class _Rows:
 
 
 class SimulatedController:
-    """``IncrementalPlanner`` on the simulated pool (see the module docstring). ``plan(now, rows, arrivals)`` runs
-    one resync: ``rows`` is each pod's report rows now, ``arrivals`` the (time, served name) of the requests
-    routed since the last call."""
+    """``IncrementalPlanner`` on the simulated pool (see the module docstring): ``record`` counts each routed request
+    as the picker does, ``plan(now, rows)`` runs one pass on each pod's report rows now."""
 
     def __init__(self, served: list[str], tenants: list[tuple[str, int]], sizes: list[int], pods: list[str],
                  max_gpu_slots: int, max_cpu_slots: int, disk_bytes: int | None, vllm: bool,
@@ -166,7 +166,7 @@ class SimulatedController:
         self._token = 0
         #: (namespace, name) -> the revision's place in ``revisions``
         self._at = {(r.metadata.namespace or "default", r.metadata.name): i for i, r in enumerate(self.revisions)}
-        self._rows = _Rows({n: artifact_digest(n) for n in served}, dict(zip(served, sizes, strict=True)))
+        self._rows = _Rows({n: adapter_digest(n) for n in served}, dict(zip(served, sizes, strict=True)))
         self._pods = pods
         self._vllm = vllm
         self._load = PodLoad(max_gpu_slots=max_gpu_slots, max_cpu_slots=max_cpu_slots, max_disk_bytes=disk_bytes)

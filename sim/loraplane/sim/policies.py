@@ -15,7 +15,6 @@ over the pods' vLLM metrics as a peer's picker scrapes them (``loraplane.sim.pee
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import math
 import random
@@ -49,7 +48,7 @@ from loraplane.sim.cluster import (
     SimConfig,
     Simulator,
 )
-from loraplane.sim.control import WATCH_S, Row, SimulatedController, as_served_name
+from loraplane.sim.control import WATCH_S, Row, SimulatedController, adapter_digest, as_served_name
 from loraplane.sim.peers import PEER_POLICIES, peer_router
 from loraplane.sim.prefix import PickerPrefixSignal
 from loraplane.sim.profile import Profile
@@ -72,11 +71,6 @@ PLACEMENT_PERIOD_S = 10.0
 #: plans a pool. ``--loraplane-runtime vllm`` plans at this pace, as the twin's controller does: at 10 s the
 #: simulator's registrations (placement moves) were half the twin's (hot-plus-burst, 16 pods: 25 against 60)
 CONTROLLER_RESYNC_S = 2.0
-
-
-def adapter_digest(name: str) -> str:
-    """A stable stand-in artifact digest for a simulated served revision."""
-    return "sha256:" + hashlib.sha256(name.encode()).hexdigest()
 
 
 class EngineEviction:
