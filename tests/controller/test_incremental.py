@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from e2e.fixtures.processes import RedisServer
 from loraplane.api import AdapterRevision, Phase, RequestRates, ResidencyReport, Tier, keys
 from loraplane.bench import controller as bench
-from loraplane.controller.incremental import IncrementalPlanner, rates_moved, windows_of
+from loraplane.controller.incremental import IncrementalPlanner, PlanOutcome, rates_moved, windows_of
 from loraplane.controller.placement import TenantBudget
 from loraplane.controller.pool import PoolInputs, PoolPlan, plan_pool
 from loraplane.controller.store import RedisStore
@@ -193,7 +193,8 @@ def test_a_deleted_revision_leaves_routes_and_targets_alone() -> None:
 def test_a_report_change_plans_the_adapters_it_touches_and_a_capacity_change_the_pool() -> None:
     planner, _, revs, rates, reports, plan = _settled()
     reports = bench._reports(len(reports), plan, 4, 8)
-    assert not planner.plan(_inputs(revs, rates, reports), "t1", {r.pod: 1 for r in reports}).reused
+    # the sidecars carrying the plan out is no news to planning
+    assert planner.plan(_inputs(revs, rates, reports), "t1", {r.pod: 1 for r in reports}).reused
     pod = reports[0]
     row = pod.adapters[0]
     failed = row.model_copy(update={"tier": Tier.ABSENT, "error": "digest mismatch", "error_reason": "DigestMismatch"})
@@ -205,7 +206,7 @@ def test_a_report_change_plans_the_adapters_it_touches_and_a_capacity_change_the
     bigger = [changed[0].model_copy(update={"load": changed[0].load.model_copy(update={"max_gpu_slots": 6})}),
               *changed[1:]]
     whole = planner.plan(_inputs(revs, rates, bigger), "t1", versions | {pod.pod: 3})
-    assert whole.decided is None and planner.planned == 3
+    assert whole.decided is None and planner.planned == 2
 
 
 def _written_back(revs: list[AdapterRevision], plan: PoolPlan) -> list[AdapterRevision]:
@@ -227,31 +228,63 @@ def test_the_controllers_own_status_writes_handed_back_plan_nothing_again() -> N
     assert not outcome.reused and outcome.decided == {("default", other.metadata.name)}
 
 
-def _moved_row(reports: list[ResidencyReport], tier: Tier) -> tuple[list[ResidencyReport], str]:
-    """``reports`` with the first GPU row of a pod whose loads activate (vLLM) moved to ``tier``, and its name."""
+def _dropped_row(reports: list[ResidencyReport]) -> tuple[list[ResidencyReport], str]:
+    """``reports`` with the first GPU row of a pod gone (its sidecar unregistered it), and its name."""
     pod = next(r for r in reports if any(a.tier is Tier.GPU for a in r.adapters))
-    i = next(i for i, a in enumerate(pod.adapters) if a.tier is Tier.GPU)
-    rows = list(pod.adapters)
-    rows[i] = rows[i].model_copy(update={"tier": tier})
-    moved = pod.model_copy(update={"adapters": rows, "loads_activate": True, "demotes_to_disk": False})
-    return [moved if r is pod else r for r in reports], rows[i].served_name
+    gone = next(a for a in pod.adapters if a.tier is Tier.GPU)
+    dropped = pod.model_copy(update={"adapters": [a for a in pod.adapters if a is not gone]})
+    return [dropped if r is pod else r for r in reports], gone.served_name
 
 
-def test_a_revision_vllm_moves_between_gpu_and_host_memory_plans_nothing_again() -> None:
-    """vLLM's LRU moves adapters between GPU slots and host memory with every request; the pod serves them either
-    way, so planning does not run for it. Out of host memory (a disk row: vLLM reads it back) it no longer serves
-    it there, which planning reads (``keep_until_replaced``): that adapter is planned again, alone."""
+def _with_row(reports: list[ResidencyReport], pod: str, name: str, tier: Tier) -> list[ResidencyReport]:
+    """``reports`` with ``pod``'s row of ``name`` at ``tier`` (added as its other rows are, where it has none)."""
+    out = []
+    for r in reports:
+        if r.pod == pod:
+            rows = [a for a in r.adapters if a.served_name != name]
+            like = next(a for rep in reports for a in rep.adapters if a.served_name == name)
+            r = r.model_copy(update={"adapters": [*rows, like.model_copy(update={"tier": tier})]})
+        out.append(r)
+    return out
+
+
+def test_a_copy_moving_in_and_out_of_host_memory_plans_again_only_where_it_moves_a_hold() -> None:
+    """vLLM's LRU moves copies between GPU slots, host memory and disk with every request. Planning reads whether a
+    pod serves a revision only for make-before-break (``keep_until_replaced``), so such a move plans nothing unless
+    it moves a hold: a copy leaving the last of its planned holders while a pod the plan does not place it on serves
+    it plans it again (held there), and its planned holder serving it again plans it again (the hold ends)."""
     planner, _, revs, rates, _, plan = _settled()
-    reports = bench._reports(6, plan, 4, 8)
-    vllm = [r.model_copy(update={"loads_activate": True, "demotes_to_disk": False}) for r in reports]
-    assert not planner.plan(_inputs(revs, rates, vllm), "t1", {r.pod: 1 for r in vllm}).reused
-    versions = {r.pod: 2 for r in vllm}
-    to_host, _ = _moved_row(vllm, Tier.CPU)
-    assert planner.plan(_inputs(revs, rates, to_host), "t1", versions).reused
-    to_disk, name = _moved_row(vllm, Tier.DISK)
-    outcome = planner.plan(_inputs(revs, rates, to_disk), "t1", {r.pod: 3 for r in vllm})
-    assert not outcome.reused and outcome.decided is not None
-    assert {key[1] for key in outcome.decided} == {r.metadata.name for r in revs if r.served_name == name}
+    vllm = [r.model_copy(update={"loads_activate": True, "demotes_to_disk": False,
+                                 "adapters": [a.model_copy(update={"registered": True}) for a in r.adapters]})
+            for r in bench._reports(6, plan, 4, 8)]
+    version = iter(range(1, 100))
+
+    def plan_on(reports: list[ResidencyReport]) -> PlanOutcome:
+        v = next(version)
+        return planner.plan(_inputs(revs, rates, reports), "t1", {r.pod: v for r in reports})
+
+    assert plan_on(vllm).reused  # the plan carried out
+    tiers = plan.placement.tiers_of
+    name = next(n for n in (r.served_name for r in revs)
+                if sum(t in (Tier.GPU, Tier.CPU) for t in tiers(n).values()) >= 2)
+    holders = sorted(pod for pod, t in tiers(name).items() if t in (Tier.GPU, Tier.CPU))
+    other = next(r.pod for r in vllm if r.pod not in tiers(name))
+    reports = _with_row(vllm, holders[0], name, Tier.CPU if tiers(name)[holders[0]] is Tier.GPU else Tier.GPU)
+    assert plan_on(reports).reused  # between GPU and host memory
+    reports = _with_row(reports, other, name, Tier.CPU)
+    stray = plan_on(reports)  # a pod the plan does not place it on serves it: news
+    assert not stray.reused and not stray.plan.placement.holds
+    reports = _with_row(reports, holders[0], name, Tier.DISK)
+    assert plan_on(reports).reused  # out of host memory (still registered): its other holders serve it
+    for pod in holders[1:]:
+        reports = _with_row(reports, pod, name, Tier.DISK)
+    held = plan_on(reports)  # no planned holder serves it; the stray pod does: held there
+    assert not held.reused and held.decided is not None
+    assert {key[1] for key in held.decided} == {r.metadata.name for r in revs if r.served_name == name}
+    assert (name, other) in held.plan.placement.holds
+    reports = _with_row(reports, holders[0], name, Tier.CPU)
+    released = plan_on(reports)
+    assert not released.reused and not any(n == name for n, _ in released.plan.placement.holds)
 
 
 def test_rates_beyond_the_hysteresis_with_a_report_change_are_planned_again_with_the_part() -> None:
@@ -259,8 +292,8 @@ def test_rates_beyond_the_hysteresis_with_a_report_change_are_planned_again_with
     not the pool whole."""
     planner, _, revs, rates, reports, plan = _settled()
     reports = bench._reports(len(reports), plan, 4, 8)
-    assert not planner.plan(_inputs(revs, rates, reports), "t1", {r.pod: 1 for r in reports}).reused
-    changed, touched = _moved_row(reports, Tier.ABSENT)
+    assert planner.plan(_inputs(revs, rates, reports), "t1", {r.pod: 1 for r in reports}).reused
+    changed, touched = _dropped_row(reports)
     hot = dict(rates)
     spiked = revs[9].served_name if revs[9].served_name != touched else revs[10].served_name
     hot[spiked] *= 3
@@ -398,7 +431,7 @@ def test_a_part_for_a_report_change_plans_at_the_rates_its_adapters_were_placed_
         held = bench._reports(len(reports), first, 4, 8)
         planner.plan(_inputs(revs, rates, held), "t1", {r.pod: 1 for r in held})
         pod = next(r for r in held if any(a.served_name == name and a.tier is Tier.GPU for a in r.adapters))
-        rows = [a.model_copy(update={"tier": Tier.ABSENT}) if a.served_name == name else a for a in pod.adapters]
+        rows = [a for a in pod.adapters if a.served_name != name]  # its sidecar unregistered it
         changed = [pod.model_copy(update={"adapters": rows}) if r is pod else r for r in held]
         outcome = planner.plan(_inputs(revs, now, changed), "t1", {r.pod: 1 for r in held} | {pod.pod: 2})
         assert not outcome.reused and outcome.decided is not None and not outcome.delta  # a part
@@ -422,7 +455,7 @@ def test_a_part_for_a_report_row_keeps_out_of_the_burst_reserve_as_the_whole_pla
     held = bench._reports(len(reports), first, 4, 8)
     whole = planner.plan(_inputs(revs, rates, held), "t1", {r.pod: 1 for r in held}).plan
     pod = next(r for r in held if any(a.served_name == name and a.tier is Tier.GPU for a in r.adapters))
-    rows = [a.model_copy(update={"tier": Tier.ABSENT}) if a.served_name == name else a for a in pod.adapters]
+    rows = [a for a in pod.adapters if a.served_name != name]  # its sidecar unregistered it
     changed = [pod.model_copy(update={"adapters": rows}) if r is pod else r for r in held]
     outcome = planner.plan(_inputs(revs, rates, changed), "t1", {r.pod: 1 for r in held} | {pod.pod: 2})
     assert outcome.kind == "part"

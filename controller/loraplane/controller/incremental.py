@@ -20,7 +20,10 @@ them every pass, each part leaves the rest of the plan as it was, and the disk h
 between them (from those swept to those yet to come) would all move at the next whole plan at once, each a
 registration that stalls its pod's batch. A few adapters -- revisions added, changed or
 deleted, rollouts in progress, new probe results, report rows that changed -- are planned again alone
-(``plan_part``), each on what the rest of the pool leaves. Anything else (a pod coming, going or changing readiness
+(``plan_part``), each on what the rest of the pool leaves. A row that changed as the plan has it (``_as_planned``:
+a sidecar registering its targets and unregistering what the plan took away, vLLM's LRU moving copies between
+host memory and disk) is planned for only where it can move a make-before-break hold (``_holds_moved``): else
+every plan that moved targets would plan again for each pod carrying it out. Anything else (a pod coming, going or changing readiness
 or capacity, more than ``placement.DELTA_SHARE`` of the pool) plans the pool whole, as does the
 ``full_plan_seconds`` period (so drift within the hysteresis, and anything a part did not see, is planned for at
 that pace).
@@ -270,6 +273,7 @@ class IncrementalPlanner:
             return None
         views: dict[str, _PodView] = {}
         touched: set[str] = set()
+        carried_out: set[str] = set()
         for report in inputs.reports:
             old = memo.pods[report.pod]
             if versions.get(report.pod, -1) == old.version and report.ready == old.ready:
@@ -277,8 +281,13 @@ class IncrementalPlanner:
             view = views[report.pod] = _PodView.of(report, versions.get(report.pod, -1))
             if view.ready != old.ready or view.capacity != old.capacity:
                 return None
-            touched.update(n for n in view.residency.keys() | old.residency.keys()
-                           if view.residency.get(n) != old.residency.get(n))
+            planned = memo.plan.placement.pods.get(report.pod, {})
+            for n in view.residency.keys() | old.residency.keys():
+                row, was = view.residency.get(n), old.residency.get(n)
+                if row != was:
+                    (carried_out if _as_planned(planned.get(n, Tier.ABSENT), row, was) else touched).add(n)
+        touched |= _holds_moved(memo, views, carried_out - touched,
+                                {r.pod for r in inputs.reports if r.demotes_to_disk})
         moved = (rates_moved(memo.rates, inputs.rates, memo.names, self.hysteresis)
                  if inputs.rates is not memo.rates_source else [])
         if moved and not few_enough(memo.drifted, len(memo.names)):
@@ -377,6 +386,49 @@ class IncrementalPlanner:
         for window in WINDOWS:
             now = inputs.rates.windows.get(window, {}) if inputs.rates else {}  # type: ignore[call-overload]
             memo.rates.setdefault(window, {}).update((name, now.get(name, 0.0)) for name in names)
+
+
+_REGISTERED, _DRAINING, _ERROR = (1 + _PLANNED_FIELDS.index(f) for f in ("registered", "draining", "error"))
+
+
+def _as_planned(tier: Tier, row: tuple[object, ...] | None, was: tuple[object, ...] | None) -> bool:
+    """Does a pod's row of a revision (``_PodView.residency``; None: no row) that changed from ``was`` agree with
+    the plan's ``tier`` for it there, without an error before or after: a warm target registered (at whichever
+    tier vLLM's LRU keeps it), a disk target in either state, a revision the plan took away unregistered or
+    draining? Such a change is the plan being carried out, or vLLM's LRU, not news to planning."""
+    if any(r is not None and r[_ERROR] for r in (row, was)):
+        return False
+    if tier in (Tier.GPU, Tier.CPU):
+        return row is not None and bool(row[_REGISTERED] or row[0])
+    if tier is Tier.DISK:
+        return True
+    return row is None or bool(row[_DRAINING]) or not (row[_REGISTERED] or row[0])
+
+
+def _holds_moved(memo: _Memo, views: Mapping[str, _PodView], flipped: Iterable[str],
+                 keeps_on_disk: Collection[str]) -> set[str]:
+    """Of the served names whose report rows changed as the plan has them (``_as_planned``), those planning would
+    place otherwise: what it reads of whether a pod serves them is ``keep_until_replaced``'s make-before-break, so
+    those with a hold in flight (it may end now) and those whose planned holders all stopped serving them now while
+    another pod serves them, or the reverse."""
+    placement = memo.plan.placement
+    held = {name for name, _ in placement.holds}
+    now = {**memo.pods, **views}
+    moved = set()
+    for name in flipped:
+        if name in held:
+            moved.add(name)
+            continue
+        planned = {pod for pod, tier in placement.tiers_of(name).items()
+                   if tier in (Tier.GPU, Tier.CPU) or (tier is Tier.DISK and pod in keeps_on_disk)}
+
+        def orphaned(pods: Mapping[str, _PodView], name: str = name, planned: set[str] = planned) -> bool:
+            serving = {pod for pod, view in pods.items() if (row := view.residency.get(name)) is not None and row[0]}
+            return bool(serving) and not serving & planned
+
+        if orphaned(memo.pods) != orphaned(now):
+            moved.add(name)
+    return moved
 
 
 def _at_baseline(rates: RequestRates | None, memo: _Memo, moved: Collection[str]) -> RequestRates | None:

@@ -55,7 +55,7 @@ import bisect
 import heapq
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loraplane.api import WarmPolicy
 from loraplane.api.runtime import Tier
@@ -197,6 +197,9 @@ class Placement:
     #: every floor, in the pool's order (``_Planner.place_disk``): a part placed again alone leaves the rest's
     #: holders as they are, and a whole plan moves them between revisions
     deferred: bool = False
+    #: (served name, pod) entries kept by make-before-break (``keep_until_replaced``) beyond what was placed: the
+    #: revision's traffic stays there until a pod the plan keeps serving it serves it too
+    holds: frozenset[tuple[str, str]] = frozenset()
 
     def tiers_of(self, served_name: str) -> dict[str, Tier]:
         """Pod -> tier for one served name."""
@@ -1025,7 +1028,9 @@ def place_again(before: Placement, capacity: Sequence[PodCapacity], demands: Seq
     local = place(residual, list(changed.values()), previous, {}, config, traffic)
     merged = {pod: {**rest.get(pod, {}), **local.pods.get(pod, {})} for pod in before.pods.keys() | local.pods.keys()}
     notes = {**{n: why for n, why in before.notes.items() if n not in again}, **local.notes}
-    return Placement(pods=merged, notes=notes, staging=before.staging, deferred=before.deferred), all_demands
+    holds = frozenset(h for h in before.holds if h[0] not in again)
+    return Placement(pods=merged, notes=notes, staging=before.staging, deferred=before.deferred,
+                     holds=holds), all_demands
 
 
 def gpu_loads(previous: Placement, new: Placement) -> int:
@@ -1057,9 +1062,11 @@ def keep_until_replaced(placement: Placement, demands: Iterable[AdapterDemand],
         for name, tier in tiers.items():
             if name in names and (tier in (Tier.GPU, Tier.CPU) or (tier is Tier.DISK and pod in keeps_on_disk)):
                 planned_serving.setdefault(name, set()).add(pod)
+    holds = {h for h in placement.holds if h[0] not in names}
     for demand in demands:
         now = set(serving.get(demand.served_name, ())) & pods.keys()
         if demand.min_replicas and now and not now & planned_serving.get(demand.served_name, set()):
             for pod in now:
                 pods[pod][demand.served_name] = Tier.DISK if pod in keeps_on_disk else Tier.CPU
-    return Placement(pods=pods, notes=placement.notes, staging=placement.staging, deferred=placement.deferred)
+                holds.add((demand.served_name, pod))
+    return replace(placement, pods=pods, holds=frozenset(holds))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 from loraplane.api import (
@@ -298,7 +298,7 @@ def fit_to_sidecars(placement: Placement, planned: Placement, reports: Sequence[
             held[name] = Tier.DISK
             if name not in kept:
                 notes.setdefault(name, f"pod {pod} has no host slot left for it")
-    return Placement(pods=pods, notes=notes, staging=placement.staging, deferred=placement.deferred)
+    return replace(placement, pods=pods, notes=notes)
 
 
 def plan_pool(inputs: PoolInputs) -> PoolPlan:
