@@ -263,8 +263,12 @@ def test_a_copy_moving_in_and_out_of_host_memory_plans_again_only_where_it_moves
         v = next(version)
         return planner.plan(_inputs(revs, rates, reports), "t1", {r.pod: v for r in reports})
 
-    assert plan_on(vllm).reused  # the plan carried out
     tiers = plan.placement.tiers_of
+    loading = [r.model_copy(update={"adapters": [
+        a.model_copy(update={"tier": Tier.ABSENT, "registered": False}) if tiers(a.served_name).get(r.pod) is Tier.GPU
+        else a for a in r.adapters]}) for r in vllm]
+    assert plan_on(loading).reused  # its GPU targets on their way (reported absent first)
+    assert plan_on(vllm).reused  # the plan carried out
     name = next(n for n in (r.served_name for r in revs)
                 if sum(t in (Tier.GPU, Tier.CPU) for t in tiers(n).values()) >= 2)
     holders = sorted(pod for pod, t in tiers(name).items() if t in (Tier.GPU, Tier.CPU))

@@ -361,6 +361,19 @@ def test_two_hot_adapters_left_on_one_pod_by_an_earlier_plan_get_a_replica_on_th
     assert all(len(holders) == 1 for holders in balanced.replicas(Tier.GPU).values())
 
 
+def test_an_idle_floor_on_the_busiest_pod_is_not_spread_over_the_free_slots() -> None:
+    """The busiest pod's hot adapter can go nowhere else (eligible there only); the idle gpu-preferred revision
+    beside it carries no load, so a further replica of it lowers nothing and it keeps its one floor replica (each of
+    its replicas lowered the peak by a rounding error, and it took every free GPU slot of the pool)."""
+    pods = _pods(6)
+    hot = _demand("hot@v1", 30.0, eligible=frozenset({"pod-0"}))
+    idle = _demand("idle@v1", warm_policy=WarmPolicy.GPU_PREFERRED, min_replicas=1)
+    previous = Placement(pods={"pod-0": {"hot@v1": Tier.GPU, "idle@v1": Tier.GPU}})
+    plan = place(pods, [hot, idle], previous=previous)
+    assert plan.replicas(Tier.GPU)["hot@v1"] == {"pod-0"}
+    assert plan.replicas(Tier.GPU)["idle@v1"] == {"pod-0"}
+
+
 def test_a_gpu_placed_adapter_gets_a_host_copy_in_a_spare_slot_of_another_pod() -> None:
     pods = _pods(3, gpu=2, cpu=4)
     demands = [_demand("hot@v1", 2.0), _demand("idle@v1")]

@@ -394,15 +394,21 @@ _REGISTERED, _DRAINING, _ERROR = (1 + _PLANNED_FIELDS.index(f) for f in ("regist
 def _as_planned(tier: Tier, row: tuple[object, ...] | None, was: tuple[object, ...] | None) -> bool:
     """Does a pod's row of a revision (``_PodView.residency``; None: no row) that changed from ``was`` agree with
     the plan's ``tier`` for it there, without an error before or after: a warm target registered (at whichever
-    tier vLLM's LRU keeps it), a disk target in either state, a revision the plan took away unregistered or
-    draining? Such a change is the plan being carried out, or vLLM's LRU, not news to planning."""
+    tier vLLM's LRU keeps it) or on its way there (a sidecar reports a new target absent, then on disk, then
+    registered: only losing its registration is news), a disk target in either state, a revision the plan took
+    away unregistered or draining? Such a change is the plan being carried out, or vLLM's LRU, not news to
+    planning."""
     if any(r is not None and r[_ERROR] for r in (row, was)):
         return False
+
+    def registered(r: tuple[object, ...] | None) -> bool:
+        return r is not None and bool(r[_REGISTERED] or r[0])
+
     if tier in (Tier.GPU, Tier.CPU):
-        return row is not None and bool(row[_REGISTERED] or row[0])
+        return registered(row) or not registered(was)
     if tier is Tier.DISK:
         return True
-    return row is None or bool(row[_DRAINING]) or not (row[_REGISTERED] or row[0])
+    return row is None or bool(row[_DRAINING]) or not registered(row)
 
 
 def _holds_moved(memo: _Memo, views: Mapping[str, _PodView], flipped: Iterable[str],
