@@ -23,8 +23,8 @@ deleted, rollouts in progress, new probe results, report rows that changed -- ar
 (``plan_part``), each on what the rest of the pool leaves. A row that changed as the plan has it (``_as_planned``:
 a sidecar registering its targets and unregistering what the plan took away, vLLM's LRU moving copies between
 host memory and disk) is planned for only where it can move a make-before-break hold (``_holds_moved``): else
-every plan that moved targets would plan again for each pod carrying it out. Anything else (a pod coming, going or changing readiness
-or capacity, more than ``placement.DELTA_SHARE`` of the pool) plans the pool whole, as does the
+every plan that moved targets would plan again for each pod carrying it out. Anything else (a pod coming, going or
+changing readiness or capacity, more than ``placement.DELTA_SHARE`` of the pool) plans the pool whole, as does the
 ``full_plan_seconds`` period (so drift within the hysteresis, and anything a part did not see, is planned for at
 that pace).
 """

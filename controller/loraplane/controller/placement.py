@@ -581,8 +581,7 @@ class _Planner:
                 e = self.entries[name]
                 # an adapter below ``gpu_min_rate`` carries next to none of the load (an idle floor's score is
                 # 1e-9): its replica lowered the peak by a rounding error, so every free slot took one
-                if (tier is not Tier.GPU or e.need == 0 or is_floor(e, cfg) or e.rate <= 0
-                        or not self.budget_allows(e, Tier.GPU)):
+                if tier is not Tier.GPU or e.rate < cfg.gpu_min_rate or not self.budget_allows(e, Tier.GPU):
                     continue
                 pod = self.spread_target(e)
                 if pod is None:
