@@ -38,3 +38,21 @@ def test_a_replay_on_the_emulator_alone_reports_its_figures_and_no_error(capsys:
     assert emulated["answered"] == 12 and emulated["errors"] == []
     assert emulated["e2e_ms"]["p50"] >= emulated["ttft_ms"]["p50"]
     assert set(report["scheduling"]) == {"nice", "autogroup_nice"}
+
+
+def test_the_spread_between_rounds_is_the_largest_round_over_the_smallest() -> None:
+    fast = fidelity.figures([stream(10, 3, 41)] * 10)
+    slow = fidelity.figures([stream(15, 3, 41)] * 10)
+    spread = fidelity.spread([fast, slow, fast])
+    assert spread["ttft_p50"] == pytest.approx(0.5) and spread["tpot_p50"] == pytest.approx(0.0)
+    assert spread["e2e_p99"] == pytest.approx(5 / 130, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_rounds_replay_the_trace_again_and_report_each_round(capsys: pytest.CaptureFixture[str]) -> None:
+    assert fidelity.main(["--json", "--runtimes", "emulated", "--requests", "12", "--rate", "8", "--rounds", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    emulated = report["emulated"]
+    assert report["rounds"] == 2 and [r["answered"] for r in emulated["rounds"]] == [12, 12]
+    assert emulated["answered"] == 24 and set(report["spread"]) == {"emulated"}
+    assert all(value >= 0 for value in report["spread"]["emulated"].values())

@@ -18,7 +18,11 @@ The machine is shared: before each replay the command waits (up to ``--wait-s``)
 fall below ``--max-load``, and reports the load average with each runtime's figures; it can run at a raised CPU
 share as ``loraplane bench profile`` can (``scheduling`` in the output: both runtimes get the same).
 Prints ONE JSON object: per runtime TTFT, TPOT and time to the last token p50 / p99 (ms), and the emulator's
-relative errors (emulated / vllm - 1); ``within_15pct`` is the issue's bound on TTFT and TPOT.
+relative errors (emulated / vllm - 1); ``within_15pct`` is the issue's bound on TTFT and TPOT. With ``--rounds N``
+the runtimes replay the trace in turn N times: the figures are of every round's requests together, ``spread``
+says how far each runtime's rounds are from each other (vLLM's: how far real vLLM-CPU is from itself on this
+machine, the floor under any error), and ``inside_vllm_rounds`` whether each emulated figure lies between vLLM's
+smallest and largest round.
 """
 
 from __future__ import annotations
@@ -134,15 +138,31 @@ def paired(real: Sequence[Timing], emulated: Sequence[Timing]) -> dict[str, floa
     return out
 
 
+def spread(rounds: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """How far one runtime's rounds are from each other: per figure, its largest round over its smallest, less 1."""
+    out = {}
+    for m in ("ttft", "tpot", "e2e"):
+        for q in ("p50", "p99"):
+            values = [r[f"{m}_ms"][q] for r in rounds]
+            out[f"{m}_{q}"] = round(max(values) / min(values) - 1.0, 4) if min(values) > 0 else math.nan
+    return out
+
+
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     checkpoint = write_checkpoint(workdir, args.adapters)
     trace = make_trace(args.requests, args.rate, list(checkpoint.adapters), args.seed,
                        (args.prompt_min, args.prompt_max), (args.output_min, args.output_max))
-    results: dict[str, Any] = {}
-    timings: dict[str, list[Timing]] = {}
-    for runtime in args.runtimes:
-        timings[runtime], conditions = replay_on(runtime, checkpoint, trace, args, workdir)
-        results[runtime] = {**figures(timings[runtime]), **conditions}
+    rounds: list[dict[str, Any]] = []
+    timings: dict[str, list[Timing]] = {runtime: [] for runtime in args.runtimes}
+    for _ in range(args.rounds):  # the runtimes in turn, so a drift of the machine reaches each of them alike
+        this_round = {}
+        for runtime in args.runtimes:
+            replayed, conditions = replay_on(runtime, checkpoint, trace, args, workdir)
+            timings[runtime].extend(replayed)
+            this_round[runtime] = {**figures(replayed), **conditions}
+        rounds.append(this_round)
+    results: dict[str, Any] = rounds[0] if args.rounds == 1 else {
+        runtime: {**figures(timings[runtime]), "rounds": [r[runtime] for r in rounds]} for runtime in args.runtimes}
     report: dict[str, Any] = {
         "trace": {"requests": args.requests, "rate_per_s": args.rate, "adapters": args.adapters, "zipf": 1.0,
                   "prompt_tokens": [args.prompt_min, args.prompt_max],
@@ -153,8 +173,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "profile": load_profile(args.profile).name,
         "machine": machine(),
         "scheduling": scheduling(),
+        "rounds": args.rounds,
         **results,
     }
+    if args.rounds > 1:
+        report["spread"] = {runtime: spread([r[runtime] for r in rounds]) for runtime in args.runtimes}
     if "vllm" in timings and "emulated" in timings:
         real, emu = results["vllm"], results["emulated"]
         error = {f"{m}_{q}_rel": relative(emu[f"{m}_ms"][q], real[f"{m}_ms"][q])
@@ -165,6 +188,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         e2e = {f"e2e_{q}_rel": relative(emu["e2e_ms"][q], real["e2e_ms"][q]) for q in ("p50", "p99")}
         report["error"].update(e2e)
         report["e2e_within_15pct"] = all(abs(v) <= TARGET_REL for v in e2e.values())
+        if args.rounds > 1:
+            report["inside_vllm_rounds"] = {
+                f"{m}_{q}": min(r["vllm"][f"{m}_ms"][q] for r in rounds) <= emu[f"{m}_ms"][q]
+                <= max(r["vllm"][f"{m}_ms"][q] for r in rounds) for m in ("ttft", "tpot", "e2e") for q in ("p50", "p99")}
     return report
 
 
@@ -186,10 +213,16 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--output-min", type=int, default=8, help="shortest answer, in tokens (at least 2)")
     p.add_argument("--output-max", type=int, default=88, help="longest answer, in tokens")
     p.add_argument("--seed", type=int, default=0, help="seed of the trace")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="replay the trace this many times on each runtime, the runtimes in turn; the figures are "
+                        "of every round's requests together, each round's apart, and each runtime's spread between "
+                        "its rounds (vLLM's is the noise floor of the machine)")
     p.add_argument("--max-load", type=float, default=math.inf,
                    help="wait before each replay until the 1-minute load average is below this")
     p.add_argument("--wait-s", type=float, default=600.0, help="longest wait for --max-load")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if set(args.runtimes) - {"vllm", "emulated"} or not args.runtimes:
         p.error("--runtimes takes vllm and/or emulated")
     if "vllm" in args.runtimes and vllm_python() is None:
