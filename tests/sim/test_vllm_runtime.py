@@ -45,7 +45,7 @@ def test_every_request_goes_to_a_pod_that_registered_its_adapter(monkeypatch: py
     assert all(pod.registered is not None and len(pod.registered) < len(sim.trace.adapters) for pod in sim.pods)
 
 
-def test_a_registration_is_a_load_into_a_gpu_slot_and_an_unregistered_copy_leaves() -> None:
+def test_a_registration_is_a_load_into_a_gpu_slot_and_an_unregistered_copy_stays_until_lru_pushes_it_out() -> None:
     sim = simulator()
     pod = sim.pods[0]
     pod.registered = set()
@@ -55,13 +55,23 @@ def test_a_registration_is_a_load_into_a_gpu_slot_and_an_unregistered_copy_leave
     assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 1
     assert sim.result.registration_loads == 1
     sim.unregister(pod, on_disk)
-    assert on_disk not in pod.registered and on_disk not in pod.gpu and on_disk not in pod.cpu
+    # vLLM's unload forgets the name only: the copy keeps its GPU slot and its host copy
+    assert on_disk not in pod.registered and on_disk in pod.gpu and on_disk in pod.cpu
+    # registered again, vLLM reads a second copy from disk: a load, not the old copy
+    sim.register(pod, on_disk)
+    assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 2
+    # the old copies are least recently used: the loads of others push them out
+    sim.unregister(pod, on_disk)
+    others = [a for a in range(len(sim.trace.adapters)) if a in pod.disk and a != on_disk][:pod.max_loras]
+    for other in others:
+        sim.register(pod, other)
+    assert on_disk not in pod.gpu and on_disk in pod.cpu
     # an adapter not on disk yet is fetched first and registered when it lands
     pod.disk.discard(on_disk)
     sim.register(pod, on_disk)
     assert on_disk not in pod.registered and on_disk in pod.downloading
     sim._downloaded(pod, on_disk)
-    assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 2
+    assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 3 + len(others)
     # before the first request the pool is set up at once (the twin onboards before it replays): no fetch, and
     # the load is a set-up load
     fresh = simulator()

@@ -1255,6 +1255,10 @@ class Simulator:
                 pod.cold_loads.add(adapter)
             self._download(pod, adapter)
             return
+        if (adapter in pod.cpu and adapter not in pod.running_adapters
+                and not pod.waiting_adapters.get(adapter)):  # a copy left by an unload: vLLM loads a second one
+            pod.cpu.discard(adapter)
+            pod.gpu.discard(adapter)
         pod.registered.add(adapter)
         pod.residency_version += 1
         if adapter not in pod.gpu:
@@ -1276,8 +1280,8 @@ class Simulator:
         self._push(self.now + DEFAULT_DRAIN_GRACE_S, _UNREGISTER, pod.index, adapter)
 
     def unregister(self, pod: Pod, adapter: int) -> None:
-        """``pod``'s vLLM forgets ``adapter``'s name; its copy leaves the caches unless requests there still use it
-        (vLLM keeps an unloaded copy until its LRU drops it, the least recently used of all by then)."""
+        """``pod``'s vLLM forgets ``adapter``'s name, and only its name: the copy keeps its place in both LRU caches
+        (a GPU slot too) until LRU pushes it out, as vLLM's ``unload_lora_adapter`` leaves it (docs/vllm.md)."""
         assert pod.registered is not None
         pod.registering.discard(adapter)
         pod.registered_load.discard(adapter)
@@ -1287,10 +1291,6 @@ class Simulator:
             return
         pod.registered.discard(adapter)
         pod.residency_version += 1
-        if adapter in pod.running_adapters or pod.waiting_adapters.get(adapter):
-            return
-        pod.cpu.discard(adapter)
-        pod.gpu.discard(adapter)
         if adapter in pod.prefetch_queue:
             pod.prefetch_queue.remove(adapter)
 
