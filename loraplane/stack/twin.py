@@ -269,6 +269,12 @@ def total(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> 
     return sum(value for _, value in samples.get(name, ()))
 
 
+def increase(before: dict[str, dict[str, list[tuple[dict[str, str], float]]]],
+             after: dict[str, dict[str, list[tuple[dict[str, str], float]]]], name: str) -> int:
+    """Counter ``name``'s increase between two scrapes of every pod, all series together."""
+    return int(sum(total(samples, name) - total(before.get(pod, {}), name) for pod, samples in after.items()))
+
+
 def by_label(before: dict[str, dict[str, list[tuple[dict[str, str], float]]]],
              after: dict[str, dict[str, list[tuple[dict[str, str], float]]]], name: str, label: str) -> dict[str, int]:
     """Counter ``name``'s increase between two scrapes of every pod, by the value of ``label``."""
@@ -480,9 +486,9 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
         "cold_starts": int(loads),
         "gpu_loads_by_tier": by_label(before.pods, after.pods, "loraplane_emulator_lora_loads_total", "tier"),
         # of those, the loads the sidecars' registrations made (load_lora_adapter), as the simulator counts them
-        "registration_loads": int(sum(total(after.pods[p], "loraplane_emulator_lora_api_loads_total")
-                                      - total(before.pods[p], "loraplane_emulator_lora_api_loads_total")
-                                      for p in after.pods)),
+        "registration_loads": increase(before.pods, after.pods, "loraplane_emulator_lora_api_loads_total"),
+        # GPU copies pushed out while their requests ran (vLLM's LRU spares none; the simulator never does it)
+        "running_evictions": increase(before.pods, after.pods, "loraplane_emulator_running_lora_evictions_total"),
         "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
         "refusal_reasons": dict(Counter(f"{o.status} {o.reason}" for o in outcomes if o.status != 200).most_common(8)),
         "wrong_revision": sum(o.wrong for o in outcomes),

@@ -266,4 +266,5 @@ async def test_metrics_carry_vllms_names_and_labels(tmp_path: Path, adapters: di
         assert {labels["tier"]: v for labels, v in metrics["loraplane_emulator_lora_loads_total"]} == {
             "cpu": 0.0, "disk": 1.0}
         assert metrics["loraplane_emulator_lora_api_loads_total"] == [(base, 1.0)]  # the load, not the request
+        assert metrics["loraplane_emulator_running_lora_evictions_total"] == [(base, 0.0)]
         assert metrics["process_start_time_seconds"][0][1] > 0

@@ -280,3 +280,27 @@ def test_request_overhead_delays_each_request_before_the_scheduler_and_aborts_th
     assert gone.finished and gone.finish_reason == "abort" and engine.lora_requests_series().get("a") is None
     engine.advance(math.inf)
     assert gone.first_token_at is None and engine.next_due() == math.inf
+
+
+def test_a_load_between_steps_can_push_out_a_running_adapter_and_the_next_step_brings_it_back() -> None:
+    """vLLM's LRU evicts the least recently touched GPU copy whether its requests run or not: with both slots
+    running, a registration pushes out a running adapter, and the next step's activations bring the batch's
+    adapters back, each pushing out the next oldest (counted in ``running_evictions``)."""
+
+    def run(register: bool) -> Engine:
+        engine = Engine(EngineConfig(max_loras=2, max_cpu_loras=4), P)
+        a, b = lora("a", 1), lora("b", 2)
+        for adapter in (a, b):
+            engine.load(LoadTicket(adapter), 0.0)
+        engine.advance(0.1)
+        for rid, adapter in (("ra", a), ("rb", b)):
+            engine.add_request(request(rid, 10, 200, adapter), 0.1)
+        engine.advance(0.5)
+        if register:
+            engine.load(LoadTicket(lora("c", 3)), 0.5)
+        engine.advance(math.inf)
+        return engine
+
+    quiet, loaded = run(register=False).stats, run(register=True).stats
+    assert quiet.running_evictions == 0 and quiet.lora_loads == {"cpu": 0, "disk": 2}
+    assert loaded.running_evictions == 2 and loaded.lora_loads == {"cpu": 2, "disk": 3}

@@ -21,6 +21,7 @@ from loraplane.stack.twin import (
     by_label,
     gateway_path,
     histogram_quantiles,
+    increase,
     metric_samples,
     outcomes_as_result,
     pooled_histogram,
@@ -104,6 +105,7 @@ def test_loads_by_tier_count_only_the_increase_on_every_pod() -> None:
     before = {"a": pod(3, 1), "b": pod(0, 0)}
     after = {"a": pod(5, 1), "b": pod(1, 4)}
     assert by_label(before, after, "loraplane_emulator_lora_loads_total", "tier") == {"cpu": 3, "disk": 4}
+    assert increase(before, after, "loraplane_emulator_lora_loads_total") == 7
 
 
 def test_the_pods_ttft_histograms_pool_with_an_exact_mean_and_interpolated_quantiles() -> None:

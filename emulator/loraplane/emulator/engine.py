@@ -600,9 +600,15 @@ class Engine:
     def _bring_in(self, lora: Lora, api: bool = False) -> float:
         """Load and activate ``lora`` as the worker does (``api``: for ``/v1/load_lora_adapter``, not a request);
         the milliseconds it stalls the step."""
-        cost: LoadCost | None = self.cache.bring_in(lora)
+        cache = self.cache
+        before = None if lora.int_id in cache.active else list(cache.active)
+        cost: LoadCost | None = cache.bring_in(lora)
         if cost is None:
             return 0.0
+        gone = [int_id for int_id in before or () if int_id not in cache.active]
+        if gone:  # vLLM's LRU pushes out the least recently touched copy, its requests running or not
+            running = {req.lora.int_id for req in self.running if req.lora is not None}
+            self.stats.running_evictions += sum(int_id in running for int_id in gone)
         self.stats.lora_loads["disk" if cost.tier is Tier.DISK else "cpu"] += 1
         self.stats.lora_api_loads += api
         self.stats.lora_load.observe(cost.ms / 1e3)

@@ -72,6 +72,9 @@ class EngineStats:
     lora_loads: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
     #: of those, the loads ``/v1/load_lora_adapter`` made (registrations; the rest: requests' loads)
     lora_api_loads: int = 0
+    #: copies pushed out of a GPU slot while requests using them ran (vLLM's LRU spares none: the next step brings
+    #: each back, pushing out the batch's next oldest)
+    running_evictions: int = 0
 
 
 def _labels(labels: dict[str, str]) -> str:
@@ -163,4 +166,7 @@ def render(engine: Engine, model_name: str, start_time: float, wall: Callable[[f
     out.counter("loraplane_emulator_lora_api_loads",
                 "Of the adapters brought into a GPU slot, those /v1/load_lora_adapter brought (not a request).", base,
                 float(stats.lora_api_loads))
+    out.counter("loraplane_emulator_running_lora_evictions",
+                "Adapters pushed out of a GPU slot while requests using them were running.", base,
+                float(stats.running_evictions))
     return out.text()
