@@ -13,7 +13,9 @@ trace exercises one place where the simulator used to part from vLLM, and each f
 - a waiting queue longer than the 128 requests the simulator used to look at: vLLM scans it whole;
 - KV pressure: a request is admitted when its prompt's blocks are free and takes a block as its sequence crosses a
   block boundary; with none free the most recently admitted running request (``priority``: the lowest priority, then
-  the latest) is preempted and prefilled again later (finding its blocks still cached where not reused since).
+  the latest) is preempted and prefilled again later (finding its blocks still cached where not reused since);
+- loads between steps (a sidecar's ``load_lora_adapter``): vLLM's activation evicts the least recently touched copy
+  even when its requests run, and the next step brings the batch back in its order, each reload evicting the next.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import math
 import random
 from array import array
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -52,6 +56,8 @@ class Case:
     profile: Profile = PROFILE
     #: vLLM's ``--scheduling-policy priority``: requests of two tenants, priority 0 and 1 (lower first)
     priority: bool = False
+    #: adapters no request names, each registered (``load_lora_adapter``) at its own time during the trace
+    registrations: int = 0
 
 
 @dataclass
@@ -64,6 +70,12 @@ class Observed:
     decode_filled: int = 0
     longest_queue: int = 0
     chunked: list[Request] = field(default_factory=list)
+    #: the registrations made, (trace time, adapter): those due while requests ran (on an idle pod vLLM's load
+    #: stalls nothing the simulator counts)
+    registered: list[tuple[float, int]] = field(default_factory=list)
+    #: the engine's GPU loads and running evictions once the trace began
+    loads: int = 0
+    running_evictions: int = 0
 
 
 def make_trace(case: Case, seed: int) -> Trace:
@@ -77,26 +89,31 @@ def make_trace(case: Case, seed: int) -> Trace:
         prompt.append(rng.choice(case.prompts))
         output.append(rng.randint(1, case.max_output))
         tenant.append(rng.randrange(2) if case.priority else 0)
-    adapters = [Adapter(f"a{i}@v1", 0, case.profile.default_adapter_bytes) for i in range(case.adapters)]
+    adapters = [Adapter(f"a{i}@v1", 0, case.profile.default_adapter_bytes)
+                for i in range(case.adapters + case.registrations)]
     tenants = [Tenant("gold"), Tenant("batch")] if case.priority else [Tenant("t")]
     return Trace("emulator-vs-sim", tenants, adapters, arrival, adapter, tenant, prompt, output)
 
 
-def emulate(case: Case, trace: Trace, seed: int, start: float = 100.0) -> tuple[Observed, list[int], set[int]]:
-    """Every request of ``trace`` through the emulator's engine (adapters registered first, as vLLM registers them:
-    each load reads it and takes a GPU slot); also returns its host cache (least recently used first) and GPU
-    slots as the loads left them."""
+def emulate(case: Case, trace: Trace, seed: int, start: float = 100.0,
+            registrations: Sequence[tuple[float, int]] = ()) -> tuple[Observed, list[int], set[int]]:
+    """Every request of ``trace`` through the emulator's engine (the requested adapters registered first, as vLLM
+    registers them: each load reads it and takes a GPU slot; then each of ``registrations``, (trace time, adapter),
+    that falls while requests run); also returns its host cache (least recently used first) and GPU slots as the
+    first loads left them."""
     p = case.profile
     engine = Engine(EngineConfig(max_loras=case.max_loras, max_cpu_loras=case.max_cpu_loras,
                                  max_num_seqs=p.max_num_seqs, max_num_batched_tokens=p.max_batched_tokens,
                                  max_model_len=100_000, long_prefill_token_threshold=p.long_prefill_token_threshold,
                                  priority_policy=case.priority), p)
     loras = [lora(a.name, i + 1, a.nbytes) for i, a in enumerate(trace.adapters)]
-    for adapter in loras:
+    for adapter in loras[:case.adapters]:
         engine.load(LoadTicket(adapter), 0.0)
     engine.advance(math.inf)
     host, active = [i - 1 for i in engine.cache.host], {i - 1 for i in engine.cache.active}
     observed = Observed([], engine)
+    setup_loads = sum(engine.stats.lora_loads.values())
+    due = deque(registrations)
     schedule = engine._schedule
 
     def recording(now: float) -> _Plan:
@@ -109,9 +126,30 @@ def emulate(case: Case, trace: Trace, seed: int, start: float = 100.0) -> tuple[
         return plan
 
     engine._schedule = recording  # type: ignore[method-assign]
+    begin, held = engine._begin, []
+
+    def sidecar_gate(now: float) -> None:
+        """The sidecar holds a load while every GPU slot runs requests (``SLOTS_BUSY_WAIT_S``), as the simulator's
+        pod does, looking at each step boundary."""
+        running = {req.lora.int_id for req in engine.running if req.lora is not None}
+        if len(engine.cache.active) >= case.max_loras and running.issuperset(engine.cache.active):
+            held.extend(engine._loads)
+            engine._loads = []
+        else:
+            engine._loads[:0] = held
+            held.clear()
+        begin(now)
+
+    engine._begin = sidecar_gate  # type: ignore[method-assign]
     rng = random.Random(seed)
     requests = []
     for i in range(len(trace)):
+        while due and due[0][0] <= trace.arrival[i]:
+            at, adapter = due.popleft()
+            engine.advance(start + at)
+            if engine.running:
+                engine.load(LoadTicket(loras[adapter]), start + at)
+                observed.registered.append((at, adapter))
         prompt = [rng.randrange(4096) for _ in range(trace.input_tokens[i])]  # no prefix shared: no cache hits
         req = Request(str(i), prompt, trace.output_tokens[i], loras[trace.adapter[i]], "x",
                       priority=trace.tenant[i])
@@ -121,16 +159,37 @@ def emulate(case: Case, trace: Trace, seed: int, start: float = 100.0) -> tuple[
     engine.advance(math.inf)
     assert all(req.finish_reason == "length" for req in requests)
     observed.ttft = [req.first_token_at - req.received for req in requests]
+    observed.loads = sum(engine.stats.lora_loads.values()) - setup_loads
+    observed.running_evictions = engine.stats.running_evictions
     return observed, host, active
 
 
-def simulate(case: Case, trace: Trace, host: list[int], active: set[int], profile: Profile | None = None) -> SimResult:
-    """The trace through the simulator, its pod starting where the emulator's loads left vLLM's caches."""
+@dataclass
+class Registrations:
+    """A placement on the simulator's clock that registers each adapter at its time, (trace time, adapter), with
+    the one pod, as a vLLM pod's sidecar does (``Simulator.register``: a load between steps)."""
+
+    due: deque[tuple[float, int]]
+    period_s: float = 1.0
+
+    def apply(self, now: float, sim: Simulator) -> float | None:
+        while self.due and self.due[0][0] <= now:
+            sim.register(sim.pods[0], self.due.popleft()[1])
+        return self.due[0][0] - now if self.due else None
+
+
+def simulate(case: Case, trace: Trace, host: list[int], active: set[int], profile: Profile | None = None,
+             registrations: Sequence[tuple[float, int]] = ()) -> SimResult:
+    """The trace through the simulator, its pod starting where the emulator's loads left vLLM's caches; a vLLM pod
+    behind a sidecar (it serves the registered adapters) when ``registrations`` come."""
     profile = profile or case.profile
     sim = Simulator(trace, SimConfig(pods=1, max_loras=case.max_loras, max_cpu_loras=case.max_cpu_loras), profile,
                     RoundRobin(-1), EngineEviction(LruPolicy(), trace, profile),
+                    Registrations(deque(registrations)) if registrations else None,
                     priority=array("q", trace.tenant) if case.priority else None)
     pod = sim.pods[0]
+    if registrations:
+        pod.registered = set(range(case.adapters))
     pod.cpu = set(host)
     pod.gpu = set(active)
     for rank, adapter in enumerate(host):  # same copies, same LRU order
@@ -140,8 +199,11 @@ def simulate(case: Case, trace: Trace, host: list[int], active: set[int], profil
 
 def agree(case: Case, seed: int) -> tuple[Observed, SimResult]:
     trace = make_trace(case, seed)
-    observed, host, active = emulate(case, trace, seed)
-    result = simulate(case, trace, host, active)
+    every = trace.arrival[-1] / (case.registrations + 1)
+    observed, host, active = emulate(case, trace, seed,
+                                     registrations=[((k + 1) * every, case.adapters + k)
+                                                    for k in range(case.registrations)])
+    result = simulate(case, trace, host, active, registrations=observed.registered)
     assert observed.ttft == pytest.approx(list(result.ttft), abs=1e-9)
     assert result.preemptions == observed.engine.stats.preemptions
     return observed, result
@@ -211,3 +273,14 @@ def test_request_overhead_is_in_every_ttft_of_both_on_an_idle_pod() -> None:
     assert observed.ttft == pytest.approx(ttft, abs=1e-9)
     without = list(simulate(case, trace, host, active, PROFILE).ttft)
     assert [a - b for a, b in zip(ttft, without, strict=True)] == pytest.approx([0.025] * len(trace))
+
+
+#: three GPU slots always busy with four adapters' requests, and forty new adapters registered while they run
+REGISTER = Case(max_loras=3, max_cpu_loras=8, adapters=4, requests=400, rate=4.0, registrations=40)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_load_between_steps_evicts_by_touch_order_and_the_next_step_brings_the_batch_back(seed: int) -> None:
+    observed, result = agree(REGISTER, seed)
+    assert len(observed.registered) > 30 and observed.running_evictions > 10
+    assert result.gpu_loads == observed.loads

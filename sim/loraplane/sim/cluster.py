@@ -34,8 +34,9 @@ import math
 from array import array
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 from loraplane.api import Tier
@@ -964,11 +965,59 @@ class Simulator:
                 waiting_loads.append(a)
                 continue
             cold_loaded = cold_loaded or cold
-            load_s = self._load(pod, a, now, demand=False)
+            load_s = self._load(pod, a, now, demand=False, by_touch=pod.registered is not None)
             if load_s < 0 and a in pod.registered_load:
                 waiting_loads.append(a)  # the sidecar's load waits while every slot runs (SLOTS_BUSY_WAIT_S)
             stall += max(0.0, load_s)
         pod.prefetch_queue = waiting_loads
+        if any(a not in pod.gpu for a in pod.running_adapters):
+            stall += self._reactivate(pod, now)
+        return stall
+
+    def _batch_order(self, rids: Iterable[int]) -> dict[int, int]:
+        """The adapters of ``rids`` with the earliest admission among them: their order in a step's batch (the
+        running list's, by admission), the order vLLM's worker activates them in."""
+        stamp, adapters = self._admitted_at, self.trace.adapter
+        first: dict[int, int] = {}
+        for rid in rids:
+            a, at = adapters[rid], stamp[rid]
+            if at < first.get(a, at + 1):
+                first[a] = at
+        return first
+
+    def _touch_order(self, pod: Pod, now: float) -> list[int]:
+        """``pod``'s GPU copies in vLLM's LRU order between two steps, least recently touched first: those the last
+        step did not run (by recency), then the last step's batch in its order (its requests still running or just
+        left: vLLM's worker touched every adapter of the batch), then those loaded since."""
+        batch = self._batch_order(chain((rid for _, rid in pod.running), (entry[0] for entry in pod.prefilling),
+                                        pod.left_batch))
+        rank, loaded = pod.recency.get, pod.loaded_at.get
+
+        def key(a: int) -> tuple[int, int]:
+            if a in batch and loaded(a) != now:
+                return 1, batch[a]
+            return (2 if loaded(a) == now else 0), rank(a, 0)
+        return sorted(pod.gpu, key=key)
+
+    def _reactivate(self, pod: Pod, now: float) -> float:
+        """The step after a load pushed out a running adapter: vLLM's worker activates the batch's adapters in its
+        order, each brought back from host memory evicting the least recently touched copy -- often the batch's next
+        one, which its own turn brings back (up to ``max_loras`` loads). Returns their stall."""
+        lru = self._touch_order(pod, now)
+        batch = self._batch_order(chain((rid for _, rid in pod.running), (entry[0] for entry in pod.prefilling)))
+        stall = 0.0
+        for a in sorted(batch, key=batch.__getitem__):
+            if a in pod.gpu:
+                lru.remove(a)
+            else:
+                if len(pod.gpu) >= pod.max_loras:
+                    self._evict_gpu(pod, lru.pop(0), now)
+                from_cpu = a in pod.cpu
+                pod.cpu.add(a)
+                pod.gpu.add(a)
+                self._loaded(pod, a, now, demand=False)
+                stall += self._load_s[a][1 if from_cpu else 2]
+            lru.append(a)
         return stall
 
     def _departed(self, pod: Pod) -> None:
@@ -1117,10 +1166,12 @@ class Simulator:
         self.result.preemptions += 1
         return blocks
 
-    def _load(self, pod: Pod, a: int, now: float, demand: bool) -> float:
+    def _load(self, pod: Pod, a: int, now: float, demand: bool, by_touch: bool = False) -> float:
         """Bring ``a`` into a GPU slot of ``pod`` as vLLM's worker does: a read from disk first makes room in the
         host cache (its victim leaves its GPU slot too), then the activation takes a free slot or evicts. Returns
-        the stall in seconds, or -1 when the eviction policy refuses (nothing changes then)."""
+        the stall in seconds, or -1 when the eviction policy refuses (nothing changes then). ``by_touch``: a load
+        between steps (vLLM's ``load_lora_adapter``), whose activation evicts the least recently touched copy,
+        running or not (``_touch_order``), once some copy is not running (else the sidecar waits)."""
         if a in pod.gpu:
             return 0.0
         from_cpu = a in pod.cpu
@@ -1137,8 +1188,9 @@ class Simulator:
             v = self.eviction.victim(now, pod, Tier.GPU, candidates, a)
             if v is None:
                 return -1.0
+            if by_touch:
+                v = next(c for c in self._touch_order(pod, now) if c != cpu_victim and c not in pod.pinned)
             gpu_victim = v
-        res = self.result
         if cpu_victim >= 0:
             pod.cpu.discard(cpu_victim)
             if cpu_victim in pod.gpu:
@@ -1147,6 +1199,12 @@ class Simulator:
             self._evict_gpu(pod, gpu_victim, now)
         pod.cpu.add(a)
         pod.gpu.add(a)
+        self._loaded(pod, a, now, demand)
+        return self._load_s[a][1 if from_cpu else 2]
+
+    def _loaded(self, pod: Pod, a: int, now: float, demand: bool) -> None:
+        """Account a load of ``a`` into one of ``pod``'s GPU slots."""
+        res = self.result
         pod.touch(a)
         pod.loaded_at[a] = now
         pod.residency_version += 1
@@ -1163,7 +1221,6 @@ class Simulator:
         evicted = pod.evicted_at.get(a)
         if evicted is not None and now - evicted <= THRASH_WINDOW_S:
             res.thrash_reloads += 1
-        return self._load_s[a][1 if from_cpu else 2]
 
     def _download(self, pod: Pod, a: int) -> None:
         """Fetch ``a`` to ``pod``'s disk unless already under way; a pod fetches one artifact at a time."""
