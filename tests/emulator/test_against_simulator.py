@@ -279,8 +279,10 @@ def test_request_overhead_is_in_every_ttft_of_both_on_an_idle_pod() -> None:
 REGISTER = Case(max_loras=3, max_cpu_loras=8, adapters=4, requests=400, rate=4.0, registrations=40)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 2])
 def test_a_load_between_steps_evicts_by_touch_order_and_the_next_step_brings_the_batch_back(seed: int) -> None:
+    """Seed 2 also has a load from disk whose host-cache victim is a running adapter's copy (it leaves its GPU slot
+    too, and the next step reads it from disk again)."""
     observed, result = agree(REGISTER, seed)
     assert len(observed.registered) > 30 and observed.running_evictions > 10
-    assert result.gpu_loads == observed.loads
+    assert (result.gpu_loads, result.running_evictions) == (observed.loads, observed.running_evictions)

@@ -424,6 +424,9 @@ class SimResult:
     controller_plans: dict[str, int] = field(default_factory=dict)
     load_times: list[float] = field(default_factory=list)
     gpu_evictions: int = 0
+    #: of ``gpu_evictions``, those of a running adapter's copy (a load between steps on vLLM, and the next step's
+    #: reloads: ``Simulator._reactivate``; the emulator's ``running_lora_evictions_total``)
+    running_evictions: int = 0
     thrash_reloads: int = 0
     #: running requests preempted for KV blocks (recomputed later, as vLLM does)
     preemptions: int = 0
@@ -985,10 +988,11 @@ class Simulator:
                 first[a] = at
         return first
 
-    def _touch_order(self, pod: Pod, now: float) -> list[int]:
-        """``pod``'s GPU copies in vLLM's LRU order between two steps, least recently touched first: those the last
-        step did not run (by recency), then the last step's batch in its order (its requests still running or just
-        left: vLLM's worker touched every adapter of the batch), then those loaded since."""
+    def _touch_order(self, pod: Pod, now: float, copies: set[int]) -> list[int]:
+        """``copies`` (``pod``'s GPU slots or host cache) in vLLM's LRU order between two steps, least recently
+        touched first: those the last step did not run (by recency), then the last step's batch in its order (its
+        requests still running or just left: vLLM's worker touched every adapter of the batch in both caches), then
+        those loaded since."""
         batch = self._batch_order(chain((rid for _, rid in pod.running), (entry[0] for entry in pod.prefilling),
                                         pod.left_batch))
         rank, loaded = pod.recency.get, pod.loaded_at.get
@@ -997,27 +1001,36 @@ class Simulator:
             if a in batch and loaded(a) != now:
                 return 1, batch[a]
             return (2 if loaded(a) == now else 0), rank(a, 0)
-        return sorted(pod.gpu, key=key)
+        return sorted(copies, key=key)
 
     def _reactivate(self, pod: Pod, now: float) -> float:
         """The step after a load pushed out a running adapter: vLLM's worker activates the batch's adapters in its
-        order, each brought back from host memory evicting the least recently touched copy -- often the batch's next
+        order, each brought back (from host memory, else disk) evicting the least recently touched copy -- often the batch's next
         one, which its own turn brings back (up to ``max_loras`` loads). Returns their stall."""
-        lru = self._touch_order(pod, now)
+        gpu_lru, host_lru = self._touch_order(pod, now, pod.gpu), self._touch_order(pod, now, pod.cpu)
         batch = self._batch_order(chain((rid for _, rid in pod.running), (entry[0] for entry in pod.prefilling)))
         stall = 0.0
         for a in sorted(batch, key=batch.__getitem__):
+            from_cpu = a in pod.cpu
+            if from_cpu:
+                host_lru.remove(a)
+            elif len(pod.cpu) >= pod.max_cpu_loras:  # its host copy went too: read again, making room
+                gone = host_lru.pop(0)
+                pod.cpu.discard(gone)
+                if gone in pod.gpu:
+                    gpu_lru.remove(gone)
+                    self._evict_gpu(pod, gone, now)
+            host_lru.append(a)
             if a in pod.gpu:
-                lru.remove(a)
+                gpu_lru.remove(a)
             else:
                 if len(pod.gpu) >= pod.max_loras:
-                    self._evict_gpu(pod, lru.pop(0), now)
-                from_cpu = a in pod.cpu
+                    self._evict_gpu(pod, gpu_lru.pop(0), now)
                 pod.cpu.add(a)
                 pod.gpu.add(a)
                 self._loaded(pod, a, now, demand=False)
                 stall += self._load_s[a][1 if from_cpu else 2]
-            lru.append(a)
+            gpu_lru.append(a)
         return stall
 
     def _departed(self, pod: Pod) -> None:
@@ -1182,6 +1195,8 @@ class Simulator:
             v = self.eviction.victim(now, pod, Tier.CPU, pod.evictable(pod.cpu, a), a)
             if v is None:
                 return -1.0
+            if by_touch:
+                v = next(c for c in self._touch_order(pod, now, pod.cpu) if c not in pod.pinned)
             cpu_victim = v
         if len(pod.gpu) - (cpu_victim in pod.gpu) >= pod.max_loras:
             candidates = [c for c in pod.evictable(pod.gpu, a) if c != cpu_victim]
@@ -1189,7 +1204,7 @@ class Simulator:
             if v is None:
                 return -1.0
             if by_touch:
-                v = next(c for c in self._touch_order(pod, now) if c != cpu_victim and c not in pod.pinned)
+                v = next(c for c in self._touch_order(pod, now, pod.gpu) if c != cpu_victim and c not in pod.pinned)
             gpu_victim = v
         if cpu_victim >= 0:
             pod.cpu.discard(cpu_victim)
@@ -1257,6 +1272,7 @@ class Simulator:
         pod.evicted_at[a] = now
         pod.eviction_times.append(now)
         self.result.gpu_evictions += 1
+        self.result.running_evictions += a in pod.running_adapters
 
     # -- used by placements -----------------------------------------------------------------------------------
     def prefetch(self, pod: Pod, adapter: int) -> None:

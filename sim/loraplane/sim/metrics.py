@@ -118,6 +118,7 @@ def summarize(
             [trace.adapter[i] for i in result.admitted], config.pods * config.max_loras
         ),
         "evictions": result.gpu_evictions,
+        "running_evictions": result.running_evictions,
         "preemptions": result.preemptions,
         "thrash_ratio": round(result.thrash_reloads / result.gpu_evictions, 4) if result.gpu_evictions else 0.0,
         "hit_ratio": {
