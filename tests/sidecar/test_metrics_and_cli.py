@@ -90,3 +90,25 @@ def test_console_help() -> None:
     out = subprocess.run([sys.executable, "-m", "loraplane.sidecar", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "--runtime-url" in out and "LORAPLANE_SIDECAR_" in out
+
+
+def test_the_sidecars_scrape_reads_its_series_as_the_full_parse_does_and_skips_the_rest() -> None:
+    """``VllmApiDriver.scrape`` parses only ``SIDECAR_SERIES`` (the picker's, the plugin's marker and the process
+    start that tells a restart); each reads as prometheus_client's parser reads it, histograms are left unread."""
+    from loraplane.api import vllm_metrics
+    from loraplane.api.vllm_metrics import parse_series
+    from tests.picker.vllm_text import exposition
+
+    text = exposition(waiting=3, running=2, lora_info=[(["a"], ["a"], 50.0), (["a", "b"], ["a", "b"], 90.0)],
+                      loaded={"a": ("gpu", False), "b": ("cpu", True)}, max_gpu=4)
+    text += ("# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7654321e+09\n"
+             '# TYPE loraplane_vllm_unregistered_lora_copies gauge\nloraplane_vllm_unregistered_lora_copies{level="gpu"} 1.0\n'
+             "# TYPE vllm:time_to_first_token_seconds histogram\n"
+             'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="base-llm"} 4.0\n'
+             'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="base-llm"} 5.0\n'
+             'vllm:time_to_first_token_seconds_count{model_name="base-llm"} 5.0\n'
+             'vllm:time_to_first_token_seconds_sum{model_name="base-llm"} 0.7\n')
+    full, read = parse_metrics(text), parse_series(text, vllm_metrics.SIDECAR_SERIES)
+    assert read == {name: full[name] for name in vllm_metrics.SIDECAR_SERIES if name in full}
+    assert vllm_metrics.PROCESS_START in read and vllm_metrics.exported_by_plugin(read)
+    assert lora_requests(read) == ({"a", "b"}, {"a", "b"}) and "vllm:time_to_first_token_seconds_count" not in read

@@ -26,8 +26,9 @@ Series and label semantics (vLLM 0.32/0.33, ``vllm/v1/metrics/loggers.py``):
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 WAITING = "vllm:num_requests_waiting"
@@ -53,9 +54,14 @@ MODEL_NAME_LABEL = "model_name"
 LEVEL_GPU = "gpu"
 LEVEL_CPU = "cpu"
 
+#: the Prometheus process collector's start time (vLLM's API server exports it): a new value is a restarted server
+PROCESS_START = "process_start_time_seconds"
+
 #: every series ``read_metrics`` (the picker's scrape) reads
 PICKER_SERIES = (WAITING, RUNNING, KV_USAGE, LORA_REQUESTS_INFO, LORA_ADAPTER_LOADED, NUM_GPU_LOADED, NUM_CPU_LOADED,
                  MAX_GPU_ADAPTERS)
+#: every series the sidecar's runtime drivers read (``VllmApiDriver.scrape``)
+SIDECAR_SERIES = (*PICKER_SERIES, UNREGISTERED_COPIES, PROCESS_START)
 
 #: sample name -> [(labels, value)], in exposition order
 Samples = dict[str, list[tuple[dict[str, str], float]]]
@@ -76,7 +82,8 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*)"')
 _UNESCAPE = re.compile(r"\\(.)")
 
 
-def _line_pattern(names: Iterable[str]) -> re.Pattern[str]:
+@functools.cache
+def _line_pattern(names: tuple[str, ...]) -> re.Pattern[str]:
     """A sample line of one of ``names``, after a newline: the names' common prefix is spelt out first, so the
     regular-expression engine scans for that literal (~20 us over a 35 kB exposition, where ``^`` with ``re.M``
     tries every position)."""
@@ -90,20 +97,17 @@ def _line_pattern(names: Iterable[str]) -> re.Pattern[str]:
     return re.compile(rf"\n({re.escape(common)}(?:{alternatives}))(?:\{{([^\n]*)\}})?[ \t]+([^ \t\r\n]+)")
 
 
-_PICKER_LINES = _line_pattern(PICKER_SERIES)
-
-
 def _unescape(value: str) -> str:
     if "\\" not in value:
         return value
     return _UNESCAPE.sub(lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
 
 
-def parse_series(text: str, names: Iterable[str] = PICKER_SERIES) -> Samples:
+def parse_series(text: str, names: tuple[str, ...] = PICKER_SERIES) -> Samples:
     """Only the samples of ``names`` (exact sample names), found by one regular-expression pass over the text:
     what ``parse_metrics`` gives for them, at a fraction of the cost on a full vLLM exposition (the histograms'
     buckets are skipped unread). Comments and other series are ignored."""
-    pattern = _PICKER_LINES if names is PICKER_SERIES else _line_pattern(names)
+    pattern = _line_pattern(names)
     samples: Samples = {}
     for match in pattern.finditer("\n" + text if not text.startswith("\n") else text):
         name, labels_text, value = match.groups()
