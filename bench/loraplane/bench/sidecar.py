@@ -223,7 +223,8 @@ async def _measure(url: str, target: AdapterTarget, cache: DiskCache, repeats: i
             stages[path].setdefault(stage, []).append(seconds)
 
     async def engine_stage_sums() -> dict[str, float]:
-        samples = (await driver.scrape()).get("loraplane_engine_adapter_load_seconds_sum", [])
+        stage_sums = "loraplane_engine_adapter_load_seconds_sum"
+        samples = (await driver.scrape((stage_sums,))).get(stage_sums, [])
         return {labels.get("stage", ""): value for labels, value in samples}
 
     async def timed(path: str, stage: str, call: Any) -> None:
