@@ -487,7 +487,7 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
         "gpu_loads_by_tier": by_label(before.pods, after.pods, "loraplane_emulator_lora_loads_total", "tier"),
         # of those, the loads the sidecars' registrations made (load_lora_adapter), as the simulator counts them
         "registration_loads": increase(before.pods, after.pods, "loraplane_emulator_lora_api_loads_total"),
-        # GPU copies pushed out while their requests ran (vLLM's LRU spares none; the simulator never does it)
+        # GPU copies pushed out while their requests ran (vLLM's LRU spares none), as the simulator counts them
         "running_evictions": increase(before.pods, after.pods, "loraplane_emulator_running_lora_evictions_total"),
         "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
         "refusal_reasons": dict(Counter(f"{o.status} {o.reason}" for o in outcomes if o.status != 200).most_common(8)),

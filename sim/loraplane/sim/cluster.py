@@ -1005,8 +1005,8 @@ class Simulator:
 
     def _reactivate(self, pod: Pod, now: float) -> float:
         """The step after a load pushed out a running adapter: vLLM's worker activates the batch's adapters in its
-        order, each brought back (from host memory, else disk) evicting the least recently touched copy -- often the batch's next
-        one, which its own turn brings back (up to ``max_loras`` loads). Returns their stall."""
+        order, each brought back (from host memory, else disk) evicting the least recently touched copy -- often
+        the batch's next one, which its own turn brings back (up to ``max_loras`` loads). Returns their stall."""
         gpu_lru, host_lru = self._touch_order(pod, now, pod.gpu), self._touch_order(pod, now, pod.cpu)
         batch = self._batch_order(chain((rid for _, rid in pod.running), (entry[0] for entry in pod.prefilling)))
         stall = 0.0
@@ -1192,19 +1192,15 @@ class Simulator:
             return -1.0
         gpu_victim = cpu_victim = -1
         if not from_cpu and len(pod.cpu) >= pod.max_cpu_loras:
-            v = self.eviction.victim(now, pod, Tier.CPU, pod.evictable(pod.cpu, a), a)
+            v = self._victim(pod, now, Tier.CPU, pod.evictable(pod.cpu, a), a, by_touch)
             if v is None:
                 return -1.0
-            if by_touch:
-                v = next(c for c in self._touch_order(pod, now, pod.cpu) if c not in pod.pinned)
             cpu_victim = v
         if len(pod.gpu) - (cpu_victim in pod.gpu) >= pod.max_loras:
             candidates = [c for c in pod.evictable(pod.gpu, a) if c != cpu_victim]
-            v = self.eviction.victim(now, pod, Tier.GPU, candidates, a)
+            v = self._victim(pod, now, Tier.GPU, candidates, a, by_touch, cpu_victim)
             if v is None:
                 return -1.0
-            if by_touch:
-                v = next(c for c in self._touch_order(pod, now, pod.gpu) if c != cpu_victim and c not in pod.pinned)
             gpu_victim = v
         if cpu_victim >= 0:
             pod.cpu.discard(cpu_victim)
@@ -1216,6 +1212,18 @@ class Simulator:
         pod.gpu.add(a)
         self._loaded(pod, a, now, demand)
         return self._load_s[a][1 if from_cpu else 2]
+
+    def _victim(self, pod: Pod, now: float, tier: Tier, candidates: list[int], a: int, by_touch: bool,
+                spared: int = -1) -> int | None:
+        """The copy of ``tier`` that makes room for ``a``: the eviction policy's pick among ``candidates`` (None:
+        nothing may go); ``by_touch``, once some candidate could go (else the sidecar waits), vLLM's least recently
+        touched copy, running or not, other than ``spared``."""
+        if not by_touch:
+            return self.eviction.victim(now, pod, tier, candidates, a)
+        if not candidates:
+            return None
+        copies = pod.gpu if tier is Tier.GPU else pod.cpu
+        return next(c for c in self._touch_order(pod, now, copies) if c != spared and c not in pod.pinned)
 
     def _loaded(self, pod: Pod, a: int, now: float, demand: bool) -> None:
         """Account a load of ``a`` into one of ``pod``'s GPU slots."""
