@@ -3,6 +3,8 @@
 Prints one JSON object. Sections:
 
 - ``scoring``: decision time (route resolution + scheduling) at 10 / 100 / 1,000 endpoints, 10,000 adapters.
+- ``report_notices``: thread CPU per residency-report notice (parse, store, bring the snapshot up to date) at
+  ``--report-pods`` pods holding 40 adapters each: a full snapshot rebuild against the in-place update.
 - ``proto``: parse + serialise cost of one ext_proc exchange's messages with each proto package available.
 - ``prefix``: thread CPU per request of the prefix scorer's work (hash the parsed body, match, record) per body size,
   next to scheduling without it, in this process (``--no-prefix-scorer`` runs the Envoy part without it).
@@ -53,9 +55,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from loraplane.api import (
     AdapterResidency,
+    PodLoad,
     ResidencyReport,
     RouteEntry,
     RouteTable,
@@ -70,7 +74,9 @@ from loraplane.picker.plugins import SchedulingRequest
 from loraplane.picker.prefix import PrefixCacheScorer, PrefixRouting, without_prefix_scorer
 from loraplane.picker.routes import RouteResolver
 from loraplane.picker.scheduler import EndpointPickerConfig, Scheduler
-from loraplane.picker.snapshot import EndpointState, PoolSnapshot
+from loraplane.picker.snapshot import EndpointState, InFlightTracker, PoolSnapshot
+from loraplane.picker.state import PoolState
+from loraplane.picker.telemetry import PickerMetrics
 from loraplane.processes import ManagedProcess, envoy_binary, free_port, start_redis, wait_for_port
 
 LOOPBACK = "127.0.0.1"
@@ -124,6 +130,52 @@ def scoring(endpoint_counts: Sequence[int], adapters: int, decisions: int, seed:
                      "p50_us": round(float(np.percentile(wall, 50)) / 1e3, 1),
                      "p99_us": round(float(np.percentile(wall, 99)) / 1e3, 1),
                      "cpu_p99_us": round(float(np.percentile(cpu, 99)) / 1e3, 1)})
+    return rows
+
+
+# --- report notices -----------------------------------------------------------------------------------------------
+
+
+def _pod_report(pod: int, held: np.ndarray, heartbeat: float, rng: np.random.Generator) -> ResidencyReport:
+    """A sidecar's report: 40 adapters (4 GPU, 12 CPU, 24 disk, their order shuffled per report) and its load."""
+    order = rng.permutation(len(held))
+    tiers = [Tier.GPU] * 4 + [Tier.CPU] * 12 + [Tier.DISK] * 24
+    rows = [AdapterResidency(served_name=f"{_adapter(int(held[i]))}@v1", tier=tier, digest=DIGEST)
+            for i, tier in zip(order, tiers, strict=True)]
+    return ResidencyReport(pool=POOL, pod=f"pod-{pod}", address=f"10.{pod // 65536}.{pod // 256 % 256}.{pod % 256}:8000",
+                           heartbeat_at=heartbeat, ttl_seconds=REPORT_TTL_S, adapters=rows,
+                           load=PodLoad(queue_depth=int(rng.integers(0, 4)), running=int(rng.integers(0, 8)),
+                                        max_gpu_slots=4))
+
+
+def report_notices(pod_counts: Sequence[int], adapters: int, notices: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Thread CPU per residency-report notice in the picker's ``PoolState``: parse the report one pod published
+    (its GPU set reshuffled, its load changed), store it and bring the snapshot up to date, with a full rebuild (the
+    picker before stop 53) and in place (``PoolState.refresh``), alternated on the same notices; medians."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for count in pod_counts:
+        held = [rng.choice(adapters, 40, replace=False) for _ in range(count)]
+        raws = [_pod_report(int(pod), held[int(pod)], 1.0 + n, rng).to_json()
+                for n, pod in enumerate(rng.integers(0, count, notices))]
+        timings: dict[str, list[float]] = {"rebuild": [], "in_place": []}
+        for mode in ("rebuild", "in_place", "rebuild", "in_place"):
+            state = PoolState(POOL, InFlightTracker(), time.monotonic, metrics=PickerMetrics(CollectorRegistry()),
+                              max_ttl_s=REPORT_TTL_S)
+            state.set_routes(None)
+            for pod in range(count):
+                state.set_report(_pod_report(pod, held[pod], 0.0, rng))
+            state.rebuild()
+            apply = state.rebuild if mode == "rebuild" else state.refresh
+            for raw in raws:
+                c0 = time.thread_time_ns()
+                state.set_report(ResidencyReport.from_json(raw))
+                apply()
+                timings[mode].append((time.thread_time_ns() - c0) / 1e3)
+        rebuild, in_place = (float(np.median(timings[m])) for m in ("rebuild", "in_place"))
+        rows.append({"pods": count, "adapters_per_pod": 40, "rebuild_us": round(rebuild, 1),
+                     "in_place_us": round(in_place, 1), "speedup": round(rebuild / in_place, 1),
+                     "notices_per_s_one_core_in_place": round(1e6 / in_place)})
     return rows
 
 
@@ -722,6 +774,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scoring-only", action="store_true", help="skip the Envoy part")
     p.add_argument("--decisions", type=int, default=5000, help="scoring decisions timed per pool size")
     p.add_argument("--adapters", type=int, default=10_000, help="adapters in the scoring route table")
+    p.add_argument("--report-pods", type=int, nargs="+", default=[32, 128, 512],
+                   help="pool sizes of the report_notices section")
     p.add_argument("--endpoints", type=int, default=4, help="nginx server blocks behind Envoy (pool endpoints)")
     p.add_argument("--rates", type=int, nargs="+", default=[100, 200, 500, 1000], help="open-loop request rates (req/s)")
     p.add_argument("--body-sizes", type=int, nargs="+", default=[1024, 65536], help="request body sizes (bytes)")
@@ -756,7 +810,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.decisions, args.duration, args.closed_seconds, args.rates, args.closed_rounds = 1000, 2.0, 3, [100, 500], 1
     if os.cpu_count() == 1:
         args.picker_cpu = args.load_cpu = 0
-    out: dict[str, Any] = {"scoring": scoring((10, 100, 1000), args.adapters, args.decisions), "proto": proto_costs(),
+    out: dict[str, Any] = {"scoring": scoring((10, 100, 1000), args.adapters, args.decisions),
+                           "report_notices": report_notices(args.report_pods, args.adapters, 100 if args.quick else 400),
+                           "proto": proto_costs(),
                            "prefix": bench_request_path(args.body_sizes, 100 if args.quick else 400)}
     if not args.scoring_only:
         for tool in ("nginx", "wrk", "redis-server", "taskset"):

@@ -447,18 +447,23 @@ class PoolSnapshot:
         """
         by_pod = {r.pod: r for r in reports}
         members = endpoints if endpoints is not None else [(r.pod, r.address) for r in by_pod.values()]
-        states = []
-        for pod, address in members:
-            report = by_pod.get(pod)
-            if report is None:
-                states.append(EndpointState(name=pod, address=address, ready=True, stale=True))
-                continue
-            received_at = received.get(pod, report.heartbeat_at) if received is not None else report.heartbeat_at
-            state = endpoint_from_report(report, address, received_at)
-            if now - received_at > min(report.ttl_seconds, max_ttl_s) + stale_grace_s:
-                state = dataclasses.replace(state, stale=True, last_heard=True)
-            states.append(state)
+        states = [member_state(pod, address, by_pod.get(pod), now, received, stale_grace_s, max_ttl_s)
+                  for pod, address in members]
         return cls(states, priorities, staging)
+
+
+def member_state(pod: str, address: str, report: ResidencyReport | None, now: float,
+                 received: Mapping[str, float] | None = None, stale_grace_s: float = 0.0,
+                 max_ttl_s: float = math.inf) -> EndpointState:
+    """One member's ``EndpointState`` at ``now`` (``PoolSnapshot.from_reports``): stale and unknown without a
+    report, stale but last heard once its report is older than its TTL plus ``stale_grace_s``."""
+    if report is None:
+        return EndpointState(name=pod, address=address, ready=True, stale=True)
+    received_at = received.get(pod, report.heartbeat_at) if received is not None else report.heartbeat_at
+    state = endpoint_from_report(report, address, received_at)
+    if now - received_at > min(report.ttl_seconds, max_ttl_s) + stale_grace_s:
+        state = dataclasses.replace(state, stale=True, last_heard=True)
+    return state
 
 def _resident_rows(endpoint: EndpointState) -> Iterator[tuple[tuple[str, str], int, bool]]:
     """((served name, digest), tier level, draining) for each residency row that counts (none when stale)."""

@@ -10,7 +10,9 @@ in use and age into "stale" on schedule; the pool keeps its members.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import heapq
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -26,7 +28,7 @@ from loraplane.api.runtime import MAX_REPORT_TTL_S
 from loraplane.picker.body import ClientError
 from loraplane.picker.prefix import PreciseIndex
 from loraplane.picker.routes import Resolution, RouteResolver
-from loraplane.picker.snapshot import InFlightTracker, PoolSnapshot
+from loraplane.picker.snapshot import EndpointState, InFlightTracker, PoolSnapshot, member_state
 from loraplane.picker.telemetry import PickerMetrics, RequestStats
 from loraplane.waits import sleep_or_stop
 
@@ -94,6 +96,18 @@ class PoolState:
         self.snapshot = PoolSnapshot([])
         self.synced = False
         self.next_expiry = float("inf")
+        #: the pods whose report was stored since the snapshot was last built or updated
+        self.changed: set[str] = set()
+        #: what the snapshot was built from (routes and endpoints: a change needs a full rebuild), pod -> its index
+        self._built_from: tuple[RouteResolver, Sequence[tuple[str, str]] | None] = (self.resolver, endpoints)
+        self._index_of: dict[str, int] = {}
+        #: a heap of (time, pod, receive time, TTL) at which a report changes state; ``next_expiry`` its earliest
+        self._edges: list[tuple[float, str, float, float]] = []
+        #: silent members kept because no member is fresh: the next fresh report lets them be forgotten
+        self._holding_back = False
+        #: pod -> the state it counts in (``loraplane_picker_endpoints``), and how many endpoints each state holds
+        self._state_of: dict[str, str] = {}
+        self._state_counts: collections.Counter[str] = collections.Counter()
         tracker.attach(self.snapshot)
 
     def set_routes(self, table: RouteTable | None) -> None:
@@ -120,6 +134,7 @@ class PoolState:
             if report.ttl_seconds > self.max_ttl_s and self.metrics is not None:
                 self.metrics.reports_ttl_capped.inc()
         self.reports[report.pod] = report
+        self.changed.add(report.pod)
 
     def ttl(self, report: ResidencyReport) -> float:
         """The TTL ``report`` counts with: its own, up to ``max_ttl_s``."""
@@ -130,49 +145,125 @@ class PoolState:
         received = self.received.get(pod)
         return float("inf") if received is None else (self.clock() if now is None else now) - received
 
-    def _forget(self, now: float) -> None:
-        """Drop the reports of members silent for ``forget_s`` while another member is fresh."""
+    def _forget(self, now: float) -> bool:
+        """Drop the reports of members silent for ``forget_s`` while another member is fresh; True if any went."""
         silent = [pod for pod in self.reports if self.age(pod, now) > self.forget_s]
+        self._holding_back = False
         if not silent:
-            return
+            return False
         if not any(self.age(pod, now) <= self.ttl(r) for pod, r in self.reports.items()):
-            return  # every report stopped: Redis or the sidecars, not every pod gone; keep them all
+            self._holding_back = True
+            return False  # every report stopped: Redis or the sidecars, not every pod gone; keep them all
         for pod in silent:
             log.warning("forgetting pod %s: no report for %.0f s while others report", pod, self.age(pod, now))
             del self.reports[pod]
             self.received.pop(pod, None)
+        return True
 
     def rebuild(self) -> None:
         """Build a fresh snapshot from what is stored now."""
         now = self.clock()
         self._forget(now)
-        grace = self.stale_grace_s
         resolver = self.resolver
-        snapshot = PoolSnapshot.from_reports(self.reports.values(), now, resolver.priorities(), self.endpoints, grace,
-                                             resolver.staging_pods(), self.received, self.max_ttl_s)
+        snapshot = PoolSnapshot.from_reports(self.reports.values(), now, resolver.priorities(), self.endpoints,
+                                             self.stale_grace_s, resolver.staging_pods(), self.received,
+                                             self.max_ttl_s)
         self.tracker.attach(snapshot)
         self.snapshot = snapshot
-        # the next time a report changes state: fresh -> last heard -> stale -> forgotten
-        edges = []
-        for pod, report in self.reports.items():
-            received, ttl = self.received[pod], self.ttl(report)
-            edges += [t for t in (received + ttl, received + ttl + grace, received + self.forget_s) if t >= now]
-        self.next_expiry = min(edges, default=float("inf"))
+        self.changed.clear()
+        self._built_from = (resolver, self.endpoints)
+        self._index_of = {endpoint.name: i for i, endpoint in enumerate(snapshot.endpoints)}
+        self._edges = []
+        for pod in self.reports:
+            self._push_edges(pod, now)
+        heapq.heapify(self._edges)
+        self._next_edge()
+        self._state_of = {endpoint.name: self._endpoint_state(endpoint, now) for endpoint in snapshot.endpoints}
+        self._state_counts = collections.Counter(self._state_of.values())
         if self.metrics is not None:
             self.metrics.snapshot_rebuilds.inc()
-            counts = dict.fromkeys(("fresh", "in-grace", "stale", "not-ready"), 0)
-            for endpoint in snapshot.endpoints:
-                heard = self.reports.get(endpoint.name)
-                if endpoint.stale or heard is None:
-                    counts["stale"] += 1
-                elif not endpoint.ready:
-                    counts["not-ready"] += 1
-                elif self.age(endpoint.name, now) > self.ttl(heard):
-                    counts["in-grace"] += 1  # routed to as last heard, but not heard from: not fresh
-                else:
-                    counts["fresh"] += 1
-            for name, count in counts.items():
-                self.metrics.endpoints.labels(name).set(count)
+        self._set_gauges()
+
+    def refresh(self) -> None:
+        """Bring the snapshot up to date with the reports stored since it was built: in place, re-indexing only the
+        pods whose report changed (``PoolSnapshot.update_endpoints``), when nothing else did (the same routes,
+        endpoints and members at the same addresses, no report past a state edge, no member to forget); otherwise a
+        full ``rebuild``. Either way the snapshot equals one built from scratch; in place, a report notice costs
+        what its pod changed, not the pool's size times its residency."""
+        now = self.clock()
+        updates = self._in_place_updates(now)
+        if updates is None:
+            self.rebuild()
+            return
+        self.snapshot.update_endpoints(updates)
+        self.changed.clear()
+        for _, endpoint in updates:
+            self._push_edges(endpoint.name, now, heap=True)
+            state = self._endpoint_state(endpoint, now)
+            self._state_counts[self._state_of[endpoint.name]] -= 1
+            self._state_counts[state] += 1
+            self._state_of[endpoint.name] = state
+        self._next_edge()
+        if self.metrics is not None:
+            self.metrics.snapshot_updates.inc()
+        self._set_gauges()
+
+    def _in_place_updates(self, now: float) -> list[tuple[int, EndpointState]] | None:
+        """The (index, state) updates that bring the snapshot to ``now``, or None where only a rebuild can."""
+        built_resolver, built_endpoints = self._built_from
+        if self.resolver is not built_resolver or self.endpoints != built_endpoints:
+            return None
+        if now > self.next_expiry or (self._holding_back and self._forget(now)):
+            return None
+        addresses = self.snapshot.addresses
+        updates = []
+        for pod in self.changed:
+            index = self._index_of.get(pod)
+            report = self.reports.get(pod)
+            if index is None or report is None:
+                return None  # a new member (or one forgotten): the pool's membership changed
+            address = addresses[index] if self.endpoints is not None else report.address
+            if address != addresses[index]:
+                return None
+            updates.append((index, member_state(pod, address, report, now, self.received, self.stale_grace_s,
+                                                self.max_ttl_s)))
+        return updates
+
+    def _push_edges(self, pod: str, now: float, heap: bool = False) -> None:
+        """Queue the times ``pod``'s report changes state (fresh -> last heard -> stale -> forgotten), each with
+        what it was computed from (a later report's entries supersede it)."""
+        received, ttl = self.received[pod], self.ttl(self.reports[pod])
+        for t in (received + ttl, received + ttl + self.stale_grace_s, received + self.forget_s):
+            if t >= now:
+                entry = (t, pod, received, ttl)
+                heapq.heappush(self._edges, entry) if heap else self._edges.append(entry)
+
+    def _next_edge(self) -> None:
+        """Set ``next_expiry`` to the earliest queued state change still current (entries of replaced reports go)."""
+        edges = self._edges
+        while edges:
+            _, pod, received, ttl = edges[0]
+            report = self.reports.get(pod)
+            if report is not None and self.received.get(pod) == received and self.ttl(report) == ttl:
+                break
+            heapq.heappop(edges)
+        self.next_expiry = edges[0][0] if edges else math.inf
+
+    def _endpoint_state(self, endpoint: EndpointState, now: float) -> str:
+        """The ``loraplane_picker_endpoints`` state an endpoint counts in."""
+        heard = self.reports.get(endpoint.name)
+        if endpoint.stale or heard is None:
+            return "stale"
+        if not endpoint.ready:
+            return "not-ready"
+        if self.age(endpoint.name, now) > self.ttl(heard):
+            return "in-grace"  # routed to as last heard, but not heard from: not fresh
+        return "fresh"
+
+    def _set_gauges(self) -> None:
+        if self.metrics is not None:
+            for name in ("fresh", "in-grace", "stale", "not-ready"):
+                self.metrics.endpoints.labels(name).set(self._state_counts[name])
 
     def rebuild_if_expired(self) -> bool:
         """Rebuild when a report has changed state (past its TTL, its grace, ...) since the last build."""
@@ -235,12 +326,16 @@ class RedisSync:
             await self.block_sets.refresh(self.client, pool, valid)
         self.state.synced = True
 
-    async def _load_report(self, pod: str) -> None:
-        if not validation.is_pod_name(pod):
+    async def _load_reports(self, pods: set[str]) -> None:
+        """Read the reports of ``pods`` (those named in the notices of one drain) in one round trip."""
+        valid = sorted(p for p in pods if validation.is_pod_name(p))
+        if not valid:
             return
-        report = _parse_report(await self.client.get(keys.residency_report(self.state.pool, pod)), self.state.pool)
-        if report is not None:
-            self.state.set_report(report)
+        pool = self.state.pool
+        for raw in await self.client.mget([keys.residency_report(pool, p) for p in valid]):
+            report = _parse_report(raw, pool)
+            if report is not None:
+                self.state.set_report(report)
 
     async def _load_blocks(self, pod: str) -> None:
         if self.block_sets is not None and validation.is_pod_name(pod):
@@ -286,24 +381,28 @@ class RedisSync:
             next_resync = loop.time() + self.resync_seconds
             while not stop.is_set():
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.25)
-                dirty = False
-                while message is not None:
+                reported: set[str] = set()
+                routes_changed = False
+                while message is not None:  # drain what is queued: one read of the reports it names
                     channel = message["channel"].decode() if isinstance(message["channel"], bytes) else message["channel"]
                     data = message["data"].decode(errors="replace") if isinstance(message["data"], bytes) else str(message["data"])
                     if channel == self._blocks_channel:
                         await self._load_blocks(data)  # no snapshot rebuild: the index is read per request
                     elif channel == self._channels[0]:
-                        dirty = True
-                        await self._load_report(data)
+                        reported.add(data)
                     else:
-                        dirty = True
-                        await self._load_routes()
+                        routes_changed = True
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+                await self._load_reports(reported)
+                if routes_changed:
+                    await self._load_routes()
                 if loop.time() >= next_resync:
                     await self.load_all()
                     next_resync = loop.time() + self.resync_seconds
-                elif dirty:
+                elif routes_changed:
                     self.state.rebuild()
+                elif reported:
+                    self.state.refresh()
                 else:
                     self.state.rebuild_if_expired()
         finally:

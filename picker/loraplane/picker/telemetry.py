@@ -61,6 +61,10 @@ class PickerMetrics:
         self.snapshot_rebuilds = PromCounter(
             "loraplane_picker_snapshot_rebuilds_total", "Pool snapshot rebuilds", registry=self.registry
         )
+        self.snapshot_updates = PromCounter(
+            "loraplane_picker_snapshot_updates_total",
+            "Pool snapshot updates in place (only the pods whose report changed re-indexed)", registry=self.registry
+        )
         self.model_rewrites = PromCounter(
             "loraplane_picker_model_rewrites_total",
             "Requests sent to the server under the model name of the gateway's x-llm-d-model-name-rewrite header "
