@@ -34,11 +34,11 @@ class Clock:
         return self.now
 
 
-def _routes(generation: int = 1) -> RouteTable:
-    """Routes for every name; ``gold@v1`` has a positive priority in odd generations (the snapshot's protected
-    count reads it)."""
+def _routes(generation: int) -> RouteTable:
+    """Routes for every name; ``gold@v1`` has a positive priority in generations 2, 3, 6, 7, ... (the snapshot's
+    protected count reads it): a new generation changes the snapshot's priorities or leaves them."""
     return RouteTable(pool="pool", generation=generation, updated_at=0.0, models={
-        name.split("@")[0] + str(i): RouteEntry(priority=10 if name == "gold@v1" and generation % 2 else 0, revisions=[
+        name.split("@")[0] + str(i): RouteEntry(priority=10 if name == "gold@v1" and generation % 4 >= 2 else 0, revisions=[
             WeightedRevision(revision="v", served_name=name, digest=DIGESTS[0], weight=100)])
         for i, name in enumerate(NAMES)
     })
@@ -58,7 +58,7 @@ def reports(draw: st.DrawFn, pod: int, heartbeat: float) -> ResidencyReport:
 def _state() -> tuple[PoolState, Clock, PickerMetrics]:
     clock, metrics = Clock(), PickerMetrics(CollectorRegistry())
     state = PoolState("pool", InFlightTracker(), clock, metrics=metrics, stale_grace_s=GRACE_S, forget_s=FORGET_S)
-    state.set_routes(_routes())
+    state.set_routes(_routes(2))
     return state, clock, metrics
 
 
@@ -89,7 +89,7 @@ def test_refresh_always_equals_a_snapshot_built_from_scratch(events: list[tuple[
         state.set_report(ResidencyReport(pool="pool", pod=f"pod-{pod}", address=f"10.0.0.{pod}:8000", heartbeat_at=0.0,
                                          ttl_seconds=TTL_S))
     state.rebuild()
-    generation = 1
+    generation = 2
     for kind, pod, seconds, data in events:
         if kind == "report":  # pods 4 and 5 join the pool
             state.set_report(data.draw(reports(pod, clock.now)))

@@ -186,10 +186,10 @@ class PoolState:
 
     def refresh(self) -> None:
         """Bring the snapshot up to date with the reports stored since it was built: in place, re-indexing only the
-        pods whose report changed (``PoolSnapshot.update_endpoints``), when nothing else did (the same routes,
-        endpoints and members at the same addresses, no report past a state edge, no member to forget); otherwise a
-        full ``rebuild``. Either way the snapshot equals one built from scratch; in place, a report notice costs
-        what its pod changed, not the pool's size times its residency."""
+        pods whose report changed (``PoolSnapshot.update_endpoints``), when nothing else did (the same route
+        priorities and staging pods, endpoints and members at the same addresses, no report past a state edge, no
+        member to forget); otherwise a full ``rebuild``. Either way the snapshot equals one built from scratch; in
+        place, a report notice or a route change costs what it changed, not the pool's size times its residency."""
         now = self.clock()
         updates = self._in_place_updates(now)
         if updates is None:
@@ -211,8 +211,14 @@ class PoolState:
     def _in_place_updates(self, now: float) -> list[tuple[int, EndpointState]] | None:
         """The (index, state) updates that bring the snapshot to ``now``, or None where only a rebuild can."""
         built_resolver, built_endpoints = self._built_from
-        if self.resolver is not built_resolver or self.endpoints != built_endpoints:
+        if self.endpoints != built_endpoints:
             return None
+        if self.resolver is not built_resolver:
+            # the snapshot reads only the routes' priorities (gold protection) and staging pods
+            if (self.resolver.priorities() != built_resolver.priorities()
+                    or self.resolver.staging_pods() != built_resolver.staging_pods()):
+                return None
+            self._built_from = (self.resolver, built_endpoints)
         if now > self.next_expiry or (self._holding_back and self._forget(now)):
             return None
         addresses = self.snapshot.addresses
@@ -399,9 +405,7 @@ class RedisSync:
                 if loop.time() >= next_resync:
                     await self.load_all()
                     next_resync = loop.time() + self.resync_seconds
-                elif routes_changed:
-                    self.state.rebuild()
-                elif reported:
+                elif routes_changed or reported:
                     self.state.refresh()
                 else:
                     self.state.rebuild_if_expired()
