@@ -58,6 +58,10 @@ class Case:
     priority: bool = False
     #: adapters no request names, each registered (``load_lora_adapter``) at its own time during the trace
     registrations: int = 0
+    #: also register while the pod runs nothing (else only registrations due while requests run are made)
+    idle_registrations: bool = False
+    #: registrations come in bursts of this many, 10 ms apart
+    burst: int = 1
 
 
 @dataclass
@@ -147,7 +151,7 @@ def emulate(case: Case, trace: Trace, seed: int, start: float = 100.0,
         while due and due[0][0] <= trace.arrival[i]:
             at, adapter = due.popleft()
             engine.advance(start + at)
-            if engine.running:
+            if engine.running or case.idle_registrations:
                 engine.load(LoadTicket(loras[adapter]), start + at)
                 observed.registered.append((at, adapter))
         prompt = [rng.randrange(4096) for _ in range(trace.input_tokens[i])]  # no prefix shared: no cache hits
@@ -199,10 +203,10 @@ def simulate(case: Case, trace: Trace, host: list[int], active: set[int], profil
 
 def agree(case: Case, seed: int) -> tuple[Observed, SimResult]:
     trace = make_trace(case, seed)
-    every = trace.arrival[-1] / (case.registrations + 1)
+    every = trace.arrival[-1] / (case.registrations // case.burst + 1)
     observed, host, active = emulate(case, trace, seed,
-                                     registrations=[((k + 1) * every, case.adapters + k)
-                                                    for k in range(case.registrations)])
+                                     registrations=[((k // case.burst + 1) * every + k % case.burst * 0.01,
+                                                     case.adapters + k) for k in range(case.registrations)])
     result = simulate(case, trace, host, active, registrations=observed.registered)
     assert observed.ttft == pytest.approx(list(result.ttft), abs=1e-9)
     assert result.preemptions == observed.engine.stats.preemptions
@@ -285,4 +289,19 @@ def test_a_load_between_steps_evicts_by_touch_order_and_the_next_step_brings_the
     too, and the next step reads it from disk again)."""
     observed, result = agree(REGISTER, seed)
     assert len(observed.registered) > 30 and observed.running_evictions > 10
+    assert (result.gpu_loads, result.running_evictions) == (observed.loads, observed.running_evictions)
+
+
+
+IDLE_REGISTER = Case(max_loras=2, max_cpu_loras=8, adapters=4, requests=400, rate=1.0, registrations=60,
+                     idle_registrations=True, burst=2)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_load_on_an_idle_pod_holds_its_next_step_and_is_the_most_recently_touched(seed: int) -> None:
+    """Registrations in pairs, on an idle pod too: vLLM's engine makes a load before its next step (a request that
+    arrives meanwhile waits for it), and the registered copy is the most recently touched (the next registration
+    evicts the last step's batch first)."""
+    observed, result = agree(IDLE_REGISTER, seed)
+    assert len(observed.registered) == IDLE_REGISTER.registrations
     assert (result.gpu_loads, result.running_evictions) == (observed.loads, observed.running_evictions)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from loraplane.api import Tier
-from loraplane.sim.cluster import _RETRY, VLLM, SimConfig, Simulator
+from loraplane.sim.cluster import _LOADED, VLLM, SimConfig, Simulator
 from loraplane.sim.policies import LORAPLANE, ControllerPlacement, build_policy
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.trace import scenario
@@ -51,20 +51,24 @@ def test_a_registration_is_a_load_into_a_gpu_slot_and_an_unregistered_copy_stays
     pod.registered = set()
     on_disk = next(a for a in range(len(sim.trace.adapters)) if a in pod.disk)
     sim.arrived = 1  # past the set-up: the load counts
-    sim.register(pod, on_disk)  # the idle pod loads it at once
+    sim.register(pod, on_disk)  # the idle pod loads it at once, its engine busy until the load is done
     assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 1
-    assert sim.result.registration_loads == 1
+    assert sim.result.registration_loads == 1 and pod.busy
+    sim.loads_done(pod, pod.event_time)
+    assert not pod.busy
     sim.unregister(pod, on_disk)
     # vLLM's unload forgets the name only: the copy keeps its GPU slot and its host copy
     assert on_disk not in pod.registered and on_disk in pod.gpu and on_disk in pod.cpu
     # registered again, vLLM reads a second copy from disk: a load, not the old copy
     sim.register(pod, on_disk)
     assert on_disk in pod.registered and on_disk in pod.gpu and sim.result.gpu_loads == 2
+    sim.loads_done(pod, pod.event_time)
     # the old copies are least recently used: the loads of others push them out
     sim.unregister(pod, on_disk)
     others = [a for a in range(len(sim.trace.adapters)) if a in pod.disk and a != on_disk][:pod.max_loras]
     for other in others:
         sim.register(pod, other)
+        sim.loads_done(pod, pod.event_time)
     assert on_disk not in pod.gpu and on_disk in pod.cpu
     # an adapter not on disk yet is fetched first and registered when it lands
     pod.disk.discard(on_disk)
@@ -131,9 +135,10 @@ def test_disk_tier_registrations_load_one_a_step_after_the_requests_waiting_in_t
     assert sim._placement_loads(pod, 5.0) == load_s and idle_cold in pod.gpu and next_cold not in pod.gpu
     assert sim._placement_loads(pod, 5.1) == load_s and next_cold in pod.gpu
     assert sim.result.registration_loads == 4
-    # a pod with nothing to run makes the next one at its next retry, not at its next request
+    # a pod with nothing to run makes the next one when its engine has made this one, not at its next request
     last, after = sorted(pod.disk)[4:6]
     placement._register(sim, pod, {warm: Tier.GPU, last: Tier.DISK, after: Tier.DISK})
     pod.busy, sim._heap[:] = False, []
     sim._begin(pod, 6.0)
-    assert last in pod.gpu and after not in pod.gpu and [e[2:4] for e in sim._heap] == [(_RETRY, pod.index)]
+    assert last in pod.gpu and after not in pod.gpu and [e[2:4] for e in sim._heap] == [(_LOADED, pod.index)]
+    assert pod.busy and pod.event_time == 6.0 + load_s

@@ -56,7 +56,7 @@ THRASH_WINDOW_S = 60.0
 #: idle pods with blocked waiting requests re-check this often (e.g. a minimum residency time ran out)
 RETRY_S = 0.05
 
-_STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE, _GATE_RETRY, _UNREGISTER = 0, 1, 2, 3, 4, 5, 6
+_STEP, _DOWNLOAD, _RETRY, _TICK, _DEADLINE, _GATE_RETRY, _UNREGISTER, _LOADED = 0, 1, 2, 3, 4, 5, 6, 7
 #: while the admission gate holds requests it is also asked to dispatch this often (besides on every finish), so
 #: held requests go out when something other than a finish makes room (a fetch done, an idle pod, fresher reports)
 GATE_RETRY_S = 0.05
@@ -582,6 +582,9 @@ class Simulator:
                 elif kind == _RETRY:
                     if not pod.busy and arg == pod.version:
                         self._begin(pod, when)
+                elif kind == _LOADED:
+                    if arg == pod.version:
+                        self.loads_done(pod, when)
                 elif kind == _UNREGISTER:
                     if arg in pod.draining:
                         self.unregister(pod, arg)
@@ -753,11 +756,28 @@ class Simulator:
             gate.capacity_freed(now, self)
             self._arm_gate()
 
+    def loads_done(self, pod: Pod, now: float) -> None:
+        """``pod``'s engine made the loads it started with nothing to run (``_begin``): its next step."""
+        pod.busy = False
+        pod.event_time = math.inf
+        self._begin(pod, now)
+
     def _begin(self, pod: Pod, now: float) -> None:
         """Schedule a step (vLLM's ``Scheduler.schedule``), then the end of the run of identical steps that follows:
         until the next finish, or the last step before one whose new KV blocks are not all free."""
         stall, prefill_tokens, first_tokens, single, batch, distinct = self._admit(pod, now)
         running = pod.running
+        if not batch and stall > 0 and self.arrived:
+            # loads with nothing to run: vLLM's engine makes them before its next step (the set-up's are made before
+            # the trace starts, as the twin onboards its revisions before its replay)
+            pod.busy = True
+            pod.run_t0, pod.run_first_end = now, now + stall
+            pod.run_step_s = 0.0
+            pod.run_distinct = 0
+            pod.version += 1
+            pod.event_time = now + stall
+            self._push(now + stall, _LOADED, pod.index, pod.version)
+            return
         if not batch:
             pod.busy = False
             if ((pod.waiting and any(a not in pod.downloading for a in pod.waiting_adapters)) or running
@@ -992,15 +1012,16 @@ class Simulator:
         """``copies`` (``pod``'s GPU slots or host cache) in vLLM's LRU order between two steps, least recently
         touched first: those the last step did not run (by recency), then the last step's batch in its order (its
         requests still running or just left: vLLM's worker touched every adapter of the batch in both caches), then
-        those loaded since."""
+        those loaded since that step began (by recency)."""
         batch = self._batch_order(chain((rid for _, rid in pod.running), (entry[0] for entry in pod.prefilling),
                                         pod.left_batch))
-        rank, loaded = pod.recency.get, pod.loaded_at.get
+        rank, loaded, last_step = pod.recency.get, pod.loaded_at.get, pod.departed_at
 
         def key(a: int) -> tuple[int, int]:
-            if a in batch and loaded(a) != now:
+            since = loaded(a, -math.inf) > last_step or loaded(a) == now
+            if a in batch and not since:
                 return 1, batch[a]
-            return (2 if loaded(a) == now else 0), rank(a, 0)
+            return (2 if since else 0), rank(a, 0)
         return sorted(copies, key=key)
 
     def _reactivate(self, pod: Pod, now: float) -> float:
