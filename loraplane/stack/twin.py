@@ -40,6 +40,7 @@ from loraplane.sim.cluster import SERVED, SimResult
 from loraplane.sim.control import revision_manifest
 from loraplane.sim.metrics import (
     DEFAULT_SLO_TTFT_MS,
+    every_request_p50_ms,
     hot_ttft_p99_ms,
     percentiles_ms,
     served_ttft,
@@ -477,6 +478,7 @@ def twin_summary(result: SimResult, outcomes: Sequence[Outcome], before: Scrapes
         "requests": len(result.trace),
         **slo_figures(result, slo_ttft_ms),
         "ttft_ms": percentiles_ms(served_ttft(result)),
+        "ttft_p50_every_request_ms": every_request_p50_ms(result),
         "ttft_mean_ms": mean_ms(served_ttft(result)),
         # the TTFT the emulated pods charged (from a request's arrival to its first token on the engine's clock): a
         # late event loop on a starved machine delays the chunk, not this

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from loraplane.sim.cluster import SERVED, SimConfig
+from loraplane.sim.metrics import every_request_p50_ms
 from loraplane.sim.profile import LARGE_GPU
 from loraplane.sim.runner import simulate
 from loraplane.sim.trace import scenario
@@ -49,6 +50,21 @@ def test_outcomes_become_the_simulators_result() -> None:
     assert list(result.pod) == [1, -1, -1, -1]
 
 
+def test_the_median_over_every_request_counts_a_refusal_as_never_answered() -> None:
+    trace = scenario("gie-multilora", 5, 0, 1000)
+
+    def median(*statuses: int) -> float | None:
+        outcomes = [Outcome(status=s, ttft_s=0.1 * (i + 1), e2e_s=1.0) if s == 200 else Outcome(status=s, reason="x")
+                    for i, s in enumerate(statuses)]
+        return every_request_p50_ms(outcomes_as_result("p", trace, outcomes, lambda _u: 0))
+
+    assert median(200, 200, 200, 200, 200) == 300.0
+    # refusing the two slowest leaves the served median at 200 ms; over every request it stays 300 ms
+    assert median(200, 200, 200, 429, 429) == 300.0
+    assert median(429, 200, 200, 200, 200) == 400.0
+    assert median(200, 200, 429, 429, 429) is None
+
+
 def test_histogram_quantiles_count_only_what_happened_between_the_scrapes() -> None:
     before = metric_samples(HISTOGRAM.format(a=5, b=5, c=5))
     after = metric_samples(HISTOGRAM.format(a=6, b=104, c=105))  # 100 observations: 1, 98, 1
@@ -64,7 +80,8 @@ def test_errors_and_the_winner() -> None:
     twin = {"slo_attainment": 0.99, "ttft_ms": {"p50": 100.0, "p99": 1000.0}, "cold_starts": 100,
             "p99_served_ttft_ms": 1000.0}
     assert errors(sim, twin) == {"slo_attainment_abs": 0.01, "ttft_p50_rel": 0.1, "ttft_p99_rel": 0.1,
-                                 "gpu_loads_rel": 0.1, "ttft_p50_rel_at_pod": None, "ttft_p99_rel_at_pod": None,
+                                 "gpu_loads_rel": 0.1, "ttft_p50_every_request_rel": None,
+                                 "ttft_p50_rel_at_pod": None, "ttft_p99_rel_at_pod": None,
                                  "ttft_mean_rel_emulator": None}
     # the TTFT at the pod (Envoy's send to the first chunk), the path around it measured apart
     at_pod = {**twin, "gateway_path": {"ttft_at_pod_ms": {"p50": 88.0, "p99": 1125.0}}}
