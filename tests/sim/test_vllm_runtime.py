@@ -142,3 +142,28 @@ def test_disk_tier_registrations_load_one_a_step_after_the_requests_waiting_in_t
     sim._begin(pod, 6.0)
     assert last in pod.gpu and after not in pod.gpu and [e[2:4] for e in sim._heap] == [(_LOADED, pod.index)]
     assert pod.busy and pod.event_time == 6.0 + load_s
+
+
+def test_the_controller_plans_on_each_pods_last_report_not_its_state_now() -> None:
+    """A sidecar writes its report once a heartbeat (``REPORT_S``): a tier that moved since stays unseen by the
+    controller's passes until the pod's next heartbeat (the simulator's controller, reading every change live, planned
+    four times as often as the real one on zipf-many)."""
+    from loraplane.sim.policies import REPORT_S
+
+    sim = simulator()
+    placement = sim.placement
+    assert isinstance(placement, ControllerPlacement)
+    pod = sim.pods[0]
+    pod.registered = set(sorted(pod.disk)[:2])
+    placement._pods = sim.pods
+    phase = placement._phase[0]
+    placement._now = phase + 0.1  # just after pod-0's heartbeat
+    before = placement._rows(0)
+    adapter = min(pod.registered)
+    pod.gpu.add(adapter)
+    pod.residency_version += 1
+    placement._now = phase + 0.9
+    assert placement._rows(0) == before
+    placement._now = phase + REPORT_S + 0.1
+    after = placement._rows(0)
+    assert after != before and any(row[0] == placement._names[adapter] and row[1] is Tier.GPU for row in after)

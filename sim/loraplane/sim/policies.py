@@ -347,7 +347,11 @@ class ControllerPlacement:
         self._counted = 0
         self._pods: list[Pod] = []
         #: pod index -> ((its residency version, its applied target state), its report rows then)
-        self._row_cache: dict[int, tuple[tuple[int, TargetState | None], tuple[Row, ...]]] = {}
+        self._row_cache: dict[int, tuple[tuple[int, TargetState | None], tuple[Row, ...], int]] = {}
+        #: each pod's sidecar reports once a heartbeat (``REPORT_S``), at its own phase: the controller reads the rows
+        #: of the pod's last report, not its state now
+        self._phase = [self._rng.random() * REPORT_S for _ in range(config.pods)]
+        self._now = 0.0
         self._previous: PoolPlan | None = None
 
     def staging(self) -> frozenset[str]:
@@ -361,7 +365,8 @@ class ControllerPlacement:
         pod, names = self._pods[index], self._names
         key = (pod.residency_version, self._applied[index])
         cached = self._row_cache.get(index)
-        if cached is not None and cached[0] == key:
+        heartbeat = math.floor((self._now - self._phase[index]) / REPORT_S)
+        if cached is not None and (cached[0] == key or cached[2] == heartbeat):
             return cached[1]
         registered = pod.registered
         held = (pod.gpu | pod.cpu | pod.disk) if registered is None else registered
@@ -370,7 +375,7 @@ class ControllerPlacement:
         rows.extend((names[a], Tier.DISK if a in pod.disk else Tier.ABSENT, False, False)
                     for a in pod.planned - held)
         rows.sort()
-        self._row_cache[index] = (key, tuple(rows))
+        self._row_cache[index] = (key, tuple(rows), heartbeat)
         return self._row_cache[index][1]
 
     def apply(self, now: float, sim: Simulator) -> float:
@@ -381,6 +386,7 @@ class ControllerPlacement:
             self.controller.record(float(arrival[rid]), names[adapter[rid]])
         self._counted = sim.arrived
         self._pods = sim.pods
+        self._now = now
         self._previous = self.controller.plan(now, self._rows)
         sim.result.controller_plans = dict(self.controller.plans)
         for pod in sim.pods:
