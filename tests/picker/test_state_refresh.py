@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from loraplane.api import (
     AdapterResidency,
@@ -76,8 +76,8 @@ def _gauge(metrics: PickerMetrics) -> dict[str, float]:
     return {s.labels["state"]: s.value for m in metrics.endpoints.collect() for s in m.samples}
 
 
-def _count(counter: object) -> float:
-    return counter._value.get()  # type: ignore[attr-defined]
+def _count(counter: Counter) -> float:
+    return next(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
 
 
 @settings(max_examples=80, deadline=None)

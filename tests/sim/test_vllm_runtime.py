@@ -167,3 +167,10 @@ def test_the_controller_plans_on_each_pods_last_report_not_its_state_now() -> No
     placement._now = phase + REPORT_S + 0.1
     after = placement._rows(0)
     assert after != before and any(row[0] == placement._names[adapter] and row[1] is Tier.GPU for row in after)
+    # a pass that found no change vouches for the next heartbeat's report; a change after it waits for the one after
+    placement._now = phase + 2 * REPORT_S + 0.1
+    assert placement._rows(0) == after
+    pod.gpu.discard(adapter)
+    pod.residency_version += 1
+    placement._now = phase + 2 * REPORT_S + 0.5
+    assert placement._rows(0) == after

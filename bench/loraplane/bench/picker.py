@@ -93,6 +93,10 @@ def _adapter(i: int) -> str:
     return f"adapter-{i}"
 
 
+def _address(pod: int) -> str:
+    return f"10.{pod // 65536}.{pod // 256 % 256}.{pod % 256}:8000"
+
+
 def scoring(endpoint_counts: Sequence[int], adapters: int, decisions: int, seed: int = 0) -> list[dict[str, Any]]:
     """p50/p99 of resolve + schedule over a pool where each endpoint holds 40 adapters (4 GPU, 12 CPU, 24 disk), for
     adapters some endpoint holds (a request for one no endpoint holds waits in flow control: no endpoint can serve
@@ -111,7 +115,7 @@ def scoring(endpoint_counts: Sequence[int], adapters: int, decisions: int, seed:
             held = rng.choice(adapters, 40, replace=False)
             tiers = [Tier.GPU] * 4 + [Tier.CPU] * 12 + [Tier.DISK] * 24
             endpoints.append(EndpointState(
-                name=f"pod-{e}", address=f"10.{e // 65536}.{e // 256 % 256}.{e % 256}:8000",
+                name=f"pod-{e}", address=_address(e),
                 queue_depth=int(rng.integers(0, 4)), running=int(rng.integers(0, 8)),
                 active_tokens=int(rng.integers(0, 4000)), kv_utilization=float(rng.random() * 0.7),
                 residency={f"{_adapter(int(a))}@v1": (t, DIGEST) for a, t in zip(held, tiers, strict=True)},
@@ -142,7 +146,7 @@ def _pod_report(pod: int, held: np.ndarray, heartbeat: float, rng: np.random.Gen
     tiers = [Tier.GPU] * 4 + [Tier.CPU] * 12 + [Tier.DISK] * 24
     rows = [AdapterResidency(served_name=f"{_adapter(int(held[i]))}@v1", tier=tier, digest=DIGEST)
             for i, tier in zip(order, tiers, strict=True)]
-    return ResidencyReport(pool=POOL, pod=f"pod-{pod}", address=f"10.{pod // 65536}.{pod // 256 % 256}.{pod % 256}:8000",
+    return ResidencyReport(pool=POOL, pod=f"pod-{pod}", address=_address(pod),
                            heartbeat_at=heartbeat, ttl_seconds=REPORT_TTL_S, adapters=rows,
                            load=PodLoad(queue_depth=int(rng.integers(0, 4)), running=int(rng.integers(0, 8)),
                                         max_gpu_slots=4))

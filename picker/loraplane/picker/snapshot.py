@@ -465,6 +465,7 @@ def member_state(pod: str, address: str, report: ResidencyReport | None, now: fl
         state = dataclasses.replace(state, stale=True, last_heard=True)
     return state
 
+
 def _resident_rows(endpoint: EndpointState) -> Iterator[tuple[tuple[str, str], int, bool]]:
     """((served name, digest), tier level, draining) for each residency row that counts (none when stale)."""
     if endpoint.stale:

@@ -209,7 +209,9 @@ class PoolState:
         self._set_gauges()
 
     def _in_place_updates(self, now: float) -> list[tuple[int, EndpointState]] | None:
-        """The (index, state) updates that bring the snapshot to ``now``, or None where only a rebuild can."""
+        """The (index, state) updates that bring the snapshot to ``now``, or None where only a rebuild can. Takes
+        routes whose priorities and staging pods are the snapshot's as its own, and forgets silent members where a
+        fresh report now allows it (``_forget``)."""
         built_resolver, built_endpoints = self._built_from
         if self.endpoints != built_endpoints:
             return None

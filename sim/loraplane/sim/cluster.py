@@ -771,9 +771,7 @@ class Simulator:
             # loads with nothing to run: vLLM's engine makes them before its next step (the set-up's are made before
             # the trace starts, as the twin onboards its revisions before its replay)
             pod.busy = True
-            pod.run_t0, pod.run_first_end = now, now + stall
-            pod.run_step_s = 0.0
-            pod.run_distinct = 0
+            pod.run_first_end, pod.run_step_s = now + stall, 0.0  # what ``_wake`` reads of a busy pod
             pod.version += 1
             pod.event_time = now + stall
             self._push(now + stall, _LOADED, pod.index, pod.version)

@@ -346,7 +346,8 @@ class ControllerPlacement:
             config.max_cpu_loras, config.disk_bytes, self._vllm, config.placement)
         self._counted = 0
         self._pods: list[Pod] = []
-        #: pod index -> ((its residency version, its applied target state), its report rows then)
+        #: pod index -> ((its residency version, its applied target state), its report rows then, the heartbeat whose
+        #: report those rows are)
         self._row_cache: dict[int, tuple[tuple[int, TargetState | None], tuple[Row, ...], int]] = {}
         #: each pod's sidecar reports once a heartbeat (``REPORT_S``), at its own phase: the controller reads the rows
         #: of the pod's last report, not its state now
@@ -366,7 +367,10 @@ class ControllerPlacement:
         key = (pod.residency_version, self._applied[index])
         cached = self._row_cache.get(index)
         heartbeat = math.floor((self._now - self._phase[index]) / REPORT_S)
-        if cached is not None and (cached[0] == key or cached[2] == heartbeat):
+        if cached is not None and cached[0] == key:  # unchanged up to now: what this heartbeat's report says too
+            self._row_cache[index] = (key, cached[1], heartbeat)
+            return cached[1]
+        if cached is not None and cached[2] == heartbeat:  # changed since this heartbeat's report was written
             return cached[1]
         registered = pod.registered
         held = (pod.gpu | pod.cpu | pod.disk) if registered is None else registered
